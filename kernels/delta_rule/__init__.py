@@ -1,0 +1,56 @@
+"""The gated delta rule family (DeltaNet, Gated DeltaNet, KDA, Gated DeltaNet-2) behind one op.
+
+Backends, with one signature and one layout:
+    reference   token by token, fp32: the oracle (reference.py)
+    chunked     chunkwise WY / UT-transform form in PyTorch, any device (chunked.py)
+"auto" picks chunked for now; our Triton kernels and an fla-core adapter will be added to
+_BACKENDS and chosen by "auto" once they pass their self-check.
+"""
+from .chunked import gated_delta_rule_chunked
+from .reference import gated_delta_rule_reference
+
+__all__ = ["gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_reference"]
+
+_BACKENDS = {"reference": gated_delta_rule_reference, "chunked": gated_delta_rule_chunked}
+
+
+def gated_delta_rule(
+    q, k, v, *, beta=None, g=None, erase=None, write=None, scale=None,
+    initial_state=None, output_final_state=False, cu_seqlens=None, backend: str = "auto",
+):
+    """The gated delta rule with read-after-write, per head with a state S of shape [K, V]:
+
+        S_t = (I - k_t (b_t * k_t)^T) Diag(exp g_t) S_{t-1} + k_t (w_t * v_t)^T
+        o_t = scale * S_t^T q_t
+
+    Args (everything after v is keyword-only, so that beta and g cannot be swapped):
+        q, k: ``[B, T, Hk, K]``.
+        v: ``[B, T, Hv, V]``, Hv a multiple of Hk; q/k head i serves v heads
+            ``i * Hv/Hk ... (i + 1) * Hv/Hk - 1`` (grouped heads, as in GDN).
+        beta: ``[B, T, Hv]``, the erase and write strength where erase / write are not given.
+        g: log-decay (``<= 0``): None (no decay), ``[B, T, Hv]`` (one per head) or
+            ``[B, T, Hv, K]`` (per key channel).
+        erase: ``[B, T, Hv, K]``, the erase gate b_t (replaces beta in the erase term).
+        write: ``[B, T, Hv, V]``, the write gate w_t (replaces beta in the write term).
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[N, Hv, K, V]``; N = B, or the number of sequences with cu_seqlens.
+        output_final_state: return the state after the last token of each sequence.
+        cu_seqlens: integer ``[N + 1]`` boundaries of sequences packed along T (needs B == 1);
+            the state restarts at each boundary, from ``initial_state[n]`` for sequence n.
+        backend: "auto", "reference" or "chunked".
+
+    The special cases: DeltaNet (g None, beta), Gated DeltaNet (g ``[B, T, Hv]``, beta), KDA
+    (g ``[B, T, Hv, K]``, beta) and GDN-2 (g ``[B, T, Hv, K]``, erase, write).
+
+    Returns:
+        o ``[B, T, Hv, V]`` in v's dtype, and the final state ``[N, Hv, K, V]`` in fp32 (fp64 for
+        fp64 inputs), or None when output_final_state is False.
+    """
+    name = "chunked" if backend == "auto" else backend
+    if name not in _BACKENDS:
+        known = ", ".join(repr(known_name) for known_name in ["auto", *_BACKENDS])
+        raise ValueError(f"gated_delta_rule: unknown backend {backend!r}; known backends: {known}")
+    return _BACKENDS[name](
+        q, k, v, beta=beta, g=g, erase=erase, write=write, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+    )

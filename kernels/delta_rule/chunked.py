@@ -1,0 +1,129 @@
+"""The gated delta rule in chunkwise form: matmuls inside chunks, a short recurrence across them.
+
+The WY / UT-transform form of the delta rule follows Yang, Wang, Zhang, Shen and Kim,
+"Parallelizing Linear Transformers with the Delta Rule over Sequence Length" (NeurIPS 2024);
+the scalar decay follows Yang, Kautz and Hatamizadeh, "Gated Delta Networks: Improving Mamba2
+with Delta Rule" (ICLR 2025); the per-channel decay follows Kimi Team, "Kimi Linear: An
+Expressive, Efficient Hybrid Linear Attention Architecture" (2025, Kimi Delta Attention). This
+is our own derivation for the general case with erase and write gates, in plain PyTorch, so that
+autograd gives the backward pass.
+
+Derivation, per head, for one chunk of C tokens entered with state S_0 (tokens are rows). Write
+a_t = b_t * k_t (the erase key), x_t = w_t * v_t (the written value) and G_t = g_1 + ... + g_t
+(the cumulative log-decay inside the chunk, per key channel, or one per head broadcast over them).
+The recurrence S_t = (I - k_t a_t^T) Diag(exp g_t) S_{t-1} + k_t x_t^T is
+
+    S_t = Diag(exp g_t) S_{t-1} + k_t u_t^T,    u_t = x_t - (Diag(exp g_t) S_{t-1})^T a_t,
+
+and unrolling Diag(exp g_t) S_{t-1} = Diag(exp G_t) S_0 + sum_{s<t} Diag(exp(G_t - G_s)) k_s u_s^T
+inside the chunk gives a lower-triangular system for the rows u_t:
+
+    (I + A) U = X - (exp(G) * a) S_0,     A_ts = sum_c a_tc k_sc exp(G_tc - G_sc)  for s < t, else 0.
+
+With Y = (I + A)^-1 X and W = (I + A)^-1 (exp(G) * a), both independent of the state, U = Y - W S_0.
+Then, with P_ts = sum_c q_tc k_sc exp(G_tc - G_sc) for s <= t,
+
+    O   = scale * ((exp(G) * q) S_0 + P U)
+    S_C = Diag(exp G_C) S_0 + (exp(G_C - G) * k)^T U.
+
+Everything but the last three lines runs for all chunks at once. Numerics: the only exponents
+are G_t - G_s with t >= s, G_t and G_C - G_s, all <= 0 when g <= 0, so nothing overflows however
+strong the decay; the pairwise decays are formed only under the causal mask (the masked entries
+would be exp of a large positive number). Everything inside is fp32 (fp64 for fp64 inputs).
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .reference import check_inputs, expand_inputs, sequence_spans
+
+__all__ = ["gated_delta_rule_chunked"]
+
+
+def _decayed_scores(rows: torch.Tensor, cols: torch.Tensor, relative_decay: torch.Tensor) -> torch.Tensor:
+    """``scores[t, s] = sum_c rows[t, c] * cols[s, c] * relative_decay[t, s, c]``.
+
+    rows, cols ``[..., C, D]``; relative_decay ``[..., C, C, D]`` or ``[..., C, C, 1]`` (one decay
+    per head, which factors out of the sum and leaves a plain matmul). Returns ``[..., C, C]``.
+    """
+    if relative_decay.shape[-1] == 1:
+        return (rows @ cols.transpose(-1, -2)) * relative_decay.squeeze(-1)
+    return torch.einsum("...tsc,...sc->...ts", rows.unsqueeze(-2) * relative_decay, cols)
+
+
+def _to_chunks(tensor: torch.Tensor, spans, num_chunks: int, chunk_size: int) -> torch.Tensor:
+    """``[B, T, H, D]`` -> ``[N, H, num_chunks, chunk_size, D]``, one row per sequence in spans,
+    zero-padded at the end. Zero padding is exact here: a token with q = k = a = x = 0 and g = 0
+    writes nothing, erases nothing and decays nothing."""
+    padded_len = num_chunks * chunk_size
+    rows = [F.pad(tensor[row, start:end], (0, 0, 0, 0, 0, padded_len - (end - start))) for row, start, end in spans]
+    sequences = torch.stack(rows)  # [N, padded_len, H, D]
+    return sequences.unflatten(1, (num_chunks, chunk_size)).permute(0, 3, 1, 2, 4)
+
+
+def gated_delta_rule_chunked(
+    q, k, v, *, beta=None, g=None, erase=None, write=None, scale=None,
+    initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size: int = 64,
+):
+    """The gated delta rule by chunks of ``chunk_size`` tokens (any T; the last chunk is padded).
+
+    Same arguments, shapes and results as ``gated_delta_rule_reference``: q, k ``[B, T, Hk, K]``;
+    v ``[B, T, Hv, V]``; beta ``[B, T, Hv]``; g ``[B, T, Hv]`` or ``[B, T, Hv, K]``; erase
+    ``[B, T, Hv, K]``; write ``[B, T, Hv, V]``; initial_state ``[N, Hv, K, V]``. Returns o
+    ``[B, T, Hv, V]`` in v's dtype and the final state ``[N, Hv, K, V]`` (or None).
+
+    Varlen (``cu_seqlens``) sequences are laid out as rows of a zero-padded batch and run
+    together. Memory: with per-channel g, the pairwise decays take ``T * chunk_size * K`` values
+    per head; a smaller chunk_size (16 or 32) keeps long per-channel runs small on CPU.
+    """
+    check_inputs(q, k, v, beta=beta, g=g, erase=erase, write=write, initial_state=initial_state,
+                 cu_seqlens=cu_seqlens)
+    if chunk_size < 1:
+        raise ValueError(f"gated_delta_rule: chunk_size = {chunk_size}, expected a positive integer")
+    batch, seq_len, _, key_dim = q.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    scale = key_dim**-0.5 if scale is None else scale
+    x = expand_inputs(q, k, v, beta=beta, g=g, erase=erase, write=write)
+
+    spans = sequence_spans(cu_seqlens, batch, seq_len)
+    num_chunks = max(1, math.ceil(max(end - start for _, start, end in spans) / chunk_size))
+    # Each [N, Hv, num_chunks, C, D]
+    queries, keys, erase_keys, written, log_decay = (
+        _to_chunks(tensor, spans, num_chunks, chunk_size)
+        for tensor in (x.q, x.k, x.erase_gate * x.k, x.write_gate * x.v, x.log_decay)
+    )
+
+    cumulative_decay = log_decay.cumsum(dim=-2)  # G: [N, Hv, num_chunks, C, K or 1]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=v.device).tril()
+    pairwise_log_decay = cumulative_decay.unsqueeze(-2) - cumulative_decay.unsqueeze(-3)  # G_t - G_s at [t, s]
+    # Mask before exp: above the diagonal G_t - G_s >= 0 and can be large enough to overflow.
+    relative_decay = pairwise_log_decay.masked_fill(~causal.unsqueeze(-1), -math.inf).exp()
+
+    erase_scores = torch.tril(_decayed_scores(erase_keys, keys, relative_decay), diagonal=-1)  # A
+    output_scores = _decayed_scores(queries, keys, relative_decay)  # P (the mask keeps s <= t)
+    identity = torch.eye(chunk_size, dtype=erase_scores.dtype, device=v.device)
+    unit_lower = identity + erase_scores
+    solved_writes = torch.linalg.solve_triangular(unit_lower, written, upper=False, unitriangular=True)  # Y
+    solved_erase_keys = torch.linalg.solve_triangular(  # W
+        unit_lower, cumulative_decay.exp() * erase_keys, upper=False, unitriangular=True
+    )
+    decayed_queries = cumulative_decay.exp() * queries
+    keys_decayed_to_end = (cumulative_decay[..., -1:, :] - cumulative_decay).exp() * keys
+    chunk_decay = cumulative_decay[..., -1, :].exp().unsqueeze(-1)  # [N, Hv, num_chunks, K or 1, 1]
+
+    if initial_state is None:
+        state = torch.zeros(len(spans), value_heads, key_dim, value_dim, dtype=x.v.dtype, device=v.device)
+    else:
+        state = initial_state.to(x.v.dtype)
+    chunk_outputs = []
+    for chunk in range(num_chunks):
+        corrections = solved_writes[:, :, chunk] - solved_erase_keys[:, :, chunk] @ state  # U: [N, Hv, C, V]
+        chunk_outputs.append(decayed_queries[:, :, chunk] @ state + output_scores[:, :, chunk] @ corrections)
+        state = chunk_decay[:, :, chunk] * state + keys_decayed_to_end[:, :, chunk].transpose(-1, -2) @ corrections
+    o = scale * torch.stack(chunk_outputs, dim=2)  # [N, Hv, num_chunks, C, V]
+
+    o = o.permute(0, 2, 3, 1, 4).flatten(1, 2)  # [N, num_chunks * C, Hv, V]
+    o = torch.cat([o[index, : end - start] for index, (_, start, end) in enumerate(spans)])
+    o = o.reshape(batch, seq_len, value_heads, value_dim)
+    return o.to(v.dtype), (state if output_final_state else None)

@@ -1,0 +1,166 @@
+"""The gated delta rule, token by token: the oracle every other backend is tested against.
+
+One recurrence covers DeltaNet, Gated DeltaNet, KDA and Gated DeltaNet-2. Per head, with a state
+``S`` of shape ``[K, V]``:
+
+    S_t = (I - k_t (b_t * k_t)^T) Diag(exp g_t) S_{t-1} + k_t (w_t * v_t)^T
+    o_t = scale * S_t^T q_t
+
+``g_t`` is a log-decay (``<= 0``), ``b_t`` the erase gate over key channels and ``w_t`` the write
+gate over value channels. The special cases:
+
+    DeltaNet        g = 0,                      b = w = beta (a scalar per head and token)
+    Gated DeltaNet  g a scalar per head,        b = w = beta
+    KDA             g per key channel,          b = w = beta
+    GDN-2           g per key channel,          b = erase [K],  w = write [V]
+
+This file also holds ``check_inputs``, the one place where the argument contract (shapes, the
+varlen rules, which of beta/erase/write are needed) is enforced for every backend.
+"""
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["gated_delta_rule_reference", "check_inputs", "expand_inputs", "sequence_spans"]
+
+
+def _fail(name: str, tensor: torch.Tensor, expected: str) -> None:
+    raise ValueError(f"gated_delta_rule: {name} has shape {tuple(tensor.shape)}, expected {expected}")
+
+
+def check_inputs(q, k, v, *, beta, g, erase, write, initial_state, cu_seqlens) -> None:
+    """Raise ValueError, naming the argument, its shape and what was expected, if the arguments
+    do not fit together. See ``gated_delta_rule`` for the contract."""
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if tensor.dim() != 4:
+            _fail(name, tensor, "a 4-D tensor [B, T, H, D]")
+        if not tensor.is_floating_point():
+            raise ValueError(f"gated_delta_rule: {name} has dtype {tensor.dtype}, expected a floating-point dtype")
+    batch, seq_len, key_heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    if k.shape != q.shape:
+        _fail("k", k, f"the shape of q {list(q.shape)} = [B, T, Hk, K]")
+    if v.shape[:2] != q.shape[:2]:
+        _fail("v", v, f"[B, T, Hv, V] with B, T = {batch}, {seq_len} as in q")
+    if value_heads % key_heads != 0:
+        _fail("v", v, f"[B, T, Hv, V] with Hv a multiple of the {key_heads} q/k heads")
+
+    per_head = [batch, seq_len, value_heads]
+    if erase is None or write is None:
+        if beta is None:
+            raise ValueError(
+                "gated_delta_rule: beta is required unless both erase and write are given "
+                f"(expected beta of shape [B, T, Hv] = {per_head})"
+            )
+        if list(beta.shape) != per_head:
+            _fail("beta", beta, f"[B, T, Hv] = {per_head}")
+    elif beta is not None:
+        raise ValueError(
+            "gated_delta_rule: beta would be ignored because both erase and write are given; pass beta=None"
+        )
+    if g is not None and list(g.shape) not in (per_head, per_head + [key_dim]):
+        _fail("g", g, f"[B, T, Hv] = {per_head} (one log-decay per head) or [B, T, Hv, K] = {per_head + [key_dim]}")
+    if erase is not None and list(erase.shape) != per_head + [key_dim]:
+        _fail("erase", erase, f"[B, T, Hv, K] = {per_head + [key_dim]}")
+    if write is not None and list(write.shape) != per_head + [value_dim]:
+        _fail("write", write, f"[B, T, Hv, V] = {per_head + [value_dim]}")
+
+    num_states = batch
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+            _fail("cu_seqlens", cu_seqlens, "a 1-D integer tensor [N + 1] of sequence boundaries")
+        if batch != 1:
+            _fail("q", q, "B == 1 when cu_seqlens is given (sequences packed along T)")
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0 or bounds[-1] != seq_len or any(a > b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(
+                f"gated_delta_rule: cu_seqlens = {bounds} must start at 0, never decrease and end at T = {seq_len}"
+            )
+        num_states = len(bounds) - 1
+    if initial_state is not None:
+        expected_state = [num_states, value_heads, key_dim, value_dim]
+        if list(initial_state.shape) != expected_state:
+            what = "number of sequences" if cu_seqlens is not None else "batch size"
+            _fail("initial_state", initial_state, f"[N, Hv, K, V] = {expected_state} (N = {what})")
+
+
+class ExpandedInputs(NamedTuple):
+    """The inputs in the compute dtype, every tensor with Hv heads: ``[B, T, Hv, *]``.
+
+    A gate or decay that is one scalar per head keeps a trailing axis of size 1, so that it
+    broadcasts over the channels without being materialised per channel."""
+
+    q: torch.Tensor  # [B, T, Hv, K]
+    k: torch.Tensor  # [B, T, Hv, K]
+    v: torch.Tensor  # [B, T, Hv, V]
+    erase_gate: torch.Tensor  # [B, T, Hv, K or 1]: erase, else beta
+    write_gate: torch.Tensor  # [B, T, Hv, V or 1]: write, else beta
+    log_decay: torch.Tensor  # [B, T, Hv, K or 1]: g, else zeros
+
+
+def expand_inputs(q, k, v, *, beta, g, erase, write) -> ExpandedInputs:
+    """Upcast to fp32 (fp64 if an input is fp64, so that tests can compare backends to ~1e-12),
+    give each v head its q/k head, and turn beta into the erase and write gates it stands for."""
+    dtype = torch.float32
+    for tensor in (q, k, v):
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    heads_per_key = v.shape[2] // q.shape[2]
+    if g is None:
+        log_decay = torch.zeros(*v.shape[:3], 1, dtype=dtype, device=v.device)
+    else:
+        log_decay = (g.unsqueeze(-1) if g.dim() == 3 else g).to(dtype)
+    return ExpandedInputs(
+        q=q.to(dtype).repeat_interleave(heads_per_key, dim=2),
+        k=k.to(dtype).repeat_interleave(heads_per_key, dim=2),
+        v=v.to(dtype),
+        erase_gate=(beta.unsqueeze(-1) if erase is None else erase).to(dtype),
+        write_gate=(beta.unsqueeze(-1) if write is None else write).to(dtype),
+        log_decay=log_decay,
+    )
+
+
+def sequence_spans(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int) -> list[tuple[int, int, int]]:
+    """The independent sequences as ``(batch_row, start, end)``; their order is the order of
+    ``initial_state`` and ``final_state`` rows."""
+    if cu_seqlens is None:
+        return [(row, 0, seq_len) for row in range(batch)]
+    bounds = cu_seqlens.tolist()
+    return [(0, start, end) for start, end in zip(bounds, bounds[1:])]
+
+
+def gated_delta_rule_reference(
+    q, k, v, *, beta=None, g=None, erase=None, write=None, scale=None,
+    initial_state=None, output_final_state=False, cu_seqlens=None,
+):
+    """The recurrence above, one token at a time, in fp32 (fp64 if the inputs are fp64).
+
+    Shapes: q, k ``[B, T, Hk, K]``; v ``[B, T, Hv, V]``, each q/k head serving ``Hv // Hk``
+    consecutive v heads; beta ``[B, T, Hv]``; g ``[B, T, Hv]`` or ``[B, T, Hv, K]``; erase
+    ``[B, T, Hv, K]``; write ``[B, T, Hv, V]``; initial_state ``[N, Hv, K, V]``.
+    Returns o ``[B, T, Hv, V]`` in v's dtype and the final state ``[N, Hv, K, V]`` (or None).
+    """
+    check_inputs(q, k, v, beta=beta, g=g, erase=erase, write=write, initial_state=initial_state,
+                 cu_seqlens=cu_seqlens)
+    batch, seq_len, _, key_dim = q.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    scale = key_dim**-0.5 if scale is None else scale
+    x = expand_inputs(q, k, v, beta=beta, g=g, erase=erase, write=write)
+    decay = torch.exp(x.log_decay)  # [B, T, Hv, K or 1]
+
+    o = torch.zeros(batch, seq_len, value_heads, value_dim, dtype=x.v.dtype, device=v.device)
+    final_states = []
+    for index, (row, start, end) in enumerate(sequence_spans(cu_seqlens, batch, seq_len)):
+        if initial_state is None:
+            state = torch.zeros(value_heads, key_dim, value_dim, dtype=x.v.dtype, device=v.device)
+        else:
+            state = initial_state[index].to(x.v.dtype)  # [Hv, K, V]
+        for t in range(start, end):
+            k_t = x.k[row, t]  # [Hv, K]
+            state = decay[row, t].unsqueeze(-1) * state  # Diag(exp g_t) S_{t-1}: scales the key rows
+            erased = torch.einsum("hk,hkv->hv", x.erase_gate[row, t] * k_t, state)  # (b_t * k_t)^T S
+            written = x.write_gate[row, t] * x.v[row, t]  # w_t * v_t
+            state = state + torch.einsum("hk,hv->hkv", k_t, written - erased)
+            o[row, t] = scale * torch.einsum("hk,hkv->hv", x.q[row, t], state)
+        final_states.append(state)
+    final_state = torch.stack(final_states) if output_final_state else None
+    return o.to(v.dtype), final_state

@@ -1,0 +1,174 @@
+"""One dataclass for everything megatron-ext adds to a Megatron model.
+
+It is filled in one of three ways and validated once:
+
+- in Python: ``ExtConfig(pattern="GG*", ...)``;
+- from a YAML preset (``ExtConfig.from_dict(yaml.safe_load(...)["ext"])``);
+- from Megatron's argparse: pass :func:`add_megatron_args` as ``extra_args_provider`` to
+  ``pretrain(...)``, then :func:`ExtConfig.from_megatron_args` reads the ``--ext-*`` flags back.
+
+For an unmodified ``pretrain_gpt.py --spec megatron_ext.specs ...`` (whose argparse we cannot
+extend), the same fields come from the YAML file named by the environment variable
+``MEGATRON_EXT_CONFIG``; see :func:`resolve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+ENV_CONFIG = "MEGATRON_EXT_CONFIG"
+
+# Fields that take one of a fixed set of values.
+CHOICES = {
+    "attention_backend": ("auto", "sdpa", "local", "te"),
+    "kernel_backend": ("auto", "reference", "chunked"),
+}
+
+
+class ConfigError(ValueError):
+    """A megatron-ext setting is invalid; the message names the field, the value and the fix."""
+
+
+@dataclass
+class ExtConfig:
+    """Settings of the megatron-ext layers.
+
+    ``pattern`` gives one token mixer per layer, either as a string of symbols (``"GGG*GGG*"``)
+    or as a list of names (``["gated_deltanet"] * 3 + ["attention"]``); see
+    :mod:`megatron_ext.registry` for the table. A pattern of length one is repeated over all
+    layers.
+    """
+
+    pattern: str | list[str] = "*"
+
+    # Softmax attention core. "auto": Transformer Engine when installed, else torch SDPA.
+    # "local" is Megatron's unfused DotProductAttention (kept for comparison).
+    attention_backend: str = "auto"
+
+    # Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025). Head counts default to the attention's:
+    # key heads = num_query_groups, value heads = num_attention_heads; head dims to kv_channels.
+    gdn_num_key_heads: int | None = None
+    gdn_num_value_heads: int | None = None
+    gdn_key_head_dim: int | None = None
+    gdn_value_head_dim: int | None = None
+    gdn_conv_kernel: int = 4
+    gdn_chunk_size: int = 64
+
+    # Which implementation the linear-recurrence ops use (see megatron_ext.kernels).
+    kernel_backend: str = "auto"
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ExtConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown megatron-ext setting(s) {unknown}; known settings: {sorted(known)}"
+            )
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "ExtConfig":
+        import yaml
+
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        # A preset file keeps our settings under "ext"; a bare file is all ours.
+        return cls.from_dict(data.get("ext", data) if isinstance(data, dict) else {})
+
+    @classmethod
+    def from_megatron_args(cls, args: argparse.Namespace) -> "ExtConfig":
+        """Read the ``--ext-*`` flags that :func:`add_megatron_args` registered."""
+        values = {}
+        for f in _cli_fields():
+            value = getattr(args, _arg_dest(f.name))
+            if value is not None:
+                values[f.name] = value
+        if "pattern" in values and "," in values["pattern"]:
+            values["pattern"] = [p.strip() for p in values["pattern"].split(",")]
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, num_layers: int | None = None) -> "ExtConfig":
+        """Check every field; with ``num_layers``, also the pattern length. Returns self."""
+        from megatron_ext.pattern import expand_pattern
+
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {list(choices)}")
+        for name in ("gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim",
+                     "gdn_value_head_dim"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name}={value} must be a positive integer (or unset)")
+        if self.gdn_conv_kernel < 1:
+            raise ConfigError(f"gdn_conv_kernel={self.gdn_conv_kernel} must be >= 1")
+        if self.gdn_chunk_size < 1:
+            raise ConfigError(f"gdn_chunk_size={self.gdn_chunk_size} must be >= 1")
+        if num_layers is not None:
+            expand_pattern(self.pattern, num_layers)
+        return self
+
+
+def resolve(explicit: ExtConfig | None = None) -> ExtConfig:
+    """The ExtConfig in force for a spec entry point.
+
+    Order: an explicit config; else Megatron's parsed args when our flags were registered
+    (``megatron-ext pretrain`` or a script that passed :func:`add_megatron_args`); else the YAML
+    file in ``$MEGATRON_EXT_CONFIG``. With none of these, an error says how to give one.
+    """
+    if explicit is not None:
+        return explicit
+    args = _megatron_args()
+    if args is not None and hasattr(args, _arg_dest("pattern")):
+        return ExtConfig.from_megatron_args(args)
+    path = os.environ.get(ENV_CONFIG)
+    if path:
+        if not os.path.exists(path):
+            raise ConfigError(f"{ENV_CONFIG}={path!r} does not exist; point it at a YAML file")
+        return ExtConfig.from_yaml(path)
+    raise ConfigError(
+        "no megatron-ext settings found: pass --ext-pattern (register the flags with "
+        "extra_args_provider=megatron_ext.config.add_megatron_args, or use `megatron-ext "
+        f"pretrain`), or set {ENV_CONFIG}=path/to/config.yaml"
+    )
+
+
+def _megatron_args() -> argparse.Namespace | None:
+    try:
+        from megatron.training import global_vars
+    except ImportError:
+        return None
+    return getattr(global_vars, "_GLOBAL_ARGS", None)
+
+
+# ---------------------------------------------------------------------- argparse bridge
+def _cli_fields():
+    return fields(ExtConfig)
+
+
+def _arg_dest(name: str) -> str:
+    return f"ext_{name}"
+
+
+def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``extra_args_provider`` for Megatron's ``pretrain``: one ``--ext-<field>`` per field."""
+    group = parser.add_argument_group("megatron-ext")
+    defaults = ExtConfig()
+    for f in _cli_fields():
+        flag = "--ext-" + f.name.replace("_", "-")
+        arg_type = int if "int" in str(f.type) else str
+        help_text = f"megatron-ext {f.name} (default: {getattr(defaults, f.name)!r})"
+        if f.name == "pattern":
+            help_text += "; symbols like 'GG*' or comma-separated names"
+        group.add_argument(flag, dest=_arg_dest(f.name), type=arg_type, default=None,
+                           choices=CHOICES.get(f.name), help=help_text)
+    return parser

@@ -1,0 +1,53 @@
+"""The table of token mixers: one row per mixer, looked up by pattern symbol or by name.
+
+Symbols keep Megatron's hybrid-pattern meaning where one exists (``*`` softmax attention, ``G``
+Gated DeltaNet, ``M`` Mamba, ``D`` DSA); symbols of our own must not collide with those.
+A row names its spec builder as ``"module:function"`` so that this table stays free of imports;
+the builder takes ``(ext_config, transformer_config)`` and returns the ModuleSpec that fills the
+``self_attention`` slot of a TransformerLayer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Mixer:
+    symbol: str
+    name: str
+    builder: str  # "module:function" -> f(ext_config, transformer_config) -> ModuleSpec
+    description: str
+
+    def build_spec(self, ext_config, transformer_config):
+        module, function = self.builder.split(":")
+        fn: Callable = getattr(importlib.import_module(module), function)
+        return fn(ext_config, transformer_config)
+
+
+MIXERS: tuple[Mixer, ...] = (
+    Mixer("*", "attention", "megatron_ext.specs:attention_self_spec",
+          "softmax self-attention (torch SDPA, TE or Megatron's local core)"),
+    Mixer("G", "gated_deltanet", "megatron_ext.mixers.gated_deltanet:gated_deltanet_spec",
+          "Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025)"),
+)
+
+_BY_SYMBOL = {m.symbol: m for m in MIXERS}
+_BY_NAME = {m.name: m for m in MIXERS}
+
+
+def known_mixers() -> str:
+    """A one-line listing for error messages: ``'*' attention, 'G' gated_deltanet``."""
+    return ", ".join(f"{m.symbol!r} {m.name}" for m in MIXERS)
+
+
+def lookup(key: str) -> Mixer:
+    """The mixer for a symbol or a name; an unknown key raises with the known ones listed."""
+    mixer = _BY_SYMBOL.get(key) or _BY_NAME.get(key)
+    if mixer is None:
+        from megatron_ext.config import ConfigError
+
+        raise ConfigError(f"unknown token mixer {key!r} in pattern; known: {known_mixers()}")
+    return mixer

@@ -1,0 +1,160 @@
+"""Layer specs for hybrid models: what ``--spec megatron_ext.specs NAME`` and user code call.
+
+Three ways in, one construction underneath (:func:`layer_submodules`):
+
+- ``hybrid_block`` (callable, megatron-core >= 0.19 ``pretrain_gpt.py``): Megatron calls
+  ``hybrid_block(model_config, vp_stage=...)`` per model chunk; it returns this stage's
+  per-layer specs.
+- ``hybrid_layer`` (a ModuleSpec object, for builders that take the named object as is): one
+  layer class for every layer, which picks its mixer from the pattern by its global layer
+  number, so the same object serves every pipeline stage and VPP chunk.
+- :func:`block_spec` for a user's own script:
+  ``GPTModel(config, transformer_layer_spec=block_spec(config, pattern="GG*"), ...)``.
+
+Every layer is Megatron's TransformerLayer: norm, token mixer in the ``self_attention`` slot,
+bias-dropout-add, norm, FFN (dense MLP, or MoE when ``num_moe_experts`` is set).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+
+from megatron_ext.config import ConfigError, ExtConfig, resolve
+from megatron_ext.norm import TorchNorm
+from megatron_ext.pattern import check_pipeline_split, expand_pattern, stage_layer_indices
+from megatron_ext.registry import Mixer
+
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+if HAVE_TE:
+    from megatron.core.extensions.transformer_engine import TENorm
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_submodules,
+    )
+
+
+def uses_te(ext: ExtConfig) -> bool:
+    """Whether layers are built from Transformer Engine modules."""
+    if ext.attention_backend == "te" and not HAVE_TE:
+        raise ConfigError(
+            "attention_backend='te' but Transformer Engine is not installed; install "
+            "megatron-ext[te] or use attention_backend='sdpa'"
+        )
+    return ext.attention_backend == "te" or (ext.attention_backend == "auto" and HAVE_TE)
+
+
+def _base_submodules(ext: ExtConfig, config) -> TransformerLayerSubmodules:
+    """Megatron's own GPT layer (norms, attention, FFN) for the chosen backend."""
+    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+               qk_layernorm=config.qk_layernorm)
+    if uses_te(ext):
+        return get_gpt_layer_with_transformer_engine_submodules(**moe)
+    subs = get_gpt_layer_local_submodules(normalization=config.normalization, **moe)
+    # Megatron's torch norm refuses sequence parallelism; ours marks its weights for the SP
+    # gradient all-reduce instead. Apex's fused norm (when installed) is kept as it is.
+    if subs.input_layernorm is WrappedTorchNorm:
+        subs.input_layernorm = subs.pre_mlp_layernorm = TorchNorm
+    attention = subs.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name) is WrappedTorchNorm:
+            setattr(attention, name, TorchNorm)
+    if ext.attention_backend != "local":
+        from megatron_ext.mixers.attention import SDPACoreAttention
+
+        attention.core_attention = SDPACoreAttention
+    return subs
+
+
+def attention_self_spec(ext: ExtConfig, config) -> ModuleSpec:
+    """The ``self_attention`` spec of a softmax-attention layer (registry builder of ``*``)."""
+    return _base_submodules(ext, config).self_attention
+
+
+def layer_submodules(mixer: Mixer, ext: ExtConfig, config) -> TransformerLayerSubmodules:
+    """The submodules of one layer whose token mixer is ``mixer``."""
+    subs = _base_submodules(ext, config)
+    subs.self_attention = mixer.build_spec(ext, config)
+    if subs.input_layernorm is IdentityOp and mixer.name != "attention":
+        # TE fuses the input norm into the attention's QKV linear; other mixers need it back.
+        subs.input_layernorm = TENorm
+        subs.sharded_state_dict_keys_map = {}
+    return subs
+
+
+def layer_spec(mixer: Mixer, ext: ExtConfig, config) -> ModuleSpec:
+    return ModuleSpec(module=TransformerLayer, submodules=layer_submodules(mixer, ext, config))
+
+
+def final_norm(ext: ExtConfig):
+    return TENorm if uses_te(ext) else TorchNorm
+
+
+def _prepare(config, ext: ExtConfig) -> list[Mixer]:
+    """Validate once and set what Megatron needs for this pattern; returns all layers' mixers."""
+    ext.validate(config.num_layers)
+    check_pipeline_split(config)
+    mixers = expand_pattern(ext.pattern, config.num_layers)
+    if len({m.name for m in mixers}) > 1:
+        # Layers with different parameter sets cannot share stacked checkpoint tensors.
+        config.hetereogenous_dist_checkpoint = True
+    return mixers
+
+
+def block_spec(config, pattern: str | list[str] | None = None, ext: ExtConfig | None = None,
+               vp_stage: int | None = None, pp_rank: int | None = None
+               ) -> TransformerBlockSubmodules:
+    """Per-layer specs of the layers this pipeline stage (and VPP chunk) builds.
+
+    ``config`` is the model's TransformerConfig (or a GPTModelConfig wrapping one). ``pattern``
+    overrides ``ext.pattern``; without ``ext`` the settings come from :func:`config.resolve`.
+    """
+    ext = copy.copy(ext if ext is not None else (ExtConfig() if pattern else resolve()))
+    if pattern is not None:
+        ext.pattern = pattern
+    mixers = _prepare(config, ext)
+    local = stage_layer_indices(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec(mixers[i], ext, config) for i in local],
+        layer_norm=final_norm(ext),
+    )
+
+
+def hybrid_block(model_config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """``--spec megatron_ext.specs hybrid_block`` (megatron-core >= 0.19 ``pretrain_gpt.py``)."""
+    return block_spec(model_config, vp_stage=vp_stage)
+
+
+class PatternTransformerLayer(TransformerLayer):
+    """A TransformerLayer that picks its token mixer from the pattern by its global number.
+
+    Used through the ``hybrid_layer`` spec object, which Megatron fans out to every layer of
+    every stage; the global layer number then tells each layer which mixer it is.
+    """
+
+    def __init__(self, config, submodules=None, layer_number: int = 1, vp_stage=None,
+                 pg_collection=None, add_layer_offset: bool = True, ext: ExtConfig | None = None,
+                 **kwargs):
+        ext = resolve(ext)
+        mixers = _prepare(config, ext)
+        global_number = layer_number
+        if add_layer_offset and not kwargs.get("is_mtp_layer", False):
+            pp_rank = pg_collection.pp.rank() if pg_collection is not None else None
+            global_number += get_transformer_layer_offset(config, vp_stage, pp_rank)
+        super().__init__(
+            config, layer_submodules(mixers[global_number - 1], ext, config),
+            layer_number=layer_number, vp_stage=vp_stage, pg_collection=pg_collection,
+            add_layer_offset=add_layer_offset, **kwargs)
+
+
+hybrid_layer = ModuleSpec(module=PatternTransformerLayer)
