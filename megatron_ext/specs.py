@@ -85,10 +85,13 @@ def layer_submodules(mixer: Mixer, ext: ExtConfig, config) -> TransformerLayerSu
     """The submodules of one layer whose token mixer is ``mixer``."""
     subs = _base_submodules(ext, config)
     subs.self_attention = mixer.build_spec(ext, config)
-    if subs.input_layernorm is IdentityOp and mixer.name != "attention":
-        # TE fuses the input norm into the attention's QKV linear; other mixers need it back.
-        subs.input_layernorm = TENorm
-        subs.sharded_state_dict_keys_map = {}
+    if mixer.name != "attention":
+        # The local spec files the input norm under the attention's fused QKV name (for TE
+        # checkpoint compatibility); other mixers keep it as their own input_layernorm.
+        subs.sharded_state_dict_keys_map.pop("input_layernorm.", None)
+        if subs.input_layernorm is IdentityOp:
+            # TE fuses the input norm into the attention's QKV linear; other mixers need it back.
+            subs.input_layernorm = TENorm
     return subs
 
 

@@ -28,6 +28,7 @@ _CUDA_LITERAL_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.utils",
+    "megatron.core.transformer.utils",
 )
 
 
@@ -129,6 +130,7 @@ def spawn(fn, world_size: int, *args):
     ``fn`` must be importable (a module-level function). A failure on any rank raises here with
     that rank's traceback.
     """
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # children inherit it: keep logs readable
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()

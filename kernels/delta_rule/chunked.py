@@ -57,7 +57,8 @@ def _to_chunks(tensor: torch.Tensor, spans, num_chunks: int, chunk_size: int) ->
     zero-padded at the end. Zero padding is exact here: a token with q = k = a = x = 0 and g = 0
     writes nothing, erases nothing and decays nothing."""
     padded_len = num_chunks * chunk_size
-    rows = [F.pad(tensor[row, start:end], (0, 0, 0, 0, 0, padded_len - (end - start))) for row, start, end in spans]
+    rows = [F.pad(tensor[row, start:end], (0, 0, 0, 0, 0, padded_len - (end - start)))
+            for row, start, end in spans]
     sequences = torch.stack(rows)  # [N, padded_len, H, D]
     return sequences.unflatten(1, (num_chunks, chunk_size)).permute(0, 3, 1, 2, 4)
 
@@ -96,7 +97,8 @@ def gated_delta_rule_chunked(
 
     cumulative_decay = log_decay.cumsum(dim=-2)  # G: [N, Hv, num_chunks, C, K or 1]
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=v.device).tril()
-    pairwise_log_decay = cumulative_decay.unsqueeze(-2) - cumulative_decay.unsqueeze(-3)  # G_t - G_s at [t, s]
+    # G_t - G_s at [t, s]: [N, Hv, num_chunks, C, C, K or 1]
+    pairwise_log_decay = cumulative_decay.unsqueeze(-2) - cumulative_decay.unsqueeze(-3)
     # Mask before exp: above the diagonal G_t - G_s >= 0 and can be large enough to overflow.
     relative_decay = pairwise_log_decay.masked_fill(~causal.unsqueeze(-1), -math.inf).exp()
 
@@ -105,10 +107,11 @@ def gated_delta_rule_chunked(
     identity = torch.eye(chunk_size, dtype=erase_scores.dtype, device=v.device)
     unit_lower = identity + erase_scores
     solved_writes = torch.linalg.solve_triangular(unit_lower, written, upper=False, unitriangular=True)  # Y
+    decay_from_start = cumulative_decay.exp()  # exp(G_t): from the chunk's entry state to token t
     solved_erase_keys = torch.linalg.solve_triangular(  # W
-        unit_lower, cumulative_decay.exp() * erase_keys, upper=False, unitriangular=True
+        unit_lower, decay_from_start * erase_keys, upper=False, unitriangular=True
     )
-    decayed_queries = cumulative_decay.exp() * queries
+    decayed_queries = decay_from_start * queries
     keys_decayed_to_end = (cumulative_decay[..., -1:, :] - cumulative_decay).exp() * keys
     chunk_decay = cumulative_decay[..., -1, :].exp().unsqueeze(-1)  # [N, Hv, num_chunks, K or 1, 1]
 
@@ -116,11 +119,16 @@ def gated_delta_rule_chunked(
         state = torch.zeros(len(spans), value_heads, key_dim, value_dim, dtype=x.v.dtype, device=v.device)
     else:
         state = initial_state.to(x.v.dtype)
+    # Unbind once rather than index per chunk: the backward of each index would be a full-size
+    # zero tensor, which makes the backward quadratic in the number of chunks.
+    per_chunk = zip(*(tensor.unbind(dim=2) for tensor in (
+        solved_writes, solved_erase_keys, decayed_queries, output_scores, keys_decayed_to_end, chunk_decay,
+    )))
     chunk_outputs = []
-    for chunk in range(num_chunks):
-        corrections = solved_writes[:, :, chunk] - solved_erase_keys[:, :, chunk] @ state  # U: [N, Hv, C, V]
-        chunk_outputs.append(decayed_queries[:, :, chunk] @ state + output_scores[:, :, chunk] @ corrections)
-        state = chunk_decay[:, :, chunk] * state + keys_decayed_to_end[:, :, chunk].transpose(-1, -2) @ corrections
+    for writes, erase_keys_solved, queries_decayed, scores, keys_to_end, decay in per_chunk:
+        corrections = writes - erase_keys_solved @ state  # U: [N, Hv, C, V]
+        chunk_outputs.append(queries_decayed @ state + scores @ corrections)
+        state = decay * state + keys_to_end.transpose(-1, -2) @ corrections
     o = scale * torch.stack(chunk_outputs, dim=2)  # [N, Hv, num_chunks, C, V]
 
     o = o.permute(0, 2, 3, 1, 4).flatten(1, 2)  # [N, num_chunks * C, Hv, V]

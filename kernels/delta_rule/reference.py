@@ -35,7 +35,9 @@ def check_inputs(q, k, v, *, beta, g, erase, write, initial_state, cu_seqlens) -
         if tensor.dim() != 4:
             _fail(name, tensor, "a 4-D tensor [B, T, H, D]")
         if not tensor.is_floating_point():
-            raise ValueError(f"gated_delta_rule: {name} has dtype {tensor.dtype}, expected a floating-point dtype")
+            raise ValueError(
+                f"gated_delta_rule: {name} has dtype {tensor.dtype}, expected a floating-point dtype"
+            )
     batch, seq_len, key_heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     if k.shape != q.shape:
@@ -59,7 +61,8 @@ def check_inputs(q, k, v, *, beta, g, erase, write, initial_state, cu_seqlens) -
             "gated_delta_rule: beta would be ignored because both erase and write are given; pass beta=None"
         )
     if g is not None and list(g.shape) not in (per_head, per_head + [key_dim]):
-        _fail("g", g, f"[B, T, Hv] = {per_head} (one log-decay per head) or [B, T, Hv, K] = {per_head + [key_dim]}")
+        _fail("g", g, f"[B, T, Hv] = {per_head} (one log-decay per head) "
+                      f"or [B, T, Hv, K] = {per_head + [key_dim]} (per key channel)")
     if erase is not None and list(erase.shape) != per_head + [key_dim]:
         _fail("erase", erase, f"[B, T, Hv, K] = {per_head + [key_dim]}")
     if write is not None and list(write.shape) != per_head + [value_dim]:
@@ -74,7 +77,8 @@ def check_inputs(q, k, v, *, beta, g, erase, write, initial_state, cu_seqlens) -
         bounds = cu_seqlens.tolist()
         if bounds[0] != 0 or bounds[-1] != seq_len or any(a > b for a, b in zip(bounds, bounds[1:])):
             raise ValueError(
-                f"gated_delta_rule: cu_seqlens = {bounds} must start at 0, never decrease and end at T = {seq_len}"
+                f"gated_delta_rule: cu_seqlens = {bounds} must start at 0, never decrease "
+                f"and end at T = {seq_len}"
             )
         num_states = len(bounds) - 1
     if initial_state is not None:

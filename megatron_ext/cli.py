@@ -1,0 +1,84 @@
+"""The ``megatron-ext`` command.
+
+    megatron-ext train [--preset NAME|FILE] [--run-dir DIR] [--resume] [--steps N] [--pattern P]
+    megatron-ext prepare-data [INPUT ...] --output-dir DIR [--vocab-size N]
+    megatron-ext presets
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_ext.config import ConfigError
+
+
+def _train(args) -> int:
+    from megatron_ext.launch.presets import load_preset
+    from megatron_ext.train import RunSettings, train
+
+    settings = RunSettings.from_dict(load_preset(args.preset))
+    if args.steps is not None:
+        settings.train.steps = args.steps
+    if args.pattern is not None:
+        settings.ext.pattern = args.pattern
+    run_dir = args.run_dir or f"runs/{args.preset.replace('/', '_').removesuffix('.yaml')}"
+    train(settings, run_dir, resume=args.resume, device=args.device, max_steps=args.stop_after)
+    return 0
+
+
+def _prepare_data(args) -> int:
+    from megatron_ext.data import prepare_data
+
+    prepare_data(inputs=args.inputs or None, output_dir=args.output_dir,
+                 vocab_size=args.vocab_size, overwrite=args.overwrite)
+    return 0
+
+
+def _presets(_args) -> int:
+    from megatron_ext.launch.presets import list_presets
+
+    print("\n".join(list_presets()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-ext", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a preset (default: tiny-hybrid on the stdlib corpus)")
+    p.add_argument("--preset", default="tiny-hybrid", help="preset name or YAML file")
+    p.add_argument("--run-dir", default=None, help="default: runs/<preset>")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--steps", type=int, default=None, help="override the preset's total steps")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="save and stop at this step without changing the schedule")
+    p.add_argument("--pattern", default=None, help="override the preset's layer pattern")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("prepare-data",
+                       help="train a sentencepiece tokenizer and write a Megatron indexed dataset")
+    p.add_argument("inputs", nargs="*", help="text/jsonl files or folders (default: the stdlib)")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_prepare_data)
+
+    p = sub.add_parser("presets", help="list the bundled presets")
+    p.set_defaults(func=_presets)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"megatron-ext: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,532 @@
+"""``megatron-ext train``: a small, readable training loop on megatron-core pieces.
+
+From tokens to loss: :func:`build_model` (GPTModel with our per-layer specs) -> :func:`_batches`
+(samples of Megatron's GPTDataset, one global batch per step) -> :func:`_train_step` (forward,
+loss, backward over micro-batches; optimizer step) -> checkpoints and a loss curve in the run
+directory.
+
+On CUDA (one process, or ``torchrun`` for several) it uses Megatron's DDP, optimizer and
+pipeline schedules, so TP/PP/DP runs are the real thing. On a CPU, megatron-core's training
+utilities cannot run (they allocate on ``"cuda"`` directly), so one process trains the same
+Megatron model with ``torch.optim.AdamW`` and a plain micro-batch loop; everything else (data,
+model, schedule of the learning rate, checkpoints) is shared.
+
+Run directory layout::
+
+    RUN_DIR/config.yaml           the settings of the run
+    RUN_DIR/metrics.jsonl         one line per logged step / evaluation (appended on resume)
+    RUN_DIR/checkpoints/iter_N/   model (dist checkpoint) + optimizer/scheduler/RNG per rank
+    RUN_DIR/checkpoints/latest    the step of the newest complete checkpoint
+    RUN_DIR/loss_curve.png/.json  written at the end
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import shutil
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from megatron_ext.config import ConfigError, ExtConfig
+
+
+# ---------------------------------------------------------------------------- settings
+@dataclass
+class ModelSettings:
+    num_layers: int = 4
+    hidden_size: int = 128
+    ffn_hidden_size: int | None = None
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    seq_length: int = 256
+    position_embedding_type: str = "rope"
+    normalization: str = "RMSNorm"
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+
+
+@dataclass
+class DataSettings:
+    inputs: list[str] | None = None  # None: the Python standard library
+    vocab_size: int = 4096
+    output_dir: str | None = None  # None: <run_dir>/../data/<corpus name> (shared by runs)
+
+
+@dataclass
+class TrainSettings:
+    micro_batch_size: int = 8
+    global_batch_size: int = 16
+    steps: int = 300
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    decay_style: str = "cosine"
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    seed: int = 1234
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_batches: int = 4
+    save_interval: int = 100
+    bf16: bool = True  # on CUDA; CPU runs are fp32
+
+
+@dataclass
+class ParallelSettings:
+    tensor: int = 1
+    pipeline: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass
+class RunSettings:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    ext: ExtConfig = field(default_factory=ExtConfig)
+    data: DataSettings = field(default_factory=DataSettings)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "RunSettings":
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(sections))
+        if unknown:
+            raise ConfigError(f"unknown preset section(s) {unknown}; known: {sorted(sections)}")
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            section = values.get(f.name) or {}
+            section_cls = f.default_factory
+            known = {g.name for g in dataclasses.fields(section_cls)}
+            bad = sorted(set(section) - known)
+            if bad:
+                raise ConfigError(f"unknown setting(s) {bad} in section {f.name!r}; "
+                                  f"known: {sorted(known)}")
+            kwargs[f.name] = section_cls(**section)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------- runtime
+@dataclass
+class Runtime:
+    device: torch.device
+    rank: int
+    world_size: int
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def init_runtime(settings: RunSettings, device: str) -> Runtime:
+    """Process group (NCCL on CUDA, gloo on CPU) and Megatron's model-parallel groups."""
+    from megatron.core import parallel_state
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but no CUDA GPU is visible")
+    if not use_cuda and world_size > 1:
+        raise ConfigError(
+            f"CPU training runs as one process (WORLD_SIZE={world_size}); megatron-core's "
+            "distributed training utilities need CUDA. Run without torchrun on a CPU.")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
+    p = settings.parallel
+    if world_size % (p.tensor * p.pipeline):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tensor ({p.tensor}) x pipeline "
+            f"({p.pipeline}) parallel sizes")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline)
+    torch.manual_seed(settings.train.seed)
+    if use_cuda:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(settings.train.seed)
+    else:
+        # One CPU process has no model-parallel ranks, so dropout needs no separate RNG
+        # stream; this tracker makes Megatron's fork() a no-op instead of touching CUDA.
+        from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    return Runtime(torch.device("cuda", torch.cuda.current_device()) if use_cuda
+                   else torch.device("cpu"), rank, world_size)
+
+
+def transformer_config(settings: RunSettings, runtime: Runtime):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m, p, t = settings.model, settings.parallel, settings.train
+    bf16 = runtime.cuda and t.bf16
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    if not runtime.cuda and m.position_embedding_type == "rope":
+        raise ConfigError(
+            "position_embedding_type='rope' needs CUDA in megatron-core 0.19 (its RotaryEmbedding "
+            "moves to the current CUDA device); use 'none' or 'learned_absolute' on a CPU")
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        normalization=m.normalization, hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        num_moe_experts=m.num_moe_experts,
+        moe_router_topk=m.moe_router_topk if m.num_moe_experts else 2,
+        tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
+        sequence_parallel=p.sequence_parallel and p.tensor > 1,
+        bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        use_cpu_initialization=not runtime.cuda,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, apply_rope_fusion=False,
+    )
+
+
+def build_model(settings: RunSettings, config, vocab_size: int):
+    """This pipeline stage's GPTModel, with one token mixer per layer from the pattern."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_ext.specs import block_spec
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(config, ext=settings.ext),
+        vocab_size=vocab_size,
+        max_sequence_length=settings.model.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        position_embedding_type=settings.model.position_embedding_type,
+        share_embeddings_and_output_weights=False,
+    )
+
+
+# ---------------------------------------------------------------------------- data
+def _padded_vocab(vocab_size: int, tp: int) -> int:
+    multiple = 128 * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def prepare_datasets(settings: RunSettings, run_dir: pathlib.Path, runtime: Runtime):
+    """Tokenizer + indexed dataset (built once, by rank 0) and Megatron's train/valid datasets."""
+    from megatron_ext import data
+
+    d, t = settings.data, settings.train
+    out_dir = pathlib.Path(d.output_dir) if d.output_dir else run_dir.parent / "data" / (
+        "stdlib" if d.inputs is None else "custom")
+    if runtime.rank == 0:
+        data.prepare_data(inputs=d.inputs, output_dir=out_dir, vocab_size=d.vocab_size)
+    dist.barrier()
+    prepared = data.load_prepared(out_dir)
+    train_samples = t.steps * t.global_batch_size
+    valid_samples = max(1, t.eval_batches * t.global_batch_size * (t.steps // t.eval_interval + 1))
+    train, valid = data.build_gpt_datasets(
+        prepared.data_prefix, prepared.tokenizer, settings.model.seq_length,
+        train_samples, valid_samples, t.seed)
+    return prepared.tokenizer, train, valid
+
+
+def _batches(dataset, step: int, settings: RunSettings, dp_rank: int, dp_size: int, device):
+    """The micro-batches of this data-parallel rank for global step ``step`` (deterministic)."""
+    t = settings.train
+    per_rank = t.global_batch_size // dp_size
+    start = step * t.global_batch_size + dp_rank * per_rank
+    for first in range(start, start + per_rank, t.micro_batch_size):
+        samples = [dataset[(first + i) % len(dataset)] for i in range(t.micro_batch_size)]
+        batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]).to(device)
+                 for key in ("tokens", "labels", "loss_mask", "position_ids")}
+        yield batch
+
+
+def _lm_loss(per_token_loss, loss_mask):
+    mask = loss_mask.float()
+    return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1)
+
+
+# ---------------------------------------------------------------------------- optimizer
+def build_optimizer(model, settings: RunSettings, runtime: Runtime):
+    """Megatron's optimizer (with DDP around the model) on CUDA; torch AdamW on a CPU."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t = settings.train
+    if runtime.cuda:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        model = DistributedDataParallel(
+            config=model.config, module=model,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr,
+                            weight_decay=t.weight_decay, adam_beta1=0.9, adam_beta2=0.95,
+                            clip_grad=t.clip_grad, bf16=model.config.bf16,
+                            params_dtype=model.config.params_dtype),
+            [model])
+        model.config.finalize_model_grads_func = finalize_model_grads
+        model.config.no_sync_func = model.no_sync
+        model.config.grad_scale_func = optimizer.scale_loss
+    else:
+        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or n.endswith(".bias")]
+        decay = [p for n, p in model.named_parameters() if not (p.ndim < 2 or n.endswith(".bias"))]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay}, {"params": no_decay, "wd_mult": 0.0}],
+            lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,
+        lr_decay_steps=t.steps, lr_decay_style=t.decay_style, start_wd=t.weight_decay,
+        end_wd=t.weight_decay, wd_incr_steps=t.steps, wd_incr_style="constant")
+    return model, optimizer, scheduler
+
+
+# ---------------------------------------------------------------------------- steps
+def _forward_backward(model, batches, settings, runtime, forward_only: bool) -> float:
+    """Mean LM loss over this rank's micro-batches; gradients accumulated unless forward_only."""
+    batches = list(batches)
+    if runtime.cuda:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(iterator, chunk):
+            b = next(iterator)
+            out = chunk(b["tokens"], b["position_ids"], None, labels=b["labels"])
+
+            def loss_func(per_token_loss):
+                loss = _lm_loss(per_token_loss, b["loss_mask"])
+                return loss, {"lm loss": loss.detach()}
+
+            return out, loss_func
+
+        reduced = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+            num_microbatches=len(batches), seq_length=settings.model.seq_length,
+            micro_batch_size=settings.train.micro_batch_size, forward_only=forward_only)
+        from megatron.core import parallel_state
+
+        if not parallel_state.is_pipeline_last_stage():
+            return float("nan")
+        return float(torch.stack([r["lm loss"] for r in reduced]).mean())
+    total = 0.0
+    for b in batches:
+        with torch.set_grad_enabled(not forward_only):
+            loss = _lm_loss(model(b["tokens"], b["position_ids"], None, labels=b["labels"]),
+                            b["loss_mask"])
+            if not forward_only:
+                (loss / len(batches)).backward()
+        total += float(loss.detach())
+    return total / len(batches)
+
+
+def _mean_over_ranks(value: float, runtime: Runtime) -> float:
+    """Average a loss over the ranks that computed one (NaN elsewhere: earlier PP stages)."""
+    if runtime.world_size == 1:
+        return value
+    t = torch.tensor([0.0 if math.isnan(value) else value, 0.0 if math.isnan(value) else 1.0],
+                     device=runtime.device)
+    dist.all_reduce(t)
+    return float(t[0] / t[1].clamp(min=1))
+
+
+def _train_step(model, optimizer, scheduler, batches, settings, runtime) -> tuple[float, float]:
+    """One optimizer step over a global batch: (mean LM loss, grad norm)."""
+    if runtime.cuda:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = _forward_backward(model, batches, settings, runtime, forward_only=False)
+        ok, grad_norm, _ = optimizer.step()
+        if ok:
+            scheduler.step(increment=1)
+        return loss, float(grad_norm or 0.0)
+    optimizer.zero_grad(set_to_none=True)
+    loss = _forward_backward(model, batches, settings, runtime, forward_only=False)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.train.clip_grad)
+    optimizer.step()
+    scheduler.step(increment=1)
+    return loss, float(grad_norm)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _unwrapped(model):
+    return model.module if hasattr(model, "module") else model
+
+
+def save_checkpoint(run_dir: pathlib.Path, step: int, model, optimizer, scheduler, runtime):
+    """Model as a Megatron dist checkpoint (reshardable); optimizer, scheduler and RNG per rank.
+
+    Written to a temporary folder and renamed, so a run killed mid-save keeps its last
+    complete checkpoint; ``latest`` is updated last.
+    """
+    from megatron.core import dist_checkpointing
+
+    ckpt_root = run_dir / "checkpoints"
+    final = ckpt_root / f"iter_{step:07d}"
+    tmp = ckpt_root / f".tmp_iter_{step:07d}"
+    if runtime.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "model").mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_unwrapped(model).sharded_state_dict(), str(tmp / "model"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "step": step, "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state() if runtime.cuda else None},
+               tmp / f"state_rank{runtime.rank:05d}.pt")
+    dist.barrier()
+    if runtime.rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        (ckpt_root / "latest").write_text(f"{step}\n")
+    dist.barrier()
+
+
+def load_checkpoint(run_dir: pathlib.Path, model, optimizer, scheduler, runtime) -> int:
+    """Restore the newest checkpoint; returns its step (0 when there is none)."""
+    from megatron.core import dist_checkpointing
+
+    latest = run_dir / "checkpoints" / "latest"
+    if not latest.exists():
+        return 0
+    step = int(latest.read_text())
+    folder = run_dir / "checkpoints" / f"iter_{step:07d}"
+    inner = _unwrapped(model)
+    inner.load_state_dict(dist_checkpointing.load(inner.sharded_state_dict(), str(folder / "model")))
+    state = torch.load(folder / f"state_rank{runtime.rank:05d}.pt", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    if runtime.cuda and state["cuda_rng"] is not None:
+        torch.cuda.set_rng_state(state["cuda_rng"])
+    return step
+
+
+# ---------------------------------------------------------------------------- outputs
+def _log(run_dir: pathlib.Path, record: dict):
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def write_loss_curve(run_dir: pathlib.Path) -> pathlib.Path:
+    """loss_curve.json (train/valid points) and loss_curve.png from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    train = {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+    valid = {r["step"]: r["loss"] for r in records if r["kind"] == "valid"}
+    curve = {"train": sorted(train.items()), "valid": sorted(valid.items())}
+    (run_dir / "loss_curve.json").write_text(json.dumps(curve, indent=1))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if curve["train"]:
+        ax.plot(*zip(*curve["train"]), label="train")
+    if curve["valid"]:
+        ax.plot(*zip(*curve["valid"]), "o-", label="valid")
+    ax.set_xlabel("step")
+    ax.set_ylabel("LM loss (nats/token)")
+    ax.set_title(run_dir.name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png = run_dir / "loss_curve.png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
+# ---------------------------------------------------------------------------- main loop
+def train(settings: RunSettings, run_dir: str | os.PathLike, resume: bool = False,
+          device: str = "auto", max_steps: int | None = None) -> dict:
+    """Train (or resume) a run; returns a summary with the first and last losses.
+
+    ``max_steps`` stops early (after saving) without changing the schedule, which is what a
+    preempted job does; a later ``resume=True`` call continues the same curve.
+    """
+    from tqdm import tqdm
+
+    run_dir = pathlib.Path(run_dir)
+    if (run_dir / "checkpoints" / "latest").exists() and not resume:
+        raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it, or "
+                          "choose another --run-dir")
+    runtime = init_runtime(settings, device)
+    if runtime.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(settings.to_dict(), sort_keys=False))
+    t = settings.train
+    from megatron.core import parallel_state
+
+    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    if t.global_batch_size % (t.micro_batch_size * dp_size):
+        raise ConfigError(
+            f"global_batch_size={t.global_batch_size} must be a multiple of micro_batch_size "
+            f"({t.micro_batch_size}) x data-parallel size ({dp_size})")
+
+    tokenizer, train_set, valid_set = prepare_datasets(settings, run_dir, runtime)
+    config = transformer_config(settings, runtime)
+    model = build_model(settings, config, _padded_vocab(tokenizer.vocab_size,
+                                                        settings.parallel.tensor))
+    model.to(runtime.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    model, optimizer, scheduler = build_optimizer(model, settings, runtime)
+    start = load_checkpoint(run_dir, model, optimizer, scheduler, runtime) if resume else 0
+    end = t.steps if max_steps is None else min(t.steps, max_steps)
+    is_main = runtime.rank == 0
+    if is_main:
+        print(f"megatron-ext train: {settings.ext.pattern!r} x {config.num_layers} layers, "
+              f"{n_params / 1e6:.2f}M params on rank 0, device {runtime.device}, "
+              f"world {runtime.world_size}; steps {start} -> {end} of {t.steps}", flush=True)
+
+    tokens_per_step = t.global_batch_size * settings.model.seq_length
+    bar = tqdm(range(start, end), initial=start, total=t.steps, disable=not is_main,
+               dynamic_ncols=True, desc="train")
+    first_loss = last_loss = None
+    for step in bar:
+        model.train()
+        begin = time.perf_counter()
+        batches = _batches(train_set, step, settings, dp_rank, dp_size, runtime.device)
+        loss, grad_norm = _train_step(model, optimizer, scheduler, batches, settings, runtime)
+        loss = _mean_over_ranks(loss, runtime)
+        elapsed = time.perf_counter() - begin
+        first_loss = loss if first_loss is None else first_loss
+        last_loss = loss
+        done = step + 1
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}")
+        if is_main and (done % t.log_interval == 0 or done == start + 1):
+            _log(run_dir, {"kind": "train", "step": done, "loss": loss, "grad_norm": grad_norm,
+                           "lr": scheduler.get_lr(optimizer.param_groups[0]),
+                           "tokens_per_s": tokens_per_step / elapsed})
+        if done % t.eval_interval == 0 or done == t.steps:
+            model.eval()
+            valid = sum(_forward_backward(
+                model, _batches(valid_set, i, settings, dp_rank, dp_size, runtime.device),
+                settings, runtime, forward_only=True) for i in range(t.eval_batches))
+            valid = _mean_over_ranks(valid / t.eval_batches, runtime)
+            if is_main:
+                _log(run_dir, {"kind": "valid", "step": done, "loss": valid})
+                bar.write(f"step {done}: train loss {loss:.4f}, valid loss {valid:.4f}")
+        if done % t.save_interval == 0 or done == end:
+            save_checkpoint(run_dir, done, model, optimizer, scheduler, runtime)
+    bar.close()
+    summary = {"start_step": start, "end_step": end, "first_loss": first_loss,
+               "last_loss": last_loss, "params": n_params, "run_dir": str(run_dir)}
+    if is_main and end == t.steps:
+        summary["loss_curve"] = str(write_loss_curve(run_dir))
+        print(f"done: loss {first_loss:.3f} -> {last_loss:.3f}; curve in "
+              f"{summary['loss_curve']}", flush=True)
+    return summary
