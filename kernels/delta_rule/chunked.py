@@ -26,10 +26,11 @@ Then, with P_ts = sum_c q_tc k_sc exp(G_tc - G_sc) for s <= t,
     O   = scale * ((exp(G) * q) S_0 + P U)
     S_C = Diag(exp G_C) S_0 + (exp(G_C - G) * k)^T U.
 
-Everything but the last three lines runs for all chunks at once. Numerics: the only exponents
-are G_t - G_s with t >= s, G_t and G_C - G_s, all <= 0 when g <= 0, so nothing overflows however
-strong the decay; the pairwise decays are formed only under the causal mask (the masked entries
-would be exp of a large positive number). Everything inside is fp32 (fp64 for fp64 inputs).
+Only U, O and S_C need the entering state, so they run chunk after chunk; everything else runs
+for all chunks at once. Numerics: the only exponents are G_t - G_s with t >= s, G_t and G_C - G_s,
+all <= 0 when g <= 0, so nothing overflows however strong the decay; the pairwise decays are
+formed only under the causal mask (the masked entries would be exp of a large positive number).
+Everything inside is fp32 (fp64 for fp64 inputs).
 """
 import math
 
@@ -105,7 +106,7 @@ def gated_delta_rule_chunked(
     erase_scores = torch.tril(_decayed_scores(erase_keys, keys, relative_decay), diagonal=-1)  # A
     output_scores = _decayed_scores(queries, keys, relative_decay)  # P (the mask keeps s <= t)
     identity = torch.eye(chunk_size, dtype=erase_scores.dtype, device=v.device)
-    unit_lower = identity + erase_scores
+    unit_lower = identity + erase_scores  # I + A
     solved_writes = torch.linalg.solve_triangular(unit_lower, written, upper=False, unitriangular=True)  # Y
     decay_from_start = cumulative_decay.exp()  # exp(G_t): from the chunk's entry state to token t
     solved_erase_keys = torch.linalg.solve_triangular(  # W
@@ -125,10 +126,10 @@ def gated_delta_rule_chunked(
         solved_writes, solved_erase_keys, decayed_queries, output_scores, keys_decayed_to_end, chunk_decay,
     )))
     chunk_outputs = []
-    for writes, erase_keys_solved, queries_decayed, scores, keys_to_end, decay in per_chunk:
-        corrections = writes - erase_keys_solved @ state  # U: [N, Hv, C, V]
+    for writes_solved, erase_keys_solved, queries_decayed, scores, keys_to_end, chunk_decay_n in per_chunk:
+        corrections = writes_solved - erase_keys_solved @ state  # U: [N, Hv, C, V]
         chunk_outputs.append(queries_decayed @ state + scores @ corrections)
-        state = decay * state + keys_to_end.transpose(-1, -2) @ corrections
+        state = chunk_decay_n * state + keys_to_end.transpose(-1, -2) @ corrections
     o = scale * torch.stack(chunk_outputs, dim=2)  # [N, Hv, num_chunks, C, V]
 
     o = o.permute(0, 2, 3, 1, 4).flatten(1, 2)  # [N, num_chunks * C, Hv, V]

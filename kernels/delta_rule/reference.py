@@ -14,8 +14,9 @@ gate over value channels. The special cases:
     KDA             g per key channel,          b = w = beta
     GDN-2           g per key channel,          b = erase [K],  w = write [V]
 
-This file also holds ``check_inputs``, the one place where the argument contract (shapes, the
-varlen rules, which of beta/erase/write are needed) is enforced for every backend.
+This file also holds what every backend shares: ``check_inputs``, the one place where the
+argument contract is enforced (shapes, the varlen rules, which of beta/erase/write are needed),
+and ``expand_inputs``, which upcasts, maps q/k heads onto v heads and resolves beta into gates.
 """
 from typing import NamedTuple
 

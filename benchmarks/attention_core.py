@@ -1,0 +1,157 @@
+"""Megatron's local attention core vs our SDPA core, same GPT model, same GPU, one run.
+
+Default model: the 291M configuration of the foundation issue (20 layers, hidden 1024, FFN 2816
+SwiGLU, 16 heads, 4 KV groups, vocab 32000, RoPE), sequence 4096, micro-batch 2, bf16. Each
+core trains a few warm-up steps, then ``--steps`` timed forward+backward steps (no optimizer).
+
+    python benchmarks/attention_core.py --out benchmarks/results/attention_core_h200.json
+
+Model FLOPs per step (for TFLOP/s): 6 * (parameters except the input embedding) * tokens plus
+causal attention 6 * layers * batch * seq^2 * hidden (QK^T and AV, half of the square, x3 for
+forward + backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pathlib
+import time
+
+import torch
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def setup():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(1234)
+
+
+def build(args, backend):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.config import ExtConfig
+    from megatron_ext.specs import block_spec
+
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
+        num_attention_heads=args.heads, num_query_groups=args.groups, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
+        bias_dropout_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=True)
+    torch.manual_seed(0)
+    model = GPTModel(config, block_spec(config, ext=ExtConfig(pattern="*",
+                                                              attention_backend=backend)),
+                     vocab_size=args.vocab, max_sequence_length=args.seq,
+                     position_embedding_type="rope").cuda()
+    return model
+
+
+def model_flops(model, args):
+    params = sum(p.numel() for n, p in model.named_parameters() if "word_embeddings" not in n)
+    tokens = args.batch * args.seq
+    return 6 * params * tokens + 6 * args.layers * args.batch * args.seq ** 2 * args.hidden
+
+
+def measure(args, backend):
+    model = build(args, backend)
+    n_params = sum(p.numel() for p in model.parameters())
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
+    positions = torch.arange(args.seq, device="cuda").expand(args.batch, -1)
+
+    def step():
+        loss = model(tokens, positions, None, labels=tokens).float().mean()
+        loss.backward()
+        return loss
+
+    log(f"{backend}: {n_params / 1e6:.1f}M params; warm-up")
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / args.steps
+    result = dict(backend=backend, params=n_params, ms_per_step=ms,
+                  peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30,
+                  model_tflops=model_flops(model, args) / (ms * 1e-3) / 1e12)
+    log(f"{backend}: {ms:.1f} ms/step, {result['model_tflops']:.0f} TFLOP/s, "
+        f"peak {result['peak_memory_gib']:.1f} GiB")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    names = [r["backend"] for r in results]
+    for ax, key, label in ((axes[0], "ms_per_step", "fwd+bwd ms / step"),
+                           (axes[1], "peak_memory_gib", "peak memory (GiB)")):
+        ax.bar(names, [r[key] for r in results], color=["#999", "#2a7"][: len(names)])
+        ax.set_title(label)
+        for i, r in enumerate(results):
+            ax.text(i, r[key], f"{r[key]:.1f}", ha="center", va="bottom")
+    fig.suptitle("GPT 291M, seq 4096, micro-batch 2, bf16: attention core")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=20)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--ffn", type=int, default=2816)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--backends", default="local,sdpa")
+    p.add_argument("--out", default="benchmarks/results/attention_core.json")
+    args = p.parse_args()
+
+    setup()
+    results = [measure(args, b) for b in args.backends.split(",")]
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  settings=vars(args), results=results)
+    if len(results) == 2:
+        record["speedup"] = results[0]["ms_per_step"] / results[1]["ms_per_step"]
+        record["memory_ratio"] = results[0]["peak_memory_gib"] / results[1]["peak_memory_gib"]
+        log(f"speedup {record['speedup']:.2f}x, memory {record['memory_ratio']:.2f}x less")
+    out.write_text(json.dumps(record, indent=1))
+    plot(results, out.with_suffix(".png"))
+    log(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

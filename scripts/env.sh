@@ -1,0 +1,31 @@
+# Source this: creates or reuses the project's Python 3.12 virtual environment in .venv and
+# installs megatron-ext (editable) with its test extras when setup.py changed since last time.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+
+find_python312() {
+    if command -v python3.12 >/dev/null 2>&1; then command -v python3.12; return; fi
+    if command -v pyenv >/dev/null 2>&1; then
+        local v
+        v="$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$)' | sort -V | tail -1)"
+        if [ -n "$v" ]; then echo "$(pyenv root)/versions/$v/bin/python3.12"; return; fi
+    fi
+    echo "megatron-ext needs Python 3.12 (python3.12 on PATH, or installed with pyenv)" >&2
+    return 1
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[env] creating $VENV"
+    "$(find_python312)" -m venv "$VENV"
+fi
+STAMP="$VENV/.megatron-ext-installed"
+WANT="$(cat "$ROOT/setup.py" | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+    echo "[env] installing megatron-ext and its dependencies (first time: a few minutes)"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q -e "$ROOT[dev]"
+    echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
+cd "$ROOT"
