@@ -51,7 +51,7 @@ from megatron.core.tokenizers import MegatronTokenizerBase
 PathLike = str | os.PathLike
 
 DEFAULT_VOCAB_SIZE = 8192
-# Lines sampled (uniformly, by sentencepiece's reservoir sampler) to train the tokenizer. On the
+# Lines sampled (uniformly at random) to train the tokenizer. On the
 # stdlib corpus (~1M non-blank lines) 300k lines train in ~5 s on 2 cores and compress as well as
 # 1M lines (3.46 characters per token either way), which take ~17 s.
 DEFAULT_MAX_TRAINING_LINES = 300_000
@@ -315,14 +315,34 @@ class SentencePieceTokenizer(MegatronTokenizerBase):
         raise NotImplementedError(f"{type(self).__name__} has no chat template")
 
 
-def _training_lines(documents: Iterable[str], line_counter: list[int]) -> Iterator[str]:
-    """Non-blank lines of the documents: sentencepiece trains on 'sentences' and skips any longer
-    than 4192 bytes, so whole files cannot be fed as one sentence each."""
-    for document in tqdm(documents, desc="reading corpus for tokenizer", unit="doc"):
+def _sample_training_lines(
+    documents: Iterable[str], max_lines: int, seed: int
+) -> tuple[list[str], int]:
+    """A uniform random sample of at most ``max_lines`` of the documents' non-blank lines.
+
+    Lines, because sentencepiece trains on "sentences" and skips any longer than 4192 bytes, so
+    whole files cannot be its sentences. Sampled here (reservoir sampling) rather than by
+    sentencepiece's own ``input_sentence_size``, whose sample differs from process to process
+    despite ``set_random_generator_seed``, so the same corpus would give different models.
+
+    Returns:
+        tuple[list[str], int]: the sampled lines and the number of non-blank lines seen.
+    """
+    generator = random.Random(seed)
+    sample: list[str] = []
+    num_lines = 0
+    for document in tqdm(documents, desc="sampling lines for the tokenizer", unit="doc"):
         for line in document.split("\n"):
-            if line.strip():
-                line_counter[0] += 1
-                yield line
+            if not line.strip():
+                continue
+            num_lines += 1
+            if len(sample) < max_lines:
+                sample.append(line)
+            else:
+                slot = generator.randrange(num_lines)
+                if slot < max_lines:
+                    sample[slot] = line
+    return sample, num_lines
 
 
 def _check_tokenizer_settings(vocab_size: int, model_type: str, max_training_lines: int) -> None:
@@ -333,10 +353,8 @@ def _check_tokenizer_settings(vocab_size: int, model_type: str, max_training_lin
             f"vocab_size={vocab_size} leaves no room for learned pieces: {RESERVED_VOCAB_SIZE} ids "
             f"are reserved (specials, newline, 256 byte pieces); use e.g. 512 or more"
         )
-    if max_training_lines <= 100:
-        raise ValueError(
-            f"max_training_lines={max_training_lines}; sentencepiece needs more than 100"
-        )
+    if max_training_lines < 1:
+        raise ValueError(f"max_training_lines={max_training_lines}; it must be at least 1")
 
 
 def train_tokenizer(
@@ -365,8 +383,8 @@ def train_tokenizer(
       then the 256 byte pieces, then learned pieces. No BOS: GPT-style documents are separated by
       EOD only.
 
-    Training input is bounded: sentencepiece samples ``max_training_lines`` of the non-blank lines
-    uniformly at random (seeded, so the same corpus gives the same model).
+    Training input is bounded: at most ``max_training_lines`` of the non-blank lines, sampled
+    uniformly at random with ``seed``, so the same corpus and seed give the same model.
 
     Args:
         documents: the corpus, one string per document.
@@ -374,7 +392,7 @@ def train_tokenizer(
         vocab_size: number of pieces, at least ``RESERVED_VOCAB_SIZE`` (260) plus the corpus's
             distinct characters; ids are < vocab_size.
         model_type: ``"bpe"`` or ``"unigram"``.
-        max_training_lines: lines sampled for training (> 100, a sentencepiece limit).
+        max_training_lines: lines sampled for training.
         seed: sampling seed.
         num_threads: training threads; defaults to all CPUs.
 
@@ -388,17 +406,18 @@ def train_tokenizer(
     model_path = Path(f"{os.fspath(model_prefix)}.model")
     model_path.parent.mkdir(parents=True, exist_ok=True)
 
-    line_counter = [0]
+    lines, num_lines = _sample_training_lines(documents, max_training_lines, seed)
+    if not lines:
+        raise ValueError("the corpus has no non-blank lines to train a tokenizer on")
+    _log(f"training the tokenizer on {len(lines):,} of {num_lines:,} non-blank lines")
     model_buffer = io.BytesIO()
-    sentencepiece.set_random_generator_seed(seed)
     try:
         sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=_training_lines(documents, line_counter),
+            sentence_iterator=iter(lines),
             model_writer=model_buffer,
             model_type=model_type,
             vocab_size=vocab_size,
-            input_sentence_size=max_training_lines,
-            shuffle_input_sentence=True,
+            input_sentence_size=0,  # lines are sampled already
             character_coverage=0.9999,
             byte_fallback=True,
             normalization_rule_name="identity",
@@ -419,14 +438,12 @@ def train_tokenizer(
             minloglevel=2,  # sentencepiece logs every merge otherwise
         )
     except RuntimeError as error:
-        if line_counter[0] == 0:
-            raise ValueError("the corpus has no non-blank lines to train a tokenizer on") from None
         # Keep sentencepiece's explanation (it says which way to move vocab_size), drop its
         # "src/trainer_interface.cc(744) [check]" prefix.
         explanation = str(error).rsplit("] ", 1)[-1]
         raise ValueError(
             f"sentencepiece could not train a {model_type} tokenizer with vocab_size={vocab_size} "
-            f"on {line_counter[0]} lines: {explanation}"
+            f"on {len(lines)} lines: {explanation}"
         ) from None
 
     # Write-then-rename, so an interrupted run never leaves a truncated model behind.
