@@ -53,7 +53,7 @@ def build(args, backend):
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=True)
+        masked_softmax_fusion=False)
     torch.manual_seed(0)
     model = GPTModel(config, block_spec(config, ext=ExtConfig(pattern="*",
                                                               attention_backend=backend)),
