@@ -14,6 +14,7 @@ forward + backward).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -52,8 +53,11 @@ def build(args, backend):
         num_attention_heads=args.heads, num_query_groups=args.groups, normalization="RMSNorm",
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
-        bias_dropout_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False)
+        # The fusions megatron-core offers without TE or apex (torch-jit SwiGLU and cross
+        # entropy); both cores get them. The apex softmax kernel of the local core is absent.
+        bias_activation_fusion=True, cross_entropy_loss_fusion=True,
+        cross_entropy_fusion_impl="native", bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False)
     torch.manual_seed(0)
     model = GPTModel(config, block_spec(config, ext=ExtConfig(pattern="*",
                                                               attention_backend=backend)),
@@ -102,6 +106,41 @@ def measure(args, backend):
     return result
 
 
+def sdpa_backends(args):
+    """fwd+bwd ms of the attention op alone under each SDPA backend, at the model's shapes."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    shape_q = (args.batch, args.heads, args.seq, args.hidden // args.heads)
+    shape_kv = (args.batch, args.groups, args.seq, args.hidden // args.heads)
+    q = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    timings = {}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION, None):
+        name = "default" if backend is None else backend.name.lower()
+
+        def run():
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out.sum().backward()
+
+        try:
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                run()
+            torch.cuda.synchronize()
+            timings[name] = (time.perf_counter() - t0) / 10 * 1e3
+        except RuntimeError as e:
+            timings[name] = f"unavailable: {str(e).splitlines()[0][:120]}"
+        log(f"SDPA backend {name}: {timings[name]}")
+    return timings
+
+
 def plot(results, path):
     import matplotlib
 
@@ -139,11 +178,13 @@ def main():
     args = p.parse_args()
 
     setup()
+    backend_ms = sdpa_backends(args)
     results = [measure(args, b) for b in args.backends.split(",")]
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  settings=vars(args), results=results)
+                  settings=vars(args), results=results,
+                  sdpa_backend_ms_per_layer_fwd_bwd=backend_ms)
     if len(results) == 2:
         record["speedup"] = results[0]["ms_per_step"] / results[1]["ms_per_step"]
         record["memory_ratio"] = results[0]["peak_memory_gib"] / results[1]["peak_memory_gib"]

@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -9,7 +11,6 @@ import numpy
 import pytest
 import torch
 import torch.distributed
-import torch.multiprocessing
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron_ext.data import (
@@ -193,9 +194,9 @@ def test_build_gpt_datasets_rejects_a_split_without_documents(tokenizer, indexed
         build_gpt_datasets(prefix, tokenizer, 32, 50, 10, valid_fraction=0.01)
 
 
-def _build_on_gloo_rank(rank, world_size, store_path, model_path, prefix, results_dir):
+def _build_on_gloo_rank(rank, world_size, model_path, prefix, results_dir):
     torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
+        "gloo", init_method=f"file://{results_dir}/store", rank=rank, world_size=world_size
     )
     try:
         train, valid = build_gpt_datasets(
@@ -217,13 +218,18 @@ def test_build_gpt_datasets_under_gloo(tokenizer, indexed_dataset, tmp_path):
     for suffix in (".bin", ".idx"):
         shutil.copy(f"{prefix}{suffix}", f"{fresh_prefix}{suffix}")
 
-    # fork, not spawn: the children need not import torch and megatron again (~15 s on 2 cores).
-    torch.multiprocessing.start_processes(
-        _build_on_gloo_rank,
-        args=(2, tmp_path / "store", tokenizer.path, str(fresh_prefix), str(tmp_path)),
-        nprocs=2,
-        start_method="fork",
+    # A fresh interpreter, since forked ranks would inherit any process group this pytest process
+    # holds; it forks rather than spawns its ranks, so megatron is imported once, not three times.
+    launch = (
+        "import torch.multiprocessing, test_data; torch.multiprocessing.start_processes("
+        "test_data._build_on_gloo_rank, "
+        f"args=(2, {tokenizer.path!r}, {str(fresh_prefix)!r}, {str(tmp_path)!r}), "
+        "nprocs=2, start_method='fork')"
     )
+    result = subprocess.run(
+        [sys.executable, "-c", launch], cwd=Path(__file__).parent, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     train, valid = build_gpt_datasets(
         fresh_prefix, tokenizer, 32, 50, 10, seed=7, valid_fraction=0.25
