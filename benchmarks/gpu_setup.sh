@@ -3,8 +3,8 @@
 # megatron_ext), then put both on PYTHONPATH. Fetch the wheels here first:
 #     bash ../shared/gpu/wheels.sh pyyaml tqdm psutil matplotlib contourpy cycler fonttools \
 #         kiwisolver pillow pyparsing python-dateutil six packaging
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg
 cp -r megatron_ext /tmp/pkg/ && cp -r kernels /tmp/pkg/megatron_ext/ && cp -r launch /tmp/pkg/megatron_ext/
 export PYTHONPATH=/tmp/site:/tmp/pkg
-python3 -c "import megatron_ext.kernels, megatron.core; print('megatron-ext ready')"
+(cd /tmp && python3 -c "import megatron_ext.kernels, megatron.core; print('megatron-ext ready')")
