@@ -58,7 +58,7 @@ def documents(corpus_dir) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(corpus_dir, documents, tmp_path_factory) -> SentencePieceTokenizer:
+def tokenizer(documents, tmp_path_factory) -> SentencePieceTokenizer:
     return train_tokenizer(
         documents, tmp_path_factory.mktemp("tokenizer") / "tokenizer", vocab_size=VOCAB_SIZE
     )
@@ -230,6 +230,7 @@ def test_build_gpt_datasets_under_gloo(tokenizer, indexed_dataset, tmp_path):
         [sys.executable, "-c", launch], cwd=Path(__file__).parent, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-4000:]
+    assert (fresh_prefix.parent / INDEX_CACHE_DIRNAME).is_dir()
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     train, valid = build_gpt_datasets(
         fresh_prefix, tokenizer, 32, 50, 10, seed=7, valid_fraction=0.25

@@ -33,9 +33,12 @@ def test_sdpa_core_bf16_close_to_fp32(seq):
     q = torch.randn(seq, 2, 8, 64, device="cuda", generator=g)
     k = torch.randn(seq, 2, 2, 64, device="cuda", generator=g)
     v = torch.randn(seq, 2, 2, 64, device="cuda", generator=g)
-    out = core(q.bfloat16(), k.bfloat16(), v.bfloat16(), None).float()
-    # bf16 inputs carry ~3 significant digits; outputs are convex mixtures of v.
-    torch.testing.assert_close(out, _attention_fp32(q, k, v), rtol=0, atol=3e-2)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out = core(q, k, v, None).float()
+    # Same bf16 inputs, fp32 math in the reference: what is left is the kernel's bf16 output
+    # rounding (2^-8 relative) and its accumulation order.
+    expected = _attention_fp32(q.float(), k.float(), v.float())
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
 
 
 def test_gated_delta_rule_chunked_on_cuda_matches_reference():
