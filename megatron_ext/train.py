@@ -15,7 +15,8 @@ Run directory layout::
 
     RUN_DIR/config.yaml           the settings of the run
     RUN_DIR/metrics.jsonl         one line per logged step / evaluation (appended on resume)
-    RUN_DIR/checkpoints/iter_N/   model (dist checkpoint) + optimizer/scheduler/RNG per rank
+    RUN_DIR/checkpoints/iter_N/   model (dist checkpoint; a state dict on CPU) + optimizer,
+                                  scheduler and RNG state per rank
     RUN_DIR/checkpoints/latest    the step of the newest complete checkpoint
     RUN_DIR/loss_curve.png/.json  written at the end
 """
@@ -116,6 +117,20 @@ class RunSettings:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def validate(self) -> "RunSettings":
+        t = self.train
+        if not 0 <= t.warmup_steps < t.steps:
+            raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0 and smaller "
+                              f"than train.steps={t.steps}")
+        for name in ("log_interval", "eval_interval", "save_interval", "micro_batch_size"):
+            if getattr(t, name) < 1:
+                raise ConfigError(f"train.{name}={getattr(t, name)} must be >= 1")
+        if t.global_batch_size % t.micro_batch_size:
+            raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a "
+                              f"multiple of train.micro_batch_size={t.micro_batch_size}")
+        self.ext.validate(self.model.num_layers)
+        return self
 
 
 # ---------------------------------------------------------------------------- runtime
@@ -367,10 +382,13 @@ def _unwrapped(model):
 
 
 def save_checkpoint(run_dir: pathlib.Path, step: int, model, optimizer, scheduler, runtime):
-    """Model as a Megatron dist checkpoint (reshardable); optimizer, scheduler and RNG per rank.
+    """Model, optimizer, scheduler and RNG state of ``step``.
 
-    Written to a temporary folder and renamed, so a run killed mid-save keeps its last
-    complete checkpoint; ``latest`` is updated last.
+    On CUDA the model goes into a Megatron dist checkpoint (reshardable across TP/PP). A CPU run
+    is one process with the whole model, and megatron-core's dist-checkpoint writer calls
+    ``torch.cuda.synchronize()`` unconditionally, so there the model is a plain state dict
+    (the same keys a TP=PP=1 GPU run loads). Written to a temporary folder and renamed, so a
+    run killed mid-save keeps its last complete checkpoint; ``latest`` is updated last.
     """
     from megatron.core import dist_checkpointing
 
@@ -381,7 +399,10 @@ def save_checkpoint(run_dir: pathlib.Path, step: int, model, optimizer, schedule
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "model").mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_unwrapped(model).sharded_state_dict(), str(tmp / "model"))
+    if runtime.cuda:
+        dist_checkpointing.save(_unwrapped(model).sharded_state_dict(), str(tmp / "model"))
+    else:
+        torch.save(_unwrapped(model).state_dict(), tmp / "model" / "model.pt")
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "step": step, "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state() if runtime.cuda else None},
@@ -404,7 +425,12 @@ def load_checkpoint(run_dir: pathlib.Path, model, optimizer, scheduler, runtime)
     step = int(latest.read_text())
     folder = run_dir / "checkpoints" / f"iter_{step:07d}"
     inner = _unwrapped(model)
-    inner.load_state_dict(dist_checkpointing.load(inner.sharded_state_dict(), str(folder / "model")))
+    plain = folder / "model" / "model.pt"
+    if plain.exists():
+        inner.load_state_dict(torch.load(plain, map_location=runtime.device, weights_only=True))
+    else:
+        inner.load_state_dict(dist_checkpointing.load(inner.sharded_state_dict(),
+                                                      str(folder / "model")))
     state = torch.load(folder / f"state_rank{runtime.rank:05d}.pt", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -459,6 +485,7 @@ def train(settings: RunSettings, run_dir: str | os.PathLike, resume: bool = Fals
     """
     from tqdm import tqdm
 
+    settings.validate()
     run_dir = pathlib.Path(run_dir)
     if (run_dir / "checkpoints" / "latest").exists() and not resume:
         raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it, or "

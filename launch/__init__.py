@@ -1,0 +1,1 @@
+"""Cluster profiles, presets and sbatch rendering (installed as ``megatron_ext.launch``)."""
