@@ -95,6 +95,14 @@ def measure(args, backend):
     end.record()
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / args.steps
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        log(f"{backend}: top CUDA kernels of one step\n"
+            + prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
     result = dict(backend=backend, params=n_params, ms_per_step=ms,
                   peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30,
                   model_tflops=model_flops(model, args) / (ms * 1e-3) / 1e12)
@@ -174,6 +182,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--backends", default="local,sdpa")
+    p.add_argument("--profile", action="store_true", help="print each core's top CUDA kernels")
     p.add_argument("--out", default="benchmarks/results/attention_core.json")
     args = p.parse_args()
 
