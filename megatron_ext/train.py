@@ -324,7 +324,9 @@ def _forward_backward(model, batches, settings, runtime, forward_only: bool) -> 
 
             def loss_func(per_token_loss):
                 loss = _lm_loss(per_token_loss, b["loss_mask"])
-                return loss, {"lm loss": loss.detach()}
+                # A copy: the schedule divides the returned loss in place by the number of
+                # micro-batches, which would also change a detached view.
+                return loss, {"lm loss": loss.detach().clone()}
 
             return out, loss_func
 
@@ -554,6 +556,6 @@ def train(settings: RunSettings, run_dir: str | os.PathLike, resume: bool = Fals
                "last_loss": last_loss, "params": n_params, "run_dir": str(run_dir)}
     if is_main and end == t.steps:
         summary["loss_curve"] = str(write_loss_curve(run_dir))
-        print(f"done: loss {first_loss:.3f} -> {last_loss:.3f}; curve in "
-              f"{summary['loss_curve']}", flush=True)
+        print(f"done: loss {first_loss:.3f} (step {start + 1}) -> {last_loss:.3f} (step {end}); "
+              f"curve in {summary['loss_curve']}", flush=True)
     return summary
