@@ -24,13 +24,19 @@ def _batches():
                  position_ids=torch.arange(SEQ).expand(BATCH, SEQ)) for t in tokens]
 
 
-def _build(tp=1, pp=1, vpp=None, sequence_parallel=False):
-    """Model chunks of this rank (one per virtual stage), same seed on every layout."""
+def _build(tp=1, pp=1, vpp=None, sequence_parallel=False, spec="block"):
+    """Model chunks of this rank (one per virtual stage), same seed on every layout.
+
+    ``spec="block"``: this stage's per-layer specs (block_spec); ``spec="layer"``: one
+    PatternTransformerLayer spec for all layers, which picks its mixer by global layer number.
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     from megatron_ext.config import ExtConfig
-    from megatron_ext.specs import block_spec
+    from megatron_ext.specs import PatternTransformerLayer, block_spec
 
     harness.init_parallel(tp=tp, pp=pp, vpp=vpp)
     config = harness.tiny_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -40,8 +46,13 @@ def _build(tp=1, pp=1, vpp=None, sequence_parallel=False):
     for v in range(vpp or 1):
         vp = v if vpp else None
         torch.manual_seed(1234)
+        if spec == "block":
+            layer_spec = block_spec(config, ext=ExtConfig(pattern=PATTERN), vp_stage=vp)
+        else:
+            layer_spec = ModuleSpec(module=PatternTransformerLayer,
+                                    params={"ext": ExtConfig(pattern=PATTERN)})
         chunks.append(GPTModel(
-            config, block_spec(config, ext=ExtConfig(pattern=PATTERN), vp_stage=vp),
+            config, layer_spec,
             vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="none",
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
@@ -95,12 +106,12 @@ def _global_grads(chunks, config):
 
 
 def run_layout(rank, world_size, ckpt_dir, tp=1, pp=1, vpp=None, sequence_parallel=False,
-               save=False):
+               save=False, spec="block"):
     """Build this layout, load (or, for the reference, save) the checkpoint, run one step."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    chunks, config = _build(tp, pp, vpp, sequence_parallel)
+    chunks, config = _build(tp, pp, vpp, sequence_parallel, spec)
     # Keys inside the checkpoint are global (per-layer numbers), so chunks never collide.
     state = {f"chunk{v}": chunk.sharded_state_dict() for v, chunk in enumerate(chunks)}
     if save:
@@ -147,13 +158,14 @@ def _assert_same(single, parallel, atol=2e-5):
         torch.testing.assert_close(grads_n[name], grads_1[name], rtol=1e-4, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("tp,pp,vpp,sp", [
-    (2, 1, None, False),   # tensor parallel
-    (2, 1, None, True),    # + sequence parallel
-    (1, 2, None, False),   # pipeline parallel, 1F1B
-    (1, 2, 2, False),      # interleaved virtual pipeline
+@pytest.mark.parametrize("tp,pp,vpp,sp,spec", [
+    (2, 1, None, False, "block"),   # tensor parallel
+    (2, 1, None, True, "block"),    # + sequence parallel
+    (1, 2, None, False, "block"),   # pipeline parallel, 1F1B
+    (1, 2, 2, False, "block"),      # interleaved virtual pipeline
+    (1, 2, None, False, "layer"),   # the `--spec ... hybrid_layer` object across stages
 ])
-def test_layout_from_single_process_checkpoint_matches(single_process, tp, pp, vpp, sp):
+def test_layout_from_single_process_checkpoint_matches(single_process, tp, pp, vpp, sp, spec):
     ckpt, reference = single_process
-    parallel = _merge(harness.spawn(run_layout, tp * pp, ckpt, tp, pp, vpp, sp))
+    parallel = _merge(harness.spawn(run_layout, tp * pp, ckpt, tp, pp, vpp, sp, False, spec))
     _assert_same(reference, parallel)

@@ -1,0 +1,106 @@
+"""The spec entry points: block_spec for user code, `hybrid_block` (megatron-core 0.19's
+callable `--spec` form, through its GPTModelBuilder) and `hybrid_layer` (the spec-object form),
+plus MoE FFNs and the checkpoint layout they need."""
+
+import pytest
+import torch
+
+import harness
+
+pytestmark = pytest.mark.usefixtures("megatron_single_process")
+
+PATTERN = "G*GG"
+
+
+def _mixers(model):
+    return [type(layer.self_attention).__name__ for layer in model.decoder.layers]
+
+
+def _forward_backward(model, vocab=96):
+    tokens = torch.randint(0, vocab, (2, 33))
+    loss = model(tokens, torch.arange(33).expand(2, -1), None, labels=tokens).mean()
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    return loss
+
+
+@pytest.fixture
+def ext_yaml(tmp_path, monkeypatch):
+    from megatron_ext.config import ENV_CONFIG
+
+    path = tmp_path / "ext.yaml"
+    path.write_text(f"ext:\n  pattern: '{PATTERN}'\n")
+    monkeypatch.setenv(ENV_CONFIG, str(path))
+    return path
+
+
+def test_block_spec_for_user_code():
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_ext.specs import block_spec
+
+    config = harness.tiny_config()
+    model = GPTModel(config, block_spec(config, pattern=PATTERN), vocab_size=96,
+                     max_sequence_length=64, position_embedding_type="none")
+    assert _mixers(model) == ["GatedDeltaNet", "SelfAttention", "GatedDeltaNet", "GatedDeltaNet"]
+    assert config.hetereogenous_dist_checkpoint  # mixed layers need per-layer checkpoint keys
+    _forward_backward(model)
+
+
+def test_hybrid_block_through_megatron_gpt_model_builder(ext_yaml):
+    """pretrain_gpt.py >= 0.19 calls the named object as f(model_config, vp_stage=...)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
+
+    from megatron_ext import specs
+
+    model_config = GPTModelConfig(transformer=harness.tiny_config(), vocab_size=96,
+                                  seq_length=64, transformer_layer_spec=specs.hybrid_block,
+                                  position_embedding_type="none")
+    model = GPTModelBuilder(model_config).build_model(
+        ProcessGroupCollection.use_mpu_process_groups())
+    assert _mixers(model) == ["GatedDeltaNet", "SelfAttention", "GatedDeltaNet", "GatedDeltaNet"]
+    _forward_backward(model)
+
+
+def test_hybrid_layer_object_picks_mixer_by_global_layer_number(ext_yaml):
+    """Builders that use the named object as a layer spec fan it out to every layer."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_ext.specs import hybrid_layer
+
+    config = harness.tiny_config()
+    model = GPTModel(config, hybrid_layer, vocab_size=96, max_sequence_length=64,
+                     position_embedding_type="none")
+    assert _mixers(model) == ["GatedDeltaNet", "SelfAttention", "GatedDeltaNet", "GatedDeltaNet"]
+    _forward_backward(model)
+
+
+def test_spec_entry_point_without_settings_explains_how_to_give_them(monkeypatch):
+    from megatron_ext.config import ENV_CONFIG, ConfigError
+    from megatron_ext.specs import hybrid_block
+
+    monkeypatch.delenv(ENV_CONFIG, raising=False)
+    with pytest.raises(ConfigError, match="--ext-pattern.*MEGATRON_EXT_CONFIG"):
+        hybrid_block(harness.tiny_config())
+
+
+def test_moe_ffn_when_configured():
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_ext.specs import block_spec
+
+    config = harness.tiny_config(num_layers=2, num_moe_experts=4, moe_router_topk=2,
+                                 moe_token_dispatcher_type="allgather")
+    model = GPTModel(config, block_spec(config, pattern="G*"), vocab_size=96,
+                     max_sequence_length=64, position_embedding_type="none")
+    assert [type(layer.mlp).__name__ for layer in model.decoder.layers] == ["MoELayer"] * 2
+    _forward_backward(model)
+
+
+def test_pure_attention_keeps_megatron_stacked_checkpoint_layout():
+    from megatron_ext.specs import block_spec
+
+    config = harness.tiny_config()
+    block_spec(config, pattern="*")
+    assert not config.hetereogenous_dist_checkpoint
