@@ -2,7 +2,8 @@
 
 Default model: the 291M configuration of the foundation issue (20 layers, hidden 1024, FFN 2816
 SwiGLU, 16 heads, 4 KV groups, vocab 32000, RoPE), sequence 4096, micro-batch 2, bf16. Each
-core trains a few warm-up steps, then ``--steps`` timed forward+backward steps (no optimizer).
+core runs a few warm-up steps, then ``--windows`` windows of ``--steps`` timed forward+backward
+steps (no optimizer); the median window counts.
 
     python benchmarks/attention_core.py --out benchmarks/results/attention_core_h200.json
 
@@ -88,13 +89,16 @@ def measure(args, backend):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(args.steps):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / args.steps
+    windows = []
+    for _ in range(args.windows):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        windows.append(start.elapsed_time(end) / args.steps)
+    ms = sorted(windows)[len(windows) // 2]  # median window
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -103,7 +107,7 @@ def measure(args, backend):
             torch.cuda.synchronize()
         log(f"{backend}: top CUDA kernels of one step\n"
             + prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
-    result = dict(backend=backend, params=n_params, ms_per_step=ms,
+    result = dict(backend=backend, params=n_params, ms_per_step=ms, ms_per_step_windows=windows,
                   peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30,
                   model_tflops=model_flops(model, args) / (ms * 1e-3) / 1e12)
     log(f"{backend}: {ms:.1f} ms/step, {result['model_tflops']:.0f} TFLOP/s, "
@@ -180,7 +184,8 @@ def main():
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10, help="steps per timed window")
+    p.add_argument("--windows", type=int, default=3, help="timed windows; the median counts")
     p.add_argument("--backends", default="local,sdpa")
     p.add_argument("--profile", action="store_true", help="print each core's top CUDA kernels")
     p.add_argument("--out", default="benchmarks/results/attention_core.json")

@@ -38,7 +38,10 @@ def test_sdpa_core_bf16_close_to_fp32(seq):
     # Same bf16 inputs, fp32 math in the reference: what is left is the kernel's bf16 output
     # rounding (2^-8 relative) and its accumulation order.
     expected = _attention_fp32(q.float(), k.float(), v.float())
-    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    # Flash-style kernels round the probabilities to bf16 before P @ V, and the output once
+    # more: each costs at most 2^-8 of max |v|.
+    err = (out - expected).abs().max().item()
+    assert err <= 2 * 2**-8 * v.float().abs().max().item(), err
 
 
 def test_gated_delta_rule_chunked_on_cuda_matches_reference():
