@@ -27,7 +27,8 @@ def test_sdpa_core_bf16_close_to_fp32(seq):
     from megatron_ext.mixers.attention import SDPACoreAttention
 
     config = TransformerConfig(num_layers=1, hidden_size=512, num_attention_heads=8,
-                               num_query_groups=2, bf16=True, params_dtype=torch.bfloat16)
+                               num_query_groups=2, bf16=True, params_dtype=torch.bfloat16,
+                               attention_dropout=0.0)
     core = SDPACoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal)
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(seq, 2, 8, 64, device="cuda", generator=g)
