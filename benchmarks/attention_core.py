@@ -110,6 +110,11 @@ def measure(args, backend):
     if args.profile:
         log(f"{backend}: top CUDA kernels of one step\n"
             + events.table(sort_by="cuda_time_total", row_limit=15))
+        with profile(activities=[ProfilerActivity.CPU]) as cpu_prof:
+            step()
+            torch.cuda.synchronize()
+        log(f"{backend}: top host-side (CPU) ops of one step\n"
+            + cpu_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     result = dict(backend=backend, params=n_params, ms_per_step=ms, ms_per_step_windows=windows,
                   gpu_kernel_ms_per_step=gpu_kernel_ms,
                   peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30,
