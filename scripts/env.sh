@@ -5,12 +5,23 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 
 find_python312() {
-    if command -v python3.12 >/dev/null 2>&1; then command -v python3.12; return; fi
+    # pyenv's shims answer to `python3.12` even when 3.12 is not the active version, so each
+    # candidate must actually run as 3.12.
+    local candidates=()
     if command -v pyenv >/dev/null 2>&1; then
         local v
-        v="$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$)' | sort -V | tail -1)"
-        if [ -n "$v" ]; then echo "$(pyenv root)/versions/$v/bin/python3.12"; return; fi
+        for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$)' | sort -rV); do
+            candidates+=("$(pyenv root)/versions/$v/bin/python3.12")
+        done
     fi
+    candidates+=(python3.12 python3)
+    local c
+    for c in "${candidates[@]}"; do
+        if "$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; then
+            command -v "$c"
+            return
+        fi
+    done
     echo "megatron-ext needs Python 3.12 (python3.12 on PATH, or installed with pyenv)" >&2
     return 1
 }
