@@ -49,14 +49,17 @@ class ExtConfig:
     # "local" is Megatron's unfused DotProductAttention (kept for comparison).
     attention_backend: str = "auto"
 
-    # Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025). Head counts default to the attention's:
-    # key heads = num_query_groups, value heads = num_attention_heads; head dims to kv_channels.
-    gdn_num_key_heads: int | None = None
-    gdn_num_value_heads: int | None = None
-    gdn_key_head_dim: int | None = None
-    gdn_value_head_dim: int | None = None
-    gdn_conv_kernel: int = 4
-    gdn_chunk_size: int = 64
+    # Linear-recurrent mixers (DeltaNet, Gated DeltaNet, KDA, GDN-2). Head counts default to
+    # the attention's: key heads = num_query_groups, value heads = num_attention_heads; head
+    # dims to kv_channels. Names follow megatron-core's own GDN settings.
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel: int = 4
+    # Rank of the low-rank projection behind per-channel decays (KDA, GDN-2); default: the
+    # value head dim, as in Kimi Linear.
+    linear_decay_rank: int | None = None
 
     # Which implementation the linear-recurrence ops use (see megatron_ext.kernels).
     kernel_backend: str = "auto"
@@ -104,15 +107,13 @@ class ExtConfig:
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {list(choices)}")
-        for name in ("gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim",
-                     "gdn_value_head_dim"):
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_decay_rank"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name}={value} must be a positive integer (or unset)")
-        if self.gdn_conv_kernel < 1:
-            raise ConfigError(f"gdn_conv_kernel={self.gdn_conv_kernel} must be >= 1")
-        if self.gdn_chunk_size < 1:
-            raise ConfigError(f"gdn_chunk_size={self.gdn_chunk_size} must be >= 1")
+        if self.linear_conv_kernel < 1:
+            raise ConfigError(f"linear_conv_kernel={self.linear_conv_kernel} must be >= 1")
         if num_layers is not None:
             expand_pattern(self.pattern, num_layers)
         return self

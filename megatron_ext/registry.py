@@ -3,14 +3,14 @@
 Symbols keep Megatron's hybrid-pattern meaning where one exists (``*`` softmax attention, ``G``
 Gated DeltaNet, ``M`` Mamba, ``D`` DSA); symbols of our own must not collide with those.
 A row names its spec builder as ``"module:function"`` so that this table stays free of imports;
-the builder takes ``(ext_config, transformer_config)`` and returns the ModuleSpec that fills the
-``self_attention`` slot of a TransformerLayer.
+the builder takes ``(ext_config, transformer_config, **options)`` and returns the ModuleSpec
+that fills the ``self_attention`` slot of a TransformerLayer.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 
@@ -18,20 +18,27 @@ from typing import Callable
 class Mixer:
     symbol: str
     name: str
-    builder: str  # "module:function" -> f(ext_config, transformer_config) -> ModuleSpec
+    builder: str  # "module:function" -> f(ext_config, transformer_config, **options)
     description: str
+    options: dict = field(default_factory=dict)
 
     def build_spec(self, ext_config, transformer_config):
         module, function = self.builder.split(":")
         fn: Callable = getattr(importlib.import_module(module), function)
-        return fn(ext_config, transformer_config)
+        return fn(ext_config, transformer_config, **self.options)
 
+
+_DELTA = "megatron_ext.mixers.delta_rule:delta_rule_spec"
 
 MIXERS: tuple[Mixer, ...] = (
     Mixer("*", "attention", "megatron_ext.specs:attention_self_spec",
           "softmax self-attention (torch SDPA, TE or Megatron's local core)"),
-    Mixer("G", "gated_deltanet", "megatron_ext.mixers.gated_deltanet:gated_deltanet_spec",
-          "Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025)"),
+    Mixer("G", "gated_deltanet", _DELTA, "Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025)",
+          {"variant": "gated_deltanet"}),
+    Mixer("N", "deltanet", _DELTA, "DeltaNet (Yang et al. 2024)", {"variant": "deltanet"}),
+    Mixer("K", "kda", _DELTA, "Kimi Delta Attention (Kimi Linear 2025)", {"variant": "kda"}),
+    Mixer("Q", "gated_deltanet2", _DELTA, "Gated DeltaNet-2: per-channel erase and write gates",
+          {"variant": "gated_deltanet2"}),
 )
 
 _BY_SYMBOL = {m.symbol: m for m in MIXERS}

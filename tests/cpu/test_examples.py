@@ -14,7 +14,7 @@ def test_own_script_example_trains_three_steps():
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "own_script.py")],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "['GatedDeltaNet', 'GatedDeltaNet', 'SelfAttention', 'GatedDeltaNet']" in done.stdout
+    assert "['DeltaRuleMixer', 'DeltaRuleMixer', 'SelfAttention', 'DeltaRuleMixer']" in done.stdout
     losses = [float(line.split()[-1]) for line in done.stdout.splitlines()
               if line.startswith("step ")]
     assert len(losses) == 3 and losses[-1] < losses[0]

@@ -50,8 +50,8 @@ def test_empty_pattern_rejected():
 def test_config_validation_names_field():
     with pytest.raises(ConfigError, match="attention_backend='flash'"):
         ExtConfig(attention_backend="flash").validate()
-    with pytest.raises(ConfigError, match="gdn_num_key_heads=0"):
-        ExtConfig(gdn_num_key_heads=0).validate()
+    with pytest.raises(ConfigError, match="linear_num_key_heads=0"):
+        ExtConfig(linear_num_key_heads=0).validate()
     with pytest.raises(ConfigError, match="unknown megatron-ext setting"):
         ExtConfig.from_dict({"patern": "G"})
 
@@ -63,9 +63,9 @@ def test_megatron_argparse_roundtrip():
 
     parser = add_megatron_args(argparse.ArgumentParser())
     args = parser.parse_args(["--ext-pattern", "gated_deltanet,attention",
-                              "--ext-gdn-conv-kernel", "3"])
+                              "--ext-linear-conv-kernel", "3"])
     ext = ExtConfig.from_megatron_args(args)
-    assert ext.pattern == ["gated_deltanet", "attention"] and ext.gdn_conv_kernel == 3
+    assert ext.pattern == ["gated_deltanet", "attention"] and ext.linear_conv_kernel == 3
     assert ext.attention_backend == "auto"
 
 

@@ -13,7 +13,9 @@ PATTERN = "G*GG"
 
 
 def _mixers(model):
-    return [type(layer.self_attention).__name__ for layer in model.decoder.layers]
+    """Each layer's mixer: the delta-rule variant, or the module's class name."""
+    return [getattr(layer.self_attention, "variant", type(layer.self_attention).__name__)
+            for layer in model.decoder.layers]
 
 
 def _forward_backward(model, vocab=96):
@@ -42,7 +44,7 @@ def test_block_spec_for_user_code():
     config = harness.tiny_config()
     model = GPTModel(config, block_spec(config, pattern=PATTERN), vocab_size=96,
                      max_sequence_length=64, position_embedding_type="none")
-    assert _mixers(model) == ["GatedDeltaNet", "SelfAttention", "GatedDeltaNet", "GatedDeltaNet"]
+    assert _mixers(model) == ["gated_deltanet", "SelfAttention", "gated_deltanet", "gated_deltanet"]
     assert config.hetereogenous_dist_checkpoint  # mixed layers need per-layer checkpoint keys
     _forward_backward(model)
 
@@ -59,7 +61,7 @@ def test_hybrid_block_through_megatron_gpt_model_builder(ext_yaml):
                                   position_embedding_type="none")
     model = GPTModelBuilder(model_config).build_model(
         ProcessGroupCollection.use_mpu_process_groups())
-    assert _mixers(model) == ["GatedDeltaNet", "SelfAttention", "GatedDeltaNet", "GatedDeltaNet"]
+    assert _mixers(model) == ["gated_deltanet", "SelfAttention", "gated_deltanet", "gated_deltanet"]
     _forward_backward(model)
 
 
@@ -72,7 +74,7 @@ def test_hybrid_layer_object_picks_mixer_by_global_layer_number(ext_yaml):
     config = harness.tiny_config()
     model = GPTModel(config, hybrid_layer, vocab_size=96, max_sequence_length=64,
                      position_embedding_type="none")
-    assert _mixers(model) == ["GatedDeltaNet", "SelfAttention", "GatedDeltaNet", "GatedDeltaNet"]
+    assert _mixers(model) == ["gated_deltanet", "SelfAttention", "gated_deltanet", "gated_deltanet"]
     _forward_backward(model)
 
 

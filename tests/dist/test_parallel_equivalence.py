@@ -5,7 +5,7 @@ The single-process run saves a Megatron dist checkpoint; every parallel layout s
 random weights of its own and loads that checkpoint, resharded to its TP/PP/VPP split. (Fresh
 initialisation cannot be compared across PP: each stage draws only its own layers' weights.)
 So these tests are also the checkpoint save -> load -> reshard tests.
-The model is a tiny hybrid with both Gated DeltaNet and softmax-attention layers.
+The model is a tiny hybrid with every mixer kind of the registry.
 """
 
 import pytest
@@ -13,7 +13,8 @@ import torch
 
 import harness
 
-PATTERN = "G*G*"
+# Every mixer kind: Gated DeltaNet, KDA, attention, GDN-2, DeltaNet.
+PATTERN = "GK*QN*GK"
 SEQ, BATCH, VOCAB, MICRO_BATCHES = 24, 2, 96, 2
 
 
@@ -39,7 +40,8 @@ def _build(tp=1, pp=1, vpp=None, sequence_parallel=False, spec="block"):
     from megatron_ext.specs import PatternTransformerLayer, block_spec
 
     harness.init_parallel(tp=tp, pp=pp, vpp=vpp)
-    config = harness.tiny_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+    config = harness.tiny_config(num_layers=len(PATTERN), tensor_model_parallel_size=tp,
+                                 pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vpp,
                                  sequence_parallel=sequence_parallel)
     chunks = []

@@ -1,0 +1,94 @@
+"""What the linear-recurrence op families share: the q/k/v, varlen and initial-state contract,
+the upcast with grouped heads, and the layout of sequences as zero-padded chunks.
+
+Every family takes q, k ``[B, T, Hk, K]`` and v ``[B, T, Hv, V]`` with Hv a multiple of Hk (q/k
+head i serves v heads ``i * Hv/Hk ... (i + 1) * Hv/Hk - 1``), optional ``cu_seqlens [N + 1]`` for
+sequences packed along T (B == 1), and an fp32 state ``[N, Hv, K, V]`` per sequence. The family's
+own arguments (gates, decays) are checked by the family; ``op`` names it in every message.
+"""
+import torch
+import torch.nn.functional as F
+
+__all__ = ["fail", "check_shared_inputs", "upcast_qkv", "sequence_spans", "to_chunks", "from_chunks"]
+
+
+def fail(op: str, name: str, tensor: torch.Tensor, expected: str) -> None:
+    raise ValueError(f"{op}: {name} has shape {tuple(tensor.shape)}, expected {expected}")
+
+
+def check_shared_inputs(op: str, q, k, v, *, initial_state, cu_seqlens) -> None:
+    """Raise ValueError, naming the argument, its shape and what was expected, if q, k, v,
+    cu_seqlens and initial_state do not fit together."""
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if tensor.dim() != 4:
+            fail(op, name, tensor, "a 4-D tensor [B, T, H, D]")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{op}: {name} has dtype {tensor.dtype}, expected a floating-point dtype")
+    batch, seq_len, key_heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    if k.shape != q.shape:
+        fail(op, "k", k, f"the shape of q {list(q.shape)} = [B, T, Hk, K]")
+    if v.shape[:2] != q.shape[:2]:
+        fail(op, "v", v, f"[B, T, Hv, V] with B, T = {batch}, {seq_len} as in q")
+    if value_heads % key_heads != 0:
+        fail(op, "v", v, f"[B, T, Hv, V] with Hv a multiple of the {key_heads} q/k heads")
+
+    num_states = batch
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+            fail(op, "cu_seqlens", cu_seqlens, "a 1-D integer tensor [N + 1] of sequence boundaries")
+        if batch != 1:
+            fail(op, "q", q, "B == 1 when cu_seqlens is given (sequences packed along T)")
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0 or bounds[-1] != seq_len or any(a > b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(
+                f"{op}: cu_seqlens = {bounds} must start at 0, never decrease and end at T = {seq_len}"
+            )
+        num_states = len(bounds) - 1
+    if initial_state is not None:
+        expected_state = [num_states, value_heads, key_dim, value_dim]
+        if list(initial_state.shape) != expected_state:
+            what = "number of sequences" if cu_seqlens is not None else "batch size"
+            fail(op, "initial_state", initial_state, f"[N, Hv, K, V] = {expected_state} (N = {what})")
+
+
+def upcast_qkv(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v in the compute dtype, fp32 (fp64 if an input is fp64, so that tests can compare
+    backends to ~1e-12), with q and k repeated onto the v heads: each ``[B, T, Hv, D]``."""
+    dtype = torch.float32
+    for tensor in (q, k, v):
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    heads_per_key = v.shape[2] // q.shape[2]
+    return (q.to(dtype).repeat_interleave(heads_per_key, dim=2),
+            k.to(dtype).repeat_interleave(heads_per_key, dim=2),
+            v.to(dtype))
+
+
+def sequence_spans(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int) -> list[tuple[int, int, int]]:
+    """The independent sequences as ``(batch_row, start, end)``; their order is the order of
+    ``initial_state`` and ``final_state`` rows."""
+    if cu_seqlens is None:
+        return [(row, 0, seq_len) for row in range(batch)]
+    bounds = cu_seqlens.tolist()
+    return [(0, start, end) for start, end in zip(bounds, bounds[1:])]
+
+
+def to_chunks(tensor: torch.Tensor, spans, num_chunks: int, chunk_size: int) -> torch.Tensor:
+    """``[B, T, H, D]`` -> ``[N, H, num_chunks, chunk_size, D]``, one row per sequence in spans,
+    zero-padded at the end. The caller makes sure that a zero token changes nothing (for the
+    linear recurrences here: q = k = 0 and a log-decay of 0 read nothing, write nothing and
+    decay nothing), so that padding is exact."""
+    padded_len = num_chunks * chunk_size
+    rows = [F.pad(tensor[row, start:end], (0, 0, 0, 0, 0, padded_len - (end - start)))
+            for row, start, end in spans]
+    sequences = torch.stack(rows)  # [N, padded_len, H, D]
+    return sequences.unflatten(1, (num_chunks, chunk_size)).permute(0, 3, 1, 2, 4)
+
+
+def from_chunks(chunked: torch.Tensor, spans, batch: int, seq_len: int) -> torch.Tensor:
+    """The inverse of ``to_chunks``: ``[N, H, num_chunks, chunk_size, D]`` -> ``[B, T, H, D]``,
+    dropping the padding."""
+    heads, dim = chunked.shape[1], chunked.shape[-1]
+    sequences = chunked.permute(0, 2, 3, 1, 4).flatten(1, 2)  # [N, num_chunks * chunk_size, H, D]
+    kept = torch.cat([sequences[index, : end - start] for index, (_, start, end) in enumerate(spans)])
+    return kept.reshape(batch, seq_len, heads, dim)
