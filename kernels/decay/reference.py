@@ -38,7 +38,8 @@ def check_inputs(q, k, v, *, g, initial_state, cu_seqlens) -> None:
     per_head = [batch, seq_len, value_heads]
     if g is not None and list(g.shape) not in ([value_heads], per_head, per_head + [key_dim]):
         fail(OP, "g", g, f"[Hv] = [{value_heads}] (a constant per head), [B, T, Hv] = {per_head} "
-                         f"(one per head and token) or [B, T, Hv, K] = {per_head + [key_dim]} (per key channel)")
+                         f"(one per head and token) or [B, T, Hv, K] = {per_head + [key_dim]} "
+                         "(per key channel)")
 
 
 class ExpandedInputs(NamedTuple):

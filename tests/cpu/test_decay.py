@@ -7,12 +7,13 @@ Tolerances are relative errors in the Frobenius norm, ||actual - expected|| / ||
   order 1e-3 or more.
 - float32: the chunked path in fp32 against the reference in fp64 on the same values: 1e-5 for
   outputs, states and gradients. fp32 rounds at 6e-8; sums over K and over the tokens of a chunk
-  and of a sequence amplify that (measured: at most 2e-7, gradients included), so 1e-5 leaves a
-  wide margin and is still far below what an algebraic slip produces. Keys are L2-normalised and
+  and of a sequence amplify that (measured: at most 4.5e-7, gradients included, and 7e-7 with
+  the strong decays below), so 1e-5 leaves a 10x margin and is still far below what an
+  algebraic slip produces. Keys are L2-normalised and
   decays lie in (0, 1), as in the models.
 - bfloat16 inputs: the chunked path computes in fp32 and rounds o to bf16 at the end, so it must
   match the fp32 reference on the same (bf16-rounded) values to bf16 output precision:
-  2^-8 = 3.9e-3 relative per element (measured 1.5e-3 in norm); we allow 1e-2 in norm. The final
+  2^-8 = 3.9e-3 relative per element (measured 1.7e-3 in norm); we allow 1e-2 in norm. The final
   state stays in fp32 and gets the fp32 tolerance.
 """
 import pytest
@@ -85,9 +86,9 @@ def test_decay_forms_are_one_rule():
         torch.testing.assert_close(same_per_channel, per_head, rtol=1e-12, atol=1e-12)
 
         constant = g[0, 0, :, 0]
-        per_head_constant = decay_linear_attention(**inputs, g=constant.expand(g.shape[:3]), backend=backend)[0]
+        expanded = decay_linear_attention(**inputs, g=constant.expand(g.shape[:3]), backend=backend)[0]
         torch.testing.assert_close(decay_linear_attention(**inputs, g=constant, backend=backend)[0],
-                                   per_head_constant, rtol=1e-12, atol=1e-12)
+                                   expanded, rtol=1e-12, atol=1e-12)
 
         no_decay = decay_linear_attention(**inputs, backend=backend)[0]
         zero_decay = decay_linear_attention(**inputs, g=torch.zeros_like(g[..., 0]), backend=backend)[0]
@@ -135,7 +136,8 @@ def test_chunked_float32_matches_float64_reference(decay, chunk_size):
 
 def test_grouped_heads_are_shared_by_consecutive_value_heads():
     """With Hk = 2 and Hv = 4, v heads 0 and 1 read q/k head 0, v heads 2 and 3 q/k head 1."""
-    inputs = {name: t.detach() for name, t in make_inputs("per_channel", key_heads=2, value_heads=4).items()}
+    inputs = make_inputs("per_channel", key_heads=2, value_heads=4)
+    inputs = {name: t.detach() for name, t in inputs.items()}
     expanded = dict(inputs, q=inputs["q"][:, :, [0, 0, 1, 1]], k=inputs["k"][:, :, [0, 0, 1, 1]])
     for backend in ("reference", "chunked"):
         grouped = decay_linear_attention(**inputs, output_final_state=True, backend=backend)
@@ -180,7 +182,8 @@ def test_varlen_is_each_sequence_on_its_own(decay):
 
 def test_varlen_empty_sequence_keeps_its_initial_state():
     cu_seqlens = torch.tensor([0, 5, 5, 22])
-    inputs = {name: t.detach() for name, t in make_inputs("constant", batch=1, seq_len=22, num_states=3).items()}
+    inputs = make_inputs("constant", batch=1, seq_len=22, num_states=3)
+    inputs = {name: t.detach() for name, t in inputs.items()}
     for function in (decay_linear_attention_reference, decay_linear_attention_chunked):
         o, final_state = function(**inputs, cu_seqlens=cu_seqlens, output_final_state=True)
         assert o.shape == (1, 22, 4, VALUE_DIM)
