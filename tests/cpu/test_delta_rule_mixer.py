@@ -8,7 +8,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 import harness
 from megatron_ext.config import ConfigError, ExtConfig
-from megatron_ext.mixers.delta_rule import VARIANTS, DeltaRuleMixer, DeltaRuleSubmodules
+from megatron_ext.mixers.common import LinearMixerSubmodules
+from megatron_ext.mixers.delta_rule import VARIANTS, DeltaRuleMixer
 
 pytestmark = pytest.mark.usefixtures("megatron_single_process")
 
@@ -17,7 +18,7 @@ def _mixer(variant, backend="auto", **ext):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     torch.manual_seed(3)
-    return DeltaRuleMixer(harness.tiny_config(), DeltaRuleSubmodules(), layer_number=1,
+    return DeltaRuleMixer(harness.tiny_config(), LinearMixerSubmodules(), layer_number=1,
                           ext_config=ExtConfig(kernel_backend=backend, **ext), variant=variant,
                           pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 

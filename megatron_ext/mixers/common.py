@@ -1,0 +1,140 @@
+"""Pieces shared by the linear-recurrent mixers (delta-rule, decay, Mamba-2).
+
+- :class:`HeadShardedMixer`: a MegatronModule whose raw per-head parameters are sharded over TP
+  along dim 0, drawn at full size and sliced (every TP size starts from the same model), and
+  declared in ``sharded_state_dict`` so checkpoints reshard.
+- :func:`causal_depthwise_conv`: the short causal convolution, aware of packed sequences.
+- :func:`gated_rms_norm`: RMSNorm per group of channels, times a per-channel weight and a gate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+    sharded_state_dict_default,
+)
+
+
+@dataclass
+class LinearMixerSubmodules:
+    column_linear: type = ColumnParallelLinear
+    row_linear: type = RowParallelLinear
+
+
+class HeadShardedMixer(MegatronModule):
+    """Base of the linear-recurrent mixers: TP bookkeeping, projections and raw parameters."""
+
+    def __init__(self, config, submodules: LinearMixerSubmodules, pg_collection=None):
+        super().__init__(config=config)
+        self.submodules = submodules
+        self.tp_group = pg_collection.tp if pg_collection is not None else None
+        self.tp_size = self.tp_group.size() if self.tp_group is not None else 1
+        self.tp_rank = self.tp_group.rank() if self.tp_group is not None else 0
+        self._tp_sharded: list[str] = []
+
+    def column(self, name: str, in_size: int, out_size: int, gather_output: bool = False,
+               config=None):
+        """A column-parallel projection (output split over TP), no bias."""
+        return build_module(
+            self.submodules.column_linear, in_size, out_size, config=config or self.config,
+            init_method=self.config.init_method, gather_output=gather_output, bias=False,
+            skip_bias_add=False, is_expert=False, tp_comm_buffer_name=name,
+            tp_group=self.tp_group)
+
+    def row(self, name: str, in_size: int, out_size: int):
+        """The row-parallel output projection; its bias is returned for bias-dropout-add."""
+        return build_module(
+            self.submodules.row_linear, in_size, out_size, config=self.config,
+            init_method=self.config.output_layer_init_method, bias=self.config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=True, is_expert=False,
+            tp_comm_buffer_name=name, tp_group=self.tp_group)
+
+    def sharded_parameter(self, name: str, full: torch.Tensor, no_weight_decay: bool = False):
+        """Register this rank's dim-0 slice of ``full`` (drawn identically on every TP rank)."""
+        shard = full.chunk(self.tp_size, dim=0)[self.tp_rank].contiguous()
+        p = torch.nn.Parameter(shard.to(self.config.params_dtype))
+        p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
+        if no_weight_decay:
+            p._no_weight_decay = True
+        self.register_parameter(name, p)
+        self._tp_sharded.append(name)
+        return p
+
+    def conv_parameter(self, name: str, channels: int, kernel: int):
+        """A depthwise filter ``[channels, kernel]`` with torch's default Conv1d init."""
+        bound = 1.0 / math.sqrt(kernel)
+        return self.sharded_parameter(name, torch.empty(channels, kernel).uniform_(-bound, bound))
+
+    def decay_parameters(self, heads: int, dt_size: int):
+        """Mamba-2 / GDN decay parameters: ``A_log`` (A in [1, 16]) per head and ``dt_bias``
+        = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1], one per ``dt_size`` entry."""
+        self.sharded_parameter("A_log", torch.empty(heads).uniform_(1, 16).log(),
+                               no_weight_decay=True)
+        dt = torch.exp(torch.empty(dt_size).uniform_(math.log(1e-3), math.log(1e-1)))
+        dt = dt.clamp(min=1e-4)
+        self.sharded_parameter("dt_bias", dt + torch.log(-torch.expm1(-dt)), no_weight_decay=True)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        own = {}
+        self._save_to_state_dict(own, "", keep_vars=True)
+        sharded = make_sharded_tensors_for_checkpoint(
+            own, prefix, {name: 0 for name in self._tp_sharded}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+        for name, child in self.named_children():
+            sharded.update(sharded_state_dict_default(
+                child, f"{prefix}{name}.", sharded_offsets, metadata, tp_group=self.tp_group))
+        return sharded
+
+
+def packed_cu_seqlens(packed_seq_params):
+    """``cu_seqlens`` of ``thd``-packed sequences, or None for ordinary batches."""
+    if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        return packed_seq_params.cu_seqlens_q
+    return None
+
+
+def same_sequence_masks(cu_seqlens, length: int, kernel: int, device):
+    """For packed sequences: mask[j][t] says whether token t-j is in t's sequence (j < kernel)."""
+    if cu_seqlens is None:
+        return None
+    positions = torch.arange(length, device=device)
+    seq_id = torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
+    masks = []
+    for shift in range(kernel):
+        earlier = torch.full_like(seq_id, -1)
+        earlier[shift:] = seq_id[: length - shift]
+        masks.append(earlier == seq_id)
+    return masks
+
+
+def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, same_sequence=None):
+    """``y[:, t, c] = sum_j weight[c, K-1-j] * x[:, t-j, c]`` for ``[b, s, C]`` inputs.
+
+    Tap ``K-1`` multiplies the current token (torch Conv1d's orientation). With packed
+    sequences, ``same_sequence[j]`` drops taps that would reach into the previous sequence.
+    """
+    kernel = weight.shape[1]
+    out = x * weight[:, kernel - 1]
+    for shift in range(1, kernel):
+        shifted = F.pad(x, (0, 0, shift, 0))[:, : x.shape[1]]
+        if same_sequence is not None:
+            shifted = shifted * same_sequence[shift].view(1, -1, 1).to(x.dtype)
+        out = out + shifted * weight[:, kernel - 1 - shift]
+    return out
+
+
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float):
+    """``rmsnorm(x) * weight * silu(gate)`` over the last dim, in fp32; ``weight`` broadcasts."""
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x * weight.float() * F.silu(gate.float())
