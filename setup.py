@@ -10,6 +10,7 @@ _SUBPACKAGES = {
     "megatron_ext.mixers": "megatron_ext/mixers",
     "megatron_ext.kernels": "kernels",
     "megatron_ext.kernels.delta_rule": "kernels/delta_rule",
+    "megatron_ext.kernels.decay": "kernels/decay",
     "megatron_ext.launch": "launch",
 }
 

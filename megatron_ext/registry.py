@@ -29,6 +29,7 @@ class Mixer:
 
 
 _DELTA = "megatron_ext.mixers.delta_rule:delta_rule_spec"
+_DECAY = "megatron_ext.mixers.decay:decay_spec"
 
 MIXERS: tuple[Mixer, ...] = (
     Mixer("*", "attention", "megatron_ext.specs:attention_self_spec",
@@ -39,6 +40,11 @@ MIXERS: tuple[Mixer, ...] = (
     Mixer("K", "kda", _DELTA, "Kimi Delta Attention (Kimi Linear 2025)", {"variant": "kda"}),
     Mixer("Q", "gated_deltanet2", _DELTA, "Gated DeltaNet-2: per-channel erase and write gates",
           {"variant": "gated_deltanet2"}),
+    Mixer("M", "mamba2", "megatron_ext.mixers.decay:mamba2_spec", "Mamba-2 / SSD (Dao & Gu 2024)"),
+    Mixer("A", "gla", _DECAY, "Gated Linear Attention (Yang et al. 2024)", {"variant": "gla"}),
+    Mixer("R", "retnet", _DECAY, "RetNet retention (Sun et al. 2023)", {"variant": "retnet"}),
+    Mixer("L", "lightning", _DECAY, "Lightning Attention (Qin et al. 2024)",
+          {"variant": "lightning"}),
 )
 
 _BY_SYMBOL = {m.symbol: m for m in MIXERS}

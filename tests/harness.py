@@ -152,7 +152,8 @@ def tiny_config(**overrides):
                   num_query_groups=2, use_cpu_initialization=True, hidden_dropout=0.0,
                   attention_dropout=0.0, normalization="RMSNorm", bias_dropout_fusion=False,
                   gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-                  persist_layer_norm=False, pipeline_dtype=torch.float32, add_bias_linear=False)
+                  persist_layer_norm=False, pipeline_dtype=torch.float32, add_bias_linear=False,
+                  mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=8)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

@@ -1,0 +1,212 @@
+"""The decay family of linear attention as Megatron layers: GLA, RetNet, Lightning, Mamba-2.
+
+All run on one op, :func:`megatron_ext.kernels.decay_linear_attention`
+(``S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T``, ``o_t = scale * S_t^T q_t``), and differ in
+where q, k, v and the decay come from:
+
+- ``gla`` (Yang et al., ICML 2024): decay per key channel,
+  ``g = logsigmoid(x W_down W_up + b) / 16`` (the paper's gate normaliser);
+- ``retnet`` (Sun et al. 2023): a fixed decay per head, ``gamma_h = 1 - 2^(-5-h)``;
+- ``lightning`` (Qin et al. 2024, as in MiniMax-01): a fixed decay per head,
+  ``exp(-slope_h * (1 - (l-1)/(L-1) + 1e-5))`` with ALiBi slopes ``2^(-8 (h+1) / H)`` and the
+  layer's position l of L; SiLU feature maps on q and k.
+
+Around the op (all three): q, k, v projections, a per-head RMSNorm gated by ``silu(x W_z)`` and
+the output projection. :class:`Mamba2Mixer` keeps Mamba-2's own layout (z, x, B, C, dt; a
+causal convolution over x, B and C; ``A`` per head; ``D`` skip) on the same op: Dao & Gu,
+"Transformers are SSMs" (ICML 2024).
+
+Tensor parallelism splits heads (and Mamba-2's B/C groups); per-head raw parameters are sharded
+with their heads (see :class:`~megatron_ext.mixers.common.HeadShardedMixer`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_ext.config import ConfigError
+from megatron_ext.kernels import decay_linear_attention
+from megatron_ext.mixers.common import (
+    HeadShardedMixer,
+    LinearMixerSubmodules,
+    causal_depthwise_conv,
+    gated_rms_norm,
+    packed_cu_seqlens,
+    same_sequence_masks,
+)
+
+VARIANTS = ("gla", "retnet", "lightning")
+GLA_GATE_NORMALIZER = 16.0
+
+
+class DecayMixer(HeadShardedMixer):
+    """GLA, RetNet or Lightning attention: ``forward(hidden [s, b, h]) -> (out, bias)``."""
+
+    def __init__(self, config, submodules: LinearMixerSubmodules, layer_number: int,
+                 ext_config, variant: str, pg_collection=None, **_unused):
+        super().__init__(config, submodules, pg_collection)
+        if variant not in VARIANTS:
+            raise ConfigError(f"decay variant {variant!r} is not one of {list(VARIANTS)}")
+        if config.context_parallel_size > 1:
+            raise NotImplementedError(f"{variant} does not support context_parallel_size > 1 yet")
+        self.variant = variant
+        self.layer_number = layer_number
+        ext = ext_config
+        heads = ext.linear_num_value_heads or config.num_attention_heads
+        if heads % self.tp_size:
+            raise ConfigError(f"linear_num_value_heads={heads} is not divisible by "
+                              f"tensor_model_parallel_size={self.tp_size}")
+        self.heads = heads // self.tp_size
+        self.key_dim = ext.linear_key_head_dim or config.kv_channels
+        self.value_dim = ext.linear_value_head_dim or config.kv_channels
+        self.kernel_backend = ext.kernel_backend
+        h = config.hidden_size
+        qk_size, v_size = heads * self.key_dim, heads * self.value_dim
+
+        self.linear_q = self.column("decay_q", h, qk_size)
+        self.linear_k = self.column("decay_k", h, qk_size)
+        self.linear_v = self.column("decay_v", h, v_size)
+        self.linear_gate = self.column("decay_gate", h, v_size)
+        self.linear_out = self.row("decay_out", v_size, h)
+        if variant == "gla":
+            rank = ext.linear_decay_rank or 16
+            if rank % self.tp_size:
+                raise ConfigError(f"linear_decay_rank={rank} is not divisible by "
+                                  f"tensor_model_parallel_size={self.tp_size}")
+            self.linear_decay_down = self.column("decay_down", h, rank, gather_output=True)
+            full_sequence = copy.copy(config)  # its input is already the whole sequence
+            full_sequence.sequence_parallel = False
+            self.linear_decay = self.column("decay_up", rank, qk_size, config=full_sequence)
+            self.sharded_parameter("decay_bias", torch.zeros(qk_size))
+        else:
+            # Fixed decays: buffers of the global heads this rank holds (not trained).
+            global_heads = torch.arange(heads, dtype=torch.float64)
+            if variant == "retnet":
+                log_decay = torch.log1p(-torch.pow(2.0, -5.0 - global_heads))
+            else:
+                slopes = torch.pow(2.0, -8.0 * (global_heads + 1) / heads)
+                depth = (layer_number - 1) / max(config.num_layers - 1, 1)
+                log_decay = -slopes * (1 - depth + 1e-5)
+            local = log_decay.chunk(self.tp_size)[self.tp_rank].float()
+            self.register_buffer("log_decay", local, persistent=False)
+        self.sharded_parameter("out_norm_weight", torch.ones(heads, self.value_dim))
+        self.norm_eps = config.layernorm_epsilon
+
+    def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **_unused):
+        q, _ = self.linear_q(hidden_states)
+        k, _ = self.linear_k(hidden_states)
+        v, _ = self.linear_v(hidden_states)
+        gate, _ = self.linear_gate(hidden_states)
+        s, b = q.shape[:2]
+
+        def to_heads(x):
+            return x.transpose(0, 1).reshape(b, s, self.heads, -1)
+
+        q, k, v = to_heads(q), to_heads(k), to_heads(v)
+        if self.variant == "lightning":
+            q, k = F.silu(q), F.silu(k)
+        if self.variant == "gla":
+            low_rank, _ = self.linear_decay_down(hidden_states)
+            a, _ = self.linear_decay(low_rank)
+            a = to_heads(a).float() + self.decay_bias.float().view(self.heads, -1)
+            g = F.logsigmoid(a) / GLA_GATE_NORMALIZER
+        else:
+            g = self.log_decay
+        o, _ = decay_linear_attention(q, k, v, g=g, cu_seqlens=packed_cu_seqlens(packed_seq_params),
+                                      backend=self.kernel_backend)
+        o = gated_rms_norm(o, self.out_norm_weight, to_heads(gate), self.norm_eps)
+        return self.linear_out(o.to(hidden_states.dtype).reshape(b, s, -1).transpose(0, 1)
+                               .contiguous())
+
+
+class Mamba2Mixer(HeadShardedMixer):
+    """Mamba-2 (SSD) with its own layout, on the decay op; no mamba_ssm build needed.
+
+    Per head h with state ``[N, P]``: ``S_t = exp(dt_t A_h) S_{t-1} + B_t (dt_t x_t)^T``,
+    ``y_t = S_t^T C_t + D_h x_t``; then ``rmsnorm(y * silu(z))`` per group and the output
+    projection. B and C have ``mamba_num_groups`` heads shared by the value heads (GQA-style).
+    Sizes come from megatron-core's own Mamba settings (``mamba_head_dim``,
+    ``mamba_num_groups``, ``mamba_state_dim``, ``mamba_num_heads``) with expand 2.
+    """
+
+    def __init__(self, config, submodules: LinearMixerSubmodules, layer_number: int,
+                 ext_config, pg_collection=None, **_unused):
+        super().__init__(config, submodules, pg_collection)
+        if config.context_parallel_size > 1:
+            raise NotImplementedError("mamba2 does not support context_parallel_size > 1 yet")
+        self.layer_number = layer_number
+        self.kernel_backend = ext_config.kernel_backend
+        h = config.hidden_size
+        self.head_dim = config.mamba_head_dim
+        heads = config.mamba_num_heads or (2 * h) // self.head_dim
+        groups, self.state_dim = config.mamba_num_groups, config.mamba_state_dim
+        if heads % groups:
+            raise ConfigError(f"Mamba-2 heads ({heads}) must be a multiple of "
+                              f"mamba_num_groups={groups}")
+        if groups % self.tp_size:
+            raise ConfigError(f"mamba_num_groups={groups} is not divisible by "
+                              f"tensor_model_parallel_size={self.tp_size}")
+        self.heads, self.groups = heads // self.tp_size, groups // self.tp_size
+        inner, bc_size = heads * self.head_dim, groups * self.state_dim
+
+        self.linear_z = self.column("mamba_z", h, inner)
+        self.linear_x = self.column("mamba_x", h, inner)
+        self.linear_B = self.column("mamba_B", h, bc_size)
+        self.linear_C = self.column("mamba_C", h, bc_size)
+        self.linear_dt = self.column("mamba_dt", h, heads)
+        self.linear_out = self.row("mamba_out", inner, h)
+        kernel = ext_config.linear_conv_kernel
+        self.conv_x = self.conv_parameter("conv_x", inner, kernel)
+        self.conv_B = self.conv_parameter("conv_B", bc_size, kernel)
+        self.conv_C = self.conv_parameter("conv_C", bc_size, kernel)
+        self.decay_parameters(heads, heads)
+        self.sharded_parameter("D", torch.ones(heads), no_weight_decay=True)
+        self.sharded_parameter("norm_weight", torch.ones(inner))
+        self.norm_eps = config.layernorm_epsilon
+
+    def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **_unused):
+        z, _ = self.linear_z(hidden_states)
+        x, _ = self.linear_x(hidden_states)
+        B, _ = self.linear_B(hidden_states)
+        C, _ = self.linear_C(hidden_states)
+        dt, _ = self.linear_dt(hidden_states)
+        s, b = x.shape[:2]
+        cu_seqlens = packed_cu_seqlens(packed_seq_params)
+        same_sequence = same_sequence_masks(cu_seqlens, s, self.conv_x.shape[1], x.device)
+
+        def conv(t, weight, heads):
+            t = F.silu(causal_depthwise_conv(t.transpose(0, 1), weight, same_sequence))
+            return t.reshape(b, s, heads, -1)
+
+        x = conv(x, self.conv_x, self.heads)                       # [b, s, H, P]
+        B = conv(B, self.conv_B, self.groups)                      # [b, s, G, N]
+        C = conv(C, self.conv_C, self.groups)
+        dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())  # [b, s, H]
+        g = -self.A_log.float().exp() * dt
+        # C reads and B writes the state; dt scales the write; scale 1 as in Mamba-2.
+        y, _ = decay_linear_attention(C, B, (x.float() * dt.unsqueeze(-1)).to(x.dtype), g=g,
+                                      scale=1.0, cu_seqlens=cu_seqlens,
+                                      backend=self.kernel_backend)
+        y = y.float() + self.D.float().view(-1, 1) * x.float()
+        # Mamba-2 gates before its norm: rmsnorm(y * silu(z)) per group of heads, times weight.
+        group_shape = (b, s, self.groups, -1)
+        y = y.reshape(group_shape) * F.silu(z.transpose(0, 1).reshape(group_shape).float())
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        y = y * self.norm_weight.float().view(self.groups, -1)
+        return self.linear_out(y.to(hidden_states.dtype).reshape(b, s, -1).transpose(0, 1)
+                               .contiguous())
+
+
+def decay_spec(ext_config, transformer_config, variant: str) -> ModuleSpec:
+    """The ``self_attention`` spec of GLA, RetNet or Lightning (registry builder)."""
+    return ModuleSpec(module=DecayMixer, submodules=LinearMixerSubmodules(),
+                      params={"ext_config": ext_config, "variant": variant})
+
+
+def mamba2_spec(ext_config, transformer_config) -> ModuleSpec:
+    return ModuleSpec(module=Mamba2Mixer, submodules=LinearMixerSubmodules(),
+                      params={"ext_config": ext_config})

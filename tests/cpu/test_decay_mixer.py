@@ -1,0 +1,98 @@
+"""The decay-family mixers (GLA, RetNet, Lightning) and Mamba-2 as Megatron modules."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+
+import harness
+from megatron_ext.config import ExtConfig
+from megatron_ext.mixers.common import LinearMixerSubmodules
+from megatron_ext.mixers.decay import VARIANTS, DecayMixer, Mamba2Mixer
+
+pytestmark = pytest.mark.usefixtures("megatron_single_process")
+KINDS = VARIANTS + ("mamba2",)
+
+
+def _mixer(kind, backend="auto", layer_number=1):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    torch.manual_seed(5)
+    args = dict(layer_number=layer_number, ext_config=ExtConfig(kernel_backend=backend),
+                pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    if kind == "mamba2":
+        return Mamba2Mixer(harness.tiny_config(), LinearMixerSubmodules(), **args)
+    return DecayMixer(harness.tiny_config(), LinearMixerSubmodules(), variant=kind, **args)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_sequences_equal_separate_sequences(kind):
+    mixer = _mixer(kind)
+    x = torch.randn(24, 1, 64, requires_grad=True)
+    cu = torch.tensor([0, 7, 20, 24], dtype=torch.int32)
+    packed, _ = mixer(x, packed_seq_params=PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=13, max_seqlen_kv=13))
+    separate = torch.cat([mixer(x[a:b])[0] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-6)
+    g_packed, = torch.autograd.grad(packed.square().sum(), x)
+    g_separate, = torch.autograd.grad(separate.square().sum(), x)
+    torch.testing.assert_close(g_packed, g_separate, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_backend_equals_reference_inside_the_module(kind):
+    x = torch.randn(70, 2, 64)
+    results = []
+    for backend in ("reference", "chunked"):
+        mixer = _mixer(kind, backend)
+        out, _ = mixer(x)
+        results.append((out, torch.autograd.grad(out.square().sum(), list(mixer.parameters()))))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-5)
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_fixed_decays_follow_the_papers():
+    retnet = _mixer("retnet")
+    gammas = retnet.log_decay.exp()
+    expected = 1 - torch.pow(2.0, -5.0 - torch.arange(4.0))
+    torch.testing.assert_close(gammas, expected)
+    # Lightning: ALiBi slopes, weaker decay in deeper layers (layer 4 of 4 is the last).
+    first, last = _mixer("lightning", layer_number=1), _mixer("lightning", layer_number=4)
+    slopes = torch.pow(2.0, -8.0 * torch.arange(1, 5.0) / 4)
+    torch.testing.assert_close(-first.log_decay, slopes * (1 + 1e-5))
+    assert torch.all(last.log_decay.abs() < 1e-4)
+
+
+def test_mamba2_equals_the_ssm_recurrence_written_out():
+    """y_t = C_t^T S_t + D x_t with S_t = exp(dt A) S_{t-1} + B_t (dt x_t)^T, per head."""
+    m = _mixer("mamba2", backend="chunked")
+    hidden = torch.randn(9, 1, 64)
+    out, _ = m(hidden)
+
+    def proj(linear):
+        return linear(hidden)[0][:, 0].float()  # [s, C]
+
+    def conv(t, w):
+        return F.silu(F.conv1d(t.T[None], w[:, None], padding=w.shape[1] - 1,
+                               groups=w.shape[0])[0, :, : t.shape[0]].T)
+
+    x = conv(proj(m.linear_x), m.conv_x).view(9, m.heads, m.head_dim)
+    B = conv(proj(m.linear_B), m.conv_B).view(9, m.groups, m.state_dim)
+    C = conv(proj(m.linear_C), m.conv_C).view(9, m.groups, m.state_dim)
+    dt = F.softplus(proj(m.linear_dt) + m.dt_bias)
+    A = -m.A_log.exp()
+    per_group = m.heads // m.groups
+    state = torch.zeros(m.heads, m.state_dim, m.head_dim)
+    ys = []
+    for t in range(9):
+        g = torch.arange(m.heads) // per_group
+        state = (torch.exp(dt[t] * A)[:, None, None] * state
+                 + B[t, g][:, :, None] * (dt[t][:, None] * x[t])[:, None, :])
+        ys.append(torch.einsum("hn,hnp->hp", C[t, g], state) + m.D[:, None] * x[t])
+    y = torch.stack(ys).reshape(9, m.groups, -1)
+    z = proj(m.linear_z).reshape(9, m.groups, -1)
+    y = y * F.silu(z)
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + m.norm_eps) * m.norm_weight.view(m.groups, -1)
+    expected, _ = m.linear_out(y.reshape(9, 1, -1))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
