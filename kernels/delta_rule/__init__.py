@@ -3,15 +3,24 @@
 Backends, with one signature and one layout:
     reference   token by token, fp32: the oracle (reference.py)
     chunked     chunkwise WY / UT-transform form in PyTorch, any device (chunked.py)
-"auto" picks chunked for now; our Triton kernels and an fla-core adapter will be added to
-_BACKENDS and chosen by "auto" once they pass their self-check.
+    fla         fla-core's Triton kernels, CUDA only, where fla_unavailable_reason allows (fla.py)
+"auto" picks chunked for now; what it picks on CUDA (fla, or our own Triton kernels once they
+exist and pass their self-check) is decided after the GPU checks.
 """
 from .chunked import gated_delta_rule_chunked
+from .fla import fla_unavailable_reason, gated_delta_rule_fla
 from .reference import gated_delta_rule_reference
 
-__all__ = ["gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_reference"]
+__all__ = [
+    "fla_unavailable_reason", "gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_fla",
+    "gated_delta_rule_reference",
+]
 
-_BACKENDS = {"reference": gated_delta_rule_reference, "chunked": gated_delta_rule_chunked}
+_BACKENDS = {
+    "reference": gated_delta_rule_reference,
+    "chunked": gated_delta_rule_chunked,
+    "fla": gated_delta_rule_fla,
+}
 
 
 def gated_delta_rule(
@@ -37,7 +46,8 @@ def gated_delta_rule(
         output_final_state: return the state after the last token of each sequence.
         cu_seqlens: integer ``[N + 1]`` boundaries of sequences packed along T (needs B == 1);
             the state restarts at each boundary, from ``initial_state[n]`` for sequence n.
-        backend: "auto", "reference" or "chunked".
+        backend: "auto" (chunked for now), "reference", "chunked" or "fla" (fla-core on CUDA;
+            raises RuntimeError with the reason where fla_unavailable_reason refuses the call).
 
     The special cases: DeltaNet (g None, beta), Gated DeltaNet (g ``[B, T, Hv]``, beta), KDA
     (g ``[B, T, Hv, K]``, beta) and GDN-2 (g ``[B, T, Hv, K]``, erase, write).
@@ -46,7 +56,7 @@ def gated_delta_rule(
         o ``[B, T, Hv, V]`` in v's dtype, and the final state ``[N, Hv, K, V]`` in fp32 (fp64 for
         fp64 inputs), or None when output_final_state is False.
     """
-    name = "chunked" if backend == "auto" else backend
+    name = "chunked" if backend == "auto" else backend  # auto's policy: decided after the GPU checks
     if name not in _BACKENDS:
         known = ", ".join(repr(known_name) for known_name in ["auto", *_BACKENDS])
         raise ValueError(f"gated_delta_rule: unknown backend {backend!r}; known backends: {known}")

@@ -13,8 +13,9 @@ import torch
 
 import harness
 
-# Every mixer kind: Gated DeltaNet, KDA, attention, GDN-2, DeltaNet.
-PATTERN = "GK*QN*GK"
+# Every mixer of the registry: GDN, KDA, attention, GDN-2, DeltaNet, GLA, RetNet, Lightning,
+# Mamba-2.
+PATTERN = "GK*QN*AR*LM*"
 SEQ, BATCH, VOCAB, MICRO_BATCHES = 24, 2, 96, 2
 
 

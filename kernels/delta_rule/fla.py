@@ -1,0 +1,187 @@
+"""The gated delta rule on fla-core's Triton kernels (fla-core >= 0.6; optional, imported lazily).
+
+Each special case goes to the fla-core function written for it:
+
+    case    our arguments                 fla-core function                                  heads
+    deltanet  g None, beta                fla.ops.delta_rule.chunk_delta_rule                Hk == Hv only
+    gdn       g [B, T, Hv], beta          fla.ops.gated_delta_rule.chunk_gated_delta_rule    grouped (GVA)
+    kda       g [B, T, Hv, K], beta       fla.ops.kda.chunk_kda                              grouped (GVA)
+    gdn2      erase and/or write given    fla.ops.gdn2.chunk_gdn2                            Hk == Hv only
+
+and the adapter maps our conventions onto fla-core's:
+
+- q/k heads: where fla has no grouped heads, q and k are repeated onto the Hv heads; fla and we
+  both give v head i the q/k head ``i // (Hv / Hk)``, so the repeat is ``repeat_interleave``.
+- gdn2: fla takes an erase gate ``b [B, T, H, K]``, a write gate ``w [B, T, H, V]`` and a
+  per-channel ``g [B, T, H, K]``; a gate we resolve from beta is beta broadcast over the
+  channels, and a missing or per-head g is broadcast (zeros for none).
+- g is a natural-log decay and beta is the gate itself in both, so fla's in-kernel activations
+  (``use_gate_in_kernel``, ``use_beta_sigmoid_in_kernel``, ``allow_neg_eigval``,
+  ``use_qk_l2norm_in_kernel``, ``safe_gate``) stay off: our caller has applied them.
+- scale: fla's default is ours (``K ** -0.5``); we always pass the resolved value.
+- states: fla's default layout ``[N, H, K, V]`` is ours (``state_v_first=False``); the initial
+  state goes in as fp32 (chunk_kda and chunk_gdn2 assert it) and the final state comes back fp32.
+- cu_seqlens: fla wants int64 on the device, plus the same on the host (``cu_seqlens_cpu``) so
+  that it can lay out chunks without a device-to-host copy.
+- dtypes: q, k, v share one dtype in fla (chunk_delta_rule asserts it); fla returns o in that
+  dtype and we cast it to v's. chunk_delta_rule refuses fp32 and no fla kernel takes fp64.
+
+Whether fla-core may run at all is ``fla_unavailable_reason``'s business; the adapter refuses
+with its reason rather than fall back, so that a caller never gets another backend silently.
+"""
+import re
+
+import torch
+
+from .reference import check_inputs
+
+__all__ = ["FLA_KINDS", "fla_kind", "fla_unavailable_reason", "gated_delta_rule_fla"]
+
+MIN_FLA_VERSION = (0, 6, 0)
+
+# What fla_unavailable_reason knows, by kind: the fla-core 0.6 function (and case) it stands for.
+# The delta-rule kinds are served here; the decay kinds (kernels/decay) share the same policy.
+FLA_KINDS = {
+    "deltanet": "chunk_delta_rule",
+    "gdn": "chunk_gated_delta_rule",
+    "kda": "chunk_kda",
+    "gdn2": "chunk_gdn2",
+    "simple_gla": "chunk_simple_gla with a per-token decay g [B, T, H] (Mamba-2 SSD)",
+    "simple_gla_gamma": "chunk_simple_gla with a constant decay g_gamma [H] (RetNet, Lightning)",
+    "gla": "chunk_gla",
+}
+
+# fla-core 0.6.0 refuses the backward of these on Hopper with 3.4.0 <= Triton < 3.7.1: their
+# backward runs fla.ops.common.chunk_o.chunk_bwd_dqkwg with a decay g, which raises "Triton >=
+# 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated chunk_bwd_dqkwg (see
+# #640)". chunk_delta_rule calls it without g, simple_gla with g_gamma only passes g=None, and
+# chunk_kda, chunk_gdn2 and chunk_gla have backward kernels of their own.
+HOPPER_BAD_TRITON = ((3, 4, 0), (3, 7, 1))
+REFUSED_BACKWARD_ON_HOPPER = {"gdn", "simple_gla"}
+
+
+def _version(text: str) -> tuple[int, int, int]:
+    """``"3.6.0"``, ``"3.7.1+git1234"``, ``"0.6.0rc1"`` -> (major, minor, patch)."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if match is None:
+        raise ValueError(f"cannot read a version number from {text!r}")
+    return tuple(int(part or 0) for part in match.groups())
+
+
+def fla_unavailable_reason(kind: str, device, requires_grad: bool) -> str | None:
+    """Why fla-core must not run ``kind`` (a key of FLA_KINDS) on ``device``, or None if it may.
+
+    The rules, in order: fla-core is importable; its version is at least 0.6.0; the device is a
+    CUDA device (fla's kernels are Triton GPU kernels); and the call is not a known-bad
+    combination. The one known today: on Hopper (compute capability 9.x) with Triton >= 3.4.0
+    and < 3.7.1, fla-core refuses the backward of its gated chunk kernels, so "gdn" and
+    "simple_gla" are refused there when ``requires_grad``; their forward, and every other kind
+    (DeltaNet, KDA, GDN-2, constant-decay simple GLA, GLA), run.
+    """
+    if kind not in FLA_KINDS:
+        known = ", ".join(repr(name) for name in FLA_KINDS)
+        raise ValueError(f"fla_unavailable_reason: unknown kind {kind!r}; known kinds: {known}")
+    try:
+        import fla
+    except ImportError as error:
+        return f"fla-core is not installed ({error}); install fla-core>=0.6.0"
+    version = getattr(fla, "__version__", "0")
+    if _version(version) < MIN_FLA_VERSION:
+        return f"fla-core {version} is installed; the adapter needs fla-core>=0.6.0"
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"fla-core's kernels are Triton GPU kernels and need a CUDA device, not {device.type!r}"
+    if requires_grad and kind in REFUSED_BACKWARD_ON_HOPPER:
+        import triton
+
+        capability = torch.cuda.get_device_capability(device)
+        low, high = HOPPER_BAD_TRITON
+        if capability[0] == 9 and low <= _version(triton.__version__) < high:
+            return (
+                f"fla-core {version} refuses the backward of {FLA_KINDS[kind]} on Hopper "
+                f"(compute capability {capability[0]}.{capability[1]}) with Triton "
+                f"{triton.__version__}: Triton >= 3.4.0 and < 3.7.1 gives wrong gradients in its "
+                "gated chunk_bwd_dqkwg (fla-core issue #640). Forward-only calls are fine; "
+                "KDA, GDN-2 and DeltaNet are unaffected; Triton >= 3.7.1 fixes it"
+            )
+    return None
+
+
+def fla_kind(*, beta, g, erase, write) -> str:
+    """The FLA_KINDS key (and so the fla-core function) that serves these gated_delta_rule gates."""
+    if erase is not None or write is not None:
+        return "gdn2"
+    if g is None:
+        return "deltanet"
+    return "gdn" if g.dim() == 3 else "kda"
+
+
+def gated_delta_rule_fla(
+    q, k, v, *, beta=None, g=None, erase=None, write=None, scale=None,
+    initial_state=None, output_final_state=False, cu_seqlens=None,
+):
+    """``gated_delta_rule`` on fla-core: same arguments, shapes and results as
+    ``gated_delta_rule_reference`` (q, k ``[B, T, Hk, K]``; v ``[B, T, Hv, V]``; beta
+    ``[B, T, Hv]``; g ``[B, T, Hv]`` or ``[B, T, Hv, K]``; erase ``[B, T, Hv, K]``; write
+    ``[B, T, Hv, V]``; initial_state ``[N, Hv, K, V]``), returning o ``[B, T, Hv, V]`` in v's
+    dtype and the fp32 final state ``[N, Hv, K, V]`` (or None).
+
+    Raises RuntimeError, saying why, where fla-core cannot serve the call: see
+    ``fla_unavailable_reason``, plus fp32 DeltaNet and fp64 inputs.
+    """
+    check_inputs(q, k, v, beta=beta, g=g, erase=erase, write=write, initial_state=initial_state,
+                 cu_seqlens=cu_seqlens)
+    kind = fla_kind(beta=beta, g=g, erase=erase, write=write)
+    inputs = (q, k, v, beta, g, erase, write, initial_state)
+    requires_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    reason = fla_unavailable_reason(kind, q.device, requires_grad)
+    if reason is not None:
+        raise RuntimeError(f"gated_delta_rule: backend 'fla' cannot run {kind}: {reason}")
+
+    out_dtype = v.dtype
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    supported = (torch.float16, torch.bfloat16) if kind == "deltanet" else (
+        torch.float16, torch.bfloat16, torch.float32)
+    if dtype not in supported:
+        raise RuntimeError(
+            f"gated_delta_rule: backend 'fla' cannot run {kind} in {dtype} ({FLA_KINDS[kind]} "
+            f"takes {', '.join(str(d) for d in supported)}); cast the inputs or use backend='chunked'"
+        )
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    key_dim = q.shape[-1]
+    common = dict(
+        scale=key_dim**-0.5 if scale is None else scale,
+        initial_state=None if initial_state is None else initial_state.float(),
+        output_final_state=output_final_state,
+    )
+    if cu_seqlens is not None:
+        common.update(cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.int64),
+                      cu_seqlens_cpu=cu_seqlens.to(device="cpu", dtype=torch.int64))
+    heads_per_key = v.shape[2] // q.shape[2]
+
+    if kind == "deltanet":
+        from fla.ops.delta_rule import chunk_delta_rule
+
+        q, k = q.repeat_interleave(heads_per_key, dim=2), k.repeat_interleave(heads_per_key, dim=2)
+        o, final_state = chunk_delta_rule(q, k, v, beta, **common)
+    elif kind == "gdn":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        o, final_state = chunk_gated_delta_rule(q, k, v, g, beta, **common)
+    elif kind == "kda":
+        from fla.ops.kda import chunk_kda
+
+        o, final_state = chunk_kda(q, k, v, g, beta, **common)
+    else:
+        from fla.ops.gdn2 import chunk_gdn2
+
+        q, k = q.repeat_interleave(heads_per_key, dim=2), k.repeat_interleave(heads_per_key, dim=2)
+        per_key = q.shape  # [B, T, Hv, K]
+        erase_gate = beta.unsqueeze(-1).expand(per_key) if erase is None else erase
+        write_gate = beta.unsqueeze(-1).expand(v.shape) if write is None else write
+        if g is None:
+            g = torch.zeros(per_key, dtype=torch.float32, device=q.device)
+        elif g.dim() == 3:
+            g = g.unsqueeze(-1).expand(per_key)
+        o, final_state = chunk_gdn2(q, k, v, g, erase_gate, write_gate, **common)
+    return o.to(out_dtype), final_state
