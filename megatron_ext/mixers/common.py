@@ -133,6 +133,13 @@ def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, same_sequence=N
     return out
 
 
+def conv_silu_heads(x: torch.Tensor, weight: torch.Tensor, heads: int, same_sequence=None):
+    """``[s, b, heads * d]`` projection -> causal conv + SiLU -> ``[b, s, heads, d]``."""
+    s, b = x.shape[:2]
+    x = F.silu(causal_depthwise_conv(x.transpose(0, 1), weight, same_sequence))
+    return x.reshape(b, s, heads, -1)
+
+
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float):
     """``rmsnorm(x) * weight * silu(gate)`` over the last dim, in fp32; ``weight`` broadcasts."""
     x = x.float()

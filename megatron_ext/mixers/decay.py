@@ -33,7 +33,7 @@ from megatron_ext.kernels import decay_linear_attention
 from megatron_ext.mixers.common import (
     HeadShardedMixer,
     LinearMixerSubmodules,
-    causal_depthwise_conv,
+    conv_silu_heads,
     gated_rms_norm,
     packed_cu_seqlens,
     same_sequence_masks,
@@ -178,13 +178,9 @@ class Mamba2Mixer(HeadShardedMixer):
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
         same_sequence = same_sequence_masks(cu_seqlens, s, self.conv_x.shape[1], x.device)
 
-        def conv(t, weight, heads):
-            t = F.silu(causal_depthwise_conv(t.transpose(0, 1), weight, same_sequence))
-            return t.reshape(b, s, heads, -1)
-
-        x = conv(x, self.conv_x, self.heads)                       # [b, s, H, P]
-        B = conv(B, self.conv_B, self.groups)                      # [b, s, G, N]
-        C = conv(C, self.conv_C, self.groups)
+        x = conv_silu_heads(x, self.conv_x, self.heads, same_sequence)    # [b, s, H, P]
+        B = conv_silu_heads(B, self.conv_B, self.groups, same_sequence)   # [b, s, G, N]
+        C = conv_silu_heads(C, self.conv_C, self.groups, same_sequence)
         dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())  # [b, s, H]
         g = -self.A_log.float().exp() * dt
         # C reads and B writes the state; dt scales the write; scale 1 as in Mamba-2.

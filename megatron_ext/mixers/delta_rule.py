@@ -43,7 +43,7 @@ from megatron_ext.kernels import gated_delta_rule
 from megatron_ext.mixers.common import (
     HeadShardedMixer,
     LinearMixerSubmodules,
-    causal_depthwise_conv,
+    conv_silu_heads,
     gated_rms_norm,
     packed_cu_seqlens,
     same_sequence_masks,
@@ -146,18 +146,14 @@ class DeltaRuleMixer(HeadShardedMixer):
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
         same_sequence = same_sequence_masks(cu_seqlens, s, self.conv_q.shape[1], q.device)
 
-        def to_heads(x, heads, conv):
-            x = F.silu(causal_depthwise_conv(x.transpose(0, 1), conv, same_sequence))
-            return x.reshape(b, s, heads, -1)
-
         def sigmoid_gate(linear, per_head_channels):
             out, _ = linear(hidden_states)
             return torch.sigmoid(out.transpose(0, 1).float()).reshape(
                 b, s, self.value_heads, *per_head_channels)
 
-        q = F.normalize(to_heads(q, self.key_heads, self.conv_q).float(), dim=-1)
-        k = F.normalize(to_heads(k, self.key_heads, self.conv_k).float(), dim=-1)
-        v = to_heads(v, self.value_heads, self.conv_v)
+        q = F.normalize(conv_silu_heads(q, self.conv_q, self.key_heads, same_sequence).float(), dim=-1)
+        k = F.normalize(conv_silu_heads(k, self.conv_k, self.key_heads, same_sequence).float(), dim=-1)
+        v = conv_silu_heads(v, self.conv_v, self.value_heads, same_sequence)
         gates = {}
         if self.variant == "gated_deltanet2":
             gates["erase"] = sigmoid_gate(self.linear_erase, (self.key_dim,))

@@ -1,4 +1,7 @@
-"""The decay-family mixers (GLA, RetNet, Lightning) and Mamba-2 as Megatron modules."""
+"""The linear-recurrent mixers as Megatron modules: the delta-rule family (DeltaNet, GDN, KDA,
+GDN-2), the decay family (GLA, RetNet, Lightning) and Mamba-2. Packed sequences equal separate
+ones (convolution and state reset at borders), the op backends agree inside each module, and
+gates, fixed decays and Mamba-2's recurrence are what the papers say."""
 
 import pytest
 import torch
@@ -6,23 +9,26 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 import harness
-from megatron_ext.config import ExtConfig
+from megatron_ext.config import ConfigError, ExtConfig
+from megatron_ext.mixers import decay, delta_rule
 from megatron_ext.mixers.common import LinearMixerSubmodules
-from megatron_ext.mixers.decay import VARIANTS, DecayMixer, Mamba2Mixer
 
 pytestmark = pytest.mark.usefixtures("megatron_single_process")
-KINDS = VARIANTS + ("mamba2",)
+KINDS = delta_rule.VARIANTS + decay.VARIANTS + ("mamba2",)
 
 
-def _mixer(kind, backend="auto", layer_number=1):
+def _mixer(kind, backend="auto", layer_number=1, **ext):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     torch.manual_seed(5)
-    args = dict(layer_number=layer_number, ext_config=ExtConfig(kernel_backend=backend),
+    args = dict(layer_number=layer_number, ext_config=ExtConfig(kernel_backend=backend, **ext),
                 pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    config, subs = harness.tiny_config(), LinearMixerSubmodules()
     if kind == "mamba2":
-        return Mamba2Mixer(harness.tiny_config(), LinearMixerSubmodules(), **args)
-    return DecayMixer(harness.tiny_config(), LinearMixerSubmodules(), variant=kind, **args)
+        return decay.Mamba2Mixer(config, subs, **args)
+    if kind in decay.VARIANTS:
+        return decay.DecayMixer(config, subs, variant=kind, **args)
+    return delta_rule.DeltaRuleMixer(config, subs, variant=kind, **args)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -41,7 +47,7 @@ def test_packed_sequences_equal_separate_sequences(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_chunked_backend_equals_reference_inside_the_module(kind):
-    x = torch.randn(70, 2, 64)
+    x = torch.randn(70, 2, 64)  # longer than one 64-token chunk, odd length
     results = []
     for backend in ("reference", "chunked"):
         mixer = _mixer(kind, backend)
@@ -50,6 +56,20 @@ def test_chunked_backend_equals_reference_inside_the_module(kind):
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-5)
     for a, b in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_delta_rule_gates_have_the_shapes_of_their_variant():
+    params = {v: dict(_mixer(v).named_parameters()) for v in delta_rule.VARIANTS}
+    assert "A_log" not in params["deltanet"]
+    assert params["gated_deltanet"]["dt_bias"].shape == (4,)          # one decay per value head
+    assert params["kda"]["dt_bias"].shape == (4 * 16,)                # one per key channel
+    assert "linear_erase.weight" in params["gated_deltanet2"]
+    assert "linear_beta.weight" not in params["gated_deltanet2"]
+
+
+def test_bad_head_counts_fail_with_the_fix():
+    with pytest.raises(ConfigError, match="multiple of linear_num_key_heads=3"):
+        _mixer("gated_deltanet", linear_num_key_heads=3, linear_num_value_heads=4)
 
 
 def test_fixed_decays_follow_the_papers():
