@@ -66,14 +66,16 @@ def _to_chunks(tensor: torch.Tensor, spans, num_chunks: int, chunk_size: int) ->
 
 def gated_delta_rule_chunked(
     q, k, v, *, beta=None, g=None, erase=None, write=None, scale=None,
-    initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size: int = 64,
+    initial_state=None, output_final_state=False, cu_seqlens=None, return_write_residual=False,
+    chunk_size: int = 64,
 ):
     """The gated delta rule by chunks of ``chunk_size`` tokens (any T; the last chunk is padded).
 
     Same arguments, shapes and results as ``gated_delta_rule_reference``: q, k ``[B, T, Hk, K]``;
     v ``[B, T, Hv, V]``; beta ``[B, T, Hv]``; g ``[B, T, Hv]`` or ``[B, T, Hv, K]``; erase
     ``[B, T, Hv, K]``; write ``[B, T, Hv, V]``; initial_state ``[N, Hv, K, V]``. Returns o
-    ``[B, T, Hv, V]`` in v's dtype and the final state ``[N, Hv, K, V]`` (or None).
+    ``[B, T, Hv, V]`` in v's dtype and the final state ``[N, Hv, K, V]`` (or None), and with
+    ``return_write_residual`` the write residual (the rows of U) ``[B, T, Hv, V]``.
 
     Varlen (``cu_seqlens``) sequences are laid out as rows of a zero-padded batch and run
     together. Memory: with per-channel g, the pairwise decays take ``T * chunk_size * K`` values
@@ -125,14 +127,20 @@ def gated_delta_rule_chunked(
     per_chunk = zip(*(tensor.unbind(dim=2) for tensor in (
         solved_writes, solved_erase_keys, decayed_queries, output_scores, keys_decayed_to_end, chunk_decay,
     )))
-    chunk_outputs = []
+    chunk_outputs, chunk_corrections = [], []
     for writes_solved, erase_keys_solved, queries_decayed, scores, keys_to_end, chunk_decay_n in per_chunk:
         corrections = writes_solved - erase_keys_solved @ state  # U: [N, Hv, C, V]
         chunk_outputs.append(queries_decayed @ state + scores @ corrections)
+        chunk_corrections.append(corrections)
         state = chunk_decay_n * state + keys_to_end.transpose(-1, -2) @ corrections
-    o = scale * torch.stack(chunk_outputs, dim=2)  # [N, Hv, num_chunks, C, V]
 
-    o = o.permute(0, 2, 3, 1, 4).flatten(1, 2)  # [N, num_chunks * C, Hv, V]
-    o = torch.cat([o[index, : end - start] for index, (_, start, end) in enumerate(spans)])
-    o = o.reshape(batch, seq_len, value_heads, value_dim)
-    return o.to(v.dtype), (state if output_final_state else None)
+    def unchunk(per_chunk_rows):  # [N, Hv, C, V] per chunk -> [B, T, Hv, V]
+        t = torch.stack(per_chunk_rows, dim=2).permute(0, 2, 3, 1, 4).flatten(1, 2)
+        t = torch.cat([t[index, : end - start] for index, (_, start, end) in enumerate(spans)])
+        return t.reshape(batch, seq_len, value_heads, value_dim)
+
+    o = (scale * unchunk(chunk_outputs)).to(v.dtype)
+    final_state = state if output_final_state else None
+    if return_write_residual:
+        return o, final_state, unchunk(chunk_corrections)
+    return o, final_state

@@ -135,14 +135,17 @@ def sequence_spans(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int) ->
 
 def gated_delta_rule_reference(
     q, k, v, *, beta=None, g=None, erase=None, write=None, scale=None,
-    initial_state=None, output_final_state=False, cu_seqlens=None,
+    initial_state=None, output_final_state=False, cu_seqlens=None, return_write_residual=False,
 ):
     """The recurrence above, one token at a time, in fp32 (fp64 if the inputs are fp64).
 
     Shapes: q, k ``[B, T, Hk, K]``; v ``[B, T, Hv, V]``, each q/k head serving ``Hv // Hk``
     consecutive v heads; beta ``[B, T, Hv]``; g ``[B, T, Hv]`` or ``[B, T, Hv, K]``; erase
     ``[B, T, Hv, K]``; write ``[B, T, Hv, V]``; initial_state ``[N, Hv, K, V]``.
-    Returns o ``[B, T, Hv, V]`` in v's dtype and the final state ``[N, Hv, K, V]`` (or None).
+    Returns o ``[B, T, Hv, V]`` in v's dtype and the final state ``[N, Hv, K, V]`` (or None);
+    with ``return_write_residual`` also the write residual
+    ``r_t = w_t * v_t - (Diag(exp g_t) S_{t-1})^T (b_t * k_t)`` ``[B, T, Hv, V]`` (fp32), the
+    part of the value the memory did not already predict (S_t = Diag(exp g_t) S_{t-1} + k_t r_t^T).
     """
     check_inputs(q, k, v, beta=beta, g=g, erase=erase, write=write, initial_state=initial_state,
                  cu_seqlens=cu_seqlens)
@@ -153,6 +156,7 @@ def gated_delta_rule_reference(
     decay = torch.exp(x.log_decay)  # [B, T, Hv, K or 1]
 
     o = torch.zeros(batch, seq_len, value_heads, value_dim, dtype=x.v.dtype, device=v.device)
+    residual = torch.zeros_like(o)
     final_states = []
     for index, (row, start, end) in enumerate(sequence_spans(cu_seqlens, batch, seq_len)):
         if initial_state is None:
@@ -164,8 +168,12 @@ def gated_delta_rule_reference(
             state = decay[row, t].unsqueeze(-1) * state  # Diag(exp g_t) S_{t-1}: scales the key rows
             erased = torch.einsum("hk,hkv->hv", x.erase_gate[row, t] * k_t, state)  # (b_t * k_t)^T S
             written = x.write_gate[row, t] * x.v[row, t]  # w_t * v_t
-            state = state + torch.einsum("hk,hv->hkv", k_t, written - erased)
+            residual_t = written - erased
+            residual[row, t] = residual_t
+            state = state + torch.einsum("hk,hv->hkv", k_t, residual_t)
             o[row, t] = scale * torch.einsum("hk,hkv->hv", x.q[row, t], state)
         final_states.append(state)
     final_state = torch.stack(final_states) if output_final_state else None
+    if return_write_residual:
+        return o.to(v.dtype), final_state, residual
     return o.to(v.dtype), final_state

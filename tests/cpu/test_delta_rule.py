@@ -300,3 +300,34 @@ def test_bad_varlen_backend_and_chunk_messages():
             gated_delta_rule(**inputs, **change)
     with pytest.raises(ValueError, match=r"chunk_size = 0, expected a positive integer"):
         gated_delta_rule_chunked(**dict(inputs, initial_state=None), chunk_size=0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_write_residual_chunked_matches_reference(case):
+    """The write residual r_t (what CLER-H routes) agrees between backends, with gradients."""
+    inputs = make_inputs(case, seq_len=45)
+    results = []
+    for function, options in ((gated_delta_rule_reference, {}),
+                              (gated_delta_rule_chunked, {"chunk_size": 16})):
+        o, _, residual = function(**inputs, return_write_residual=True, **options)
+        weights = torch.randn(residual.shape, generator=torch.Generator().manual_seed(2),
+                              dtype=residual.dtype)
+        grads = torch.autograd.grad((residual * weights).sum() + o.sum(), list(inputs.values()))
+        results.append((o, residual, grads))
+    (o_ref, r_ref, g_ref), (o_chunk, r_chunk, g_chunk) = results
+    assert_close(r_chunk, r_ref, 1e-9, "write residual")
+    for name, a, b in zip(inputs, g_chunk, g_ref):
+        assert_close(a, b, 1e-9, f"grad {name}")
+
+
+def test_write_residual_is_the_unpredicted_part_of_the_value():
+    """From an empty state nothing is predicted: r_1 = w_1 * v_1 (= beta * v for DeltaNet);
+    and the state is the sum of k_t r_t^T (no decay)."""
+    inputs = make_inputs("deltanet", seq_len=6, with_initial_state=False)
+    _, final_state, residual = gated_delta_rule_reference(
+        **inputs, output_final_state=True, return_write_residual=True)
+    beta, v, k = inputs["beta"], inputs["v"], inputs["k"]
+    torch.testing.assert_close(residual[:, 0], beta[:, 0, :, None] * v[:, 0])
+    k_per_value_head = k.repeat_interleave(2, dim=2)  # 2 key heads serve 4 value heads
+    state = torch.einsum("bthk,bthv->bhkv", k_per_value_head, residual)
+    torch.testing.assert_close(final_state, state)
