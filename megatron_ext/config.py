@@ -25,7 +25,8 @@ ENV_CONFIG = "MEGATRON_EXT_CONFIG"
 # Fields that take one of a fixed set of values.
 CHOICES = {
     "attention_backend": ("auto", "sdpa", "local", "te"),
-    "kernel_backend": ("auto", "reference", "chunked"),
+    "kernel_backend": ("auto", "reference", "chunked", "fla"),
+    "cross_layer_routing": ("none", "clvr", "cler_h"),
 }
 
 
@@ -63,6 +64,12 @@ class ExtConfig:
 
     # Which implementation the linear-recurrence ops use (see megatron_ext.kernels).
     kernel_backend: str = "auto"
+
+    # Cross-layer routing from delta-rule layers into the residual stream (Cerruti et al.,
+    # "Linear Attention Architectures: Mechanisms, Trade-offs, and Cross-Layer Routing"):
+    # after each delta-rule layer, h <- h + P_l s_l with P_l zero-initialised and s_l the layer's
+    # value v ("clvr") or its write residual r ("cler_h").
+    cross_layer_routing: str = "none"
 
     # ------------------------------------------------------------------ construction
     @classmethod

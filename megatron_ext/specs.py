@@ -20,6 +20,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 
+import torch
+
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -95,8 +97,42 @@ def layer_submodules(mixer: Mixer, ext: ExtConfig, config) -> TransformerLayerSu
     return subs
 
 
+def routes(mixer: Mixer, ext: ExtConfig) -> bool:
+    """Whether this layer adds a cross-layer routing term (CLVR / CLER-H): delta-rule mixers."""
+    return ext.cross_layer_routing != "none" and mixer.builder.endswith(":delta_rule_spec")
+
+
+class ExtTransformerLayer(TransformerLayer):
+    """Megatron's TransformerLayer, plus optional cross-layer routing after the whole layer:
+    ``h <- layer(h) + P_l s_l``, where ``s_l`` is the signal the delta-rule mixer left in
+    ``routed_signal`` (CLVR: its value v; CLER-H: its write residual r) and ``P_l`` is a
+    zero-initialised row-parallel projection (so the model starts exactly at the baseline, and
+    under TP/SP the term is summed over heads and scattered like any layer output)."""
+
+    def __init__(self, config, submodules, *args, route: bool = False, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.routing_projection = None
+        if route:
+            from megatron.core.tensor_parallel import RowParallelLinear
+
+            self.routing_projection = RowParallelLinear(
+                self.self_attention.routed_size, config.hidden_size, config=config,
+                init_method=torch.nn.init.zeros_, bias=False, input_is_parallel=True,
+                skip_bias_add=True, tp_group=self.tp_group)
+
+    def forward(self, *args, **kwargs):
+        output, context = super().forward(*args, **kwargs)
+        if self.routing_projection is not None:
+            signal = self.self_attention.routed_signal
+            self.self_attention.routed_signal = None
+            routed, _ = self.routing_projection(signal.to(output.dtype))
+            output = output + routed
+        return output, context
+
+
 def layer_spec(mixer: Mixer, ext: ExtConfig, config) -> ModuleSpec:
-    return ModuleSpec(module=TransformerLayer, submodules=layer_submodules(mixer, ext, config))
+    return ModuleSpec(module=ExtTransformerLayer, submodules=layer_submodules(mixer, ext, config),
+                      params={"route": routes(mixer, ext)})
 
 
 def final_norm(ext: ExtConfig):
@@ -138,7 +174,7 @@ def hybrid_block(model_config, vp_stage: int | None = None) -> TransformerBlockS
     return block_spec(model_config, vp_stage=vp_stage)
 
 
-class PatternTransformerLayer(TransformerLayer):
+class PatternTransformerLayer(ExtTransformerLayer):
     """A TransformerLayer that picks its token mixer from the pattern by its global number.
 
     Used through the ``hybrid_layer`` spec object, which Megatron fans out to every layer of
@@ -154,8 +190,9 @@ class PatternTransformerLayer(TransformerLayer):
         if add_layer_offset and not kwargs.get("is_mtp_layer", False):
             pp_rank = pg_collection.pp.rank() if pg_collection is not None else None
             global_number += get_transformer_layer_offset(config, vp_stage, pp_rank)
+        mixer = mixers[global_number - 1]
         super().__init__(
-            config, layer_submodules(mixers[global_number - 1], ext, config),
+            config, layer_submodules(mixer, ext, config), route=routes(mixer, ext),
             layer_number=layer_number, vp_stage=vp_stage, pg_collection=pg_collection,
             add_layer_offset=add_layer_offset, **kwargs)
 

@@ -25,7 +25,8 @@ _BACKENDS = {
 
 def gated_delta_rule(
     q, k, v, *, beta=None, g=None, erase=None, write=None, scale=None,
-    initial_state=None, output_final_state=False, cu_seqlens=None, backend: str = "auto",
+    initial_state=None, output_final_state=False, cu_seqlens=None, return_write_residual=False,
+    backend: str = "auto",
 ):
     """The gated delta rule with read-after-write, per head with a state S of shape [K, V]:
 
@@ -46,6 +47,9 @@ def gated_delta_rule(
         output_final_state: return the state after the last token of each sequence.
         cu_seqlens: integer ``[N + 1]`` boundaries of sequences packed along T (needs B == 1);
             the state restarts at each boundary, from ``initial_state[n]`` for sequence n.
+        return_write_residual: also return the write residual
+            ``r_t = w_t * v_t - (Diag(exp g_t) S_{t-1})^T (b_t * k_t)`` ``[B, T, Hv, V]`` (fp32),
+            so that S_t = Diag(exp g_t) S_{t-1} + k_t r_t^T (reference and chunked backends).
         backend: "auto" (chunked for now), "reference", "chunked" or "fla" (fla-core on CUDA;
             raises RuntimeError with the reason where fla_unavailable_reason refuses the call).
 
@@ -54,13 +58,17 @@ def gated_delta_rule(
 
     Returns:
         o ``[B, T, Hv, V]`` in v's dtype, and the final state ``[N, Hv, K, V]`` in fp32 (fp64 for
-        fp64 inputs), or None when output_final_state is False.
+        fp64 inputs), or None when output_final_state is False; then the write residual if asked.
     """
     name = "chunked" if backend == "auto" else backend  # auto's policy: decided after the GPU checks
     if name not in _BACKENDS:
         known = ", ".join(repr(known_name) for known_name in ["auto", *_BACKENDS])
         raise ValueError(f"gated_delta_rule: unknown backend {backend!r}; known backends: {known}")
+    options = {"return_write_residual": True} if return_write_residual else {}
+    if options and name == "fla":
+        raise ValueError("gated_delta_rule: the fla backend cannot return the write residual; "
+                         "use backend='chunked'")
     return _BACKENDS[name](
         q, k, v, beta=beta, g=g, erase=erase, write=write, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, **options,
     )

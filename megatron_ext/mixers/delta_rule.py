@@ -53,7 +53,12 @@ VARIANTS = ("deltanet", "gated_deltanet", "kda", "gated_deltanet2")
 
 
 class DeltaRuleMixer(HeadShardedMixer):
-    """Megatron mixer contract: ``forward(hidden [s, b, h], ...) -> (out [s, b, h], bias)``."""
+    """Megatron mixer contract: ``forward(hidden [s, b, h], ...) -> (out [s, b, h], bias)``.
+
+    With cross-layer routing on, each forward also leaves the routed signal (its value v for
+    CLVR, its write residual r for CLER-H; ``[s, b, local value heads * V]``) in
+    ``routed_signal`` for the layer to project into the residual stream.
+    """
 
     def __init__(self, config, submodules: LinearMixerSubmodules, layer_number: int,
                  ext_config, variant: str, pg_collection=None, **_unused):
@@ -82,6 +87,9 @@ class DeltaRuleMixer(HeadShardedMixer):
         self.key_heads = key_heads // self.tp_size
         self.value_heads = value_heads // self.tp_size
         self.kernel_backend = ext.kernel_backend
+        self.routing = ext.cross_layer_routing
+        self.routed_signal: torch.Tensor | None = None
+        self.routed_size = value_heads * self.value_dim  # over all TP ranks
         per_channel_decay = variant in ("kda", "gated_deltanet2")
 
         h = config.hidden_size
@@ -160,8 +168,13 @@ class DeltaRuleMixer(HeadShardedMixer):
             gates["write"] = sigmoid_gate(self.linear_write, (self.value_dim,))
         else:
             gates["beta"] = sigmoid_gate(self.linear_beta, ())
-        o, _ = gated_delta_rule(q.to(v.dtype), k.to(v.dtype), v, g=self._decay(hidden_states, b, s),
-                                cu_seqlens=cu_seqlens, backend=self.kernel_backend, **gates)
+        o, _, *residual = gated_delta_rule(
+            q.to(v.dtype), k.to(v.dtype), v, g=self._decay(hidden_states, b, s),
+            cu_seqlens=cu_seqlens, backend=self.kernel_backend,
+            return_write_residual=self.routing == "cler_h", **gates)
+        if self.routing != "none":
+            signal = residual[0] if self.routing == "cler_h" else v
+            self.routed_signal = signal.reshape(b, s, -1).transpose(0, 1)
 
         gate = gate.transpose(0, 1).reshape(b, s, self.value_heads, self.value_dim)
         o = gated_rms_norm(o, self.out_norm_weight, gate, self.norm_eps).to(hidden_states.dtype)

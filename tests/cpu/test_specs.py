@@ -106,3 +106,36 @@ def test_pure_attention_keeps_megatron_stacked_checkpoint_layout():
     config = harness.tiny_config()
     block_spec(config, pattern="*")
     assert not config.hetereogenous_dist_checkpoint
+
+
+@pytest.mark.parametrize("routing", ["clvr", "cler_h"])
+def test_cross_layer_routing_adds_the_projected_signal_and_starts_at_baseline(routing):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_ext.config import ExtConfig
+    from megatron_ext.specs import block_spec
+
+    def build(cross_layer_routing):
+        config = harness.tiny_config(num_layers=2)
+        torch.manual_seed(0)
+        ext = ExtConfig(pattern="G*", cross_layer_routing=cross_layer_routing)
+        return GPTModel(config, block_spec(config, ext=ext), vocab_size=96,
+                        max_sequence_length=64, position_embedding_type="none")
+
+    routed, plain = build(routing), build("none")
+    tokens = torch.randint(0, 96, (2, 17))
+    positions = torch.arange(17).expand(2, -1)
+    # P_l is zero-initialised: the routed model starts as the plain one.
+    torch.testing.assert_close(routed(tokens, positions, None, labels=tokens),
+                               plain(tokens, positions, None, labels=tokens))
+    assert routed.decoder.layers[1].routing_projection is None  # attention does not route
+
+    layer = routed.decoder.layers[0]
+    torch.nn.init.normal_(layer.routing_projection.weight)
+    hidden = torch.randn(17, 2, 64)
+    out, _ = layer(hidden)
+    base, _ = TransformerLayer.forward(layer, hidden)  # the layer without the routing term
+    signal = layer.self_attention.routed_signal         # left by that forward: [s, b, Hv * V]
+    assert signal.shape == (17, 2, 4 * 16)
+    torch.testing.assert_close(out, base + signal @ layer.routing_projection.weight.T)

@@ -1,5 +1,6 @@
 """Multi-process (gloo) runs must equal the single-process run in loss and gradients: TP=2,
-TP=2 + SP, PP=2 and PP=2 x VPP=2.
+TP=2 + SP, PP=2, PP=2 x VPP=2, the `hybrid_layer` spec object, and cross-layer routing
+(CLVR, CLER-H) under TP.
 
 The single-process run saves a Megatron dist checkpoint; every parallel layout starts from
 random weights of its own and loads that checkpoint, resharded to its TP/PP/VPP split. (Fresh
@@ -26,7 +27,7 @@ def _batches():
                  position_ids=torch.arange(SEQ).expand(BATCH, SEQ)) for t in tokens]
 
 
-def _build(tp=1, pp=1, vpp=None, sequence_parallel=False, spec="block"):
+def _build(tp=1, pp=1, vpp=None, sequence_parallel=False, spec="block", routing="none"):
     """Model chunks of this rank (one per virtual stage), same seed on every layout.
 
     ``spec="block"``: this stage's per-layer specs (block_spec); ``spec="layer"``: one
@@ -50,10 +51,11 @@ def _build(tp=1, pp=1, vpp=None, sequence_parallel=False, spec="block"):
         vp = v if vpp else None
         torch.manual_seed(1234)
         if spec == "block":
-            layer_spec = block_spec(config, ext=ExtConfig(pattern=PATTERN), vp_stage=vp)
+            layer_spec = block_spec(config, ext=ExtConfig(pattern=PATTERN,
+                                                          cross_layer_routing=routing), vp_stage=vp)
         else:
-            layer_spec = ModuleSpec(module=PatternTransformerLayer,
-                                    params={"ext": ExtConfig(pattern=PATTERN)})
+            layer_spec = ModuleSpec(module=PatternTransformerLayer, params={
+                "ext": ExtConfig(pattern=PATTERN, cross_layer_routing=routing)})
         chunks.append(GPTModel(
             config, layer_spec,
             vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="none",
@@ -109,15 +111,20 @@ def _global_grads(chunks, config):
 
 
 def run_layout(rank, world_size, ckpt_dir, tp=1, pp=1, vpp=None, sequence_parallel=False,
-               save=False, spec="block"):
+               save=False, spec="block", routing="none"):
     """Build this layout, load (or, for the reference, save) the checkpoint, run one step."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    chunks, config = _build(tp, pp, vpp, sequence_parallel, spec)
+    chunks, config = _build(tp, pp, vpp, sequence_parallel, spec, routing)
     # Keys inside the checkpoint are global (per-layer numbers), so chunks never collide.
     state = {f"chunk{v}": chunk.sharded_state_dict() for v, chunk in enumerate(chunks)}
     if save:
+        # Routing projections start at zero; give them weight so that the term is tested.
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                if "routing_projection" in name:
+                    torch.nn.init.normal_(p, std=0.05)
         dist_checkpointing.save(state, ckpt_dir)
     else:
         for chunk in chunks:  # prove that every weight comes from the checkpoint
@@ -148,8 +155,17 @@ def _merge(results):
 
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
-    ckpt = str(tmp_path_factory.mktemp("tp1_pp1"))
-    return ckpt, _merge(harness.spawn(run_layout, 1, ckpt, 1, 1, None, False, True))
+    """The one-process run for a routing setting (saved checkpoint, merged results), cached."""
+    runs = {}
+
+    def run(routing):
+        if routing not in runs:
+            ckpt = str(tmp_path_factory.mktemp(f"tp1_pp1_{routing}"))
+            runs[routing] = ckpt, _merge(harness.spawn(run_layout, 1, ckpt, 1, 1, None, False,
+                                                       True, "block", routing))
+        return runs[routing]
+
+    return run
 
 
 def _assert_same(single, parallel, atol=2e-5):
@@ -161,14 +177,18 @@ def _assert_same(single, parallel, atol=2e-5):
         torch.testing.assert_close(grads_n[name], grads_1[name], rtol=1e-4, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("tp,pp,vpp,sp,spec", [
-    (2, 1, None, False, "block"),   # tensor parallel
-    (2, 1, None, True, "block"),    # + sequence parallel
-    (1, 2, None, False, "block"),   # pipeline parallel, 1F1B
-    (1, 2, 2, False, "block"),      # interleaved virtual pipeline
-    (1, 2, None, False, "layer"),   # the `--spec ... hybrid_layer` object across stages
+@pytest.mark.parametrize("tp,pp,vpp,sp,spec,routing", [
+    (2, 1, None, False, "block", "none"),   # tensor parallel
+    (2, 1, None, True, "block", "none"),    # + sequence parallel
+    (1, 2, None, False, "block", "none"),   # pipeline parallel, 1F1B
+    (1, 2, 2, False, "block", "none"),      # interleaved virtual pipeline
+    (1, 2, None, False, "layer", "none"),   # the `--spec ... hybrid_layer` object across stages
+    (2, 1, None, True, "block", "clvr"),    # cross-layer value routing under TP + SP
+    (2, 1, None, False, "layer", "cler_h"),  # write-residual routing under TP
 ])
-def test_layout_from_single_process_checkpoint_matches(single_process, tp, pp, vpp, sp, spec):
-    ckpt, reference = single_process
-    parallel = _merge(harness.spawn(run_layout, tp * pp, ckpt, tp, pp, vpp, sp, False, spec))
+def test_layout_from_single_process_checkpoint_matches(single_process, tp, pp, vpp, sp, spec,
+                                                       routing):
+    ckpt, reference = single_process(routing)
+    parallel = _merge(harness.spawn(run_layout, tp * pp, ckpt, tp, pp, vpp, sp, False, spec,
+                                    routing))
     _assert_same(reference, parallel)

@@ -1,0 +1,309 @@
+"""Linear-attention ops on one device: forward and forward+backward time, and peak memory.
+
+Ops (``--ops`` takes families, e.g. ``kda``, or single ops, e.g. ``kda/fla``):
+
+    deltanet, gdn, kda, gdn2        gated_delta_rule, backends chunked and fla
+    decay_scalar, decay_channel     decay_linear_attention (chunked) with a per-token scalar or
+                                    per-channel decay, and fla-core's chunk_simple_gla /
+                                    chunk_gla on the same inputs (fla); only if kernels/decay exists
+    sdpa                            torch SDPA, causal softmax attention: the yardstick
+
+Shapes: B = batch_tokens / T sequences of T tokens, H heads for q, k and v alike, head dim D
+(K = V = D). Inputs are bf16 (q and k L2-normalised, gates in (0, 1), as in the models); every
+backend keeps its recurrent state in fp32, and no initial state is passed, as in training.
+
+Timing: after ``--warmup`` calls (the first calls of a Triton kernel at a new shape autotune and
+compile, which can take minutes), ``--reps`` timed calls, each between two CUDA events; the
+median counts. "fwd" runs under torch.no_grad(); "fwd_bwd" is the forward plus the gradients of
+every input (torch.autograd.grad, so nothing accumulates). Peak memory is the peak of
+torch.cuda.max_memory_allocated over the timed calls, inputs included. A failure (fla-core
+refusing a backward, out of memory) is recorded as the reason, and the run goes on. Results
+are written to ``--out`` after every op, and a plot (``.png`` next to it) at the end.
+
+    source benchmarks/gpu_setup.sh && python benchmarks/linear_ops.py     # on the GPU machine
+    python benchmarks/linear_ops.py --device cpu --seq-lens 128 --batch-tokens 256  # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.util
+import json
+import pathlib
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from megatron_ext.kernels.delta_rule import fla_unavailable_reason, gated_delta_rule
+
+try:
+    from megatron_ext.kernels.decay import decay_linear_attention
+except ImportError:  # the decay family is optional here: it may not exist yet in this checkout
+    decay_linear_attention = None
+
+DELTA_FAMILIES = ["deltanet", "gdn", "kda", "gdn2"]
+DECAY_FAMILIES = ["decay_scalar", "decay_channel"]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+@dataclasses.dataclass
+class Op:
+    """One op to time: ``make_inputs(B, T, H, D)`` gives the input tensors by name, ``run(**inputs)``
+    the output; ``skip`` says why it cannot run here (then nothing is timed)."""
+
+    family: str
+    backend: str
+    make_inputs: Callable[..., dict[str, torch.Tensor]]
+    run: Callable[..., torch.Tensor]
+    skip: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}/{self.backend}"
+
+
+def linear_inputs(family, batch, seq_len, heads, dim, device):
+    """q, k, v ``[B, T, H, D]`` and the family's gates, bf16."""
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.float32)
+
+    per_head = (batch, seq_len, heads)
+    inputs = {"q": F.normalize(randn(*per_head, dim), dim=-1), "k": F.normalize(randn(*per_head, dim), dim=-1),
+              "v": randn(*per_head, dim)}
+    if family == "gdn2":
+        inputs.update(erase=torch.sigmoid(randn(*per_head, dim)), write=torch.sigmoid(randn(*per_head, dim)))
+    elif family in DELTA_FAMILIES:
+        inputs["beta"] = torch.sigmoid(randn(*per_head))
+    if family in ("gdn", "decay_scalar"):
+        inputs["g"] = F.logsigmoid(randn(*per_head) + 2.0)
+    elif family in ("kda", "gdn2", "decay_channel"):
+        inputs["g"] = F.logsigmoid(randn(*per_head, dim) + 2.0)
+    return {name: tensor.bfloat16() for name, tensor in inputs.items()}
+
+
+def sdpa_inputs(batch, seq_len, heads, dim, device):
+    """q, k, v ``[B, H, T, D]`` bf16, SDPA's layout."""
+    return {name: torch.randn(batch, heads, seq_len, dim, device=device, dtype=torch.bfloat16)
+            for name in "qkv"}
+
+
+def fla_decay(family):
+    """fla-core's function for a decay family, taking our inputs: o ``[B, T, H, D]``."""
+    if family == "decay_scalar":
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        return lambda q, k, v, g: chunk_simple_gla(q, k, v, g=g)[0]
+    from fla.ops.gla import chunk_gla
+
+    return lambda q, k, v, g: chunk_gla(q, k, v, g)[0]
+
+
+def build_ops(device: torch.device) -> list[Op]:
+    fla_missing = None if importlib.util.find_spec("fla") else "fla-core is not installed"
+    ops = []
+    for family in DELTA_FAMILIES:
+        make = lambda *shape, family=family: linear_inputs(family, *shape, device)  # noqa: E731
+        for backend in ("chunked", "fla"):
+            # The fla forward runs wherever fla may run at all; a refused backward is recorded.
+            skip = fla_unavailable_reason(family, device, requires_grad=False) if backend == "fla" else None
+            run = lambda backend=backend, **x: gated_delta_rule(**x, backend=backend)[0]  # noqa: E731
+            ops.append(Op(family, backend, make, run, skip))
+    for family in DECAY_FAMILIES:
+        make = lambda *shape, family=family: linear_inputs(family, *shape, device)  # noqa: E731
+        missing = None if decay_linear_attention else "kernels/decay does not exist in this checkout"
+        ops.append(Op(family, "chunked", make,
+                      lambda **x: decay_linear_attention(**x, backend="chunked")[0], missing))
+        fla_skip = missing or fla_missing or (None if device.type == "cuda" else "fla-core needs CUDA")
+        ops.append(Op(family, "fla", make, lambda family=family, **x: fla_decay(family)(**x), fla_skip))
+    ops.append(Op("sdpa", "torch", lambda *shape: sdpa_inputs(*shape, device),
+                  lambda **x: F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True)))
+    return ops
+
+
+def time_ms(function, *, warmup, reps, device):
+    """Median milliseconds of ``function()`` over ``reps`` calls after ``warmup`` calls, and the
+    peak allocated GiB over the timed calls (None on CPU)."""
+    for _ in range(warmup):
+        function()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            function()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times), torch.cuda.max_memory_allocated(device) / 2**30
+    for _ in range(reps):
+        start = time.perf_counter()
+        function()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), None
+
+
+def describe(error: Exception) -> str:
+    lines = str(error).strip().splitlines() or [""]
+    return f"{type(error).__name__}: {lines[0][:300]}"
+
+
+def measure(op: Op, seq_len: int, args) -> dict:
+    batch = args.batch_tokens // seq_len
+    result = dict(op=op.name, family=op.family, backend=op.backend, seq_len=seq_len, batch=batch,
+                  heads=args.heads, head_dim=args.head_dim)
+    if op.skip is not None:
+        log(f"{op.name} T={seq_len}: skipped: {op.skip}")
+        return dict(result, fwd_error=op.skip, fwd_bwd_error=op.skip)
+    device = torch.device(args.device)
+    inputs = None
+    try:
+        inputs = op.make_inputs(batch, seq_len, args.heads, args.head_dim)
+        result["inputs_gib"] = sum(t.numel() * t.element_size() for t in inputs.values()) / 2**30
+
+        def forward():
+            with torch.no_grad():
+                op.run(**inputs)
+
+        log(f"{op.name} T={seq_len} B={batch}: forward (the first calls may autotune and compile)")
+        result["fwd_ms"], result["fwd_peak_gib"] = time_ms(forward, warmup=args.warmup, reps=args.reps,
+                                                           device=device)
+    except Exception as error:  # noqa: BLE001 - every failure is a result
+        result["fwd_error"] = result["fwd_bwd_error"] = describe(error)
+        log(f"{op.name} T={seq_len}: forward failed: {result['fwd_error']}")
+    else:
+        leaves = {name: t.requires_grad_() for name, t in inputs.items()}
+        grad_output = None
+
+        def forward_backward():
+            nonlocal grad_output
+            o = op.run(**leaves)
+            if grad_output is None:
+                grad_output = torch.randn_like(o)
+            torch.autograd.grad(o, list(leaves.values()), grad_output)
+
+        try:
+            log(f"{op.name} T={seq_len}: forward+backward")
+            result["fwd_bwd_ms"], result["fwd_bwd_peak_gib"] = time_ms(
+                forward_backward, warmup=args.warmup, reps=args.reps, device=device)
+        except Exception as error:  # noqa: BLE001
+            result["fwd_bwd_error"] = describe(error)
+            log(f"{op.name} T={seq_len}: forward+backward failed: {result['fwd_bwd_error']}")
+    del inputs
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    timings = ", ".join(f"{key} {result[key]:.3f}" for key in ("fwd_ms", "fwd_bwd_ms") if key in result)
+    log(f"{op.name} T={seq_len}: {timings or 'no timings'}")
+    return result
+
+
+def environment(device: torch.device) -> dict:
+    versions = {"torch": torch.__version__}
+    for module in ("triton", "fla"):
+        if importlib.util.find_spec(module):
+            versions[module] = getattr(__import__(module), "__version__", "?")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return dict(device=name, **versions)
+
+
+def plot(record: dict, path: pathlib.Path) -> None:
+    """Per sequence length: fwd and fwd+bwd ms (log scale), and fwd+bwd peak GiB, per op."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seq_lens = record["settings"]["seq_lens"]
+    fig, axes = plt.subplots(2, len(seq_lens), figsize=(6.5 * len(seq_lens), 9), squeeze=False)
+    for column, seq_len in enumerate(seq_lens):
+        rows = [r for r in record["results"] if r["seq_len"] == seq_len]
+        names = [r["op"] for r in rows]
+        positions = range(len(rows))
+        time_axis, memory_axis = axes[0][column], axes[1][column]
+        for offset, key, color in ((-0.2, "fwd_ms", "#9cf"), (0.2, "fwd_bwd_ms", "#27a")):
+            values = [r.get(key) or 0 for r in rows]
+            time_axis.barh([p + offset for p in positions], values, height=0.4, color=color,
+                           label=key.replace("_ms", "").replace("_", "+"))
+        for position, r in zip(positions, rows):
+            if "fwd_bwd_ms" not in r:
+                error = r.get("fwd_bwd_error", "")
+                time_axis.text(r.get("fwd_ms") or 1e-3, position, f"  fwd+bwd: {error[:50]}",
+                               va="center", fontsize=6)
+        time_axis.set_xscale("log")
+        time_axis.set_xlabel("ms (median)")
+        time_axis.legend(fontsize=8)
+        memory_axis.barh(list(positions), [r.get("fwd_bwd_peak_gib") or 0 for r in rows], color="#a72")
+        memory_axis.set_xlabel("fwd+bwd peak GiB")
+        for axis in (time_axis, memory_axis):
+            axis.set_yticks(list(positions), names, fontsize=8)
+            axis.invert_yaxis()
+        batch = rows[0]["batch"] if rows else "?"
+        time_axis.set_title(f"T = {seq_len}, B = {batch}")
+    settings = record["settings"]
+    fig.suptitle(f"{record['device']}: H = {settings['heads']}, D = {settings['head_dim']}, "
+                 f"B*T = {settings['batch_tokens']}, bf16 inputs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", default="4096,16384", help="comma-separated T values")
+    parser.add_argument("--batch-tokens", type=int, default=32768, help="B * T, the same for every T")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--ops", default="all",
+                        help="comma-separated families or ops, e.g. 'kda,gdn2/fla,sdpa' (default: all)")
+    parser.add_argument("--warmup", type=int, help="untimed calls first (default: 2; 1 on CPU)")
+    parser.add_argument("--reps", type=int, help="timed calls, the median counts (default: 10; 3 on CPU)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default="benchmarks/results/linear_ops_h200.json")
+    args = parser.parse_args(argv)
+    on_cpu = torch.device(args.device).type == "cpu"
+    args.warmup = (1 if on_cpu else 2) if args.warmup is None else args.warmup
+    args.reps = (3 if on_cpu else 10) if args.reps is None else args.reps
+    args.seq_lens = [int(value) for value in args.seq_lens.split(",")]
+    for seq_len in args.seq_lens:
+        if args.batch_tokens % seq_len:
+            parser.error(f"--batch-tokens {args.batch_tokens} is not a multiple of T = {seq_len}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    ops = build_ops(device)
+    wanted = None if args.ops == "all" else set(args.ops.split(","))
+    if wanted is not None:
+        known = {op.family for op in ops} | {op.name for op in ops}
+        if wanted - known:
+            raise SystemExit(f"unknown --ops {sorted(wanted - known)}; known: {sorted(known)}")
+        ops = [op for op in ops if op.family in wanted or op.name in wanted]
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = dict(environment(device), settings=vars(args), results=[])
+    log(f"{record['device']}; {', '.join(f'{k} {v}' for k, v in record.items() if k not in ('device', 'settings', 'results'))}")
+    for seq_len in args.seq_lens:
+        for op in ops:
+            record["results"].append(measure(op, seq_len, args))
+            out.write_text(json.dumps(record, indent=1))
+    log(f"wrote {out}")
+    try:
+        plot(record, out.with_suffix(".png"))
+        log(f"wrote {out.with_suffix('.png')}")
+    except ImportError as error:
+        log(f"no plot: {error}")
+
+
+if __name__ == "__main__":
+    main()
