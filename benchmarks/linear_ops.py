@@ -12,13 +12,16 @@ Shapes: B = batch_tokens / T sequences of T tokens, H heads for q, k and v alike
 (K = V = D). Inputs are bf16 (q and k L2-normalised, gates in (0, 1), as in the models); every
 backend keeps its recurrent state in fp32, and no initial state is passed, as in training.
 
-Timing: after ``--warmup`` calls (the first calls of a Triton kernel at a new shape autotune and
-compile, which can take minutes), ``--reps`` timed calls, each between two CUDA events; the
-median counts. "fwd" runs under torch.no_grad(); "fwd_bwd" is the forward plus the gradients of
+Timing: after ``--warmup`` untimed calls, ``--reps`` timed calls, each between two CUDA events
+(perf_counter on CPU); the median counts. "fwd" runs under torch.no_grad(); "fwd_bwd" is the forward plus the gradients of
 every input (torch.autograd.grad, so nothing accumulates). Peak memory is the peak of
 torch.cuda.max_memory_allocated over the timed calls, inputs included. A failure (fla-core
 refusing a backward, out of memory) is recorded as the reason, and the run goes on. Results
-are written to ``--out`` after every op, and a plot (``.png`` next to it) at the end.
+are written to ``--out`` after every op, and a plot (``.png`` next to it) at the end; with
+``--resume`` a run keeps what ``--out`` holds and measures only what is missing.
+
+On an H200 with Triton 3.6 and fla-core 0.6.0, each fla op spends about a minute autotuning and
+compiling its forward, and another its backward, before the first timing.
 
     source benchmarks/gpu_setup.sh && python benchmarks/linear_ops.py     # on the GPU machine
     python benchmarks/linear_ops.py --device cpu --seq-lens 128 --batch-tokens 256  # smoke test
@@ -182,14 +185,10 @@ def measure(op: Op, seq_len: int, args) -> dict:
         log(f"{op.name} T={seq_len}: forward failed: {result['fwd_error']}")
     else:
         leaves = {name: t.requires_grad_() for name, t in inputs.items()}
-        grad_output = None
 
         def forward_backward():
-            nonlocal grad_output
             o = op.run(**leaves)
-            if grad_output is None:
-                grad_output = torch.randn_like(o)
-            torch.autograd.grad(o, list(leaves.values()), grad_output)
+            torch.autograd.grad(o, list(leaves.values()), torch.ones_like(o))
 
         try:
             log(f"{op.name} T={seq_len}: forward+backward")
@@ -217,38 +216,36 @@ def environment(device: torch.device) -> dict:
 
 
 def plot(record: dict, path: pathlib.Path) -> None:
-    """Per sequence length: fwd and fwd+bwd ms (log scale), and fwd+bwd peak GiB, per op."""
+    """Per sequence length, for every op that ran: fwd and fwd+bwd ms (log scale, with the reason
+    where fwd+bwd failed) and, on CUDA, the peak memory of each."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    seq_lens = record["settings"]["seq_lens"]
-    fig, axes = plt.subplots(2, len(seq_lens), figsize=(6.5 * len(seq_lens), 9), squeeze=False)
+    ran = [r for r in record["results"] if "fwd_ms" in r]
+    seq_lens = sorted({r["seq_len"] for r in ran})
+    panels = [("ms", "ms (median)")] + ([("peak_gib", "peak GiB")] if any(r.get("fwd_peak_gib") for r in ran) else [])
+    fig, axes = plt.subplots(len(panels), len(seq_lens), figsize=(6.5 * len(seq_lens), 0.35 * len(ran) + 3),
+                             squeeze=False)
     for column, seq_len in enumerate(seq_lens):
-        rows = [r for r in record["results"] if r["seq_len"] == seq_len]
-        names = [r["op"] for r in rows]
-        positions = range(len(rows))
-        time_axis, memory_axis = axes[0][column], axes[1][column]
-        for offset, key, color in ((-0.2, "fwd_ms", "#9cf"), (0.2, "fwd_bwd_ms", "#27a")):
-            values = [r.get(key) or 0 for r in rows]
-            time_axis.barh([p + offset for p in positions], values, height=0.4, color=color,
-                           label=key.replace("_ms", "").replace("_", "+"))
-        for position, r in zip(positions, rows):
-            if "fwd_bwd_ms" not in r:
-                error = r.get("fwd_bwd_error", "")
-                time_axis.text(r.get("fwd_ms") or 1e-3, position, f"  fwd+bwd: {error[:50]}",
-                               va="center", fontsize=6)
-        time_axis.set_xscale("log")
-        time_axis.set_xlabel("ms (median)")
-        time_axis.legend(fontsize=8)
-        memory_axis.barh(list(positions), [r.get("fwd_bwd_peak_gib") or 0 for r in rows], color="#a72")
-        memory_axis.set_xlabel("fwd+bwd peak GiB")
-        for axis in (time_axis, memory_axis):
-            axis.set_yticks(list(positions), names, fontsize=8)
+        rows = [r for r in ran if r["seq_len"] == seq_len]
+        positions = list(range(len(rows)))
+        for (suffix, label), axis in zip(panels, axes[:, column]):
+            for offset, phase, color in ((-0.2, "fwd", "#9cf"), (0.2, "fwd_bwd", "#27a")):
+                axis.barh([p + offset for p in positions], [r.get(f"{phase}_{suffix}") or 0 for r in rows],
+                          height=0.4, color=color, label=phase.replace("_", "+"))
+            for position, r in zip(positions, rows):
+                if "fwd_bwd_error" in r:  # x in axes coordinates, y in data coordinates
+                    axis.text(0.01, position + 0.2, f"fwd+bwd: {r['fwd_bwd_error'][:70]}", fontsize=6,
+                              va="center", transform=axis.get_yaxis_transform())
+            if suffix == "ms":
+                axis.set_xscale("log")
+                axis.set_title(f"T = {seq_len}, B = {rows[0]['batch']}")
+            axis.set_xlabel(label)
+            axis.set_yticks(positions, [r["op"] for r in rows], fontsize=8)
             axis.invert_yaxis()
-        batch = rows[0]["batch"] if rows else "?"
-        time_axis.set_title(f"T = {seq_len}, B = {batch}")
+            axis.legend(fontsize=7)
     settings = record["settings"]
     fig.suptitle(f"{record['device']}: H = {settings['heads']}, D = {settings['head_dim']}, "
                  f"B*T = {settings['batch_tokens']}, bf16 inputs")
@@ -268,6 +265,9 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, help="timed calls, the median counts (default: 10; 3 on CPU)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/results/linear_ops_h200.json")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the results already in --out and measure only what is missing "
+                             "(to finish a run that was cut short, or to add ops)")
     args = parser.parse_args(argv)
     on_cpu = torch.device(args.device).type == "cpu"
     args.warmup = (1 if on_cpu else 2) if args.warmup is None else args.warmup
@@ -291,12 +291,18 @@ def main(argv=None):
         ops = [op for op in ops if op.family in wanted or op.name in wanted]
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = dict(environment(device), settings=vars(args), results=[])
-    log(f"{record['device']}; {', '.join(f'{k} {v}' for k, v in record.items() if k not in ('device', 'settings', 'results'))}")
+    env = environment(device)
+    record = dict(env, settings=vars(args), results=[])
+    if args.resume and out.exists():
+        record["results"] = json.loads(out.read_text())["results"]
+    done = {(r["op"], r["seq_len"]) for r in record["results"]}
+    versions = ", ".join(f"{name} {value}" for name, value in env.items() if name != "device")
+    log(f"{record['device']}: {versions}; {len(done)} results kept from {out}")
     for seq_len in args.seq_lens:
         for op in ops:
-            record["results"].append(measure(op, seq_len, args))
-            out.write_text(json.dumps(record, indent=1))
+            if (op.name, seq_len) not in done:
+                record["results"].append(measure(op, seq_len, args))
+                out.write_text(json.dumps(record, indent=1))
     log(f"wrote {out}")
     try:
         plot(record, out.with_suffix(".png"))

@@ -161,12 +161,14 @@ def init_runtime(settings: RunSettings, device: str) -> Runtime:
     if not dist.is_initialized():
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl" if use_cuda else "gloo"
-        if world_size == 1:
-            # One process needs no rendezvous: an in-memory store, so that no port is taken.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        else:  # torchrun (or a Slurm launcher) sets MASTER_ADDR / MASTER_PORT
-            dist.init_process_group(backend, rank=rank, world_size=world_size)
+        if use_cuda:
+            # torchrun (or a Slurm launcher) sets these; a lone GPU process uses local defaults.
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            dist.init_process_group("nccl", rank=rank, world_size=world_size)
+        else:
+            # One CPU process needs no rendezvous: an in-memory store, so that no port is taken.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     p = settings.parallel
     if world_size % (p.tensor * p.pipeline):
         raise ConfigError(
