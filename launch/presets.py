@@ -6,9 +6,14 @@ A preset is looked up by name in ``presets/`` next to this file (``tiny-hybrid``
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import pathlib
+import re
 
 import yaml
+
+from megatron_ext.config import ConfigError
 
 PRESET_DIR = pathlib.Path(__file__).parent / "presets"
 
@@ -36,3 +41,114 @@ def load_preset(name_or_path: str) -> dict:
     """The preset as a dict of sections (model, ext, data, train, parallel)."""
     with open(preset_path(name_or_path)) as f:
         return yaml.safe_load(f) or {}
+
+
+# ---------------------------------------------------------------------------- sizes
+# A preset whose name ends in a size ("hybrid-350m", "hybrid-1.3b") must build a model of that
+# many parameters, embeddings included, within this relative tolerance. Sizes are nominal (the
+# seed paper's "350M" family is itself 15-20% off its label), so the band is wide; it catches a
+# wrong layer count, width or FFN, which move the count by far more.
+SIZE_TOLERANCE = 0.15
+_SIZE_SUFFIX = re.compile(r"-(\d+(?:\.\d+)?)([mb])$")
+
+
+def nominal_size(name_or_path: str) -> float | None:
+    """The parameter count a preset's name states (``"hybrid-1.3b"`` -> 1.3e9), or None."""
+    path = pathlib.Path(name_or_path)
+    name = path.stem if path.suffix in (".yaml", ".yml") else path.name  # "hybrid-1.3b"
+    match = _SIZE_SUFFIX.search(name.lower())
+    if match is None:
+        return None
+    return float(match.group(1)) * {"m": 1e6, "b": 1e9}[match.group(2)]
+
+
+def load_settings(name_or_path: str):
+    """The preset as validated :class:`~megatron_ext.train.RunSettings`."""
+    from megatron_ext.train import RunSettings
+
+    return RunSettings.from_dict(load_preset(name_or_path)).validate()
+
+
+@contextlib.contextmanager
+def _one_process_megatron():
+    """Megatron's parallel state for building a whole model in this process (TP = PP = 1).
+
+    Uses the world and groups already set up when there are (they must then be TP = PP = 1);
+    otherwise sets up a one-process gloo world on an in-memory store (no port) and tears down
+    what it set up on exit.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    own_world = not dist.is_initialized()
+    if own_world:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    own_groups = not parallel_state.model_parallel_is_initialized()
+    try:
+        if own_groups:
+            parallel_state.initialize_model_parallel()
+        elif (parallel_state.get_tensor_model_parallel_world_size() != 1
+              or parallel_state.get_pipeline_model_parallel_world_size() != 1):
+            raise ConfigError(
+                "parameter_count builds the whole model in one process; call it outside a "
+                "tensor- or pipeline-parallel run (or before its groups are set up)")
+        yield
+    finally:
+        if own_groups:
+            parallel_state.destroy_model_parallel()
+        if own_world:
+            dist.destroy_process_group()
+
+
+def parameter_count(settings_or_preset_name, vocab_size: int | None = None) -> int:
+    """Exact number of parameters of the model a preset builds (all layers, all experts,
+    untied input and output embeddings), without allocating it.
+
+    ``settings_or_preset_name``: a :class:`~megatron_ext.train.RunSettings`, a preset name or
+    a YAML path. ``vocab_size``: the tokenizer's size before padding; default: the preset's
+    ``data.vocab_size``. It is padded as training pads it (to a multiple of 128 x TP).
+
+    The model is :func:`megatron_ext.train.build_model`'s GPTModel with every pipeline stage in
+    one piece, built on the ``meta`` device: parameters have shapes but no storage, so a 3B
+    model takes well under a second and no memory, on a machine without a GPU.
+    """
+    import torch
+
+    from megatron_ext import train
+
+    if isinstance(settings_or_preset_name, train.RunSettings):
+        settings = copy.deepcopy(settings_or_preset_name).validate()
+    else:
+        settings = load_settings(settings_or_preset_name)
+    vocab = train._padded_vocab(vocab_size or settings.data.vocab_size, settings.parallel.tensor)
+    # The whole model on one rank. Megatron's own modules honour the meta device (with CPU
+    # initialisation they allocate without naming a device); Transformer Engine's are placed on
+    # an explicit device, so they are not used here: both layouts hold the same parameters.
+    settings.parallel = train.ParallelSettings()
+    if settings.ext.attention_backend != "local":
+        settings.ext.attention_backend = "sdpa"
+    # RoPE has no parameters; the CPU runtime's config refuses it only because it cannot run.
+    config_settings = copy.deepcopy(settings)
+    if config_settings.model.position_embedding_type == "rope":
+        config_settings.model.position_embedding_type = "none"
+    cpu = train.Runtime(device=torch.device("cpu"), rank=0, world_size=1)
+    config = train.transformer_config(config_settings, cpu)
+    config.perform_initialization = False  # shapes only: no random draws, no RNG tracker
+    with _one_process_megatron(), torch.device("meta"):
+        model = train.build_model(settings, config, vocab)
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_parameter_count(name_or_path: str, count: int | None = None) -> int:
+    """The preset's parameter count, checked against the size in its name (see
+    :data:`SIZE_TOLERANCE`); ``count`` skips the measurement when already known."""
+    nominal = nominal_size(name_or_path)
+    if nominal is None:
+        raise ConfigError(f"preset name {name_or_path!r} states no size (like '-350m' or '-1.3b')")
+    count = parameter_count(name_or_path) if count is None else count
+    if abs(count - nominal) > SIZE_TOLERANCE * nominal:
+        raise ConfigError(
+            f"preset {name_or_path!r} builds {count / 1e6:,.1f}M parameters, "
+            f"{(count / nominal - 1) * 100:+.1f}% off the {nominal / 1e6:,.0f}M its name states "
+            f"(allowed: +-{SIZE_TOLERANCE:.0%}); change the model's sizes or the name")
+    return count

@@ -21,6 +21,8 @@ class Mixer:
     builder: str  # "module:function" -> f(ext_config, transformer_config, **options)
     description: str
     options: dict = field(default_factory=dict)
+    # Whether the mixer exposes a value / write residual for cross-layer routing (CLVR, CLER-H).
+    routable: bool = False
 
     def build_spec(self, ext_config, transformer_config):
         module, function = self.builder.split(":")
@@ -35,11 +37,13 @@ MIXERS: tuple[Mixer, ...] = (
     Mixer("*", "attention", "megatron_ext.specs:attention_self_spec",
           "softmax self-attention (torch SDPA, TE or Megatron's local core)"),
     Mixer("G", "gated_deltanet", _DELTA, "Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025)",
-          {"variant": "gated_deltanet"}),
-    Mixer("N", "deltanet", _DELTA, "DeltaNet (Yang et al. 2024)", {"variant": "deltanet"}),
-    Mixer("K", "kda", _DELTA, "Kimi Delta Attention (Kimi Linear 2025)", {"variant": "kda"}),
+          {"variant": "gated_deltanet"}, routable=True),
+    Mixer("N", "deltanet", _DELTA, "DeltaNet (Yang et al. 2024)", {"variant": "deltanet"},
+          routable=True),
+    Mixer("K", "kda", _DELTA, "Kimi Delta Attention (Kimi Linear 2025)", {"variant": "kda"},
+          routable=True),
     Mixer("Q", "gated_deltanet2", _DELTA, "Gated DeltaNet-2: per-channel erase and write gates",
-          {"variant": "gated_deltanet2"}),
+          {"variant": "gated_deltanet2"}, routable=True),
     Mixer("M", "mamba2", "megatron_ext.mixers.decay:mamba2_spec", "Mamba-2 / SSD (Dao & Gu 2024)"),
     Mixer("A", "gla", _DECAY, "Gated Linear Attention (Yang et al. 2024)", {"variant": "gla"}),
     Mixer("R", "retnet", _DECAY, "RetNet retention (Sun et al. 2023)", {"variant": "retnet"}),

@@ -99,7 +99,7 @@ def layer_submodules(mixer: Mixer, ext: ExtConfig, config) -> TransformerLayerSu
 
 def routes(mixer: Mixer, ext: ExtConfig) -> bool:
     """Whether this layer adds a cross-layer routing term (CLVR / CLER-H): delta-rule mixers."""
-    return ext.cross_layer_routing != "none" and mixer.builder.endswith(":delta_rule_spec")
+    return ext.cross_layer_routing != "none" and mixer.routable
 
 
 class ExtTransformerLayer(TransformerLayer):
