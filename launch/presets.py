@@ -46,7 +46,7 @@ def load_preset(name_or_path: str) -> dict:
 # ---------------------------------------------------------------------------- sizes
 # A preset whose name ends in a size ("hybrid-350m", "hybrid-1.3b") must build a model of that
 # many parameters, embeddings included, within this relative tolerance. Sizes are nominal (the
-# seed paper's "350M" family is itself 15-20% off its label), so the band is wide; it catches a
+# seed paper's 20-layer "350M" models have 284-291M), so the band is wide; it still catches a
 # wrong layer count, width or FFN, which move the count by far more.
 SIZE_TOLERANCE = 0.15
 _SIZE_SUFFIX = re.compile(r"-(\d+(?:\.\d+)?)([mb])$")

@@ -36,9 +36,10 @@ def _prepare_data(args) -> int:
 
 
 def _presets(_args) -> int:
-    from megatron_ext.launch.presets import list_presets
+    from megatron_ext.launch.presets import list_presets, parameter_count
 
-    print("\n".join(list_presets()))
+    for name in list_presets():
+        print(f"{name:<14} {parameter_count(name) / 1e6:>10,.1f}M parameters")
     return 0
 
 

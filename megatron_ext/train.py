@@ -49,6 +49,7 @@ class ModelSettings:
     num_query_groups: int | None = None
     seq_length: int = 256
     position_embedding_type: str = "rope"
+    rotary_base: float = 10000
     normalization: str = "RMSNorm"
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -71,7 +72,10 @@ class TrainSettings:
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 30
-    decay_style: str = "cosine"
+    decay_style: str = "cosine"  # constant, linear, cosine, inverse-square-root or WSD
+    # WSD (warmup-stable-decay): the last wsd_decay_steps decay to min_lr in this style.
+    wsd_decay_steps: int | None = None
+    wsd_decay_style: str = "linear"  # linear, cosine, exponential or minus_sqrt
     weight_decay: float = 0.1
     clip_grad: float = 1.0
     seed: int = 1234
@@ -126,6 +130,18 @@ class RunSettings:
         for name in ("log_interval", "eval_interval", "save_interval", "micro_batch_size"):
             if getattr(t, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(t, name)} must be >= 1")
+        styles = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+        if t.decay_style not in styles:
+            raise ConfigError(f"train.decay_style={t.decay_style!r} is not one of {list(styles)}")
+        if t.decay_style == "WSD":
+            if not t.wsd_decay_steps or not 0 < t.wsd_decay_steps <= t.steps - t.warmup_steps:
+                raise ConfigError(
+                    f"train.wsd_decay_steps={t.wsd_decay_steps} must be in (0, steps - "
+                    f"warmup_steps = {t.steps - t.warmup_steps}] with decay_style 'WSD'")
+            wsd_styles = ("linear", "cosine", "exponential", "minus_sqrt")
+            if t.wsd_decay_style not in wsd_styles:
+                raise ConfigError(f"train.wsd_decay_style={t.wsd_decay_style!r} is not one of "
+                                  f"{list(wsd_styles)}")
         if t.global_batch_size % t.micro_batch_size:
             raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a "
                               f"multiple of train.micro_batch_size={t.micro_batch_size}")
@@ -234,6 +250,7 @@ def build_model(settings: RunSettings, config, vocab_size: int):
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         position_embedding_type=settings.model.position_embedding_type,
+        rotary_base=settings.model.rotary_base,
         share_embeddings_and_output_weights=False,
     )
 
@@ -312,7 +329,8 @@ def build_optimizer(model, settings: RunSettings, runtime: Runtime):
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,
         lr_decay_steps=t.steps, lr_decay_style=t.decay_style, start_wd=t.weight_decay,
-        end_wd=t.weight_decay, wd_incr_steps=t.steps, wd_incr_style="constant")
+        end_wd=t.weight_decay, wd_incr_steps=t.steps, wd_incr_style="constant",
+        wsd_decay_steps=t.wsd_decay_steps, lr_wsd_decay_style=t.wsd_decay_style)
     return model, optimizer, scheduler
 
 

@@ -1,0 +1,449 @@
+"""The self-check: every backend of every op against the fp32 reference, on small shapes, forward
+and backward, on one device. ``megatron-ext doctor`` prints it; the backend policy (auto) is to run
+it once per machine before it trusts a fast kernel.
+
+What is checked, per op (``OPS``):
+    gated_delta_rule        deltanet, gated_deltanet, kda, gdn2, and kda on packed sequences
+    decay_linear_attention  none, constant (per head: RetNet, Lightning), per_head (Mamba-2 SSD),
+                            per_channel (GLA), and per_channel on packed sequences
+each with grouped heads (2 q/k heads serve 4 v heads), an initial state, and T = 97 = 64 + 33
+tokens, odd and across a 64-token chunk boundary (packed: sequences of 5, 70 and 22 tokens).
+K = 32 and V = 64 differ, so that a swapped layout cannot pass, and are the smallest sizes that
+Triton kernels with 16-wide matrix tiles take.
+
+How: the inputs are made in fp64 and rounded once to the checked dtype, the way the mixers pass
+them: q, k and v in the dtype (``LOW_PRECISION_INPUTS``), the gates and the initial state in
+fp32. The oracle is the op's reference run in fp32 on the CPU on those same rounded values, with
+the gradients of a fixed random projection of o and of the final state; the backend runs on the
+device with the same projection. Errors are relative, in the Frobenius norm
+``||actual - expected|| / ||expected||``, per output and per gradient; a check passes when every
+one is finite and within the tolerance (``tolerance_for``).
+
+A backend that cannot run a case here is skipped with its reason and not run: by the backend's
+own rule (``fla_unavailable_reason``), or because it refuses the call with a RuntimeError saying
+``"<op>: backend '<name>' cannot run ..."`` (e.g. fla-core's DeltaNet in fp32). Where only the
+backward is refused, the forward is checked and the note says why the backward was not.
+"""
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from . import decay, delta_rule
+from .delta_rule.fla import fla_kind
+
+__all__ = [
+    "OPS", "CheckResult", "auto_backend", "check_backend", "decay_inputs", "delta_rule_inputs",
+    "relative_error", "run_all", "run_with_grads", "tolerance_for",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Inputs (shared with tests/cpu/test_delta_rule.py and test_decay.py)
+# ---------------------------------------------------------------------------------------------
+
+DELTA_RULE_CASES = ("deltanet", "gated_deltanet", "kda", "gdn2")
+DECAY_CASES = ("none", "constant", "per_head", "per_channel")
+
+
+def delta_rule_inputs(case, *, batch=2, seq_len=37, key_heads=2, value_heads=4, key_dim=8,
+                      value_dim=12, dtype=torch.float64, with_initial_state=True, num_states=None,
+                      seed=0):
+    """Keyword arguments for gated_delta_rule in the form of ``case`` (one of DELTA_RULE_CASES),
+    every tensor a leaf in ``dtype`` that requires grad: q, k ``[B, T, Hk, K]``, v
+    ``[B, T, Hv, V]``, beta ``[B, T, Hv]`` (or erase ``[B, T, Hv, K]`` and write ``[B, T, Hv, V]``
+    for gdn2), g ``[B, T, Hv]`` (gated_deltanet) or ``[B, T, Hv, K]`` (kda, gdn2), and
+    initial_state ``[N, Hv, K, V]`` (N = num_states or B).
+
+    Keys are L2-normalised and gates lie in (0, 1), as in the models, so that the recurrence is
+    contractive and the fp32 comparisons measure rounding, not an exploding state."""
+    if case not in DELTA_RULE_CASES:
+        raise ValueError(f"delta_rule_inputs: unknown case {case!r}; known cases: {DELTA_RULE_CASES}")
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    per_head = (batch, seq_len, value_heads)
+    tensors = {
+        "q": randn(batch, seq_len, key_heads, key_dim),
+        "k": F.normalize(randn(batch, seq_len, key_heads, key_dim), dim=-1),
+        "v": randn(batch, seq_len, value_heads, value_dim),
+    }
+    if case == "gdn2":
+        tensors["erase"] = torch.sigmoid(randn(*per_head, key_dim))
+        tensors["write"] = torch.sigmoid(randn(*per_head, value_dim))
+    else:
+        tensors["beta"] = torch.sigmoid(randn(*per_head))
+    if case == "gated_deltanet":
+        tensors["g"] = F.logsigmoid(randn(*per_head) + 2.0)
+    elif case in ("kda", "gdn2"):
+        tensors["g"] = F.logsigmoid(randn(*per_head, key_dim) + 2.0)
+    if with_initial_state:
+        tensors["initial_state"] = randn(num_states or batch, value_heads, key_dim, value_dim)
+    return {name: tensor.to(dtype).requires_grad_() for name, tensor in tensors.items()}
+
+
+def decay_inputs(decay_form, *, batch=2, seq_len=37, key_heads=2, value_heads=4, key_dim=8,
+                 value_dim=12, dtype=torch.float64, with_initial_state=True, num_states=None, seed=0):
+    """Keyword arguments for decay_linear_attention with a decay of ``decay_form`` (one of
+    DECAY_CASES: no g; g ``[Hv]``, RetNet's decays; g ``[B, T, Hv]``; g ``[B, T, Hv, K]``), every
+    tensor a leaf in ``dtype`` that requires grad; shapes as in ``delta_rule_inputs``.
+
+    Keys are L2-normalised and decays lie in (0, 1), as in the models, so that the fp32
+    comparisons measure rounding, not a growing state."""
+    if decay_form not in DECAY_CASES:
+        raise ValueError(f"decay_inputs: unknown decay {decay_form!r}; known decays: {DECAY_CASES}")
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    per_head = (batch, seq_len, value_heads)
+    tensors = {
+        "q": randn(batch, seq_len, key_heads, key_dim),
+        "k": F.normalize(randn(batch, seq_len, key_heads, key_dim), dim=-1),
+        "v": randn(batch, seq_len, value_heads, value_dim),
+    }
+    if decay_form == "constant":  # RetNet's per-head decays
+        tensors["g"] = torch.log(1 - 2.0 ** (-5 - torch.arange(value_heads, dtype=torch.float64)))
+    elif decay_form == "per_head":
+        tensors["g"] = F.logsigmoid(randn(*per_head) + 2.0)
+    elif decay_form == "per_channel":
+        tensors["g"] = F.logsigmoid(randn(*per_head, key_dim) + 2.0)
+    if with_initial_state:
+        tensors["initial_state"] = randn(num_states or batch, value_heads, key_dim, value_dim)
+    return {name: tensor.to(dtype).requires_grad_() for name, tensor in tensors.items()}
+
+
+def run_with_grads(function, inputs, *, weights_dtype=None, **options):
+    """o, the final state and the gradients (a dict by input name) of a fixed random projection
+    of both, w.r.t. every input. The projection weights are drawn in fp32 (seed 1), rounded to
+    ``weights_dtype`` if given, so that a low-precision run and its fp32 oracle take the same
+    ones."""
+    o, final_state = function(**inputs, output_final_state=True, **options)
+    generator = torch.Generator().manual_seed(1)
+    weights = []
+    for tensor in (o, final_state):
+        weight = torch.randn(tensor.shape, generator=generator)
+        if weights_dtype is not None:
+            weight = weight.to(weights_dtype)
+        weights.append(weight.to(device=tensor.device, dtype=tensor.dtype))
+    loss = (o * weights[0]).sum() + (final_state * weights[1]).sum()
+    grads = torch.autograd.grad(loss, list(inputs.values()))
+    return o, final_state, dict(zip(inputs, grads))
+
+
+def relative_error(actual, expected) -> float:
+    """``||actual - expected|| / ||expected||`` in fp64 on the CPU (the absolute norm where the
+    expected tensor is zero)."""
+    actual, expected = actual.detach().cpu().double(), expected.detach().cpu().double()
+    norm = expected.norm().item()
+    return (actual - expected).norm().item() / (norm if norm > 0 else 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops and their cases
+# ---------------------------------------------------------------------------------------------
+
+BATCH, SEQ_LEN, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM = 2, 97, 2, 4, 32, 64
+PACKED_LENGTHS = (5, 70, 22)  # shorter than a chunk, across a chunk boundary, a rest: T = 97
+
+# The tensors that take the checked dtype; the mixers compute gates and states in fp32.
+LOW_PRECISION_INPUTS = ("q", "k", "v")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str                      # as shown in the table
+    form: str                      # the op's input form (delta_rule_inputs' case, decay_inputs' decay)
+    packed: bool = False           # sequences of PACKED_LENGTHS packed along T (cu_seqlens)
+
+
+def _fla_delta_rule_reason(inputs, device, requires_grad: bool) -> str | None:
+    kind = fla_kind(beta=inputs.get("beta"), g=inputs.get("g"), erase=inputs.get("erase"),
+                    write=inputs.get("write"))
+    return delta_rule.fla_unavailable_reason(kind, device, requires_grad)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    name: str
+    function: Callable             # the public op; picks the backend by its ``backend=`` argument
+    reference: Callable            # the oracle, called directly (not through the backend table)
+    module: ModuleType             # the op's package; its ``_BACKENDS`` table names the backends
+    make_inputs: Callable
+    cases: tuple[Case, ...]
+    # backend -> (inputs, device, requires_grad) -> why it cannot run, or None
+    unavailable: dict[str, Callable] = dataclasses.field(default_factory=dict)
+
+    def backends(self) -> list[str]:
+        """The backends of the op's table, read at call time, then "auto"."""
+        return [*self.module._BACKENDS, "auto"]
+
+    def case(self, name: str) -> Case:
+        for case in self.cases:
+            if case.name == name:
+                return case
+        raise ValueError(f"{self.name}: unknown case {name!r}; known cases: "
+                         f"{', '.join(case.name for case in self.cases)}")
+
+
+OPS = {
+    op.name: op for op in (
+        Op("gated_delta_rule", delta_rule.gated_delta_rule, delta_rule.gated_delta_rule_reference,
+           delta_rule, delta_rule_inputs,
+           cases=(*(Case(form, form) for form in DELTA_RULE_CASES), Case("kda_packed", "kda", True)),
+           unavailable={"fla": _fla_delta_rule_reason}),
+        Op("decay_linear_attention", decay.decay_linear_attention,
+           decay.decay_linear_attention_reference, decay, decay_inputs,
+           cases=(*(Case(form, form) for form in DECAY_CASES),
+                  Case("per_channel_packed", "per_channel", True))),
+    )
+}
+
+
+def auto_backend(op: str, device) -> str:
+    """The backend that ``backend="auto"`` runs for ``op`` on ``device``. Today every op's auto is
+    the chunked path (see the ops' ``__init__``); once kernels/backends.py owns the choice, this
+    asks it. Should the two ever disagree, the "auto" row, which runs the real auto path, is
+    checked with the wrong tolerance and fails loudly rather than passing silently."""
+    del op, device
+    return "chunked"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tolerances
+# ---------------------------------------------------------------------------------------------
+
+# Relative errors (Frobenius norm) against the fp32 reference on the same rounded inputs.
+# "exact" backends compute in fp32 with fp32 matmuls (our reference and chunked paths); "fast"
+# ones are Triton kernels (fla-core, ours to come).
+TOLERANCES = {
+    # fp32 rounds at 6e-8; the chunked sums over K and over the tokens of a chunk, and its
+    # unit-triangular solve, amplify that to at most ~8e-7 measured (tests/cpu/test_delta_rule.py,
+    # test_decay.py), while an algebraic slip shows up as 1e-3 or more.
+    ("exact", torch.float32): 1e-5,
+    # bf16 q, k, v: the path computes in fp32 and rounds o and the gradients of q, k, v to bf16
+    # at the end, 2^-8 = 3.9e-3 per element at most (measured 1.7e-3 in norm).
+    ("exact", torch.bfloat16): 1e-2,
+    # Triton's tl.dot takes fp32 operands as TF32 (10-bit mantissa, rounding 2^-11 = 4.9e-4),
+    # compounded through the chunk's triangular solve and the state pass; fla-core's own tests
+    # allow 5e-3 (o) to 8e-3 (gradients) at that precision, on longer sequences than ours.
+    ("fast", torch.float32): 1e-2,
+    # bf16 inputs to a fast kernel: o is rounded to bf16 (3.9e-3) and so are the kernel's
+    # intermediate tiles (the WY / UT factors, the chunk states), which compounds to ~1e-2.
+    ("fast", torch.bfloat16): 2e-2,
+}
+EXACT_BACKENDS = ("reference", "chunked")
+
+
+def tolerance_for(backend: str, dtype: torch.dtype, device, op: str | None = None) -> float:
+    """The tolerance of ``backend`` (auto: the backend it runs) for inputs in ``dtype`` on
+    ``device``. Torch's own matmuls count as fast on CUDA where they may use TF32
+    (``torch.set_float32_matmul_precision`` other than "highest")."""
+    if backend == "auto":
+        backend = auto_backend(op, device)
+    exact = backend in EXACT_BACKENDS and not (
+        torch.device(device).type == "cuda" and torch.get_float32_matmul_precision() != "highest")
+    return TOLERANCES[("exact" if exact else "fast", dtype)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class CheckResult:
+    op: str
+    case: str                      # "*" for a backend that cannot run any case here
+    backend: str
+    device: str
+    dtype: str                     # "float32", "bfloat16", or "*"
+    errors: dict[str, float] = dataclasses.field(default_factory=dict)  # "o", "final_state", "grad_q", ...
+    tolerance: float | None = None
+    passed: bool = False
+    ms: float | None = None        # one forward + backward (forward only where the note says so)
+    skipped_reason: str | None = None
+    note: str | None = None        # an exception, or why only the forward was checked
+
+    @property
+    def status(self) -> str:
+        return "skip" if self.skipped_reason is not None else "pass" if self.passed else "FAIL"
+
+    @property
+    def fwd_error(self) -> float | None:
+        values = [error for name, error in self.errors.items() if not name.startswith("grad_")]
+        return _worst(values)
+
+    @property
+    def bwd_error(self) -> float | None:
+        values = [error for name, error in self.errors.items() if name.startswith("grad_")]
+        return _worst(values)
+
+
+def _worst(values: list[float]) -> float | None:
+    if not values:
+        return None
+    return max(values, key=lambda value: float("inf") if value != value else value)  # NaN is worst
+
+
+def _rounded_inputs(op: Op, case: Case, dtype: torch.dtype):
+    """The case's inputs rounded to the checked dtype (detached, on the CPU) and its options."""
+    num_states = len(PACKED_LENGTHS) if case.packed else None
+    inputs = op.make_inputs(
+        case.form, batch=1 if case.packed else BATCH, seq_len=SEQ_LEN, key_heads=KEY_HEADS,
+        value_heads=VALUE_HEADS, key_dim=KEY_DIM, value_dim=VALUE_DIM, num_states=num_states)
+    rounded = {name: tensor.detach().to(dtype if name in LOW_PRECISION_INPUTS else torch.float32)
+               for name, tensor in inputs.items()}
+    options = {}
+    if case.packed:
+        options["cu_seqlens"] = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()])
+    return rounded, options
+
+
+@functools.lru_cache(maxsize=None)
+def _oracle(op_name: str, case_name: str, dtype: torch.dtype):
+    """The reference in fp32 on the CPU on the rounded inputs: o, final state, gradients."""
+    op = OPS[op_name]
+    inputs, options = _rounded_inputs(op, op.case(case_name), dtype)
+    inputs = {name: tensor.float().requires_grad_() for name, tensor in inputs.items()}
+    o, final_state, grads = run_with_grads(op.reference, inputs, weights_dtype=dtype, **options)
+    return o.detach(), final_state.detach(), grads
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _refusal(op: Op, backend: str, error: Exception) -> str | None:
+    """The reason, if ``error`` is the backend refusing the call ("<op>: backend '<name>' cannot
+    run ..."), else None."""
+    message = str(error)
+    if isinstance(error, RuntimeError) and message.startswith(f"{op.name}: backend '{backend}' cannot run"):
+        return message
+    return None
+
+
+def _availability(op: Op, case: Case, backend: str, device: torch.device, dtype: torch.dtype):
+    """(why the backend is not run at all, why its backward is not run), each None if it is."""
+    if backend == "reference" and device.type == "cpu":
+        return "the oracle itself (the reference in fp32 on the CPU)", None
+    rule = op.unavailable.get(backend)
+    if rule is None:
+        return None, None
+    inputs, _ = _rounded_inputs(op, case, dtype)
+    full = rule(inputs, device, True)
+    if full is None:
+        return None, None
+    forward = rule(inputs, device, False)
+    return (forward, None) if forward is not None else (None, full)
+
+
+def check_backend(op: str, case: str, backend: str, device, dtype: torch.dtype) -> CheckResult:
+    """Run ``backend`` of ``op`` on ``case`` (names from OPS) with inputs in ``dtype`` on
+    ``device``, forward and backward, against the fp32 reference on the same rounded inputs.
+
+    The backend is called through the op (``op(..., backend=backend)``), as the mixers call it, so
+    that its backend table is what runs. The timed run follows one warm-up run on CUDA (where the
+    first call compiles and autotunes Triton kernels). Never raises for a failing backend: an
+    exception is a failed check with the exception in ``note``."""
+    spec = OPS[op]
+    the_case = spec.case(case)
+    if backend not in spec.backends():
+        raise ValueError(f"{op}: unknown backend {backend!r}; known backends: {', '.join(spec.backends())}")
+    device = torch.device(device)
+    result = CheckResult(op, case, backend, str(device), str(dtype).removeprefix("torch."),
+                         tolerance=tolerance_for(backend, dtype, device, op))
+    skipped, backward_refused = _availability(spec, the_case, backend, device, dtype)
+    if skipped is not None:
+        result.tolerance, result.skipped_reason = None, skipped
+        return result
+
+    inputs, options = _rounded_inputs(spec, the_case, dtype)
+    with_grads = backward_refused is None
+    inputs = {name: tensor.to(device).requires_grad_(with_grads) for name, tensor in inputs.items()}
+
+    def run():
+        if with_grads:
+            return run_with_grads(spec.function, inputs, weights_dtype=dtype, backend=backend, **options)
+        with torch.no_grad():
+            return (*spec.function(**inputs, output_final_state=True, backend=backend, **options), {})
+
+    try:
+        if device.type == "cuda":
+            run()
+            _sync(device)
+        start = time.perf_counter()
+        o, final_state, grads = run()
+        _sync(device)
+        result.ms = (time.perf_counter() - start) * 1e3
+    except Exception as error:  # noqa: BLE001 - a doctor reports every failure, it does not stop
+        refusal = _refusal(spec, backend, error) if backend != "auto" else None
+        if refusal is not None:
+            result.tolerance, result.skipped_reason = None, refusal
+        else:
+            result.note = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        return result
+
+    o_expected, state_expected, grads_expected = _oracle(op, case, dtype)
+    result.errors = {"o": relative_error(o, o_expected),
+                     "final_state": relative_error(final_state, state_expected)}
+    result.errors.update({f"grad_{name}": relative_error(grad, grads_expected[name])
+                          for name, grad in grads.items()})
+    result.passed = all(error <= result.tolerance for error in result.errors.values())  # NaN fails
+    if backward_refused is not None:
+        result.note = f"forward only: {backward_refused}"
+    elif backend == "auto":
+        result.note = f"auto runs {auto_backend(op, device)}"
+    return result
+
+
+def planned_dtypes(device) -> tuple[torch.dtype, ...]:
+    """fp32 and bf16 inputs on every device: bf16 is what the models pass, fp32 checks the
+    algebra at full precision."""
+    del device
+    return (torch.float32, torch.bfloat16)
+
+
+def run_all(device, on_result: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:
+    """Every backend of every op, every case, fp32 and bf16 inputs, on ``device``. A backend that
+    cannot run any case here for one reason (fla-core without CUDA; the reference on the CPU,
+    which is the oracle) is one row with case and dtype "*". ``on_result`` is called with each
+    result as it comes (the first CUDA calls compile)."""
+    device = torch.device(device)
+    results = []
+    # One CPU thread: the tensors here are a few thousand elements, too small to gain from
+    # intra-op threads, and on a machine whose cores are busy the threads' spin-waits made the
+    # CPU run 3 to 10 times slower. Restored on the way out.
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        for result in _checks(device, planned_dtypes(device)):
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
+def _checks(device: torch.device, dtypes):
+    for op in OPS.values():
+        runnable = []
+        for backend in op.backends():
+            reasons = {_availability(op, case, backend, device, dtype)[0]
+                       for case in op.cases for dtype in dtypes}
+            if len(reasons) == 1 and None not in reasons:
+                yield CheckResult(op.name, "*", backend, str(device), "*", skipped_reason=reasons.pop())
+            else:
+                runnable.append(backend)
+        for case in op.cases:
+            for dtype in dtypes:
+                for backend in runnable:
+                    yield check_backend(op.name, case.name, backend, device, dtype)

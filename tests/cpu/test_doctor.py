@@ -1,0 +1,112 @@
+"""``megatron-ext doctor`` on the CPU: every check passes, a broken backend fails it, and a
+backend that cannot run here is listed with its reason. (A CPU run takes ~4 s.)"""
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from megatron_ext import doctor
+from megatron_ext.kernels import delta_rule, selfcheck
+from megatron_ext.kernels.delta_rule import fla_unavailable_reason
+
+
+def run_doctor(tmp_path, capsys):
+    path = tmp_path / "doctor.json"
+    exit_code = doctor.main(["--device", "cpu", "--json", str(path)])
+    output = capsys.readouterr().out
+    return exit_code, output, json.loads(path.read_text())
+
+
+def rows(output, *cells):
+    """The table lines that start with these cells (op, case, backend, ...)."""
+    return [line for line in output.splitlines() if line.split()[: len(cells)] == list(cells)]
+
+
+def test_every_cpu_check_passes(tmp_path, capsys):
+    exit_code, output, report = run_doctor(tmp_path, capsys)
+    assert exit_code == 0, output
+    assert report["complete"] and report["exit_code"] == 0
+    assert report["environment"]["torch"] == torch.__version__
+
+    results = report["results"]
+    ran = [r for r in results if r["status"] != "skip"]
+    assert ran and all(r["status"] == "pass" for r in ran), output
+    for op in selfcheck.OPS.values():  # every case of every op, in fp32 and bf16, chunked and auto
+        for case in op.cases:
+            for dtype in ("float32", "bfloat16"):
+                checked = {r["backend"] for r in ran
+                           if (r["op"], r["case"], r["dtype"]) == (op.name, case.name, dtype)}
+                assert checked == {"chunked", "auto"}, (op.name, case.name, dtype)
+    some = next(r for r in ran if r["case"] == "kda_packed" and r["dtype"] == "float32")
+    assert some["errors"]["o"] < 1e-5 and "grad_initial_state" in some["errors"]
+    assert "0 failed" in output and "ok: what backend='auto' runs here" in output
+
+    # fla-core cannot run on the CPU: one row, with the reason, nothing run.
+    [fla] = [r for r in results if r["backend"] == "fla"]
+    assert fla["status"] == "skip" and fla["errors"] == {}
+    assert fla["skipped_reason"] == fla_unavailable_reason("kda", "cpu", requires_grad=True)
+    [line] = rows(output, "gated_delta_rule", "*", "fla")
+    assert "skip" in line and fla["skipped_reason"] in line
+
+
+def test_a_broken_backend_fails_the_doctor(tmp_path, capsys, monkeypatch):
+    chunked = delta_rule._BACKENDS["chunked"]
+
+    def ten_percent_off(*args, **kwargs):
+        o, final_state = chunked(*args, **kwargs)
+        return o * 1.1, final_state
+
+    monkeypatch.setitem(delta_rule._BACKENDS, "chunked", ten_percent_off)
+    exit_code, output, report = run_doctor(tmp_path, capsys)
+    assert exit_code == 1 and report["exit_code"] == 1
+
+    for backend in ("chunked", "auto"):  # auto runs chunked: both are marked, in every case
+        for case in ("deltanet", "gdn2", "kda_packed"):
+            lines = rows(output, "gated_delta_rule", case, backend, "cpu")
+            assert len(lines) == 2 and all(line.split()[8] == "FAIL" for line in lines), lines
+    failed = [r for r in report["results"] if r["status"] == "FAIL"]
+    assert {r["op"] for r in failed} == {"gated_delta_rule"}  # the decay op is untouched
+    assert all(r["errors"]["o"] == pytest.approx(0.1, rel=0.05) for r in failed)
+    assert "FAILED: 20 checks of what backend='auto' runs here" in output
+
+
+def test_refusals_are_skips_and_exceptions_are_failures(monkeypatch):
+    """A backend that refuses the call ("<op>: backend '<name>' cannot run ...") is skipped with
+    that reason; one that raises anything else fails, with the exception in the note."""
+    op = selfcheck.OPS["gated_delta_rule"]
+    monkeypatch.setitem(op.unavailable, "fla", lambda inputs, device, requires_grad: None)
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("gated_delta_rule: backend 'fla' cannot run deltanet in torch.float32")
+
+    monkeypatch.setitem(delta_rule._BACKENDS, "fla", refuses)
+    result = selfcheck.check_backend("gated_delta_rule", "deltanet", "fla", "cpu", torch.float32)
+    assert result.status == "skip" and "cannot run deltanet in torch.float32" in result.skipped_reason
+
+    def crashes(*args, **kwargs):
+        raise IndexError("out of range")
+
+    monkeypatch.setitem(delta_rule._BACKENDS, "fla", crashes)
+    result = selfcheck.check_backend("gated_delta_rule", "deltanet", "fla", "cpu", torch.float32)
+    assert result.status == "FAIL" and result.note == "IndexError: out of range"
+
+
+def test_hopper_with_bad_triton_checks_the_gdn_forward_only(monkeypatch):
+    """Where fla-core refuses only the backward (GDN on Hopper with Triton 3.4 to 3.7.0), its
+    forward is still checked and the note says why the backward is not; KDA runs both."""
+    monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__="0.6.0"))
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    op, cuda = selfcheck.OPS["gated_delta_rule"], torch.device("cuda", 0)
+    skipped, backward_refused = selfcheck._availability(
+        op, op.case("gated_deltanet"), "fla", cuda, torch.bfloat16)
+    assert skipped is None and "#640" in backward_refused
+    assert selfcheck._availability(op, op.case("kda"), "fla", cuda, torch.bfloat16) == (None, None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_asked_for_without_cuda(capsys):
+    assert doctor.main(["--device", "cuda"]) == 2
+    assert "torch sees no CUDA device here" in capsys.readouterr().err
