@@ -87,7 +87,6 @@ def test_meta_count_equals_a_model_built_in_memory():
 
 
 def test_wsd_schedule_settings_are_checked():
-    from megatron_ext.config import ConfigError
     from megatron_ext.train import RunSettings
 
     settings = RunSettings.from_dict(presets.load_preset("hybrid-350m"))
