@@ -2,6 +2,7 @@
 
     megatron-ext train [--preset NAME|FILE] [--run-dir DIR] [--resume] [--steps N] [--pattern P]
     megatron-ext prepare-data [INPUT ...] --output-dir DIR [--vocab-size N]
+    megatron-ext doctor [--device auto|cpu|cuda] [--json PATH]
     megatron-ext presets
 """
 
@@ -67,7 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_prepare_data)
 
-    p = sub.add_parser("presets", help="list the bundled presets")
+    from megatron_ext import doctor
+
+    p = sub.add_parser("doctor",
+                       help="check every kernel backend here against the fp32 reference")
+    doctor.add_arguments(p)
+    p.set_defaults(func=doctor.run)
+
+    p = sub.add_parser("presets", help="list the bundled presets and their sizes")
     p.set_defaults(func=_presets)
     return parser
 

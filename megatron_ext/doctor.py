@@ -12,6 +12,7 @@ only runs when asked for by name. The checks themselves are ``megatron_ext.kerne
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import importlib.metadata
 import json
@@ -110,9 +111,10 @@ def summarize(results, device) -> tuple[str, int]:
     others = [r for r in results if r.status == "FAIL" and r not in auto_failed]
     selected = ", ".join(sorted({f"{op} -> {auto_backend(op, device)}" for op in OPS}))
     if auto_failed:
-        failed = ", ".join(f"{r.op}/{r.case}/{r.backend}/{r.dtype}" for r in auto_failed)
+        by_backend = collections.Counter(f"{r.op} {r.backend}" for r in auto_failed)
+        failed = ", ".join(f"{name} ({count})" for name, count in by_backend.items())
         lines.append(f"FAILED: {len(auto_failed)} checks of what backend='auto' runs here "
-                     f"({selected}): {failed}")
+                     f"({selected}): {failed}; the table's rows say which")
     else:
         lines.append(f"ok: what backend='auto' runs here ({selected}) passes every check")
     if others:

@@ -18,44 +18,16 @@ Tolerances are relative errors in the Frobenius norm, ||actual - expected|| / ||
 """
 import pytest
 import torch
-import torch.nn.functional as F
 from test_delta_rule import assert_close, assert_same_results, run_with_grads
 
 from megatron_ext.kernels import decay_linear_attention
 from megatron_ext.kernels.decay import decay_linear_attention_chunked, decay_linear_attention_reference
+from megatron_ext.kernels.selfcheck import decay_inputs as make_inputs
 
 KEY_DIM, VALUE_DIM = 8, 12
 # None: plain linear attention; constant: [Hv] (RetNet, Lightning); per_head: [B, T, Hv]
 # (Mamba-2 SSD); per_channel: [B, T, Hv, K] (GLA).
 DECAYS = ["none", "constant", "per_head", "per_channel"]
-
-
-def make_inputs(decay, *, batch=2, seq_len=37, key_heads=2, value_heads=4, dtype=torch.float64,
-                with_initial_state=True, num_states=None, seed=0):
-    """Keyword arguments for decay_linear_attention, every tensor a leaf that requires grad.
-
-    Keys are L2-normalised and decays lie in (0, 1), as in the models, so that the fp32
-    comparisons measure rounding, not a growing state."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator, dtype=torch.float64)
-
-    per_head = (batch, seq_len, value_heads)
-    tensors = {
-        "q": randn(batch, seq_len, key_heads, KEY_DIM),
-        "k": F.normalize(randn(batch, seq_len, key_heads, KEY_DIM), dim=-1),
-        "v": randn(batch, seq_len, value_heads, VALUE_DIM),
-    }
-    if decay == "constant":  # RetNet's per-head decays
-        tensors["g"] = torch.log(1 - 2.0 ** (-5 - torch.arange(value_heads, dtype=torch.float64)))
-    elif decay == "per_head":
-        tensors["g"] = F.logsigmoid(randn(*per_head) + 2.0)
-    elif decay == "per_channel":
-        tensors["g"] = F.logsigmoid(randn(*per_head, KEY_DIM) + 2.0)
-    if with_initial_state:
-        tensors["initial_state"] = randn(num_states or batch, value_heads, KEY_DIM, VALUE_DIM)
-    return {name: tensor.to(dtype).requires_grad_() for name, tensor in tensors.items()}
 
 
 def test_reference_matches_two_steps_by_hand():

@@ -17,60 +17,14 @@ Tolerances are relative errors in the Frobenius norm, ||actual - expected|| / ||
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron_ext.kernels import gated_delta_rule
 from megatron_ext.kernels.delta_rule import gated_delta_rule_chunked, gated_delta_rule_reference
+from megatron_ext.kernels.selfcheck import delta_rule_inputs as make_inputs
+from megatron_ext.kernels.selfcheck import relative_error, run_with_grads
 
 KEY_DIM, VALUE_DIM = 8, 12
 CASES = ["deltanet", "gated_deltanet", "kda", "gdn2"]
-
-
-def make_inputs(case, *, batch=2, seq_len=37, key_heads=2, value_heads=4, dtype=torch.float64,
-                with_initial_state=True, num_states=None, seed=0):
-    """Keyword arguments for gated_delta_rule, every tensor a leaf that requires grad.
-
-    Keys are L2-normalised and gates lie in (0, 1), as in the models, so that the recurrence is
-    contractive and the fp32 comparisons measure rounding, not an exploding state."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator, dtype=torch.float64)
-
-    per_head = (batch, seq_len, value_heads)
-    tensors = {
-        "q": randn(batch, seq_len, key_heads, KEY_DIM),
-        "k": F.normalize(randn(batch, seq_len, key_heads, KEY_DIM), dim=-1),
-        "v": randn(batch, seq_len, value_heads, VALUE_DIM),
-    }
-    if case == "gdn2":
-        tensors["erase"] = torch.sigmoid(randn(*per_head, KEY_DIM))
-        tensors["write"] = torch.sigmoid(randn(*per_head, VALUE_DIM))
-    else:
-        tensors["beta"] = torch.sigmoid(randn(*per_head))
-    if case == "gated_deltanet":
-        tensors["g"] = F.logsigmoid(randn(*per_head) + 2.0)
-    elif case in ("kda", "gdn2"):
-        tensors["g"] = F.logsigmoid(randn(*per_head, KEY_DIM) + 2.0)
-    if with_initial_state:
-        tensors["initial_state"] = randn(num_states or batch, value_heads, KEY_DIM, VALUE_DIM)
-    return {name: tensor.to(dtype).requires_grad_() for name, tensor in tensors.items()}
-
-
-def run_with_grads(function, inputs, **options):
-    """o, final state and the gradients of a fixed random projection of both, w.r.t. every input."""
-    o, final_state = function(**inputs, output_final_state=True, **options)
-    generator = torch.Generator().manual_seed(1)
-    o_weights = torch.randn(o.shape, generator=generator).to(o.dtype)
-    state_weights = torch.randn(final_state.shape, generator=generator).to(final_state.dtype)
-    loss = (o * o_weights).sum() + (final_state * state_weights).sum()
-    grads = torch.autograd.grad(loss, list(inputs.values()))
-    return o, final_state, dict(zip(inputs, grads))
-
-
-def relative_error(actual, expected):
-    expected = expected.double()
-    return ((actual.double() - expected).norm() / expected.norm()).item()
 
 
 def assert_close(actual, expected, tolerance, what):
