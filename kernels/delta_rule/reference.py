@@ -22,31 +22,22 @@ from typing import NamedTuple
 
 import torch
 
+from ..common import check_shared_inputs, fail, sequence_spans
+
 __all__ = ["gated_delta_rule_reference", "check_inputs", "expand_inputs", "sequence_spans"]
 
 
 def _fail(name: str, tensor: torch.Tensor, expected: str) -> None:
-    raise ValueError(f"gated_delta_rule: {name} has shape {tuple(tensor.shape)}, expected {expected}")
+    fail("gated_delta_rule", name, tensor, expected)
 
 
 def check_inputs(q, k, v, *, beta, g, erase, write, initial_state, cu_seqlens) -> None:
     """Raise ValueError, naming the argument, its shape and what was expected, if the arguments
     do not fit together. See ``gated_delta_rule`` for the contract."""
-    for name, tensor in (("q", q), ("k", k), ("v", v)):
-        if tensor.dim() != 4:
-            _fail(name, tensor, "a 4-D tensor [B, T, H, D]")
-        if not tensor.is_floating_point():
-            raise ValueError(
-                f"gated_delta_rule: {name} has dtype {tensor.dtype}, expected a floating-point dtype"
-            )
+    check_shared_inputs("gated_delta_rule", q, k, v, initial_state=initial_state,
+                        cu_seqlens=cu_seqlens)
     batch, seq_len, key_heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
-    if k.shape != q.shape:
-        _fail("k", k, f"the shape of q {list(q.shape)} = [B, T, Hk, K]")
-    if v.shape[:2] != q.shape[:2]:
-        _fail("v", v, f"[B, T, Hv, V] with B, T = {batch}, {seq_len} as in q")
-    if value_heads % key_heads != 0:
-        _fail("v", v, f"[B, T, Hv, V] with Hv a multiple of the {key_heads} q/k heads")
 
     per_head = [batch, seq_len, value_heads]
     if erase is None or write is None:
@@ -68,25 +59,6 @@ def check_inputs(q, k, v, *, beta, g, erase, write, initial_state, cu_seqlens) -
         _fail("erase", erase, f"[B, T, Hv, K] = {per_head + [key_dim]}")
     if write is not None and list(write.shape) != per_head + [value_dim]:
         _fail("write", write, f"[B, T, Hv, V] = {per_head + [value_dim]}")
-
-    num_states = batch
-    if cu_seqlens is not None:
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-            _fail("cu_seqlens", cu_seqlens, "a 1-D integer tensor [N + 1] of sequence boundaries")
-        if batch != 1:
-            _fail("q", q, "B == 1 when cu_seqlens is given (sequences packed along T)")
-        bounds = cu_seqlens.tolist()
-        if bounds[0] != 0 or bounds[-1] != seq_len or any(a > b for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(
-                f"gated_delta_rule: cu_seqlens = {bounds} must start at 0, never decrease "
-                f"and end at T = {seq_len}"
-            )
-        num_states = len(bounds) - 1
-    if initial_state is not None:
-        expected_state = [num_states, value_heads, key_dim, value_dim]
-        if list(initial_state.shape) != expected_state:
-            what = "number of sequences" if cu_seqlens is not None else "batch size"
-            _fail("initial_state", initial_state, f"[N, Hv, K, V] = {expected_state} (N = {what})")
 
 
 class ExpandedInputs(NamedTuple):
@@ -122,15 +94,6 @@ def expand_inputs(q, k, v, *, beta, g, erase, write) -> ExpandedInputs:
         write_gate=(beta.unsqueeze(-1) if write is None else write).to(dtype),
         log_decay=log_decay,
     )
-
-
-def sequence_spans(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int) -> list[tuple[int, int, int]]:
-    """The independent sequences as ``(batch_row, start, end)``; their order is the order of
-    ``initial_state`` and ``final_state`` rows."""
-    if cu_seqlens is None:
-        return [(row, 0, seq_len) for row in range(batch)]
-    bounds = cu_seqlens.tolist()
-    return [(0, start, end) for start, end in zip(bounds, bounds[1:])]
 
 
 def gated_delta_rule_reference(

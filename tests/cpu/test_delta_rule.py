@@ -238,7 +238,7 @@ def test_bad_varlen_backend_and_chunk_messages():
     inputs = make_inputs("gdn2", batch=1, seq_len=10, num_states=2)
     inputs = {name: t.detach() for name, t in inputs.items()}
     expected_messages = [
-        (dict(beta=torch.zeros(1, 10, 4)),
+        (dict(beta=torch.zeros(1, 10, 4), initial_state=None),
          r"beta would be ignored because both erase and write are given"),
         (dict(cu_seqlens=torch.tensor([0, 4, 9])),
          r"cu_seqlens = \[0, 4, 9\] must start at 0, never decrease and end at T = 10"),
