@@ -251,7 +251,7 @@ def test_bad_varlen_backend_and_chunk_messages():
     ]
     for change, message in expected_messages:
         with pytest.raises(ValueError, match=message):
-            gated_delta_rule(**inputs, **change)
+            gated_delta_rule(**{**inputs, **change})
     with pytest.raises(ValueError, match=r"chunk_size = 0, expected a positive integer"):
         gated_delta_rule_chunked(**dict(inputs, initial_state=None), chunk_size=0)
 
