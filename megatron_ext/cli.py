@@ -16,7 +16,7 @@ from megatron_ext.config import ConfigError
 
 def _train(args) -> int:
     from megatron_ext.launch.presets import load_preset
-    from megatron_ext.train import RunSettings, train
+    from megatron_ext.train import PREEMPTED_EXIT_CODE, RunSettings, train
 
     settings = RunSettings.from_dict(load_preset(args.preset))
     if args.steps is not None:
@@ -24,8 +24,9 @@ def _train(args) -> int:
     if args.pattern is not None:
         settings.ext.pattern = args.pattern
     run_dir = args.run_dir or f"runs/{args.preset.replace('/', '_').removesuffix('.yaml')}"
-    train(settings, run_dir, resume=args.resume, device=args.device, max_steps=args.stop_after)
-    return 0
+    summary = train(settings, run_dir, resume=args.resume, device=args.device,
+                    max_steps=args.stop_after)
+    return PREEMPTED_EXIT_CODE if summary["preempted"] else 0
 
 
 def _prepare_data(args) -> int:

@@ -29,6 +29,7 @@ import math
 import os
 import pathlib
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -501,12 +502,51 @@ def write_loss_curve(run_dir: pathlib.Path) -> pathlib.Path:
 
 
 # ---------------------------------------------------------------------------- main loop
+PREEMPTED_EXIT_CODE = 85
+"""Exit status of a run stopped by SIGUSR1 / SIGTERM after saving its checkpoint: a Slurm job
+script seeing it requeues the job, which resumes from that checkpoint."""
+
+
+class StopRequest:
+    """SIGUSR1 (Slurm's warning before the time limit) or SIGTERM asks the run to stop.
+
+    Checked once per step; every rank takes the same decision (one all-reduce), so that all of
+    them save the same step and leave together.
+    """
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._request)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _request(self, signum, frame):
+        self.requested = True
+
+    def agreed(self, runtime: Runtime) -> bool:
+        if runtime.world_size == 1:
+            return self.requested
+        flag = torch.tensor([float(self.requested)], device=runtime.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
 def train(settings: RunSettings, run_dir: str | os.PathLike, resume: bool = False,
           device: str = "auto", max_steps: int | None = None) -> dict:
     """Train (or resume) a run; returns a summary with the first and last losses.
 
-    ``max_steps`` stops early (after saving) without changing the schedule, which is what a
-    preempted job does; a later ``resume=True`` call continues the same curve.
+    ``max_steps`` stops early (after saving) without changing the schedule; so does SIGUSR1 /
+    SIGTERM (``summary["preempted"]``; the CLI then exits with :data:`PREEMPTED_EXIT_CODE`).
+    A later ``resume=True`` call continues the same curve.
     """
     from tqdm import tqdm
 
@@ -548,7 +588,10 @@ def train(settings: RunSettings, run_dir: str | os.PathLike, resume: bool = Fals
     bar = tqdm(range(start, end), initial=start, total=t.steps, disable=not is_main,
                dynamic_ncols=True, desc="train")
     first_loss = last_loss = None
-    for step in bar:
+
+    def _run_step(step: int) -> int:
+        """One optimizer step, then logging, evaluation and checkpoints; returns steps done."""
+        nonlocal first_loss, last_loss
         model.train()
         begin = time.perf_counter()
         batches = _batches(train_set, step, settings, dp_rank, dp_size, runtime.device)
@@ -574,10 +617,25 @@ def train(settings: RunSettings, run_dir: str | os.PathLike, resume: bool = Fals
                 bar.write(f"step {done}: train loss {loss:.4f}, valid loss {valid:.4f}")
         if done % t.save_interval == 0 or done == end:
             save_checkpoint(run_dir, done, model, optimizer, scheduler, runtime)
+        return done
+
+    preempted = False
+    with StopRequest() as stop:
+        for step in bar:
+            done = _run_step(step)
+            if stop.agreed(runtime) and done < end:
+                if done % t.save_interval:
+                    save_checkpoint(run_dir, done, model, optimizer, scheduler, runtime)
+                if is_main:
+                    bar.write(f"stop requested: checkpoint saved at step {done}; resume with "
+                              "--resume")
+                preempted, end = True, done
+                break
     bar.close()
     summary = {"start_step": start, "end_step": end, "first_loss": first_loss,
-               "last_loss": last_loss, "params": n_params, "run_dir": str(run_dir)}
-    if is_main and end == t.steps:
+               "last_loss": last_loss, "params": n_params, "run_dir": str(run_dir),
+               "preempted": preempted}
+    if is_main and end == t.steps and not preempted:
         summary["loss_curve"] = str(write_loss_curve(run_dir))
         print(f"done: loss {first_loss:.3f} (step {start + 1}) -> {last_loss:.3f} (step {end}); "
               f"curve in {summary['loss_curve']}", flush=True)

@@ -85,3 +85,37 @@ def test_bad_settings_fail_before_training(preset, tmp_path):
          "--run-dir", str(tmp_path / "run"), "--device", "cpu"], capture_output=True, text=True)
     assert done.returncode == 2
     assert "unknown token mixer 'X'" in done.stderr
+
+
+def test_sigusr1_saves_a_checkpoint_and_resume_continues_the_same_run(preset):
+    """What Slurm's `--signal=B:USR1@...` does before the time limit: the run saves at the end
+    of the current step, exits with PREEMPTED_EXIT_CODE, and --resume continues the curve."""
+    import signal
+    import time
+
+    from megatron_ext.train import PREEMPTED_EXIT_CODE
+
+    root, preset_path = preset
+    straight = root / "straight_for_signal"
+    _train(preset_path, straight, "--steps", "12")
+
+    run_dir = root / "signalled"
+    cmd = [sys.executable, "-m", "megatron_ext.cli", "train", "--preset", str(preset_path),
+           "--run-dir", str(run_dir), "--device", "cpu", "--steps", "12"]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert process.poll() is None and time.time() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGUSR1)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == PREEMPTED_EXIT_CODE, out[-2000:] + err[-2000:]
+    stopped_at = int((run_dir / "checkpoints" / "latest").read_text())
+    assert 2 <= stopped_at < 12
+
+    _train(preset_path, run_dir, "--steps", "12", "--resume")
+    a, b = _train_losses(straight), _train_losses(run_dir)
+    assert sorted(a) == sorted(b) == list(range(1, 13))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-6), step
