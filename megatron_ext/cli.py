@@ -3,6 +3,7 @@
     megatron-ext train [--preset NAME|FILE] [--run-dir DIR] [--resume] [--steps N] [--pattern P]
     megatron-ext prepare-data [INPUT ...] --output-dir DIR [--vocab-size N]
     megatron-ext doctor [--device auto|cpu|cuda] [--json PATH]
+    megatron-ext launch --cluster {alps-gh200,h100-ib,generic} --nodes N --preset NAME [--dry-run]
     megatron-ext presets
 """
 
@@ -75,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="check every kernel backend here against the fp32 reference")
     doctor.add_arguments(p)
     p.set_defaults(func=doctor.run)
+
+    from megatron_ext.launch import slurm
+
+    p = sub.add_parser("launch",
+                       help="render an sbatch script for a preset on a cluster and submit it")
+    slurm.add_arguments(p)
+    p.set_defaults(func=slurm.run)
 
     p = sub.add_parser("presets", help="list the bundled presets and their sizes")
     p.set_defaults(func=_presets)
