@@ -7,15 +7,18 @@ directory.
 
 On CUDA (one process, or ``torchrun`` for several) it uses Megatron's DDP, optimizer and
 pipeline schedules, so TP/PP/DP runs are the real thing. On a CPU, megatron-core's training
-utilities cannot run (they allocate on ``"cuda"`` directly), so one process trains the same
-Megatron model with ``torch.optim.AdamW`` and a plain micro-batch loop; everything else (data,
-model, schedule of the learning rate, checkpoints) is shared.
+utilities cannot run (they allocate on ``"cuda"`` directly), so the same Megatron model trains
+with ``torch.optim.AdamW`` and a plain micro-batch loop, in one process or in several gloo
+processes that are all tensor-parallel (``WORLD_SIZE == parallel.tensor``: no data-parallel
+gradient reduction is needed); everything else (data, model, schedule of the learning rate,
+checkpoints) is shared.
 
 Run directory layout::
 
     RUN_DIR/config.yaml           the settings of the run
     RUN_DIR/metrics.jsonl         one line per logged step / evaluation (appended on resume)
-    RUN_DIR/checkpoints/iter_N/   model (dist checkpoint; a state dict on CPU) + optimizer,
+    RUN_DIR/checkpoints/iter_N/   model (dist checkpoint; on CPU a state dict: model/model.pt,
+                                  or model/model_rankNNNNN.pt per TP rank) + optimizer,
                                   scheduler and RNG state per rank
     RUN_DIR/checkpoints/latest    the step of the newest complete checkpoint
     RUN_DIR/loss_curve.png/.json  written at the end
@@ -171,10 +174,9 @@ def init_runtime(settings: RunSettings, device: str) -> Runtime:
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for but no CUDA GPU is visible")
+    p = settings.parallel
     if not use_cuda and world_size > 1:
-        raise ConfigError(
-            f"CPU training runs as one process (WORLD_SIZE={world_size}); megatron-core's "
-            "distributed training utilities need CUDA. Run without torchrun on a CPU.")
+        _check_cpu_layout(settings, world_size)
     if not dist.is_initialized():
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -183,10 +185,19 @@ def init_runtime(settings: RunSettings, device: str) -> Runtime:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
             dist.init_process_group("nccl", rank=rank, world_size=world_size)
+        elif world_size > 1:
+            # Tensor-parallel CPU processes meet at MASTER_ADDR:MASTER_PORT (torchrun and the
+            # Slurm job script set them).
+            missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+            if missing:
+                raise ConfigError(
+                    f"WORLD_SIZE={world_size} but {' and '.join(missing)} not set: start the "
+                    "processes with torchrun (or the Slurm job script), which sets them")
+            dist.init_process_group("gloo", init_method="env://", rank=rank,
+                                    world_size=world_size)
         else:
             # One CPU process needs no rendezvous: an in-memory store, so that no port is taken.
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    p = settings.parallel
     if world_size % (p.tensor * p.pipeline):
         raise ConfigError(
             f"world size {world_size} is not divisible by tensor ({p.tensor}) x pipeline "
@@ -199,13 +210,43 @@ def init_runtime(settings: RunSettings, device: str) -> Runtime:
 
         model_parallel_cuda_manual_seed(settings.train.seed)
     else:
-        # One CPU process has no model-parallel ranks, so dropout needs no separate RNG
-        # stream; this tracker makes Megatron's fork() a no-op instead of touching CUDA.
+        # On a CPU every rank draws from the same default generator (use_cpu_initialization
+        # slices the same master weights on every TP rank), so dropout needs no separate
+        # model-parallel RNG stream; this tracker makes Megatron's fork() a no-op instead of
+        # touching CUDA.
         from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     return Runtime(torch.device("cuda", torch.cuda.current_device()) if use_cuda
                    else torch.device("cpu"), rank, world_size)
+
+
+def _check_cpu_layout(settings: RunSettings, world_size: int) -> None:
+    """Several CPU processes train only when all of them are tensor-parallel ranks.
+
+    The CPU path has no Megatron DDP (no data-parallel gradient reduction), no pipeline
+    schedule (no stage-to-stage sends) and no sequence-parallel gradient reduction of the
+    replicated parameters. With ``WORLD_SIZE == parallel.tensor`` none of them is needed: every
+    rank sees the same batches, sharded parameters get their full gradient from Megatron's TP
+    layers, and replicated parameters (norms) get identical gradients on every rank.
+    """
+    p = settings.parallel
+    reasons = []
+    if p.pipeline > 1:
+        reasons.append(f"parallel.pipeline={p.pipeline} (pipeline schedules need CUDA)")
+    if world_size != p.tensor * p.pipeline:
+        reasons.append(f"data-parallel size {world_size // max(1, p.tensor * p.pipeline)} "
+                       f"(WORLD_SIZE={world_size} != parallel.tensor={p.tensor}; data-parallel "
+                       "gradient reduction needs Megatron's DDP, which needs CUDA)")
+    if p.sequence_parallel and p.tensor > 1:
+        reasons.append("parallel.sequence_parallel (its gradient reduction of the norms runs "
+                       "in Megatron's finalize_model_grads, which needs CUDA)")
+    if reasons:
+        raise ConfigError(
+            f"CPU training with WORLD_SIZE={world_size} supports only tensor parallelism "
+            f"(WORLD_SIZE == parallel.tensor, pipeline 1, no sequence parallelism); this run "
+            f"has {'; '.join(reasons)}. Start parallel.tensor processes (or one, without "
+            "torchrun), or train on CUDA GPUs.")
 
 
 def transformer_config(settings: RunSettings, runtime: Runtime):
@@ -396,10 +437,40 @@ def _train_step(model, optimizer, scheduler, batches, settings, runtime) -> tupl
         return loss, float(grad_norm or 0.0)
     optimizer.zero_grad(set_to_none=True)
     loss = _forward_backward(model, batches, settings, runtime, forward_only=False)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.train.clip_grad)
+    # All CPU ranks are TP ranks of one replica (see _check_cpu_layout): without data
+    # parallelism no gradient needs a reduction, and without sequence parallelism the
+    # replicated parameters (norms) already hold identical gradients on every TP rank, so each
+    # rank steps its own AdamW on its own shard and the ranks stay consistent.
+    grad_norm = _clip_grad_norm(model, settings.train.clip_grad)
     optimizer.step()
     scheduler.step(increment=1)
     return loss, float(grad_norm)
+
+
+def _clip_grad_norm(model, max_norm: float) -> torch.Tensor:
+    """Clip the gradients by the norm of the WHOLE model's gradient; returns that norm.
+
+    As in megatron-core's ``clip_grads``: the squares of TP-sharded parameters
+    (``param.tensor_model_parallel``) are summed over the TP group, replicated parameters
+    are counted once (on TP rank 0, ``param_is_not_tensor_parallel_duplicate``), so a TP=2
+    run clips exactly like a TP=1 run of the same model. The coefficient is the one of
+    ``torch.nn.utils.clip_grad_norm_``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    counted = [p.grad.detach().float() for p in params
+               if param_is_not_tensor_parallel_duplicate(p)]
+    square = (torch.stack([torch.linalg.vector_norm(g) for g in counted]).square().sum()
+              if counted else torch.zeros(()))
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(square, group=parallel_state.get_tensor_model_parallel_group())
+    norm = square.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.detach().mul_(coef.to(p.grad.dtype))
+    return norm
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -410,10 +481,11 @@ def _unwrapped(model):
 def save_checkpoint(run_dir: pathlib.Path, step: int, model, optimizer, scheduler, runtime):
     """Model, optimizer, scheduler and RNG state of ``step``.
 
-    On CUDA the model goes into a Megatron dist checkpoint (reshardable across TP/PP). A CPU run
-    is one process with the whole model, and megatron-core's dist-checkpoint writer calls
-    ``torch.cuda.synchronize()`` unconditionally, so there the model is a plain state dict
-    (the same keys a TP=PP=1 GPU run loads). Written to a temporary folder and renamed, so a
+    On CUDA the model goes into a Megatron dist checkpoint (reshardable across TP/PP).
+    megatron-core's dist-checkpoint writer calls ``torch.cuda.synchronize()`` unconditionally,
+    so on a CPU the model is a plain state dict: ``model/model.pt`` for one process (the same
+    keys a TP=PP=1 GPU run loads), ``model/model_rankNNNNN.pt`` (this rank's TP shard) for
+    several; such a checkpoint resumes only with the same TP size. Written to a temporary folder and renamed, so a
     run killed mid-save keeps its last complete checkpoint; ``latest`` is updated last.
     """
     from megatron.core import dist_checkpointing
@@ -428,7 +500,7 @@ def save_checkpoint(run_dir: pathlib.Path, step: int, model, optimizer, schedule
     if runtime.cuda:
         dist_checkpointing.save(_unwrapped(model).sharded_state_dict(), str(tmp / "model"))
     else:
-        torch.save(_unwrapped(model).state_dict(), tmp / "model" / "model.pt")
+        torch.save(_unwrapped(model).state_dict(), tmp / "model" / _plain_model_file(runtime))
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "step": step, "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state() if runtime.cuda else None},
@@ -441,6 +513,11 @@ def save_checkpoint(run_dir: pathlib.Path, step: int, model, optimizer, schedule
     dist.barrier()
 
 
+def _plain_model_file(runtime: Runtime) -> str:
+    """This rank's model file in a CPU checkpoint (model.pt for a single process)."""
+    return "model.pt" if runtime.world_size == 1 else f"model_rank{runtime.rank:05d}.pt"
+
+
 def load_checkpoint(run_dir: pathlib.Path, model, optimizer, scheduler, runtime) -> int:
     """Restore the newest checkpoint; returns its step (0 when there is none)."""
     from megatron.core import dist_checkpointing
@@ -451,9 +528,15 @@ def load_checkpoint(run_dir: pathlib.Path, model, optimizer, scheduler, runtime)
     step = int(latest.read_text())
     folder = run_dir / "checkpoints" / f"iter_{step:07d}"
     inner = _unwrapped(model)
-    plain = folder / "model" / "model.pt"
+    plain = folder / "model" / _plain_model_file(runtime)
     if plain.exists():
         inner.load_state_dict(torch.load(plain, map_location=runtime.device, weights_only=True))
+    elif any((folder / "model").glob("model*.pt")):
+        found = sorted(f.name for f in (folder / "model").glob("model*.pt"))
+        raise ConfigError(
+            f"{folder / 'model'} holds a CPU checkpoint of another world size ({found}), not "
+            f"{plain.name} for rank {runtime.rank} of {runtime.world_size}: resume with the "
+            "same number of processes (parallel.tensor) as the run that saved it")
     else:
         inner.load_state_dict(dist_checkpointing.load(inner.sharded_state_dict(),
                                                       str(folder / "model")))
