@@ -12,6 +12,7 @@ _SUBPACKAGES = {
     "megatron_ext.kernels.delta_rule": "kernels/delta_rule",
     "megatron_ext.kernels.decay": "kernels/decay",
     "megatron_ext.launch": "launch",
+    "megatron_ext.slurm": "slurm",
 }
 
 setup(
@@ -21,7 +22,8 @@ setup(
     python_requires=">=3.12",
     packages=list(_SUBPACKAGES),
     package_dir=_SUBPACKAGES,
-    package_data={"megatron_ext.launch": ["presets/*.yaml"]},
+    package_data={"megatron_ext.launch": ["presets/*.yaml"],
+                  "megatron_ext.slurm": ["*.tmpl", "README.md"]},
     install_requires=[
         "torch>=2.6",
         # Tested with 0.19.2; the spec and pipeline facts we rely on are those of the 0.19 line.

@@ -1,10 +1,10 @@
 # Source on the GPU machine (no network): install the wheels in ./.whl into /tmp/site and lay
-# this package out in /tmp/pkg the way setup.py maps it (kernels/ and launch/ under
+# this package out in /tmp/pkg the way setup.py maps it (kernels/, launch/ and slurm/ under
 # megatron_ext), then put both on PYTHONPATH. Fetch the wheels here first:
 #     bash ../shared/gpu/wheels.sh pyyaml tqdm psutil matplotlib contourpy cycler fonttools \
 #         kiwisolver pillow pyparsing python-dateutil six packaging
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg
-cp -r megatron_ext /tmp/pkg/ && cp -r kernels /tmp/pkg/megatron_ext/ && cp -r launch /tmp/pkg/megatron_ext/
+cp -r megatron_ext /tmp/pkg/ && cp -r kernels launch slurm /tmp/pkg/megatron_ext/
 export PYTHONPATH=/tmp/site:/tmp/pkg
 (cd /tmp && python3 -c "import megatron_ext.kernels, megatron.core; print('megatron-ext ready')")

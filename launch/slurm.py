@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import pathlib
 import re
 import shlex
@@ -34,7 +35,8 @@ from megatron_ext.config import ConfigError
 from megatron_ext.launch.clusters import PROFILES, ClusterProfile, get_profile
 
 # The templates live in the source tree's slurm/ folder, next to launch/.
-TEMPLATE_DIR = pathlib.Path(__file__).resolve().parent.parent / "slurm"
+# slurm/ is installed as megatron_ext.slurm (setup.py), so the template ships with the package.
+TEMPLATE_DIR = pathlib.Path(importlib.import_module("megatron_ext.slurm").__file__).parent
 TEMPLATE = "job.sbatch.tmpl"
 
 DEFAULT_TIME = "12:00:00"
