@@ -395,13 +395,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"log: {job.run_dir / 'logs' / f'{_preset_stem(job.preset_name)}-{job_id}.out'}")
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-ext launch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

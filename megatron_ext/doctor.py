@@ -190,13 +190,3 @@ def run(args: argparse.Namespace) -> int:
         _write_json(args.json, env, results, summary, exit_code)
     return exit_code
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-ext doctor", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

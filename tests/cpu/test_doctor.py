@@ -7,14 +7,14 @@ import types
 import pytest
 import torch
 
-from megatron_ext import doctor
+from megatron_ext import cli
 from megatron_ext.kernels import delta_rule, selfcheck
 from megatron_ext.kernels.delta_rule import fla_unavailable_reason
 
 
 def run_doctor(tmp_path, capsys):
     path = tmp_path / "doctor.json"
-    exit_code = doctor.main(["--device", "cpu", "--json", str(path)])
+    exit_code = cli.main(["doctor", "--device", "cpu", "--json", str(path)])
     output = capsys.readouterr().out
     return exit_code, output, json.loads(path.read_text())
 
@@ -108,5 +108,5 @@ def test_hopper_with_bad_triton_checks_the_gdn_forward_only(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_asked_for_without_cuda(capsys):
-    assert doctor.main(["--device", "cuda"]) == 2
+    assert cli.main(["doctor", "--device", "cuda"]) == 2
     assert "torch sees no CUDA device here" in capsys.readouterr().err

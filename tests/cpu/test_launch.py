@@ -11,6 +11,7 @@ import subprocess
 import pytest
 import yaml
 
+from megatron_ext import cli
 from megatron_ext.config import ConfigError
 from megatron_ext.launch import clusters, presets, slurm
 from megatron_ext.train import PREEMPTED_EXIT_CODE, RunSettings
@@ -159,7 +160,7 @@ def fake_sbatch(tmp_path, monkeypatch, job_id="4242"):
 
 def test_dry_run_prints_the_script_and_submits_nothing(in_tmp, monkeypatch, capsys):
     calls = fake_sbatch(in_tmp, monkeypatch)
-    exit_code = slurm.main(["--cluster", "alps-gh200", "--nodes", "2", "--preset", "hybrid-350m",
+    exit_code = cli.main(["launch", "--cluster", "alps-gh200", "--nodes", "2", "--preset", "hybrid-350m",
                             "--dry-run"])
     out = capsys.readouterr().out
     assert exit_code == 0
@@ -169,7 +170,7 @@ def test_dry_run_prints_the_script_and_submits_nothing(in_tmp, monkeypatch, caps
 
 def test_submit_returns_the_job_id_and_fills_the_run_dir(in_tmp, monkeypatch, capsys):
     calls = fake_sbatch(in_tmp, monkeypatch)
-    exit_code = slurm.main(["--cluster", "h100-ib", "--nodes", "1", "--preset", "tiny-hybrid",
+    exit_code = cli.main(["launch", "--cluster", "h100-ib", "--nodes", "1", "--preset", "tiny-hybrid",
                             "--gpus-per-node", "2", "--pattern", "GGG*", "--run-dir", "exp/one",
                             "--partition", "gpu", "--time", "01:00:00"])
     out = capsys.readouterr().out
@@ -190,7 +191,7 @@ def test_submit_returns_the_job_id_and_fills_the_run_dir(in_tmp, monkeypatch, ca
 
 def test_submit_without_sbatch_names_the_fix(in_tmp, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(in_tmp))  # no sbatch there
-    exit_code = slurm.main(["--cluster", "alps-gh200", "--nodes", "2", "--preset",
+    exit_code = cli.main(["launch", "--cluster", "alps-gh200", "--nodes", "2", "--preset",
                             "hybrid-350m"])
     assert exit_code == 2
     assert re.search(r"sbatch is not on PATH.*--dry-run", capsys.readouterr().err)
