@@ -49,6 +49,21 @@ DELTA_RULE_CASES = ("deltanet", "gated_deltanet", "kda", "gdn2")
 DECAY_CASES = ("none", "constant", "per_head", "per_channel")
 
 
+def _random_qkv(seed, batch, seq_len, key_heads, value_heads, key_dim, value_dim):
+    """A seeded fp64 normal sampler and q, k (L2-normalised), v drawn from it, in that order;
+    the caller draws its gates and state from the same sampler next."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    return randn, {
+        "q": randn(batch, seq_len, key_heads, key_dim),
+        "k": F.normalize(randn(batch, seq_len, key_heads, key_dim), dim=-1),
+        "v": randn(batch, seq_len, value_heads, value_dim),
+    }
+
+
 def delta_rule_inputs(case, *, batch=2, seq_len=37, key_heads=2, value_heads=4, key_dim=8,
                       value_dim=12, dtype=torch.float64, with_initial_state=True, num_states=None,
                       seed=0):
@@ -62,17 +77,8 @@ def delta_rule_inputs(case, *, batch=2, seq_len=37, key_heads=2, value_heads=4, 
     contractive and the fp32 comparisons measure rounding, not an exploding state."""
     if case not in DELTA_RULE_CASES:
         raise ValueError(f"delta_rule_inputs: unknown case {case!r}; known cases: {DELTA_RULE_CASES}")
-    generator = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator, dtype=torch.float64)
-
+    randn, tensors = _random_qkv(seed, batch, seq_len, key_heads, value_heads, key_dim, value_dim)
     per_head = (batch, seq_len, value_heads)
-    tensors = {
-        "q": randn(batch, seq_len, key_heads, key_dim),
-        "k": F.normalize(randn(batch, seq_len, key_heads, key_dim), dim=-1),
-        "v": randn(batch, seq_len, value_heads, value_dim),
-    }
     if case == "gdn2":
         tensors["erase"] = torch.sigmoid(randn(*per_head, key_dim))
         tensors["write"] = torch.sigmoid(randn(*per_head, value_dim))
@@ -97,17 +103,8 @@ def decay_inputs(decay_form, *, batch=2, seq_len=37, key_heads=2, value_heads=4,
     comparisons measure rounding, not a growing state."""
     if decay_form not in DECAY_CASES:
         raise ValueError(f"decay_inputs: unknown decay {decay_form!r}; known decays: {DECAY_CASES}")
-    generator = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator, dtype=torch.float64)
-
+    randn, tensors = _random_qkv(seed, batch, seq_len, key_heads, value_heads, key_dim, value_dim)
     per_head = (batch, seq_len, value_heads)
-    tensors = {
-        "q": randn(batch, seq_len, key_heads, key_dim),
-        "k": F.normalize(randn(batch, seq_len, key_heads, key_dim), dim=-1),
-        "v": randn(batch, seq_len, value_heads, value_dim),
-    }
     if decay_form == "constant":  # RetNet's per-head decays
         tensors["g"] = torch.log(1 - 2.0 ** (-5 - torch.arange(value_heads, dtype=torch.float64)))
     elif decay_form == "per_head":

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -57,6 +58,28 @@ class HeadShardedMixer(MegatronModule):
             init_method=self.config.output_layer_init_method, bias=self.config.add_bias_linear,
             input_is_parallel=True, skip_bias_add=True, is_expert=False,
             tp_comm_buffer_name=name, tp_group=self.tp_group)
+
+    def low_rank_decay_projection(self, prefix: str, in_size: int, rank: int, out_size: int):
+        """``linear_decay_down`` then ``linear_decay``: the low-rank projection behind
+        per-channel decays (GLA, KDA, GDN-2). The first factor is column-parallel with its
+        output gathered (rank is small); the second splits the channels over TP. Apply with
+        :meth:`low_rank_decay`."""
+        from megatron_ext.config import ConfigError
+
+        if rank % self.tp_size:
+            raise ConfigError(f"linear_decay_rank={rank} is not divisible by "
+                              f"tensor_model_parallel_size={self.tp_size}")
+        self.linear_decay_down = self.column(f"{prefix}_decay_down", in_size, rank,
+                                             gather_output=True)
+        # Its input is already the whole sequence (the first factor gathered it under SP).
+        full_sequence = copy.copy(self.config)
+        full_sequence.sequence_parallel = False
+        self.linear_decay = self.column(f"{prefix}_decay", rank, out_size, config=full_sequence)
+
+    def low_rank_decay(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        low_rank, _ = self.linear_decay_down(hidden_states)
+        out, _ = self.linear_decay(low_rank)
+        return out
 
     def sharded_parameter(self, name: str, full: torch.Tensor, no_weight_decay: bool = False):
         """Register this rank's dim-0 slice of ``full`` (drawn identically on every TP rank)."""

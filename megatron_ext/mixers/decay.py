@@ -22,8 +22,6 @@ with their heads (see :class:`~megatron_ext.mixers.common.HeadShardedMixer`).
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -73,14 +71,7 @@ class DecayMixer(HeadShardedMixer):
         self.linear_gate = self.column("decay_gate", h, v_size)
         self.linear_out = self.row("decay_out", v_size, h)
         if variant == "gla":
-            rank = ext.linear_decay_rank or 16
-            if rank % self.tp_size:
-                raise ConfigError(f"linear_decay_rank={rank} is not divisible by "
-                                  f"tensor_model_parallel_size={self.tp_size}")
-            self.linear_decay_down = self.column("decay_down", h, rank, gather_output=True)
-            full_sequence = copy.copy(config)  # its input is already the whole sequence
-            full_sequence.sequence_parallel = False
-            self.linear_decay = self.column("decay_up", rank, qk_size, config=full_sequence)
+            self.low_rank_decay_projection("gla", h, ext.linear_decay_rank or 16, qk_size)
             self.sharded_parameter("decay_bias", torch.zeros(qk_size))
         else:
             # Fixed decays: buffers of the global heads this rank holds (not trained).
@@ -110,9 +101,7 @@ class DecayMixer(HeadShardedMixer):
         if self.variant == "lightning":
             q, k = F.silu(q), F.silu(k)
         if self.variant == "gla":
-            low_rank, _ = self.linear_decay_down(hidden_states)
-            a, _ = self.linear_decay(low_rank)
-            a = to_heads(a).float() + self.decay_bias.float().view(self.heads, -1)
+            a = to_heads(self.low_rank_decay(hidden_states)).float() + self.decay_bias.float().view(self.heads, -1)
             g = F.logsigmoid(a) / GLA_GATE_NORMALIZER
         else:
             g = self.log_decay

@@ -32,8 +32,6 @@ so checkpoints reshard across TP sizes without split factories.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -109,15 +107,8 @@ class DeltaRuleMixer(HeadShardedMixer):
         if variant == "gated_deltanet":
             self.linear_decay = self.column("delta_decay", h, value_heads)
         elif per_channel_decay:
-            rank = ext.linear_decay_rank or self.value_dim
-            if rank % self.tp_size:
-                raise ConfigError(f"linear_decay_rank={rank} is not divisible by "
-                                  f"tensor_model_parallel_size={self.tp_size}")
-            self.linear_decay_down = self.column("delta_decay_down", h, rank, gather_output=True)
-            # Its input is already the whole sequence (the first factor gathered it under SP).
-            full_sequence = copy.copy(config)
-            full_sequence.sequence_parallel = False
-            self.linear_decay = self.column("delta_decay", rank, decay_size, config=full_sequence)
+            self.low_rank_decay_projection("delta", h, ext.linear_decay_rank or self.value_dim,
+                                           decay_size)
         self.linear_out = self.row("delta_out", v_size, h)
 
         kernel = ext.linear_conv_kernel
@@ -136,8 +127,7 @@ class DeltaRuleMixer(HeadShardedMixer):
         if self.variant == "gated_deltanet":
             a, _ = self.linear_decay(x)
         else:
-            low_rank, _ = self.linear_decay_down(x)
-            a, _ = self.linear_decay(low_rank)
+            a = self.low_rank_decay(x)
         a = a.transpose(0, 1).float().reshape(b, s, self.value_heads, -1)
         a = a + self.dt_bias.float().view(self.value_heads, -1)
         g = -self.A_log.float().exp().view(-1, 1) * F.softplus(a)
