@@ -4,15 +4,17 @@
         [--pattern P] [--run-dir DIR] [--time HH:MM:SS] [--account A] [--partition P]
         [--gpus-per-node G] [--cpus-per-task C] [--environment EDF]
         [--container-image IMAGE] [--container-mounts SRC:DST,...] [--venv DIR]
-        [--env NAME=VALUE ...] [--signal-seconds S] [--dry-run]
+        [--env NAME=VALUE ...] [--signal-seconds S] [--trainer pretrain|train] [--dry-run]
 
 The script comes from ``slurm/job.sbatch.tmpl`` and the cluster profile
 (:mod:`megatron_ext.launch.clusters`). Before anything is submitted the launch is checked:
 GPUs x nodes against the preset's tensor x pipeline sizes, the global batch against
 micro-batch x data-parallel size, the preset itself (pattern length, schedule), the data inputs.
 On submit, the run directory receives ``preset.yaml`` (the preset with ``--pattern`` applied
-and data paths made absolute), ``job.sbatch`` and ``logs/``; the job trains with
-``megatron-ext train --preset RUN_DIR/preset.yaml --run-dir RUN_DIR [--resume]``.
+and data paths made absolute), ``job.sbatch`` and ``logs/``; every task runs
+``megatron-ext pretrain --preset RUN_DIR/preset.yaml --run-dir RUN_DIR`` (Megatron's training
+loop, which resumes from RUN_DIR/checkpoints by itself), or with ``--trainer train``
+``megatron-ext train ... [--resume]`` (our small loop, which also runs on CPUs).
 ``--dry-run`` prints the script and writes nothing.
 """
 
@@ -79,6 +81,23 @@ class LaunchOptions:
     venv: str | None = None
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     signal_seconds: int = DEFAULT_SIGNAL_SECONDS
+    trainer: str = "pretrain"  # one of TRAINERS
+
+
+TRAINERS = {
+    # Megatron's loop; it resumes from RUN_DIR/checkpoints when a checkpoint is there.
+    "pretrain": '    exec megatron-ext pretrain --preset "$RUN_DIR/preset.yaml" --run-dir "$RUN_DIR"\n',
+    "train": ('    if [ "$MEGATRON_EXT_RESUME" = 1 ]; then\n'
+              '        exec megatron-ext train --preset "$RUN_DIR/preset.yaml" --run-dir "$RUN_DIR" '
+              '--resume\n'
+              '    fi\n'
+              '    exec megatron-ext train --preset "$RUN_DIR/preset.yaml" --run-dir "$RUN_DIR"\n'),
+}
+"""The training command every task runs, by ``--trainer``."""
+
+CHECKPOINT_TRACKERS = ("latest", "latest_checkpointed_iteration.txt")
+"""Written into RUN_DIR/checkpoints after each complete save: by megatron-ext train, and by
+Megatron's loop (megatron-ext pretrain)."""
 
 
 @dataclasses.dataclass
@@ -141,6 +160,8 @@ def load_run_settings(preset_name: str, pattern: str | None = None):
 def check(job: Job) -> Job:
     """Everything that would make the job fail on the cluster; errors name the fix."""
     p, o, s = job.profile, job.options, job.settings
+    if o.trainer not in TRAINERS:
+        raise ConfigError(f"--trainer {o.trainer!r} is not one of {list(TRAINERS)}")
     if job.nodes < 1:
         raise ConfigError(f"--nodes {job.nodes}: a job needs at least one node")
     if job.gpus_per_node is None:
@@ -201,7 +222,9 @@ def check(job: Job) -> Job:
 
     # A run directory that already holds a run continues it: the settings must be the same.
     existing = job.run_dir / "preset.yaml"
-    if (job.run_dir / "checkpoints" / "latest").exists() and existing.exists():
+    has_checkpoints = any((job.run_dir / "checkpoints" / tracker).exists()
+                          for tracker in CHECKPOINT_TRACKERS)
+    if has_checkpoints and existing.exists():
         with open(existing) as f:
             if yaml.safe_load(f) != s.to_dict():
                 raise ConfigError(
@@ -280,6 +303,7 @@ def render_job(job: Job) -> str:
         "cluster_env": "\n".join(env_lines),
         "srun_options": "".join(f"    {shlex.quote(opt)} \\\n" for opt in _srun_options(job)),
         "activate": ('    . "$MEGATRON_EXT_VENV/bin/activate"\n' if o.venv else ""),
+        "train_command": TRAINERS[o.trainer],
     }
     template = (TEMPLATE_DIR / TEMPLATE).read_text()
     # A placeholder alone on its line that renders empty leaves no blank line behind.
@@ -359,6 +383,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="export this in the job (repeatable), e.g. NCCL_IB_HCA=mlx5_0")
     parser.add_argument("--signal-seconds", type=int, default=DEFAULT_SIGNAL_SECONDS,
                         help="SIGUSR1 this many seconds before the time limit (checkpoint, requeue)")
+    parser.add_argument("--trainer", choices=list(TRAINERS), default="pretrain",
+                        help="pretrain: Megatron's training loop (default); train: megatron-ext's "
+                             "small loop (also runs on CPUs)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the script; write nothing, submit nothing")
 
@@ -382,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
             gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
             environment=args.environment, container_image=args.container_image,
             container_mounts=args.container_mounts, venv=args.venv,
-            env=_parse_env(args.env), signal_seconds=args.signal_seconds)
+            env=_parse_env(args.env), signal_seconds=args.signal_seconds, trainer=args.trainer)
         if args.dry_run:
             print(render_job(job), end="")
             return 0

@@ -1,6 +1,7 @@
 """The ``megatron-ext`` command.
 
     megatron-ext train [--preset NAME|FILE] [--run-dir DIR] [--resume] [--steps N] [--pattern P]
+    megatron-ext pretrain [--preset NAME|FILE] [--run-dir DIR] [--mock-data] [-- MEGATRON FLAGS]
     megatron-ext prepare-data [INPUT ...] --output-dir DIR [--vocab-size N]
     megatron-ext doctor [--device auto|cpu|cuda] [--json PATH]
     megatron-ext launch --cluster {alps-gh200,h100-ib,generic} --nodes N --preset NAME [--dry-run]
@@ -16,18 +17,36 @@ from megatron_ext.config import ConfigError
 
 
 def _train(args) -> int:
+    from megatron_ext.train import PREEMPTED_EXIT_CODE, train
+
+    summary = train(_settings(args), _run_dir(args), resume=args.resume, device=args.device,
+                    max_steps=args.stop_after)
+    return PREEMPTED_EXIT_CODE if summary["preempted"] else 0
+
+
+def _settings(args):
+    """The preset's settings with the command line's overrides."""
     from megatron_ext.launch.presets import load_preset
-    from megatron_ext.train import PREEMPTED_EXIT_CODE, RunSettings, train
+    from megatron_ext.train import RunSettings
 
     settings = RunSettings.from_dict(load_preset(args.preset))
     if args.steps is not None:
         settings.train.steps = args.steps
     if args.pattern is not None:
         settings.ext.pattern = args.pattern
-    run_dir = args.run_dir or f"runs/{args.preset.replace('/', '_').removesuffix('.yaml')}"
-    summary = train(settings, run_dir, resume=args.resume, device=args.device,
-                    max_steps=args.stop_after)
-    return PREEMPTED_EXIT_CODE if summary["preempted"] else 0
+    return settings
+
+
+def _run_dir(args) -> str:
+    return args.run_dir or f"runs/{args.preset.replace('/', '_').removesuffix('.yaml')}"
+
+
+def _pretrain(args) -> int:
+    from megatron_ext.pretrain import pretrain
+
+    extra = args.megatron_args[1:] if args.megatron_args[:1] == ["--"] else args.megatron_args
+    return pretrain(_settings(args), _run_dir(args), mock_data=args.mock_data,
+                    megatron_args=extra)
 
 
 def _prepare_data(args) -> int:
@@ -61,6 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pattern", default=None, help="override the preset's layer pattern")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.set_defaults(func=_train)
+
+    p = sub.add_parser("pretrain", help="train a preset with Megatron's own training loop "
+                       "(megatron.training.pretrain; CUDA)")
+    p.add_argument("--preset", default="tiny-hybrid", help="preset name or YAML file")
+    p.add_argument("--run-dir", default=None,
+                   help="default: runs/<preset>; checkpoints in RUN_DIR/checkpoints (a run there "
+                        "is resumed)")
+    p.add_argument("--steps", type=int, default=None, help="override the preset's total steps")
+    p.add_argument("--pattern", default=None, help="override the preset's layer pattern")
+    p.add_argument("--mock-data", action="store_true",
+                   help="Megatron's mock data instead of the preset's corpus")
+    p.add_argument("megatron_args", nargs=argparse.REMAINDER,
+                   help="after --: Megatron flags, applied after (and over) the preset's")
+    p.set_defaults(func=_pretrain)
 
     p = sub.add_parser("prepare-data",
                        help="train a sentencepiece tokenizer and write a Megatron indexed dataset")

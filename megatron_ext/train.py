@@ -303,17 +303,25 @@ def _padded_vocab(vocab_size: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def prepare_datasets(settings: RunSettings, run_dir: pathlib.Path, runtime: Runtime):
-    """Tokenizer + indexed dataset (built once, by rank 0) and Megatron's train/valid datasets."""
+def prepared_data(settings: RunSettings, run_dir: pathlib.Path, rank: int):
+    """The run's tokenizer and indexed dataset, built once by rank 0 (the others wait)."""
     from megatron_ext import data
 
-    d, t = settings.data, settings.train
+    d = settings.data
     out_dir = pathlib.Path(d.output_dir) if d.output_dir else run_dir.parent / "data" / (
         "stdlib" if d.inputs is None else "custom")
-    if runtime.rank == 0:
+    if rank == 0:
         data.prepare_data(inputs=d.inputs, output_dir=out_dir, vocab_size=d.vocab_size)
     dist.barrier()
-    prepared = data.load_prepared(out_dir)
+    return data.load_prepared(out_dir)
+
+
+def prepare_datasets(settings: RunSettings, run_dir: pathlib.Path, runtime: Runtime):
+    """Tokenizer + indexed dataset and Megatron's train/valid datasets."""
+    from megatron_ext import data
+
+    t = settings.train
+    prepared = prepared_data(settings, run_dir, runtime.rank)
     train_samples = t.steps * t.global_batch_size
     valid_samples = max(1, t.eval_batches * t.global_batch_size * (t.steps // t.eval_interval + 1))
     train, valid = data.build_gpt_datasets(

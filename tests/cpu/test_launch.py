@@ -45,11 +45,12 @@ def in_tmp(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.parametrize("trainer", list(slurm.TRAINERS))
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("cluster", CLUSTERS)
-def test_every_cluster_and_preset_renders_a_valid_script(cluster, preset, in_tmp):
+def test_every_cluster_and_preset_renders_a_valid_script(cluster, preset, trainer, in_tmp):
     nodes, options = launch_options(cluster, preset, in_tmp)
-    script = slurm.render(cluster, nodes, preset, account="a01", **options)
+    script = slurm.render(cluster, nodes, preset, account="a01", trainer=trainer, **options)
     run_dir = in_tmp / "runs" / preset
     profile = clusters.PROFILES[cluster]
     gpus = options.get("gpus_per_node", profile.gpus_per_node)
@@ -65,8 +66,11 @@ def test_every_cluster_and_preset_renders_a_valid_script(cluster, preset, in_tmp
         assert f"    {option} \\" in script
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
     assert "RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS" in script
-    assert ('exec megatron-ext train --preset "$RUN_DIR/preset.yaml" --run-dir "$RUN_DIR" '
-            '--resume\n') in script
+    command = {"pretrain": 'exec megatron-ext pretrain --preset "$RUN_DIR/preset.yaml" '
+                           '--run-dir "$RUN_DIR"\n',
+               "train": 'exec megatron-ext train --preset "$RUN_DIR/preset.yaml" --run-dir '
+                        '"$RUN_DIR" --resume\n'}[trainer]
+    assert command in script
     assert 'kill -USR1 "$SRUN_PID"' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
     # Nothing of this machine but the run directory (and the container given) is in the script.
     assert os.path.expanduser("~") not in script.replace(str(in_tmp), "")
@@ -135,10 +139,11 @@ def test_a_launch_that_would_fail_is_refused_with_the_fix(cluster, nodes, option
         slurm.render(cluster, nodes, str(preset), **options)
 
 
-def test_a_run_dir_with_checkpoints_of_other_settings_is_refused(in_tmp):
+@pytest.mark.parametrize("tracker", slurm.CHECKPOINT_TRACKERS)
+def test_a_run_dir_with_checkpoints_of_other_settings_is_refused(tracker, in_tmp):
     run_dir = in_tmp / "runs" / "hybrid-350m"
     (run_dir / "checkpoints").mkdir(parents=True)
-    (run_dir / "checkpoints" / "latest").write_text("500\n")
+    (run_dir / "checkpoints" / tracker).write_text("500\n")
     job = slurm.prepare("alps-gh200", 2, "hybrid-350m")
     (run_dir / "preset.yaml").write_text(slurm.preset_yaml(job))
     slurm.render("alps-gh200", 2, "hybrid-350m")  # the same settings: continues the run

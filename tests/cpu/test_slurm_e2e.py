@@ -102,7 +102,7 @@ def setup(tmp_path_factory):
 def _render(setup, name):
     root, preset, _ = setup
     job = slurm.prepare("generic", 1, str(preset), run_dir=root / name, gpus_per_node=2,
-                        cpus_per_task=1, time="00:30:00", signal_seconds=60)
+                        cpus_per_task=1, time="00:30:00", signal_seconds=60, trainer="train")
     return slurm.write_run_dir(job)
 
 

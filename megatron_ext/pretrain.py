@@ -1,0 +1,220 @@
+"""``megatron-ext pretrain``: Megatron's own training loop (``megatron.training.pretrain``) on a
+preset, for clusters.
+
+It is what ``pretrain_gpt.py --spec megatron_ext.specs hybrid_block --ext-pattern ... <flags>``
+does in a Megatron-LM checkout, without needing one: the preset becomes Megatron's command-line
+flags (:func:`megatron_argv`), our ``--ext-*`` flags join Megatron's parser, and the data,
+forward step and loss below are the GPT ones. Everything Megatron's loop offers comes with it:
+DDP / distributed optimizer, TP / SP / PP / VPP schedules, distributed checkpoints, logging of
+loss, throughput and memory, evaluation. Flags after ``--`` go to Megatron as they are and win
+over the preset's (``megatron-ext pretrain --preset hybrid-350m -- --use-distributed-optimizer``).
+
+Preemption: Megatron's signal handler listens for SIGUSR1 (which the Slurm job script forwards
+before the time limit); at the end of the current step every rank saves a checkpoint and the
+process exits with :data:`megatron_ext.train.PREEMPTED_EXIT_CODE`, so the job script requeues the
+job. ``--load`` and ``--save`` are the same directory (``RUN_DIR/checkpoints``): a restarted run
+continues from the newest checkpoint, a new one starts from step 0.
+
+Megatron's training loop needs CUDA (it allocates on ``"cuda"`` while initialising); on a CPU
+use ``megatron-ext train``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import sys
+
+import torch
+import yaml
+
+from megatron_ext.config import ConfigError, ExtConfig
+from megatron_ext.train import PREEMPTED_EXIT_CODE, RunSettings, prepared_data
+
+def _ext_flags(ext: ExtConfig) -> list[str]:
+    flags = []
+    for name, value in ext.to_dict().items():
+        if value is None:
+            continue
+        if name == "pattern" and not isinstance(value, str):
+            value = ",".join(value)
+        flags += ["--ext-" + name.replace("_", "-"), str(value)]
+    return flags
+
+
+def megatron_argv(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bool,
+                  transformer_impl: str = "local") -> list[str]:
+    """Megatron's command-line flags for a preset (the run's settings), before user overrides."""
+    m, t, p = settings.model, settings.train, settings.parallel
+    checkpoints = str(pathlib.Path(run_dir) / "checkpoints")
+    argv = [
+        "--num-layers", m.num_layers, "--hidden-size", m.hidden_size,
+        "--ffn-hidden-size", m.ffn_hidden_size or 4 * m.hidden_size,
+        "--num-attention-heads", m.num_attention_heads,
+        "--seq-length", m.seq_length, "--max-position-embeddings", m.seq_length,
+        "--position-embedding-type", m.position_embedding_type, "--rotary-base", int(m.rotary_base),
+        "--normalization", m.normalization, "--swiglu", "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--hidden-dropout", m.hidden_dropout, "--attention-dropout", m.attention_dropout,
+        "--micro-batch-size", t.micro_batch_size, "--global-batch-size", t.global_batch_size,
+        "--train-iters", t.steps, "--lr", t.lr, "--min-lr", t.min_lr,
+        "--lr-warmup-iters", t.warmup_steps, "--lr-decay-iters", t.steps,
+        "--lr-decay-style", t.decay_style,
+        "--weight-decay", t.weight_decay, "--clip-grad", t.clip_grad,
+        "--adam-beta1", 0.9, "--adam-beta2", 0.95, "--seed", t.seed,
+        "--log-interval", t.log_interval, "--eval-interval", t.eval_interval,
+        "--eval-iters", t.eval_batches, "--save-interval", t.save_interval,
+        "--tensor-model-parallel-size", p.tensor, "--pipeline-model-parallel-size", p.pipeline,
+        "--transformer-impl", transformer_impl, "--spec", "megatron_ext.specs", "hybrid_block",
+        "--save", checkpoints, "--load", checkpoints,
+        "--exit-signal-handler", "--exit-signal", "SIGUSR1",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", settings.data.vocab_size,
+        "--log-throughput",
+    ]
+    if m.num_query_groups:
+        argv += ["--group-query-attention", "--num-query-groups", m.num_query_groups]
+    if m.num_moe_experts:
+        argv += ["--num-experts", m.num_moe_experts, "--moe-router-topk", m.moe_router_topk]
+    if t.decay_style == "WSD":
+        argv += ["--lr-wsd-decay-style", t.wsd_decay_style,
+                 "--lr-wsd-decay-iters", t.wsd_decay_steps]
+    if t.bf16:
+        argv.append("--bf16")
+    if p.sequence_parallel and p.tensor > 1:
+        argv.append("--sequence-parallel")
+    if transformer_impl == "local":
+        # The fused kernels behind these defaults come from Transformer Engine or apex.
+        argv += ["--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+                 "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--no-rope-fusion"]
+    if mock_data:
+        argv.append("--mock-data")
+    return [str(a) for a in argv] + _ext_flags(settings.ext)
+
+
+def _datasets_provider(settings: RunSettings, run_dir: pathlib.Path):
+    """Megatron's ``train_valid_test_dataset_provider``: mock data, or the preset's corpus
+    (tokenizer and indexed dataset built once by rank 0, as ``megatron-ext train`` does)."""
+    from megatron.core import parallel_state
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+
+    from megatron_ext import data
+
+    def provide(num_samples):
+        args = get_args()
+        if args.mock_data:
+            config = GPTDatasetConfig(
+                random_seed=args.seed, sequence_length=args.seq_length, mock=True,
+                tokenizer=get_tokenizer(), reset_position_ids=False, reset_attention_mask=False,
+                eod_mask_loss=False, create_attention_mask=False, split="98,2,0")
+            return BlendedMegatronDatasetBuilder(
+                MockGPTDataset, num_samples,
+                lambda: parallel_state.get_tensor_model_parallel_rank() == 0, config).build()
+        prepared = prepared_data(settings, run_dir, torch.distributed.get_rank())
+        if prepared.tokenizer.vocab_size > args.padded_vocab_size:
+            raise ConfigError(
+                f"the tokenizer in {prepared.output_dir} has {prepared.tokenizer.vocab_size} "
+                f"pieces but the model's vocabulary is {args.padded_vocab_size}; set "
+                "data.vocab_size in the preset to the tokenizer's size")
+        train, valid = data.build_gpt_datasets(
+            prepared.data_prefix, prepared.tokenizer, args.seq_length,
+            max(1, num_samples[0]), max(1, num_samples[1]), args.seed)
+        return train, valid, None
+
+    return provide
+
+
+_BATCH_KEYS = (("tokens", torch.int64), ("labels", torch.int64),
+               ("loss_mask", torch.float32), ("position_ids", torch.int64))
+
+
+def _batch_on_this_rank(data_iterator) -> dict[str, torch.Tensor]:
+    """The micro-batch: read by tensor-parallel rank 0 (the only one with a data loader) and
+    broadcast to the other ranks of its TP group."""
+    from megatron.core import parallel_state
+    from megatron.training import get_args
+
+    args = get_args()
+    shape = (args.micro_batch_size, args.seq_length)
+    if parallel_state.get_tensor_model_parallel_rank() == 0:
+        sample = next(data_iterator)
+        batch = {key: sample[key].to("cuda", dtype, non_blocking=True) for key, dtype in _BATCH_KEYS}
+    else:
+        batch = {key: torch.empty(shape, dtype=dtype, device="cuda") for key, dtype in _BATCH_KEYS}
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        for key, _ in _BATCH_KEYS:
+            torch.distributed.broadcast(batch[key], parallel_state.get_tensor_model_parallel_src_rank(),
+                                        group=parallel_state.get_tensor_model_parallel_group())
+    return batch
+
+
+def _loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """Summed LM loss, its token count, and the pair for Megatron's token-weighted logging."""
+    mask = loss_mask.view(-1).float()
+    total = torch.sum(per_token_loss.view(-1).float() * mask)
+    tokens = mask.sum()
+    return total, tokens.to(torch.int), {"lm loss": torch.stack([total.detach(), tokens])}
+
+
+def forward_step(data_iterator, model):
+    """Megatron's ``forward_step_func`` for a GPT model."""
+    batch = _batch_on_this_rank(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(_loss, batch["loss_mask"])
+
+
+def _preempted() -> bool:
+    """Whether Megatron stopped the run because a rank received the exit signal."""
+    from megatron.training import global_vars
+
+    handler = getattr(global_vars, "_GLOBAL_SIGNAL_HANDLER", None)
+    return handler is not None and any(handler.signals_received())
+
+
+def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bool = False,
+             megatron_args: list[str] | None = None) -> int:
+    """Train with Megatron's loop; returns the process exit status (0, or
+    :data:`PREEMPTED_EXIT_CODE` when stopped by SIGUSR1 after saving)."""
+    if not torch.cuda.is_available():
+        raise ConfigError("megatron-ext pretrain runs Megatron's training loop, which needs CUDA "
+                          "GPUs; on a CPU use `megatron-ext train`")
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain as megatron_pretrain
+    from megatron.training.argument_utils import (
+        gpt_config_from_args,
+        pretrain_cfg_container_from_args,
+    )
+    from megatron.training.arguments import parse_and_validate_args
+
+    from megatron_ext.config import add_megatron_args
+    from megatron_ext.specs import HAVE_TE
+
+    settings.validate()
+    run_dir = pathlib.Path(run_dir)
+    # A lone process (no torchrun, no Slurm task) is rank 0 of 1.
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"),
+                        ("CUDA_DEVICE_MAX_CONNECTIONS", "1")):
+        os.environ.setdefault(name, value)
+    if os.environ["RANK"] == "0":
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(settings.to_dict(), sort_keys=False))
+    argv = megatron_argv(settings, run_dir, mock_data=mock_data,
+                         transformer_impl="transformer_engine" if HAVE_TE else "local")
+    sys.argv = ["megatron-ext pretrain", *argv, *(megatron_args or [])]
+    args = parse_and_validate_args(extra_args_provider=add_megatron_args)
+    config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    try:
+        megatron_pretrain(config, _datasets_provider(settings, run_dir),
+                          ModelType.encoder_or_decoder, forward_step)
+    except SystemExit as stop:  # Megatron leaves through sys.exit after an exit condition
+        if _preempted():
+            print("megatron-ext pretrain: stopped by SIGUSR1 after saving a checkpoint; run the "
+                  "same command again to resume", flush=True)
+            return PREEMPTED_EXIT_CODE
+        return stop.code if isinstance(stop.code, int) else 1
+    return 0

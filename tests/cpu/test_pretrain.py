@@ -1,0 +1,89 @@
+"""``megatron-ext pretrain``: a preset becomes Megatron flags that Megatron's own parser accepts,
+and the model Megatron's builder makes from them is the preset's model. (The training loop
+itself needs CUDA; the H200 run is recorded in benchmarks/results/.)"""
+
+import signal
+
+import pytest
+import torch
+
+from megatron_ext.config import ConfigError, ExtConfig
+from megatron_ext.launch import presets
+from megatron_ext.pretrain import megatron_argv, pretrain
+
+
+def _parse(argv, monkeypatch, world_size=1):
+    """Megatron's parsing and validation, without its global side effects (global args,
+    tokenizer, signal handler) that ``parse_and_validate_args`` adds."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    from megatron_ext.config import add_megatron_args
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr("sys.argv", ["pretrain", *argv])
+    args = parse_args(add_megatron_args)
+    validate_args(args, {})
+    return args
+
+
+@pytest.mark.parametrize("name", presets.list_presets())
+def test_preset_flags_parse_as_the_preset(name, monkeypatch, tmp_path):
+    settings = presets.load_settings(name)
+    p = settings.parallel
+    args = _parse(megatron_argv(settings, tmp_path, mock_data=True), monkeypatch,
+                  world_size=p.tensor * p.pipeline)
+    m, t = settings.model, settings.train
+    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.seq_length) == (
+        m.num_layers, m.hidden_size, m.ffn_hidden_size, m.seq_length)
+    assert args.num_query_groups == (m.num_query_groups or m.num_attention_heads)
+    assert (args.global_batch_size, args.train_iters, args.lr, args.lr_decay_style) == (
+        t.global_batch_size, t.steps, t.lr, t.decay_style)
+    assert args.spec == ["megatron_ext.specs", "hybrid_block"]
+    assert args.save == args.load == str(tmp_path / "checkpoints")
+    assert args.exit_signal_handler and args.exit_signal == signal.SIGUSR1
+    assert ExtConfig.from_megatron_args(args) == settings.ext
+
+
+def test_flags_after_the_preset_win(monkeypatch, tmp_path):
+    settings = presets.load_settings("tiny-hybrid")
+    argv = megatron_argv(settings, tmp_path, mock_data=True) + ["--lr", "1e-3",
+                                                                 "--ext-pattern", "G*GG"]
+    args = _parse(argv, monkeypatch)
+    assert args.lr == 1e-3
+    assert ExtConfig.from_megatron_args(args).pattern == "G*GG"
+
+
+def test_megatron_builder_makes_the_preset_model(monkeypatch, tmp_path, megatron_single_process):
+    """gpt_config_from_args + GPTModelBuilder (what pretrain does) build the same model, with the
+    same number of parameters, as `megatron-ext train` builds from the preset."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training import global_vars
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    from megatron_ext.train import Runtime, _padded_vocab, build_model, transformer_config
+
+    settings = presets.load_settings("tiny-hybrid")
+    settings.train.bf16 = False
+    args = _parse(megatron_argv(settings, tmp_path, mock_data=True) + ["--use-cpu-initialization"],
+                  monkeypatch)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)  # where hybrid_block reads --ext-*
+    model_config = gpt_config_from_args(args)
+    vocab_size = _padded_vocab(settings.data.vocab_size, 1)
+    model_config.vocab_size = vocab_size
+    built = GPTModelBuilder(model_config).build_model(ProcessGroupCollection.use_mpu_process_groups())
+    mixers = [type(layer.self_attention).__name__ for layer in built.decoder.layers]
+
+    ours = build_model(settings, transformer_config(settings, Runtime(torch.device("cpu"), 0, 1)),
+                       vocab_size)
+    assert mixers == [type(layer.self_attention).__name__ for layer in ours.decoder.layers]
+    assert mixers.count("SelfAttention") == settings.ext.pattern.count("*")
+    assert sum(p.numel() for p in built.parameters()) == sum(p.numel() for p in ours.parameters())
+
+
+def test_pretrain_without_cuda_says_what_to_use(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU message")
+    with pytest.raises(ConfigError, match="megatron-ext train"):
+        pretrain(presets.load_settings("tiny-hybrid"), tmp_path, mock_data=True)
