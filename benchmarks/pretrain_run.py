@@ -1,0 +1,160 @@
+"""A preset through ``megatron-ext pretrain`` on this machine's GPUs: stopped by SIGUSR1 part way
+(as Slurm warns a job before its time limit), resumed from its checkpoint, run to the end.
+
+Records, from Megatron's own log lines, every logged iteration's loss and time per iteration,
+then tokens/s and model FLOP utilisation (MFU), and whether the run stopped with the preemption
+exit status and resumed where it stopped. Output: ``--out`` (JSON) and the two logs next to it.
+
+MFU counts the model's FLOPs per token (``model_flops_per_token``): 6 per weight of every matrix
+multiply (the embedding lookup excluded, the output layer included), plus the token mixers'
+sequence terms (forward + backward = 3x forward): causal softmax attention
+``6 * T * heads * head_dim`` per layer (half of the full T x T scores), and for a chunked linear
+recurrence per head ``3 * (6 * K * V + 2 * C * (2 * K + V))`` (the state read, the state update and
+the UT-transform correction, ``2 K V`` each, plus the in-chunk scores and their use over chunks of
+C = 64). It is divided by the GPU's dense bf16 peak (``--peak-tflops``, 989 for an H100/H200 SXM).
+
+    python benchmarks/pretrain_run.py --preset hybrid-350m --steps 300 --stop-at 150 \\
+        --out benchmarks/results/pretrain_350m_h200.json -- --global-batch-size 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+from megatron_ext.launch.presets import load_settings, parameter_count
+from megatron_ext.pattern import expand_pattern
+from megatron_ext.train import PREEMPTED_EXIT_CODE
+
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)")
+FIELDS = {
+    "ms_per_iteration": re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)"),
+    "loss": re.compile(r"lm loss: ([\d.E+-]+)"),
+    "megatron_tflops": re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([\d.]+)"),
+    "global_batch_size": re.compile(r"global batch size:\s+(\d+)"),
+}
+MEMORY = re.compile(r"max allocated: ([\d.]+)")
+CHUNK = 64
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def model_flops_per_token(preset: str, vocab_size: int) -> float:
+    """Training FLOPs per token of a preset (see the module docstring)."""
+    settings = load_settings(preset)
+    m, ext = settings.model, settings.ext
+    matmul_weights = parameter_count(preset) - vocab_size * m.hidden_size  # embedding lookup out
+    flops = 6.0 * matmul_weights
+    head_dim = m.hidden_size // m.num_attention_heads
+    for mixer in expand_pattern(ext.pattern, m.num_layers):
+        if mixer.name == "attention":
+            flops += 6.0 * m.seq_length * m.num_attention_heads * head_dim
+        else:
+            heads = ext.linear_num_value_heads or m.num_attention_heads
+            key_dim = ext.linear_key_head_dim or head_dim
+            value_dim = ext.linear_value_head_dim or head_dim
+            flops += heads * 3 * (6 * key_dim * value_dim + 2 * CHUNK * (2 * key_dim + value_dim))
+    return flops
+
+
+def run_phase(command: list[str], log_path: pathlib.Path, stop_at: int | None) -> dict:
+    """Run ``command``, tee its output to log_path, parse Megatron's iteration lines; with
+    stop_at, send SIGUSR1 once an iteration >= stop_at is logged."""
+    records, peak_mib, signalled = [], None, None
+    start = time.time()
+    with open(log_path, "w") as out:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        for line in process.stdout:
+            out.write(line)
+            match = ITERATION.search(line)
+            if match and "elapsed time per iteration" in line:
+                record = {"iteration": int(match.group(1))}
+                for name, pattern in FIELDS.items():
+                    found = pattern.search(line)
+                    if found:
+                        record[name] = float(found.group(1))
+                records.append(record)
+                log(f"iteration {record['iteration']}: loss {record.get('loss')}, "
+                    f"{record.get('ms_per_iteration')} ms")
+                if stop_at is not None and signalled is None and record["iteration"] >= stop_at:
+                    process.send_signal(signal.SIGUSR1)
+                    signalled = record["iteration"]
+                    log(f"sent SIGUSR1 after iteration {signalled}")
+            memory = MEMORY.search(line)
+            if memory:
+                peak_mib = max(peak_mib or 0.0, float(memory.group(1)))
+        returncode = process.wait()
+    return {"command": command, "returncode": returncode, "records": records,
+            "signalled_after": signalled, "peak_allocated_mib": peak_mib,
+            "wall_s": round(time.time() - start, 1), "log": log_path.name}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="hybrid-350m")
+    parser.add_argument("--run-dir", default="/tmp/megatron-ext-pretrain-run")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--stop-at", type=int, default=150,
+                        help="send SIGUSR1 once this iteration is logged")
+    parser.add_argument("--mock-data", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="dense bf16 peak of one GPU (H100/H200 SXM: 989)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("megatron_args", nargs=argparse.REMAINDER,
+                        help="after --: extra Megatron flags for both phases")
+    args = parser.parse_args(argv)
+    extra = args.megatron_args[1:] if args.megatron_args[:1] == ["--"] else args.megatron_args
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "megatron_ext.cli", "pretrain", "--preset", args.preset,
+               "--run-dir", args.run_dir, "--steps", str(args.steps),
+               *(["--mock-data"] if args.mock_data else []), "--", *extra]
+
+    log(f"phase 1: {' '.join(command)} (SIGUSR1 after iteration {args.stop_at})")
+    first = run_phase(command, out.with_name(out.stem + "_phase1.log"), args.stop_at)
+    log(f"phase 1 exited {first['returncode']} (preempted = {PREEMPTED_EXIT_CODE})")
+    second = None
+    if first["returncode"] == PREEMPTED_EXIT_CODE:
+        log("phase 2: the same command, resuming")
+        second = run_phase(command, out.with_name(out.stem + "_phase2.log"), None)
+        log(f"phase 2 exited {second['returncode']}")
+
+    settings = load_settings(args.preset)
+    records = first["records"] + (second["records"] if second else [])
+    timed = [r for r in records[1:] if "ms_per_iteration" in r]  # the first includes warm-up
+    summary = {"preset": args.preset, "parameters": parameter_count(args.preset),
+               "seq_length": settings.model.seq_length, "pattern": settings.ext.pattern}
+    if timed:
+        batch = timed[-1].get("global_batch_size", settings.train.global_batch_size)
+        ms = statistics.median(r["ms_per_iteration"] for r in timed)
+        tokens_per_s = batch * settings.model.seq_length / (ms / 1e3)
+        flops = model_flops_per_token(args.preset, settings.data.vocab_size)
+        summary.update(global_batch_size=batch, median_ms_per_iteration=ms,
+                       tokens_per_s=round(tokens_per_s), model_flops_per_token=flops,
+                       model_tflops_per_gpu=round(flops * tokens_per_s / 1e12, 1),
+                       mfu=round(flops * tokens_per_s / (args.peak_tflops * 1e12), 4),
+                       megatron_reported_tflops_median=statistics.median(
+                           r["megatron_tflops"] for r in timed if "megatron_tflops" in r)
+                       if any("megatron_tflops" in r for r in timed) else None)
+    if second and first["records"] and second["records"]:
+        summary["stopped_after_iteration"] = first["records"][-1]["iteration"]
+        summary["resumed_at_iteration"] = second["records"][0]["iteration"]
+    result = {"summary": summary, "phases": [first, second], "peak_tflops": args.peak_tflops}
+    out.write_text(json.dumps(result, indent=1))
+    log(f"summary: {json.dumps(summary)}")
+    ok = first["returncode"] == PREEMPTED_EXIT_CODE and second and second["returncode"] == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
