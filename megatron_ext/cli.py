@@ -31,7 +31,7 @@ def _settings(args):
 
     settings = RunSettings.from_dict(load_preset(args.preset))
     if args.steps is not None:
-        settings.train.steps = args.steps
+        settings.train.set_steps(args.steps)
     if args.pattern is not None:
         settings.ext.pattern = args.pattern
     return settings
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny-hybrid", help="preset name or YAML file")
     p.add_argument("--run-dir", default=None, help="default: runs/<preset>")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    p.add_argument("--steps", type=int, default=None, help="override the preset's total steps")
+    p.add_argument("--steps", type=int, default=None, help="override the preset's total steps (warmup and decay scale with it)")
     p.add_argument("--stop-after", type=int, default=None,
                    help="save and stop at this step without changing the schedule")
     p.add_argument("--pattern", default=None, help="override the preset's layer pattern")
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=None,
                    help="default: runs/<preset>; checkpoints in RUN_DIR/checkpoints (a run there "
                         "is resumed)")
-    p.add_argument("--steps", type=int, default=None, help="override the preset's total steps")
+    p.add_argument("--steps", type=int, default=None, help="override the preset's total steps (warmup and decay scale with it)")
     p.add_argument("--pattern", default=None, help="override the preset's layer pattern")
     p.add_argument("--mock-data", action="store_true",
                    help="Megatron's mock data instead of the preset's corpus")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import signal
 import sys
 
 import torch
@@ -107,8 +108,9 @@ def _datasets_provider(settings: RunSettings, run_dir: pathlib.Path):
     def provide(num_samples):
         args = get_args()
         if args.mock_data:
+            # No blend: the config switches itself to mock data.
             config = GPTDatasetConfig(
-                random_seed=args.seed, sequence_length=args.seq_length, mock=True,
+                random_seed=args.seed, sequence_length=args.seq_length,
                 tokenizer=get_tokenizer(), reset_position_ids=False, reset_attention_mask=False,
                 eod_mask_loss=False, create_attention_mask=False, split="98,2,0")
             return BlendedMegatronDatasetBuilder(
@@ -175,6 +177,20 @@ def _preempted() -> bool:
     return handler is not None and any(handler.signals_received())
 
 
+def _use_shipped_dataset_helpers() -> None:
+    """megatron-core wheels ship the dataset index helpers compiled (``helpers_cpp``) but not
+    their Makefile, and Megatron's initialisation runs ``make`` in that folder unconditionally and
+    exits when it fails. Where the compiled module imports there is nothing to build, so the
+    build step is skipped; a source checkout without it still compiles."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    from megatron.core.datasets import utils
+
+    utils.compile_helpers = lambda: None
+
+
 def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bool = False,
              megatron_args: list[str] | None = None) -> int:
     """Train with Megatron's loop; returns the process exit status (0, or
@@ -195,6 +211,9 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
 
     settings.validate()
     run_dir = pathlib.Path(run_dir)
+    # Megatron installs a handler for the exit signal, but a handler never runs while the signal
+    # is blocked, and a blocked mask is inherited from whatever started this process.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR1])
     # A lone process (no torchrun, no Slurm task) is rank 0 of 1.
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                         ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"),
@@ -208,6 +227,7 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
     sys.argv = ["megatron-ext pretrain", *argv, *(megatron_args or [])]
     args = parse_and_validate_args(extra_args_provider=add_megatron_args)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    _use_shipped_dataset_helpers()
     try:
         megatron_pretrain(config, _datasets_provider(settings, run_dir),
                           ModelType.encoder_or_decoder, forward_step)

@@ -89,6 +89,19 @@ class TrainSettings:
     save_interval: int = 100
     bf16: bool = True  # on CUDA; CPU runs are fp32
 
+    def set_steps(self, steps: int) -> None:
+        """Train for ``steps`` steps with the same schedule shape: warmup and the WSD decay
+        phase are scaled by the same factor (a preset's 28,610-step schedule run for 300 steps
+        keeps its 0.7% warmup and 20% decay)."""
+        if steps < 2:
+            raise ConfigError(f"--steps {steps}: a run needs at least 2 steps")
+        ratio = steps / self.steps
+        self.warmup_steps = min(round(self.warmup_steps * ratio), steps - 1)
+        if self.wsd_decay_steps:
+            self.wsd_decay_steps = min(max(1, round(self.wsd_decay_steps * ratio)),
+                                       steps - self.warmup_steps)
+        self.steps = steps
+
 
 @dataclass
 class ParallelSettings:

@@ -98,3 +98,18 @@ def test_wsd_schedule_settings_are_checked():
     settings.train.wsd_decay_style = "sqrt"
     with pytest.raises(ConfigError, match="wsd_decay_style='sqrt'"):
         settings.validate()
+
+
+def test_fewer_steps_keep_the_schedule_shape():
+    """`--steps N` scales warmup and the WSD decay phase with the run (a 350M preset run for 300
+    steps keeps a valid WSD schedule instead of failing on a decay longer than the run)."""
+    settings = presets.load_settings("hybrid-350m")
+    t = settings.train
+    warmup_share, decay_share = t.warmup_steps / t.steps, t.wsd_decay_steps / t.steps
+    t.set_steps(300)
+    settings.validate()
+    assert t.steps == 300
+    assert abs(t.warmup_steps / 300 - warmup_share) <= 0.5 / 300
+    assert abs(t.wsd_decay_steps / 300 - decay_share) <= 0.5 / 300
+    with pytest.raises(ConfigError, match="at least 2 steps"):
+        t.set_steps(1)
