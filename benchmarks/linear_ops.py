@@ -41,7 +41,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.kernels.delta_rule import fla_unavailable_reason, gated_delta_rule
+from megatron_ext.kernels.backends import fla_unavailable_reason
+from megatron_ext.kernels.delta_rule import gated_delta_rule
 
 try:
     from megatron_ext.kernels.decay import decay_linear_attention

@@ -1,6 +1,6 @@
 """The self-check: every backend of every op against the fp32 reference, on small shapes, forward
-and backward, on one device. ``megatron-ext doctor`` prints it; kernels/backends.py (to come) is
-meant to run it once per machine before ``backend="auto"`` trusts a fast kernel.
+and backward, on one device. ``megatron-ext doctor`` prints it; kernels/backends.py runs it once
+per machine before ``backend="auto"`` trusts our Triton kernels.
 
 What is checked, per op (``OPS``):
     gated_delta_rule        deltanet, gated_deltanet, kda, gdn2, and kda on packed sequences
@@ -33,7 +33,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from . import decay, delta_rule
+from . import backends, decay, delta_rule
+from .decay.fla import decay_fla_kind
 from .delta_rule.fla import fla_kind
 
 __all__ = [
@@ -163,7 +164,18 @@ class Case:
 def _fla_delta_rule_reason(inputs, device, requires_grad: bool) -> str | None:
     kind = fla_kind(beta=inputs.get("beta"), g=inputs.get("g"), erase=inputs.get("erase"),
                     write=inputs.get("write"))
-    return delta_rule.fla_unavailable_reason(kind, device, requires_grad)
+    return backends.fla_unavailable_reason(kind, device, requires_grad)
+
+
+def _fla_decay_reason(inputs, device, requires_grad: bool) -> str | None:
+    return backends.fla_unavailable_reason(decay_fla_kind(inputs.get("g")), device, requires_grad)
+
+
+def _triton_reason(inputs, device, requires_grad: bool) -> str | None:
+    del inputs, requires_grad
+    if torch.device(device).type != "cuda":
+        return "our Triton kernels run on CUDA devices (their tests also run them in Triton's CPU interpreter)"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,22 +207,21 @@ OPS = {
         Op("gated_delta_rule", delta_rule.gated_delta_rule, delta_rule.gated_delta_rule_reference,
            delta_rule, delta_rule_inputs,
            cases=(*(Case(form, form) for form in DELTA_RULE_CASES), Case("kda_packed", "kda", True)),
-           unavailable={"fla": _fla_delta_rule_reason}),
+           unavailable={"fla": _fla_delta_rule_reason, "triton": _triton_reason}),
         Op("decay_linear_attention", decay.decay_linear_attention,
            decay.decay_linear_attention_reference, decay, decay_inputs,
            cases=(*(Case(form, form) for form in DECAY_CASES),
-                  Case("per_channel_packed", "per_channel", True))),
+                  Case("per_channel_packed", "per_channel", True)),
+           unavailable={"fla": _fla_decay_reason, "triton": _triton_reason}),
     )
 }
 
 
 def auto_backend(op: str, device) -> str:
-    """The backend that ``backend="auto"`` runs for ``op`` on ``device``. Today every op's auto is
-    the chunked path (see the ops' ``__init__``); once kernels/backends.py owns the choice, this
-    asks it. Should the two ever disagree, the "auto" row, which runs the real auto path, is
-    checked with the wrong tolerance and fails loudly rather than passing silently."""
-    del op, device
-    return "chunked"
+    """The backend that ``backend="auto"`` runs for ``op`` on ``device`` (kernels/backends.py's
+    policy). Should the op's own "auto" ever run another, the "auto" row is checked with the
+    wrong tolerance and fails loudly rather than passing silently."""
+    return backends.auto_backend(op, device)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,15 +4,38 @@ behind one op: linear attention whose state decays by a scalar or a per-channel 
 Backends, with one signature and one layout:
     reference   token by token, fp32: the oracle (reference.py)
     chunked     chunkwise masked attention plus a state pass, in PyTorch, any device (chunked.py)
-"auto" picks chunked for now; our Triton kernels and an fla-core adapter will be added to
-_BACKENDS and chosen by "auto" once they pass their self-check.
+    triton      our Triton kernels, forward and backward, by chunks of 64 tokens; CUDA (or
+                Triton's CPU interpreter), K and V powers of two from 16 to 256 (triton.py)
+    fla         fla-core's chunk_simple_gla / chunk_gla, CUDA only, where
+                kernels.backends.fla_unavailable_reason allows (fla.py)
+"auto" is kernels.backends.auto_backend: triton on CUDA once it has passed its self-check on
+this GPU, chunked otherwise.
 """
+from .. import backends
 from .chunked import decay_linear_attention_chunked
+from .fla import decay_linear_attention_fla
 from .reference import OP, decay_linear_attention_reference
 
-__all__ = ["decay_linear_attention", "decay_linear_attention_chunked", "decay_linear_attention_reference"]
+__all__ = [
+    "decay_linear_attention", "decay_linear_attention_chunked", "decay_linear_attention_fla",
+    "decay_linear_attention_reference", "decay_linear_attention_triton",
+]
 
-_BACKENDS = {"reference": decay_linear_attention_reference, "chunked": decay_linear_attention_chunked}
+
+def decay_linear_attention_triton(q, k, v, **options):
+    """The "triton" backend (triton.py), imported on first use: importing this package needs no
+    Triton, and Triton reads TRITON_INTERPRET (its CPU interpreter) when the kernels are defined."""
+    from .triton import decay_linear_attention_triton as triton_backend
+
+    return triton_backend(q, k, v, **options)
+
+
+_BACKENDS = {
+    "reference": decay_linear_attention_reference,
+    "chunked": decay_linear_attention_chunked,
+    "triton": decay_linear_attention_triton,
+    "fla": decay_linear_attention_fla,
+}
 
 
 def decay_linear_attention(
@@ -36,7 +59,9 @@ def decay_linear_attention(
         output_final_state: return the state after the last token of each sequence.
         cu_seqlens: integer ``[N + 1]`` boundaries of sequences packed along T (needs B == 1);
             the state restarts at each boundary, from ``initial_state[n]`` for sequence n.
-        backend: "auto", "reference" or "chunked".
+        backend: "auto" (see above), "reference", "chunked", "triton" or "fla" (CUDA; each
+            raises RuntimeError "... backend '<name>' cannot run ..." for a call it does not
+            take, e.g. fp64 inputs, or fla-core's refused gated backward on Hopper).
 
     The special cases: causal linear attention (g None); Mamba-2 SSD (g = A * dt ``[B, T, Hv]``,
     q = C, k = B, v = x * dt, scale = 1; D * x and the z gate stay outside); RetNet and Lightning
@@ -47,7 +72,7 @@ def decay_linear_attention(
         o ``[B, T, Hv, V]`` in v's dtype, and the final state ``[N, Hv, K, V]`` in fp32 (fp64 for
         fp64 inputs), or None when output_final_state is False.
     """
-    name = "chunked" if backend == "auto" else backend
+    name = backends.auto_backend(OP, q.device) if backend == "auto" else backend
     if name not in _BACKENDS:
         known = ", ".join(repr(known_name) for known_name in ["auto", *_BACKENDS])
         raise ValueError(f"{OP}: unknown backend {backend!r}; known backends: {known}")

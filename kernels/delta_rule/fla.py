@@ -26,85 +26,16 @@ and the adapter maps our conventions onto fla-core's:
 - dtypes: q, k, v share one dtype in fla (chunk_delta_rule asserts it); fla returns o in that
   dtype and we cast it to v's. chunk_delta_rule refuses fp32 and no fla kernel takes fp64.
 
-Whether fla-core may run at all is ``fla_unavailable_reason``'s business; the adapter refuses
-with its reason rather than fall back, so that a caller never gets another backend silently.
+Whether fla-core may run at all is ``kernels.backends.fla_unavailable_reason``'s business (one
+policy for both families); the adapter refuses with its reason rather than fall back, so that a
+caller never gets another backend silently.
 """
-import re
-
 import torch
 
+from ..backends import FLA_KINDS, fla_unavailable_reason
 from .reference import check_inputs
 
-__all__ = ["FLA_KINDS", "fla_kind", "fla_unavailable_reason", "gated_delta_rule_fla"]
-
-MIN_FLA_VERSION = (0, 6, 0)
-
-# What fla_unavailable_reason knows, by kind: the fla-core 0.6 function (and case) it stands for.
-# The delta-rule kinds are served here; the decay kinds (kernels/decay) share the same policy.
-FLA_KINDS = {
-    "deltanet": "chunk_delta_rule",
-    "gdn": "chunk_gated_delta_rule",
-    "kda": "chunk_kda",
-    "gdn2": "chunk_gdn2",
-    "simple_gla": "chunk_simple_gla with a per-token decay g [B, T, H] (Mamba-2 SSD)",
-    "simple_gla_gamma": "chunk_simple_gla with a constant decay g_gamma [H] (RetNet, Lightning)",
-    "gla": "chunk_gla",
-}
-
-# fla-core 0.6.0 refuses the backward of these on Hopper with 3.4.0 <= Triton < 3.7.1: their
-# backward runs fla.ops.common.chunk_o.chunk_bwd_dqkwg with a decay g, which raises "Triton >=
-# 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated chunk_bwd_dqkwg (see
-# #640)". chunk_delta_rule calls it without g, simple_gla with g_gamma only passes g=None, and
-# chunk_kda, chunk_gdn2 and chunk_gla have backward kernels of their own.
-HOPPER_BAD_TRITON = ((3, 4, 0), (3, 7, 1))
-REFUSED_BACKWARD_ON_HOPPER = {"gdn", "simple_gla"}
-
-
-def _version(text: str) -> tuple[int, int, int]:
-    """``"3.6.0"``, ``"3.7.1+git1234"``, ``"0.6.0rc1"`` -> (major, minor, patch)."""
-    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if match is None:
-        raise ValueError(f"cannot read a version number from {text!r}")
-    return tuple(int(part or 0) for part in match.groups())
-
-
-def fla_unavailable_reason(kind: str, device, requires_grad: bool) -> str | None:
-    """Why fla-core must not run ``kind`` (a key of FLA_KINDS) on ``device``, or None if it may.
-
-    The rules, in order: fla-core is importable; its version is at least 0.6.0; the device is a
-    CUDA device (fla's kernels are Triton GPU kernels); and the call is not a known-bad
-    combination. The one known today: on Hopper (compute capability 9.x) with Triton >= 3.4.0
-    and < 3.7.1, fla-core refuses the backward of its gated chunk kernels, so "gdn" and
-    "simple_gla" are refused there when ``requires_grad``; their forward, and every other kind
-    (DeltaNet, KDA, GDN-2, constant-decay simple GLA, GLA), run.
-    """
-    if kind not in FLA_KINDS:
-        known = ", ".join(repr(name) for name in FLA_KINDS)
-        raise ValueError(f"fla_unavailable_reason: unknown kind {kind!r}; known kinds: {known}")
-    try:
-        import fla
-    except ImportError as error:
-        return f"fla-core is not installed ({error}); install fla-core>=0.6.0"
-    version = getattr(fla, "__version__", "0")
-    if _version(version) < MIN_FLA_VERSION:
-        return f"fla-core {version} is installed; the adapter needs fla-core>=0.6.0"
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"fla-core's kernels are Triton GPU kernels and need a CUDA device, not {device.type!r}"
-    if requires_grad and kind in REFUSED_BACKWARD_ON_HOPPER:
-        import triton
-
-        capability = torch.cuda.get_device_capability(device)
-        low, high = HOPPER_BAD_TRITON
-        if capability[0] == 9 and low <= _version(triton.__version__) < high:
-            return (
-                f"fla-core {version} refuses the backward of {FLA_KINDS[kind]} on Hopper "
-                f"(compute capability {capability[0]}.{capability[1]}) with Triton "
-                f"{triton.__version__}: Triton >= 3.4.0 and < 3.7.1 gives wrong gradients in its "
-                "gated chunk_bwd_dqkwg (fla-core issue #640). Forward-only calls are fine; "
-                "KDA, GDN-2 and DeltaNet are unaffected; Triton >= 3.7.1 fixes it"
-            )
-    return None
+__all__ = ["fla_kind", "gated_delta_rule_fla"]
 
 
 def fla_kind(*, beta, g, erase, write) -> str:

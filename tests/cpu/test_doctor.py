@@ -9,7 +9,7 @@ import torch
 
 from megatron_ext import cli
 from megatron_ext.kernels import delta_rule, selfcheck
-from megatron_ext.kernels.delta_rule import fla_unavailable_reason
+from megatron_ext.kernels.backends import fla_unavailable_reason
 
 
 def run_doctor(tmp_path, capsys):
@@ -43,9 +43,12 @@ def test_every_cpu_check_passes(tmp_path, capsys):
     assert some["errors"]["o"] < 1e-5 and "grad_initial_state" in some["errors"]
     assert "0 failed" in output and "ok: what backend='auto' runs here" in output
 
-    # fla-core cannot run on the CPU: one row, with the reason, nothing run.
-    [fla] = [r for r in results if r["backend"] == "fla"]
-    assert fla["status"] == "skip" and fla["errors"] == {}
+    # fla-core and our Triton kernels cannot run on the CPU: one row per op, with the reason.
+    for backend in ("fla", "triton"):
+        skipped = [r for r in results if r["backend"] == backend]
+        assert [r["op"] for r in skipped] == list(selfcheck.OPS)
+        assert all(r["status"] == "skip" and r["errors"] == {} for r in skipped)
+    fla = next(r for r in results if r["backend"] == "fla")
     assert fla["skipped_reason"] == fla_unavailable_reason("kda", "cpu", requires_grad=True)
     [line] = rows(output, "gated_delta_rule", "*", "fla")
     assert "skip" in line and fla["skipped_reason"] in line

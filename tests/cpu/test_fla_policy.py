@@ -7,9 +7,10 @@ import types
 import pytest
 import torch
 
-from megatron_ext.kernels import gated_delta_rule
-from megatron_ext.kernels.delta_rule import fla_unavailable_reason
-from megatron_ext.kernels.delta_rule.fla import FLA_KINDS, fla_kind
+from megatron_ext.kernels import decay_linear_attention, gated_delta_rule
+from megatron_ext.kernels.backends import FLA_KINDS, fla_unavailable_reason
+from megatron_ext.kernels.decay.fla import decay_fla_kind
+from megatron_ext.kernels.delta_rule.fla import fla_kind
 
 GATED_KINDS_REFUSED_ON_HOPPER = {"gdn", "simple_gla"}
 
@@ -90,6 +91,20 @@ def test_fla_kind_of_each_special_case():
     assert fla_kind(beta=per_head, g=per_channel, erase=None, write=None) == "kda"
     assert fla_kind(beta=None, g=per_channel, erase=per_channel, write=per_channel) == "gdn2"
     assert fla_kind(beta=per_head, g=None, erase=per_channel, write=None) == "gdn2"
+
+
+def test_decay_fla_kind_of_each_form():
+    assert decay_fla_kind(None) == "linear"
+    assert decay_fla_kind(torch.zeros(2)) == "simple_gla_gamma"
+    assert decay_fla_kind(torch.zeros(1, 3, 2)) == "simple_gla"
+    assert decay_fla_kind(torch.zeros(1, 3, 2, 4)) == "gla"
+
+
+def test_decay_op_with_fla_backend_on_cpu_says_why():
+    q = k = torch.randn(1, 5, 2, 4)
+    v = torch.randn(1, 5, 2, 3)
+    with pytest.raises(RuntimeError, match=r"backend 'fla' cannot run gla: .*(not installed|CUDA device)"):
+        decay_linear_attention(q, k, v, g=-torch.rand(1, 5, 2, 4), backend="fla")
 
 
 def test_op_with_fla_backend_on_cpu_says_why():

@@ -22,10 +22,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.kernels import gated_delta_rule
+from megatron_ext.kernels import decay_linear_attention, gated_delta_rule
 from megatron_ext.kernels.decay import decay_linear_attention_reference
 from megatron_ext.kernels.delta_rule import fla as fla_adapter
-from megatron_ext.kernels.delta_rule import fla_unavailable_reason
+from megatron_ext.kernels.backends import fla_unavailable_reason
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("fla", reason="fla-core is not installed")
@@ -175,7 +175,7 @@ def test_refused_calls_are_reported(kind):
         gated_delta_rule(**inputs, backend="fla")
 
 
-DECAY_KINDS = [kind for kind in fla_adapter.FLA_KINDS if kind not in DELTA_KINDS]
+DECAY_KINDS = [kind for kind in fla_adapter.FLA_KINDS if kind not in DELTA_KINDS and kind != "linear"]
 
 
 def decay_inputs(kind):
@@ -196,16 +196,8 @@ def decay_inputs(kind):
 
 
 def decay_on_fla(kind, q, k, v, decay):
-    """o of fla-core's function for a decay kind."""
-    if kind == "gla":
-        from fla.ops.gla import chunk_gla
-
-        return chunk_gla(q, k, v, decay)[0]
-    from fla.ops.simple_gla import chunk_simple_gla
-
-    if kind == "simple_gla":
-        return chunk_simple_gla(q, k, v, g=decay)[0]
-    return chunk_simple_gla(q, k, v, g_gamma=decay)[0]
+    """o of fla-core's function for a decay kind, through our adapter."""
+    return decay_linear_attention(q, k, v, g=decay, backend="fla")[0]
 
 
 def decay_with_grads(function, inputs):
@@ -214,12 +206,15 @@ def decay_with_grads(function, inputs):
     return o, torch.autograd.grad(o.float().square().sum(), [t for t in inputs if t.requires_grad])
 
 
-@pytest.mark.parametrize("kind", list(fla_adapter.FLA_KINDS))
+@pytest.mark.parametrize("kind", DELTA_KINDS + DECAY_KINDS)
 def test_policy_matches_what_fla_does(kind, monkeypatch):
     """fla-core refuses a backward (its "#640" RuntimeError) exactly where
-    fla_unavailable_reason says so. The delta-rule kinds run through our adapter with the
-    policy switched off; the decay kinds call fla-core's chunk_simple_gla / chunk_gla."""
+    fla_unavailable_reason says so: every kind runs through our adapters with the policy
+    switched off, so that what raises is fla-core itself."""
+    from megatron_ext.kernels.decay import fla as decay_adapter
+
     refused = fla_unavailable_reason(kind, "cuda", requires_grad=True) is not None
+    monkeypatch.setattr(decay_adapter, "fla_unavailable_reason", lambda *args: None)
     if kind in DELTA_KINDS:
         monkeypatch.setattr(fla_adapter, "fla_unavailable_reason", lambda *args: None)
         inputs = make_inputs(kind, **LAYOUTS["batch"], dtype=torch.bfloat16)

@@ -1,0 +1,204 @@
+"""Which backend an op runs: the policy behind ``backend="auto"``, and the rules for fla-core.
+
+``auto_backend(op, device)``:
+    CUDA     our Triton kernels ("triton"), once they have passed the self-check on this GPU;
+             otherwise the chunked PyTorch form, with the reason logged once.
+    else     the chunked PyTorch form.
+
+fla-core is never chosen by "auto": on Hopper with Triton 3.4-3.7.0 (torch 2.8-2.11's Triton) it
+refuses the backward of its gated kernels, and where it runs, our Triton kernels cover the same
+cases. It serves a call asked for by name (``backend="fla"``), where
+:func:`fla_unavailable_reason` allows it.
+
+The self-check (``megatron_ext.kernels.selfcheck``) runs the Triton backend of an op on every
+case the doctor checks (grouped heads, an initial state, T = 97 across a chunk border, packed
+sequences), with fp32 and bf16 inputs, forward and backward, against the fp32 reference. Its
+verdict is kept per process and on disk, per (GPU, compute capability, torch, Triton,
+megatron-ext version), in ``$MEGATRON_EXT_CACHE_DIR/selfcheck.json`` (default
+``~/.cache/megatron-ext``), so each machine image pays for it once (the first check compiles the
+kernels: tens of seconds). A backend that fails is not used and never silently: the failing
+cases are logged. ``megatron-ext doctor`` shows every check in full.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import re
+import tempfile
+
+import torch
+
+__all__ = [
+    "FLA_KINDS", "auto_backend", "fla_unavailable_reason", "selfcheck_cache_path", "triton_verdict",
+]
+
+logger = logging.getLogger("megatron_ext.kernels")
+
+# ------------------------------------------------------------------------------------ fla-core
+MIN_FLA_VERSION = (0, 6, 0)
+
+# What fla_unavailable_reason knows, by kind: the fla-core 0.6 function (and case) it stands for.
+FLA_KINDS = {
+    "deltanet": "chunk_delta_rule",
+    "gdn": "chunk_gated_delta_rule",
+    "kda": "chunk_kda",
+    "gdn2": "chunk_gdn2",
+    "linear": "chunk_simple_gla without a decay (causal linear attention)",
+    "simple_gla": "chunk_simple_gla with a per-token decay g [B, T, H] (Mamba-2 SSD)",
+    "simple_gla_gamma": "chunk_simple_gla with a constant decay g_gamma [H] (RetNet, Lightning)",
+    "gla": "chunk_gla",
+}
+
+# fla-core 0.6.0 refuses the backward of these on Hopper with 3.4.0 <= Triton < 3.7.1: their
+# backward runs fla.ops.common.chunk_o.chunk_bwd_dqkwg with a decay g, which raises "Triton >=
+# 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated chunk_bwd_dqkwg (see
+# #640)". chunk_delta_rule and simple_gla without a decay or with g_gamma only pass g=None, and
+# chunk_kda, chunk_gdn2 and chunk_gla have backward kernels of their own.
+HOPPER_BAD_TRITON = ((3, 4, 0), (3, 7, 1))
+REFUSED_BACKWARD_ON_HOPPER = {"gdn", "simple_gla"}
+
+
+def _version(text: str) -> tuple[int, int, int]:
+    """``"3.6.0"``, ``"3.7.1+git1234"``, ``"0.6.0rc1"`` -> (major, minor, patch)."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if match is None:
+        raise ValueError(f"cannot read a version number from {text!r}")
+    return tuple(int(part or 0) for part in match.groups())
+
+
+def fla_unavailable_reason(kind: str, device, requires_grad: bool) -> str | None:
+    """Why fla-core must not run ``kind`` (a key of FLA_KINDS) on ``device``, or None if it may.
+
+    The rules, in order: fla-core is importable; its version is at least 0.6.0; the device is a
+    CUDA device (fla's kernels are Triton GPU kernels); and the call is not a known-bad
+    combination. The one known today: on Hopper (compute capability 9.x) with Triton >= 3.4.0
+    and < 3.7.1, fla-core refuses the backward of its gated chunk kernels, so "gdn" and
+    "simple_gla" are refused there when ``requires_grad``; their forward, and every other kind,
+    run.
+    """
+    if kind not in FLA_KINDS:
+        known = ", ".join(repr(name) for name in FLA_KINDS)
+        raise ValueError(f"fla_unavailable_reason: unknown kind {kind!r}; known kinds: {known}")
+    try:
+        import fla
+    except ImportError as error:
+        return f"fla-core is not installed ({error}); install fla-core>=0.6.0"
+    version = getattr(fla, "__version__", "0")
+    if _version(version) < MIN_FLA_VERSION:
+        return f"fla-core {version} is installed; the adapter needs fla-core>=0.6.0"
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"fla-core's kernels are Triton GPU kernels and need a CUDA device, not {device.type!r}"
+    if requires_grad and kind in REFUSED_BACKWARD_ON_HOPPER:
+        import triton
+
+        capability = torch.cuda.get_device_capability(device)
+        low, high = HOPPER_BAD_TRITON
+        if capability[0] == 9 and low <= _version(triton.__version__) < high:
+            return (
+                f"fla-core {version} refuses the backward of {FLA_KINDS[kind]} on Hopper "
+                f"(compute capability {capability[0]}.{capability[1]}) with Triton "
+                f"{triton.__version__}: Triton >= 3.4.0 and < 3.7.1 gives wrong gradients in its "
+                "gated chunk_bwd_dqkwg (fla-core issue #640). Forward-only calls are fine; "
+                "KDA, GDN-2 and DeltaNet are unaffected; Triton >= 3.7.1 fixes it"
+            )
+    return None
+
+
+# ---------------------------------------------------------------------------- self-check + auto
+_VERDICTS: dict[tuple[str, str], dict] = {}  # (op, device key) -> {"passed": bool, "reason": str}
+
+
+def selfcheck_cache_path() -> pathlib.Path:
+    root = os.environ.get("MEGATRON_EXT_CACHE_DIR") or pathlib.Path.home() / ".cache" / "megatron-ext"
+    return pathlib.Path(root) / "selfcheck.json"
+
+
+def _package_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("megatron-ext")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _device_key(device: torch.device) -> str:
+    """What a verdict depends on: the GPU, its compute capability and the software versions."""
+    import triton
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return (f"{torch.cuda.get_device_name(device)} sm_{major}{minor} | torch {torch.__version__} | "
+            f"triton {triton.__version__} | megatron-ext {_package_version()}")
+
+
+def _read_cache(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path: pathlib.Path, key: str, op: str, verdict: dict) -> None:
+    """Add one verdict, atomically (ranks of one node may write at the same time)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cache = _read_cache(path)
+        cache.setdefault(key, {})[op] = verdict
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(cache, f, indent=1)
+        os.replace(f.name, path)
+    except OSError as error:  # a read-only home: the verdict still holds for this process
+        logger.warning("megatron-ext: cannot write the self-check cache %s (%s)", path, error)
+
+
+def _run_selfcheck(op: str, device: torch.device) -> dict:
+    from . import selfcheck
+
+    failures = []
+    for case in selfcheck.OPS[op].cases:
+        for dtype in selfcheck.DTYPES:
+            result = selfcheck.check_backend(op, case.name, "triton", device, dtype)
+            if result.status != "pass":
+                detail = result.skipped_reason or result.note or "failed"
+                failures.append(f"{case.name}/{result.dtype}: {detail}")
+    if failures:
+        return {"passed": False, "reason": "; ".join(failures)}
+    return {"passed": True, "reason": "every case within tolerance, forward and backward"}
+
+
+def triton_verdict(op: str, device) -> dict:
+    """The self-check verdict of the Triton backend of ``op`` on this CUDA ``device``: from this
+    process's memory, else the disk cache, else by running the check (and caching it)."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        key = _device_key(device)
+    except ImportError as error:
+        return {"passed": False, "reason": f"Triton does not import ({error})"}
+    verdict = _VERDICTS.get((op, key))
+    if verdict is None:
+        path = selfcheck_cache_path()
+        verdict = _read_cache(path).get(key, {}).get(op)
+        if verdict is None:
+            logger.warning("megatron-ext: checking the Triton kernels of %s on %s against the "
+                           "reference (once per machine; cached in %s)", op, key, path)
+            verdict = _run_selfcheck(op, device)
+            _write_cache(path, key, op, verdict)
+        if not verdict["passed"]:
+            logger.warning("megatron-ext: the Triton kernels of %s failed their self-check on %s "
+                           "and are not used (backend='auto' runs the chunked PyTorch form): %s",
+                           op, key, verdict["reason"])
+        _VERDICTS[(op, key)] = verdict
+    return verdict
+
+
+def auto_backend(op: str, device) -> str:
+    """The backend ``backend="auto"`` runs for ``op`` (an op name of selfcheck.OPS) on ``device``."""
+    device = torch.device(device)
+    if device.type == "cuda" and triton_verdict(op, device)["passed"]:
+        return "triton"
+    return "chunked"

@@ -1,0 +1,118 @@
+"""Our Triton decay kernels (kernels/decay/triton.py) on Triton's CPU interpreter, and the
+backend's argument checks. Skipped where Triton is not installed.
+
+The interpreter is chosen when the kernels are defined (TRITON_INTERPRET=1 must be set before
+the module is imported), so the checks run in a subprocess: this file run as a script, which
+loads tests/gpu/test_triton_decay.py and runs its ``check_case`` on ``interpret_cases``, small
+fp32 cases (and two fp16 ones) of every decay form, packed sequences and grouped heads, with
+that module's tolerances. bf16 is not among them: the interpreter's tl.dot multiplies bf16
+inputs as raw 16-bit integers (Triton 3.6), so bf16 is checked on the GPU only.
+~25 s on two cores.
+"""
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+GPU_MODULE = pathlib.Path(__file__).resolve().parents[1] / "gpu" / "test_triton_decay.py"
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+
+
+def interpret_cases(Case) -> list:
+    """The subset run on the interpreter (Case from the GPU module): K = 16, V = 32 unless said,
+    T up to 70, so that it fits a CPU budget. The per-channel cases are the slowest (its kernels
+    loop over the 16 tokens of each sub-chunk) and get fewer heads."""
+    small = dict(key_dim=16, value_dim=32)
+    one_row = dict(batch=1, key_heads=1, value_heads=2, **small)  # still grouped: 1 q/k head, 2 v heads
+    return [
+        Case("none", seq_len=70, **small),  # B = 2, Hk = 2, Hv = 4, with an initial state
+        Case("constant", seq_len=70, strong=True, **small),
+        Case("per_head", seq_len=70, strong=True, **small),
+        Case("per_head", seq_len=64, key_heads=2, value_heads=2, initial_state=False, key_dim=32,
+             value_dim=16, scale=1.0),  # K > V, Hk = Hv, one exact chunk
+        Case("per_head", lengths=(5, 64, 0, 1), **small),
+        Case("per_channel", seq_len=70, strong=True, **one_row),
+        Case("per_channel", lengths=(5, 65, 1), **one_row),
+        # Several K blocks (64 wide) and several V blocks (32 wide in the state passes).
+        Case("per_channel", seq_len=20, strong=True, **dict(one_row, key_dim=128, value_dim=16)),
+        Case("per_head", seq_len=70, strong=True, **dict(one_row, key_dim=16, value_dim=128)),
+        Case("per_head", seq_len=65, dtype=torch.float16, **one_row),
+        Case("per_channel", seq_len=65, dtype=torch.float16, **one_row),
+    ]
+
+
+def _fix_interpreter_for_numpy_2_4() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with int() of a 1-element
+    array, which numpy >= 2.4 refuses, so a loop over a runtime number of chunks fails there
+    (triton-lang/triton issue #9171, closed upstream). Take the element explicitly;
+    the same value as before, for the interpreter only."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_with_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_tensor_with_index
+
+
+def main() -> None:
+    """Run INTERPRET_CASES with the GPU module's check_case on the CPU (TRITON_INTERPRET=1)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    torch.set_num_threads(1)
+    _fix_interpreter_for_numpy_2_4()
+    spec = importlib.util.spec_from_file_location("triton_decay_checks", GPU_MODULE)
+    checks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checks)
+    cases = interpret_cases(checks.Case)
+    for case in cases:
+        start = time.perf_counter()
+        errors = checks.check_case(case, "cpu")
+        worst = max(errors, key=errors.get)
+        print(f"{case}: ok, worst {worst} {errors[worst]:.1e} ({time.perf_counter() - start:.1f} s)", flush=True)
+    print(f"all {len(cases)} interpreter cases passed")
+
+
+@needs_triton
+def test_kernels_on_the_interpreter():
+    environment = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, __file__], env=environment, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "interpreter cases passed" in done.stdout, (done.stdout + done.stderr)[-6000:]
+
+
+@needs_triton
+@pytest.mark.parametrize(("key_dim", "value_dim", "named"), [(8, 32, "K = 8"), (16, 48, "V = 48"),
+                                                              (512, 32, "K = 512")])
+def test_unsupported_dims_are_named(key_dim, value_dim, named):
+    from megatron_ext.kernels import decay_linear_attention
+
+    q = k = torch.zeros(1, 3, 1, key_dim)
+    v = torch.zeros(1, 3, 1, value_dim)
+    with pytest.raises(ValueError, match=rf"backend 'triton' supports K and V in \[16, 32, 64, 128, 256\] "
+                                         rf"\(powers of two from 16 to 256\), got {named}"):
+        decay_linear_attention(q, k, v, backend="triton")
+
+
+@needs_triton
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs CPU tensors")
+def test_refusals_name_the_reason():
+    """What the backend cannot run it refuses with "<op>: backend 'triton' cannot run ...", which
+    the self-check (``megatron-ext doctor``) reports as a skip, not a failure."""
+    from megatron_ext.kernels import decay_linear_attention
+
+    q = k = torch.zeros(1, 3, 1, 16)
+    with pytest.raises(RuntimeError, match=r"decay_linear_attention: backend 'triton' cannot run tensors on cpu"):
+        decay_linear_attention(q, k, torch.zeros(1, 3, 1, 16), backend="triton")
+    with pytest.raises(RuntimeError, match=r"backend 'triton' cannot run q in torch.float64"):
+        decay_linear_attention(q.double(), k, torch.zeros(1, 3, 1, 16), backend="triton")
+
+
+if __name__ == "__main__":
+    main()
