@@ -424,11 +424,16 @@ def check_backend(op: str, case: str, backend: str, device, dtype: torch.dtype) 
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def run_all(device, on_result: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:
-    """Every backend of every op, every case, fp32 and bf16 inputs, on ``device``. A backend that
-    cannot run any case here for one reason (fla-core without CUDA; the reference on the CPU,
-    which is the oracle) is one row with case and dtype "*". ``on_result`` is called with each
-    result as it comes (the first CUDA calls compile)."""
+def run_all(device, on_result: Callable[[CheckResult], None] | None = None,
+            backends: list[str] | None = None) -> list[CheckResult]:
+    """Every backend of every op (or those named in ``backends``), every case, fp32 and bf16
+    inputs, on ``device``. A backend that cannot run any case here for one reason (fla-core
+    without CUDA; the reference on the CPU, which is the oracle) is one row with case and dtype
+    "*". ``on_result`` is called with each result as it comes (the first CUDA calls compile)."""
+    known = {name for op in OPS.values() for name in op.backends()}
+    unknown = sorted(set(backends or ()) - known)
+    if unknown:
+        raise ValueError(f"unknown backends {unknown}; known: {sorted(known)}")
     device = torch.device(device)
     results = []
     # One CPU thread: the tensors here are a few thousand elements, too small to gain from
@@ -438,7 +443,7 @@ def run_all(device, on_result: Callable[[CheckResult], None] | None = None) -> l
     if device.type == "cpu":
         torch.set_num_threads(1)
     try:
-        for result in _checks(device):
+        for result in _checks(device, backends):
             results.append(result)
             if on_result is not None:
                 on_result(result)
@@ -447,10 +452,12 @@ def run_all(device, on_result: Callable[[CheckResult], None] | None = None) -> l
     return results
 
 
-def _checks(device: torch.device):
+def _checks(device: torch.device, backends: list[str] | None):
     for op in OPS.values():
         runnable = []
         for backend in op.backends():
+            if backends is not None and backend not in backends:
+                continue
             reasons = {_availability(op, case, backend, device, dtype)[0]
                        for case in op.cases for dtype in DTYPES}
             if len(reasons) == 1 and None not in reasons:

@@ -1,6 +1,6 @@
 """``megatron-ext doctor``: check every kernel backend on this machine against the fp32 reference.
 
-    megatron-ext doctor [--device auto|cpu|cuda] [--json PATH]
+    megatron-ext doctor [--device auto|cpu|cuda] [--backends NAME,...] [--json PATH]
 
 Prints the environment, then one table row per check as it finishes (op, case, backend, device,
 dtype, the worst relative error of the forward outputs and of the gradients, the tolerance,
@@ -30,6 +30,9 @@ COLUMNS = (  # (title, width)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run the backends (auto: CUDA if available, else the CPU)")
+    parser.add_argument("--backends", default=None, metavar="NAME,...",
+                        help="check only these backends (e.g. 'triton,auto'; default: every one; "
+                             "fla-core's autotuning takes minutes on a fresh machine)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write the environment and every result to PATH (as they come)")
 
@@ -182,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             _write_json(args.json, env, results)
 
-    selfcheck.run_all(device, on_result=on_result)
+    backends = None if args.backends is None else args.backends.split(",")
+    selfcheck.run_all(device, on_result=on_result, backends=backends)
     summary, exit_code = summarize(results, device)
     print()
     print(f"{summary}\n({time.perf_counter() - started:.1f} s)")

@@ -113,3 +113,11 @@ def test_hopper_with_bad_triton_checks_the_gdn_forward_only(monkeypatch):
 def test_cuda_asked_for_without_cuda(capsys):
     assert cli.main(["doctor", "--device", "cuda"]) == 2
     assert "torch sees no CUDA device here" in capsys.readouterr().err
+
+
+def test_backends_option_checks_only_those(tmp_path, capsys):
+    path = tmp_path / "doctor.json"
+    assert cli.main(["doctor", "--device", "cpu", "--backends", "chunked", "--json", str(path)]) == 0
+    assert {r["backend"] for r in json.loads(path.read_text())["results"]} == {"chunked"}
+    with pytest.raises(ValueError, match="unknown backends \\['nope'\\]"):
+        selfcheck.run_all("cpu", backends=["nope"])

@@ -1,30 +1,34 @@
-"""Linear-attention ops on one device: forward and forward+backward time, and peak memory.
+"""Linear-recurrence ops on one device: forward and forward+backward time, and peak memory, for
+every backend beside torch SDPA (causal softmax attention, the yardstick), in one run.
 
-Ops (``--ops`` takes families, e.g. ``kda``, or single ops, e.g. ``kda/fla``):
+Ops (``--ops`` takes families, e.g. ``kda``, backends, e.g. ``triton``, or single ops, e.g.
+``kda/fla``):
 
-    deltanet, gdn, kda, gdn2        gated_delta_rule, backends chunked and fla
-    decay_scalar, decay_channel     decay_linear_attention (chunked) with a per-token scalar or
-                                    per-channel decay, and fla-core's chunk_simple_gla /
-                                    chunk_gla on the same inputs (fla); only if kernels/decay exists
-    sdpa                            torch SDPA, causal softmax attention: the yardstick
+    deltanet, gdn, kda, gdn2          gated_delta_rule: backends chunked, triton and fla
+    decay_none, decay_constant,       decay_linear_attention with no decay (linear attention),
+    decay_scalar, decay_channel       a constant per-head decay (RetNet, Lightning), a per-token
+                                      scalar decay (Mamba-2 SSD) and a per-channel decay (GLA):
+                                      backends chunked, triton and fla (chunk_simple_gla/chunk_gla)
+    sdpa                              torch SDPA, causal softmax attention
 
 Shapes: B = batch_tokens / T sequences of T tokens, H heads for q, k and v alike, head dim D
 (K = V = D). Inputs are bf16 (q and k L2-normalised, gates in (0, 1), as in the models); every
 backend keeps its recurrent state in fp32, and no initial state is passed, as in training.
 
 Timing: after ``--warmup`` untimed calls, ``--reps`` timed calls, each between two CUDA events
-(perf_counter on CPU); the median counts. "fwd" runs under torch.no_grad(); "fwd_bwd" is the forward plus the gradients of
-every input (torch.autograd.grad, so nothing accumulates). Peak memory is the peak of
-torch.cuda.max_memory_allocated over the timed calls, inputs included. A failure (fla-core
-refusing a backward, out of memory) is recorded as the reason, and the run goes on. Results
-are written to ``--out`` after every op, and a plot (``.png`` next to it) at the end; with
-``--resume`` a run keeps what ``--out`` holds and measures only what is missing.
+(perf_counter on CPU); the median counts. "fwd" runs under torch.no_grad(); "fwd_bwd" is the
+forward plus the gradients of every input (torch.autograd.grad, so nothing accumulates). Peak
+memory is the peak of torch.cuda.max_memory_allocated over the timed calls, inputs included. A
+failure (fla-core refusing a backward, out of memory) is recorded as the reason, and the run goes
+on. Results are written to ``--out`` after every op, and a plot (``.png`` next to it) at the end;
+with ``--resume`` a run keeps what ``--out`` holds and measures only what is missing.
 
 On an H200 with Triton 3.6 and fla-core 0.6.0, each fla op spends about a minute autotuning and
-compiling its forward, and another its backward, before the first timing.
+compiling its forward, and another its backward, before the first timing; our Triton kernels
+compile in seconds (they are not autotuned).
 
-    source benchmarks/gpu_setup.sh && python benchmarks/linear_ops.py     # on the GPU machine
-    python benchmarks/linear_ops.py --device cpu --seq-lens 128 --batch-tokens 256  # smoke test
+    source benchmarks/gpu_setup.sh && python benchmarks/kernels.py     # on the GPU machine
+    python benchmarks/kernels.py --device cpu --seq-lens 128 --batch-tokens 256 --ops chunked,sdpa
 """
 from __future__ import annotations
 
@@ -41,16 +45,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.kernels import decay_linear_attention, gated_delta_rule
 from megatron_ext.kernels.backends import fla_unavailable_reason
-from megatron_ext.kernels.delta_rule import gated_delta_rule
-
-try:
-    from megatron_ext.kernels.decay import decay_linear_attention
-except ImportError:  # the decay family is optional here: it may not exist yet in this checkout
-    decay_linear_attention = None
+from megatron_ext.kernels.decay.fla import decay_fla_kind
+from megatron_ext.kernels.delta_rule.fla import fla_kind
 
 DELTA_FAMILIES = ["deltanet", "gdn", "kda", "gdn2"]
-DECAY_FAMILIES = ["decay_scalar", "decay_channel"]
+DECAY_FAMILIES = ["decay_none", "decay_constant", "decay_scalar", "decay_channel"]
+BACKENDS = ["chunked", "triton", "fla"]
 
 
 def log(message: str) -> None:
@@ -90,7 +92,10 @@ def linear_inputs(family, batch, seq_len, heads, dim, device):
         inputs["g"] = F.logsigmoid(randn(*per_head) + 2.0)
     elif family in ("kda", "gdn2", "decay_channel"):
         inputs["g"] = F.logsigmoid(randn(*per_head, dim) + 2.0)
-    return {name: tensor.bfloat16() for name, tensor in inputs.items()}
+    inputs = {name: tensor.bfloat16() for name, tensor in inputs.items()}
+    if family == "decay_constant":  # RetNet's per-head decays, fp32 as the mixers pass them
+        inputs["g"] = torch.log(1 - 2.0 ** (-5 - torch.arange(heads, device=device, dtype=torch.float32)))
+    return inputs
 
 
 def sdpa_inputs(batch, seq_len, heads, dim, device):
@@ -99,34 +104,31 @@ def sdpa_inputs(batch, seq_len, heads, dim, device):
             for name in "qkv"}
 
 
-def fla_decay(family):
-    """fla-core's function for a decay family, taking our inputs: o ``[B, T, H, D]``."""
-    if family == "decay_scalar":
-        from fla.ops.simple_gla import chunk_simple_gla
-
-        return lambda q, k, v, g: chunk_simple_gla(q, k, v, g=g)[0]
-    from fla.ops.gla import chunk_gla
-
-    return lambda q, k, v, g: chunk_gla(q, k, v, g)[0]
+def _fla_skip(family, inputs_example, device) -> str | None:
+    """Why fla-core cannot run this family's forward here (its refused backwards are recorded
+    when they happen)."""
+    if family in DELTA_FAMILIES:
+        kind = fla_kind(beta=inputs_example.get("beta"), g=inputs_example.get("g"),
+                        erase=inputs_example.get("erase"), write=inputs_example.get("write"))
+    else:
+        kind = decay_fla_kind(inputs_example.get("g"))
+    return fla_unavailable_reason(kind, device, requires_grad=False)
 
 
 def build_ops(device: torch.device) -> list[Op]:
-    fla_missing = None if importlib.util.find_spec("fla") else "fla-core is not installed"
     ops = []
-    for family in DELTA_FAMILIES:
+    for family in DELTA_FAMILIES + DECAY_FAMILIES:
         make = lambda *shape, family=family: linear_inputs(family, *shape, device)  # noqa: E731
-        for backend in ("chunked", "fla"):
-            # The fla forward runs wherever fla may run at all; a refused backward is recorded.
-            skip = fla_unavailable_reason(family, device, requires_grad=False) if backend == "fla" else None
-            run = lambda backend=backend, **x: gated_delta_rule(**x, backend=backend)[0]  # noqa: E731
+        function = gated_delta_rule if family in DELTA_FAMILIES else decay_linear_attention
+        example = linear_inputs(family, 1, 1, 2, 16, "cpu")
+        for backend in BACKENDS:
+            skip = None
+            if backend == "fla":
+                skip = _fla_skip(family, example, device)
+            elif backend == "triton" and device.type != "cuda":
+                skip = "our Triton kernels need CUDA"
+            run = lambda backend=backend, function=function, **x: function(**x, backend=backend)[0]  # noqa: E731
             ops.append(Op(family, backend, make, run, skip))
-    for family in DECAY_FAMILIES:
-        make = lambda *shape, family=family: linear_inputs(family, *shape, device)  # noqa: E731
-        missing = None if decay_linear_attention else "kernels/decay does not exist in this checkout"
-        ops.append(Op(family, "chunked", make,
-                      lambda **x: decay_linear_attention(**x, backend="chunked")[0], missing))
-        fla_skip = missing or fla_missing or (None if device.type == "cuda" else "fla-core needs CUDA")
-        ops.append(Op(family, "fla", make, lambda family=family, **x: fla_decay(family)(**x), fla_skip))
     ops.append(Op("sdpa", "torch", lambda *shape: sdpa_inputs(*shape, device),
                   lambda **x: F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True)))
     return ops
@@ -256,16 +258,18 @@ def plot(record: dict, path: pathlib.Path) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-lens", default="4096,16384", help="comma-separated T values")
+    parser.add_argument("--seq-lens", default="2048,4096,8192,16384,32768",
+                        help="comma-separated T values")
     parser.add_argument("--batch-tokens", type=int, default=32768, help="B * T, the same for every T")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--ops", default="all",
-                        help="comma-separated families or ops, e.g. 'kda,gdn2/fla,sdpa' (default: all)")
+                        help="comma-separated families, backends or ops, e.g. 'kda,triton,gdn2/fla,sdpa' "
+                             "(default: all)")
     parser.add_argument("--warmup", type=int, help="untimed calls first (default: 2; 1 on CPU)")
     parser.add_argument("--reps", type=int, help="timed calls, the median counts (default: 10; 3 on CPU)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", default="benchmarks/results/linear_ops_h200.json")
+    parser.add_argument("--out", default="benchmarks/results/kernels_h200.json")
     parser.add_argument("--resume", action="store_true",
                         help="keep the results already in --out and measure only what is missing "
                              "(to finish a run that was cut short, or to add ops)")
@@ -286,10 +290,10 @@ def main(argv=None):
     ops = build_ops(device)
     wanted = None if args.ops == "all" else set(args.ops.split(","))
     if wanted is not None:
-        known = {op.family for op in ops} | {op.name for op in ops}
+        known = {op.family for op in ops} | {op.backend for op in ops} | {op.name for op in ops}
         if wanted - known:
             raise SystemExit(f"unknown --ops {sorted(wanted - known)}; known: {sorted(known)}")
-        ops = [op for op in ops if op.family in wanted or op.name in wanted]
+        ops = [op for op in ops if {op.family, op.backend, op.name} & wanted]
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     env = environment(device)
