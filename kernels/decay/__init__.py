@@ -22,12 +22,16 @@ __all__ = [
 ]
 
 
-def decay_linear_attention_triton(q, k, v, **options):
-    """The "triton" backend (triton.py), imported on first use: importing this package needs no
-    Triton, and Triton reads TRITON_INTERPRET (its CPU interpreter) when the kernels are defined."""
-    from .triton import decay_linear_attention_triton as triton_backend
-
-    return triton_backend(q, k, v, **options)
+def decay_linear_attention_triton(*args, **kwargs):
+    """``decay_linear_attention`` in our Triton kernels (triton.py, imported here on first use:
+    importing this package needs no Triton, and Triton reads TRITON_INTERPRET, its CPU
+    interpreter, when the kernels are defined)."""
+    try:
+        from .triton import decay_linear_attention_triton as run
+    except ImportError as error:
+        raise RuntimeError(f"{OP}: backend 'triton' cannot run: Triton does not import here "
+                           f"({error})") from error
+    return run(*args, **kwargs)
 
 
 _BACKENDS = {

@@ -3,22 +3,40 @@
 Backends, with one signature and one layout:
     reference   token by token, fp32: the oracle (reference.py)
     chunked     chunkwise WY / UT-transform form in PyTorch, any device (chunked.py)
-    fla         fla-core's Triton kernels, CUDA only, where fla_unavailable_reason allows (fla.py)
-"auto" picks chunked for now; what it picks on CUDA (fla, or our own Triton kernels once they
-exist and pass their self-check) is decided after the GPU checks.
+    triton      our own Triton kernels, forward and backward, CUDA only (triton.py; imported on
+                first use, so that this package imports where Triton does not)
+    fla         fla-core's Triton kernels, CUDA only, where
+                kernels.backends.fla_unavailable_reason allows (fla.py)
+"auto" is kernels.backends.auto_backend: triton on CUDA once it has passed its self-check on
+this GPU, chunked otherwise.
 """
+from .. import backends
 from .chunked import gated_delta_rule_chunked
-from .fla import fla_unavailable_reason, gated_delta_rule_fla
+from .fla import gated_delta_rule_fla
 from .reference import gated_delta_rule_reference
 
+OP = "gated_delta_rule"
+
 __all__ = [
-    "fla_unavailable_reason", "gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_fla",
-    "gated_delta_rule_reference",
+    "gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_fla",
+    "gated_delta_rule_reference", "gated_delta_rule_triton",
 ]
+
+
+def gated_delta_rule_triton(*args, **kwargs):
+    """``gated_delta_rule`` in our Triton kernels (triton.py, imported here on first use)."""
+    try:
+        from .triton import gated_delta_rule_triton as run
+    except ImportError as error:
+        raise RuntimeError(f"gated_delta_rule: backend 'triton' cannot run: Triton does not import "
+                           f"here ({error})") from error
+    return run(*args, **kwargs)
+
 
 _BACKENDS = {
     "reference": gated_delta_rule_reference,
     "chunked": gated_delta_rule_chunked,
+    "triton": gated_delta_rule_triton,
     "fla": gated_delta_rule_fla,
 }
 
@@ -49,9 +67,10 @@ def gated_delta_rule(
             the state restarts at each boundary, from ``initial_state[n]`` for sequence n.
         return_write_residual: also return the write residual
             ``r_t = w_t * v_t - (Diag(exp g_t) S_{t-1})^T (b_t * k_t)`` ``[B, T, Hv, V]`` (fp32),
-            so that S_t = Diag(exp g_t) S_{t-1} + k_t r_t^T (reference and chunked backends).
-        backend: "auto" (chunked for now), "reference", "chunked" or "fla" (fla-core on CUDA;
-            raises RuntimeError with the reason where fla_unavailable_reason refuses the call).
+            so that S_t = Diag(exp g_t) S_{t-1} + k_t r_t^T (reference, chunked and triton backends).
+        backend: "auto" (see above), "reference", "chunked", "triton" (ours, on CUDA; K and V
+            in 16, 32, 64, 128, 256) or "fla" (fla-core on CUDA; raises RuntimeError with the
+            reason where kernels.backends.fla_unavailable_reason refuses the call).
 
     The special cases: DeltaNet (g None, beta), Gated DeltaNet (g ``[B, T, Hv]``, beta), KDA
     (g ``[B, T, Hv, K]``, beta) and GDN-2 (g ``[B, T, Hv, K]``, erase, write).
@@ -60,7 +79,7 @@ def gated_delta_rule(
         o ``[B, T, Hv, V]`` in v's dtype, and the final state ``[N, Hv, K, V]`` in fp32 (fp64 for
         fp64 inputs), or None when output_final_state is False; then the write residual if asked.
     """
-    name = "chunked" if backend == "auto" else backend  # auto's policy: decided after the GPU checks
+    name = backends.auto_backend(OP, q.device) if backend == "auto" else backend
     if name not in _BACKENDS:
         known = ", ".join(repr(known_name) for known_name in ["auto", *_BACKENDS])
         raise ValueError(f"gated_delta_rule: unknown backend {backend!r}; known backends: {known}")

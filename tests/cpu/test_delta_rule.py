@@ -246,8 +246,8 @@ def test_bad_varlen_backend_and_chunk_messages():
          r"cu_seqlens has shape \(3,\), expected a 1-D integer tensor"),
         (dict(cu_seqlens=torch.tensor([0, 4, 6, 10])),
          r"initial_state has shape \(2, 4, 8, 12\), expected .* = \[3, 4, 8, 12\] \(N = number of sequences\)"),
-        (dict(backend="triton"),
-         r"unknown backend 'triton'; known backends: 'auto', 'reference', 'chunked'"),
+        (dict(backend="nope"),
+         r"unknown backend 'nope'; known backends: 'auto', 'reference', 'chunked', 'triton', 'fla'"),
     ]
     for change, message in expected_messages:
         with pytest.raises(ValueError, match=message):

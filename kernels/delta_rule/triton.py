@@ -1,0 +1,904 @@
+"""The gated delta rule in our own Triton kernels, forward and backward (backend "triton").
+
+The chunkwise WY / UT-transform form follows Yang, Wang, Zhang, Shen and Kim, "Parallelizing
+Linear Transformers with the Delta Rule over Sequence Length" (NeurIPS 2024); the scalar decay
+Yang, Kautz and Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule" (ICLR
+2025); the per-channel decay Kimi Team, "Kimi Linear: An Expressive, Efficient Hybrid Linear
+Attention Architecture" (2025, Kimi Delta Attention). The algebra is that of chunked.py (see its
+docstring), per head and chunk of C = 64 tokens entered with state S_0, a = b * k, x = w * v, G
+the cumulative log-decay inside the chunk, Gamma = exp(G), Gamma_C its value at the chunk's end:
+
+    A = strictly lower part of (Gamma * a) (k / Gamma)^T,     T = (I + A)^-1
+    P = lower part (with the diagonal) of (Gamma * q) (k / Gamma)^T
+    W = T (Gamma * a),   Y = T x                               (the WY / UT factors)
+    U = Y - W S_0                                              (the write residual)
+    O = scale * ((Gamma * q) S_0 + P U)
+    S_C = Diag(Gamma_C) S_0 + (k * Gamma_C / Gamma)^T U
+
+Backward, with dO' = scale * dO and dS_C the gradient of the state leaving the chunk:
+
+    dU   = P^T dO' + (k * Gamma_C / Gamma) dS_C  (+ the write residual's gradient)
+    dS_0 = Diag(Gamma_C) dS_C + (Gamma * q)^T dO' - W^T dU
+    dX   = T^T dU                                  (so dv = w * dX, dw = v * dX)
+    dP   = lower(dO' U^T),   dA = -strictly_lower(dX U^T)    (dT = dU Z^T with U = T Z)
+    d(Gamma * q) = dO' S_0^T,  d(Gamma * a) = -T^T dU S_0^T,  d(k Gamma_C / Gamma) = U dS_C^T,
+
+and on through P and A to q, a and k. Each factor exp(+-G) multiplies a vector, so the gradient
+of the log-decay is dG = q * dq + a * da - k * dk per token and channel, plus, at the chunk's
+last token, Gamma_C * rowsum(S_0 * dS_C) + sum_s k_s * dk_s (over the dk of the k Gamma_C /
+Gamma term only); dg is its reverse cumulative sum inside the chunk.
+
+Numerics. No exponent is ever positive. The pairwise decays exp(G_t - G_s), s <= t, of a
+per-channel decay are formed in 16-token sub-blocks: for an off-diagonal sub-block (rows t in
+sub-block i, columns s in an earlier one) as (x_t exp(G_t - G_r)) (y_s exp(G_r - G_s)) with the
+reference r = 16 i, the row sub-block's first token, so that both factors are <= 1 however
+strong the decay; inside the diagonal sub-blocks exactly, as exp(-|G_t - G_s|), one column per
+step (16 steps). Exponents are clamped at 0 (min(x, 0)) so that padding rows cannot overflow;
+for g <= 0, as the op requires, the clamp never changes a value that is used. G is an fp32
+cumulative sum per chunk, every tl.dot accumulates in fp32, and the unit-triangular inverse is by
+forward substitution in fp32 on the four 16 x 16 diagonal blocks, then block substitution with
+fp32 ("ieee") dots.
+
+Precision. With fp32 q, k, v every tl.dot runs in full fp32 ("ieee", not TF32), so that the fp32
+path checks the algebra tightly; with bf16 (or fp16) q, k, v the dot operands are rounded to
+that dtype (tensor cores, fp32 accumulation), and so are the stored tiles P, T, W, Y, U, the
+decayed keys and queries, dP, dA and the chunk states and their gradients.
+
+Kernels, in order (grids in brackets; NC chunks over all sequences, N sequences, Hv v heads):
+    forward   _chunk_cumsum [NC, Hv] -> G;  _fwd_scores [NC, Hv] -> A, P;  _invert [NC * Hv]
+              -> T;  _fwd_prepare [NC, Hv] -> W, Y (and, with a decay, the decayed keys
+              k Gamma_C / Gamma and queries Gamma q);  _fwd_state [N, Hv, V/BV], along each
+              sequence -> chunk states, U, final state;  _fwd_output [NC, Hv, V/BV] -> o
+    backward  _bwd_state [N, Hv, V/BV], along each sequence in reverse -> dS_C per chunk, dU,
+              the initial state's gradient;  _bwd_scores [NC, Hv] -> dP, dA, dv, dw (or beta's
+              share);  _bwd_qkg [NC, Hv, K/BK] -> dq, dk, d erase (or beta's share), dg
+Only the two sequential kernels loop over chunks (two dots per chunk each); everything else is
+parallel over chunks. Saved for the backward, per token and v head, in the dot dtype unless said:
+G (fp32; K values, or 1 with one decay per head), U (V; fp32 with the write residual), T and P (64
+each), W (K), with a decay the decayed keys and queries (2 K), and the chunk states (K V / 64).
+For K = V = 128 in bf16: 512 + 256 + 256 + 256 + 512 + 512 = 2304 bytes with a per-channel decay
+(KDA, GDN-2), 1796 with one per head (GDN), 1280 without (DeltaNet). The backward adds, freed on
+return, dS_C per chunk (as the states), dU (fp32) and dP, dA.
+
+Grouped heads: a program of v head hv reads q/k head hv // (Hv / Hk); the gradients of q and k
+are written per v head and summed over each group afterwards. Varlen: a host table of the chunks'
+token bounds and of each sequence's first chunk; loads past a chunk's end are zero, which is exact
+padding (a zero token with g = 0 reads, writes and decays nothing).
+
+Launch configurations (fixed, no autotuning, so that the configuration the tests run is the one
+that runs): num_stages 2 everywhere; num_warps 4 for _chunk_cumsum, _invert and _fwd_output, 8
+for the others. Tiles (each capped at K or V): BK = 32 in _fwd_scores and _bwd_qkg, else 64;
+BV = 32 in _bwd_scores, min(64, 4096 / K) in the sequential kernels, else 64. These were chosen
+so that ptxas spills nothing or little (at most ~150 bytes per thread) for sm_90 in bf16 with K,
+V of 64, 128 and 256 (compiled without a GPU; not yet timed on one). The fp32 path, whose dots
+run on FMA units, spills a lot: it is there to check the algebra, not for speed. Supported K and
+V: 16, 32, 64, 128, 256. No tl.trans anywhere: transposed operands are loaded transposed (Hopper
+with Triton 3.4 to 3.7.0 miscompiles tl.trans of dot results, fla-core issue #640).
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import check_inputs
+
+__all__ = ["SUPPORTED_DIMS", "gated_delta_rule_triton", "triton_unavailable_reason"]
+
+SUPPORTED_DIMS = (16, 32, 64, 128, 256)
+_C = tl.constexpr(64)    # chunk size
+_SUB = tl.constexpr(16)  # sub-block of the per-channel decay and of the triangular inverse
+_NUM_STAGES = 2
+_DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _mm(a, b, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """a @ b with fp32 accumulation, the operands in DOT (fp32 without TF32 where IEEE)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(DOT), b.to(DOT))
+
+
+@triton.jit
+def _at(ptr, start, heads, head, DIM: tl.constexpr):
+    """Pointer to token ``start`` (int64) of ``head`` in a contiguous [tokens, heads, DIM] tensor;
+    tiles add int32 offsets to it, which keeps their address arithmetic 32-bit."""
+    return ptr + (start * heads + head) * DIM
+
+
+@triton.jit
+def _tile(ptr, start, r, valid, heads, head, DIM: tl.constexpr, col0, COLS: tl.constexpr,
+          TRANSPOSED: tl.constexpr):
+    """Tile [R, COLS] in the tensor's dtype: row i is token start + r[i] (zero where not valid),
+    columns col0 + j of ``head`` in a contiguous [tokens, heads, DIM] tensor; or its transpose
+    [COLS, R], loaded transposed."""
+    cols = col0 + tl.arange(0, COLS)
+    base = _at(ptr, start, heads, head, DIM)
+    if TRANSPOSED:
+        return tl.load(base + cols[:, None] + (r * (heads * DIM))[None, :], mask=valid[None, :], other=0.0)
+    else:
+        return tl.load(base + (r * (heads * DIM))[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _rows(ptr, start, r, valid, heads, head, DIM: tl.constexpr, col0, COLS: tl.constexpr):
+    """``_tile`` in fp32."""
+    return _tile(ptr, start, r, valid, heads, head, DIM, col0, COLS, False).to(tl.float32)
+
+
+@triton.jit
+def _cols(ptr, start, r, valid, heads, head, DIM: tl.constexpr, col0, COLS: tl.constexpr):
+    """The transposed ``_tile`` in fp32: [COLS, R]."""
+    return _tile(ptr, start, r, valid, heads, head, DIM, col0, COLS, True).to(tl.float32)
+
+
+@triton.jit
+def _vec(ptr, start, r, valid, heads, head):
+    """fp32 [R]: the value of token start + r[i] of ``head`` in a contiguous [tokens, heads]
+    tensor."""
+    return tl.load(_at(ptr, start, heads, head, 1) + r * heads, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _put(ptr, start, t, valid, heads, head, DIM: tl.constexpr, col0, COLS: tl.constexpr, x):
+    """Store x [64, COLS] at the chunk's tokens (valid rows only), columns col0.. of ``head``."""
+    offsets = (t * (heads * DIM))[:, None] + (col0 + tl.arange(0, COLS))[None, :]
+    tl.store(_at(ptr, start, heads, head, DIM) + offsets, x.to(ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _chunk(bounds_ptr, c):
+    """The chunk's first token (int64), its number of tokens, its rows 0..63 and which of them are
+    tokens."""
+    start = tl.load(bounds_ptr + 2 * c)
+    count = tl.load(bounds_ptr + 2 * c + 1) - start
+    t = tl.arange(0, _C)
+    return start.to(tl.int64), count, t, t < count
+
+
+@triton.jit
+def _square(ptr, base, TRANSPOSED: tl.constexpr):
+    """The [64, 64] tile at ``base`` of a [..., 64, 64] tensor, or its transpose."""
+    r = tl.arange(0, _C)
+    if TRANSPOSED:
+        return tl.load(ptr + base + r[None, :] * _C + r[:, None])
+    else:
+        return tl.load(ptr + base + r[:, None] * _C + r[None, :])
+
+
+@triton.jit
+def _state_tile(ptr, base, row0, ROWS: tl.constexpr, col0, COLS: tl.constexpr, V: tl.constexpr,
+                TRANSPOSED: tl.constexpr):
+    """fp32 tile of a [K, V] state at ``base``: rows row0.., columns col0.. ([ROWS, COLS]), or its
+    transpose ([COLS, ROWS])."""
+    rows = row0 + tl.arange(0, ROWS)
+    cols = col0 + tl.arange(0, COLS)
+    if TRANSPOSED:
+        return tl.load(ptr + base + rows[None, :] * V + cols[:, None]).to(tl.float32)
+    else:
+        return tl.load(ptr + base + rows[:, None] * V + cols[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _decay_row(G_ptr, start, count, value_heads, hv, K: tl.constexpr, row, col0, COLS: tl.constexpr):
+    """G of a per-channel decay at row ``row`` of the chunk (zero past its end): [COLS] key
+    channels col0.."""
+    return tl.load(_at(G_ptr, start, value_heads, hv, K) + row * (value_heads * K) + col0 + tl.arange(0, COLS),
+                   mask=row < count, other=0.0)
+
+
+@triton.jit
+def _decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K: tl.constexpr, G_MODE: tl.constexpr):
+    """Diag(Gamma_C), the chunk's decay of a state: [K, 1] per channel, or a scalar per head."""
+    if G_MODE == 2:
+        return tl.exp(_decay_row(G_ptr, start, count, value_heads, hv, K, count - 1, 0, K))[:, None]
+    else:
+        return tl.exp(tl.load(_at(G_ptr, start, value_heads, hv, 1) + (count - 1) * value_heads))
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["value_heads"])
+def _chunk_cumsum_kernel(g_ptr, out_ptr, bounds_ptr, value_heads, K: tl.constexpr, BK: tl.constexpr,
+                         PER_CHANNEL: tl.constexpr):
+    """G = the cumulative sum of g inside each chunk, in fp32."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    start, count, t, valid = _chunk(bounds_ptr, c)
+    if PER_CHANNEL:
+        for kb in range(0, K // BK):
+            g = _rows(g_ptr, start, t, valid, value_heads, hv, K, kb * BK, BK)
+            _put(out_ptr, start, t, valid, value_heads, hv, K, kb * BK, BK, tl.cumsum(g, 0))
+    else:
+        g = _vec(g_ptr, start, t, valid, value_heads, hv)
+        tl.store(_at(out_ptr, start, value_heads, hv, 1) + t * value_heads, tl.cumsum(g, 0), mask=valid)
+
+
+@triton.jit(do_not_specialize=["key_heads", "value_heads", "group"])
+def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, bounds_ptr,
+                       key_heads, value_heads, group,
+                       K: tl.constexpr, BK: tl.constexpr, G_MODE: tl.constexpr, ERASE: tl.constexpr,
+                       DOT: tl.constexpr, IEEE: tl.constexpr):
+    """A (strictly lower, fp32) and P (lower with the diagonal) of one chunk and v head.
+    G_MODE: 0 no decay, 1 one log-decay per head, 2 one per key channel."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    hk = hv // group
+    start, count, t, valid = _chunk(bounds_ptr, c)
+    blk = t // _SUB
+    within = t % _SUB
+    scores_p = tl.zeros([_C, _C], dtype=tl.float32)
+    scores_a = tl.zeros([_C, _C], dtype=tl.float32)
+    if not ERASE:
+        beta = _vec(beta_ptr, start, t, valid, value_heads, hv)
+    for kb in range(0, K // BK):
+        c0 = kb * BK
+        q = _rows(q_ptr, start, t, valid, key_heads, hk, K, c0, BK)
+        k = _rows(k_ptr, start, t, valid, key_heads, hk, K, c0, BK)
+        if ERASE:
+            a = k * _rows(erase_ptr, start, t, valid, value_heads, hv, K, c0, BK)
+        else:
+            a = k * beta[:, None]
+        k_t = _cols(k_ptr, start, t, valid, key_heads, hk, K, c0, BK)
+        if G_MODE == 2:
+            G = _rows(G_ptr, start, t, valid, value_heads, hv, K, c0, BK)
+            G_t = _cols(G_ptr, start, t, valid, value_heads, hv, K, c0, BK)
+            # Off-diagonal sub-blocks: the rows of sub-block i against all earlier columns.
+            for i in tl.static_range(1, 4):
+                G_ref = _decay_row(G_ptr, start, count, value_heads, hv, K, i * _SUB, c0, BK)
+                row_decay = tl.where((blk == i)[:, None], tl.exp(tl.minimum(G - G_ref[None, :], 0.0)), 0.0)
+                cols_t = tl.where((t < i * _SUB)[None, :],
+                                  k_t * tl.exp(tl.minimum(G_ref[:, None] - G_t, 0.0)), 0.0)
+                scores_p += _mm(q * row_decay, cols_t, DOT, IEEE)
+                scores_a += _mm(a * row_decay, cols_t, DOT, IEEE)
+            # Diagonal sub-blocks, exactly: step j fills column 16 * blk + j of every row.
+            for j in range(0, _SUB):
+                col = blk * _SUB + j
+                col_valid = col < count
+                k_col = _rows(k_ptr, start, col, col_valid, key_heads, hk, K, c0, BK)
+                G_col = _rows(G_ptr, start, col, col_valid, value_heads, hv, K, c0, BK)
+                k_decayed = k_col * tl.where((within >= j)[:, None], tl.exp(-tl.abs(G - G_col)), 0.0)
+                hit = t[None, :] == col[:, None]
+                scores_p += tl.where(hit, tl.sum(q * k_decayed, 1)[:, None], 0.0)
+                scores_a += tl.where(hit & (within > j)[:, None], tl.sum(a * k_decayed, 1)[:, None], 0.0)
+        else:
+            scores_p += _mm(q, k_t, DOT, IEEE)
+            scores_a += _mm(a, k_t, DOT, IEEE)
+    if G_MODE != 2:
+        if G_MODE == 1:
+            G = _vec(G_ptr, start, t, valid, value_heads, hv)
+            decay = tl.exp(tl.minimum(G[:, None] - G[None, :], 0.0))
+            scores_p = scores_p * decay
+            scores_a = scores_a * decay
+        scores_p = tl.where(t[:, None] >= t[None, :], scores_p, 0.0)
+        scores_a = tl.where(t[:, None] > t[None, :], scores_a, 0.0)
+    offsets = t[:, None] * _C + t[None, :]
+    base = (c * value_heads + hv) * _C * _C
+    tl.store(A_ptr + base + offsets, scores_a)
+    tl.store(P_ptr + base + offsets, scores_p.to(P_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _unit_lower_inverse(a):
+    """(I + a)^-1 for a strictly lower [16, 16] fp32 tile, by forward substitution."""
+    r = tl.arange(0, _SUB)
+    inverse = (r[:, None] == r[None, :]).to(tl.float32)
+    for i in range(1, _SUB):
+        a_row = tl.sum(tl.where(r[:, None] == i, a, 0.0), 0)  # a[i, :]
+        row = (r == i).to(tl.float32) - tl.sum(a_row[:, None] * inverse, 0)
+        inverse = tl.where(r[:, None] == i, row[None, :], inverse)
+    return inverse
+
+
+@triton.jit
+def _block(ptr, base, i: tl.constexpr, j: tl.constexpr):
+    r = tl.arange(0, _SUB)
+    return tl.load(ptr + base + (r + i * _SUB)[:, None] * _C + (r + j * _SUB)[None, :])
+
+
+@triton.jit
+def _put_block(ptr, base, i: tl.constexpr, j: tl.constexpr, x):
+    r = tl.arange(0, _SUB)
+    tl.store(ptr + base + (r + i * _SUB)[:, None] * _C + (r + j * _SUB)[None, :], x.to(ptr.dtype.element_ty))
+
+
+@triton.jit
+def _ieee(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _invert_kernel(A_ptr, T_ptr):
+    """T = (I + A)^-1 of one chunk and head, by 16 x 16 blocks: the diagonal blocks by forward
+    substitution, then T_ij = -T_ii sum_{j <= m < i} A_im T_mj."""
+    base = tl.program_id(0).to(tl.int64) * _C * _C
+    t00 = _unit_lower_inverse(_block(A_ptr, base, 0, 0))
+    t11 = _unit_lower_inverse(_block(A_ptr, base, 1, 1))
+    t22 = _unit_lower_inverse(_block(A_ptr, base, 2, 2))
+    t33 = _unit_lower_inverse(_block(A_ptr, base, 3, 3))
+    a10 = _block(A_ptr, base, 1, 0)
+    a20 = _block(A_ptr, base, 2, 0)
+    a21 = _block(A_ptr, base, 2, 1)
+    a30 = _block(A_ptr, base, 3, 0)
+    a31 = _block(A_ptr, base, 3, 1)
+    a32 = _block(A_ptr, base, 3, 2)
+    t10 = -_ieee(t11, _ieee(a10, t00))
+    t21 = -_ieee(t22, _ieee(a21, t11))
+    t20 = -_ieee(t22, _ieee(a20, t00) + _ieee(a21, t10))
+    t32 = -_ieee(t33, _ieee(a32, t22))
+    t31 = -_ieee(t33, _ieee(a31, t11) + _ieee(a32, t21))
+    t30 = -_ieee(t33, _ieee(a30, t00) + _ieee(a31, t10) + _ieee(a32, t20))
+    zero = tl.zeros([_SUB, _SUB], dtype=tl.float32)
+    _put_block(T_ptr, base, 0, 0, t00)
+    _put_block(T_ptr, base, 0, 1, zero)
+    _put_block(T_ptr, base, 0, 2, zero)
+    _put_block(T_ptr, base, 0, 3, zero)
+    _put_block(T_ptr, base, 1, 0, t10)
+    _put_block(T_ptr, base, 1, 1, t11)
+    _put_block(T_ptr, base, 1, 2, zero)
+    _put_block(T_ptr, base, 1, 3, zero)
+    _put_block(T_ptr, base, 2, 0, t20)
+    _put_block(T_ptr, base, 2, 1, t21)
+    _put_block(T_ptr, base, 2, 2, t22)
+    _put_block(T_ptr, base, 2, 3, zero)
+    _put_block(T_ptr, base, 3, 0, t30)
+    _put_block(T_ptr, base, 3, 1, t31)
+    _put_block(T_ptr, base, 3, 2, t32)
+    _put_block(T_ptr, base, 3, 3, t33)
+
+
+@triton.jit(do_not_specialize=["key_heads", "value_heads", "group"])
+def _fwd_prepare_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, erase_ptr, write_ptr, G_ptr, T_ptr,
+                        W_ptr, Y_ptr, KD_ptr, QG_ptr, bounds_ptr, key_heads, value_heads, group,
+                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        G_MODE: tl.constexpr, ERASE: tl.constexpr, WRITE: tl.constexpr,
+                        DOT: tl.constexpr, IEEE: tl.constexpr):
+    """W = T (Gamma * a) and Y = T x of one chunk and v head; with a decay also the decayed keys
+    k Gamma_C / Gamma and queries Gamma * q (without one, the sequential kernels read k and q)."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    hk = hv // group
+    start, count, t, valid = _chunk(bounds_ptr, c)
+    inverse = _square(T_ptr, (c * value_heads + hv) * _C * _C, False)
+    if not (ERASE and WRITE):
+        beta = _vec(beta_ptr, start, t, valid, value_heads, hv)
+    if G_MODE == 1:
+        G = _vec(G_ptr, start, t, valid, value_heads, hv)
+        G_end = tl.load(_at(G_ptr, start, value_heads, hv, 1) + (count - 1) * value_heads)
+        decay = tl.exp(G)[:, None]
+        decay_to_end = tl.exp(tl.minimum(G_end - G, 0.0))[:, None]
+    for kb in range(0, K // BK):
+        c0 = kb * BK
+        k = _rows(k_ptr, start, t, valid, key_heads, hk, K, c0, BK)
+        if ERASE:
+            a = k * _rows(erase_ptr, start, t, valid, value_heads, hv, K, c0, BK)
+        else:
+            a = k * beta[:, None]
+        if G_MODE == 2:
+            G = _rows(G_ptr, start, t, valid, value_heads, hv, K, c0, BK)
+            decay = tl.exp(G)
+            decay_to_end = tl.exp(tl.minimum(
+                _decay_row(G_ptr, start, count, value_heads, hv, K, count - 1, c0, BK)[None, :] - G, 0.0))
+        if G_MODE != 0:
+            a = a * decay
+            _put(KD_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * decay_to_end)
+            _put(QG_ptr, start, t, valid, value_heads, hv, K, c0, BK,
+                 _rows(q_ptr, start, t, valid, key_heads, hk, K, c0, BK) * decay)
+        _put(W_ptr, start, t, valid, value_heads, hv, K, c0, BK, _mm(inverse, a, DOT, IEEE))
+    for vb in range(0, V // BV):
+        v0 = vb * BV
+        x = _rows(v_ptr, start, t, valid, value_heads, hv, V, v0, BV)
+        if WRITE:
+            x = x * _rows(write_ptr, start, t, valid, value_heads, hv, V, v0, BV)
+        else:
+            x = x * beta[:, None]
+        _put(Y_ptr, start, t, valid, value_heads, hv, V, v0, BV, _mm(inverse, x, DOT, IEEE))
+
+
+@triton.jit(do_not_specialize=["key_heads", "value_heads", "group", "has_initial"])
+def _fwd_state_kernel(k_ptr, G_ptr, W_ptr, Y_ptr, KD_ptr, h_ptr, U_ptr, h0_ptr, final_ptr,
+                      bounds_ptr, seq_chunks_ptr, key_heads, value_heads, group, has_initial,
+                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G_MODE: tl.constexpr,
+                      DOT: tl.constexpr, IEEE: tl.constexpr):
+    """One sequence, v head and block of V columns, chunk after chunk: U = Y - W S and
+    S <- Diag(Gamma_C) S + (k Gamma_C / Gamma)^T U; stores the state entering each chunk, U and
+    the final state."""
+    n = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    v0 = tl.program_id(2) * BV
+    hk = hv // group
+    rows = tl.arange(0, K)
+    in_state = rows[:, None] * V + (v0 + tl.arange(0, BV))[None, :]
+    state = tl.zeros([K, BV], dtype=tl.float32)
+    if has_initial != 0:
+        state = tl.load(h0_ptr + (n * value_heads + hv) * K * V + in_state).to(tl.float32)
+    first = tl.load(seq_chunks_ptr + n)
+    last = tl.load(seq_chunks_ptr + n + 1)
+    for chunk in range(first, last):
+        c = first.to(tl.int64) + (chunk - first)
+        start, count, t, valid = _chunk(bounds_ptr, c)
+        tl.store(h_ptr + (c * value_heads + hv) * K * V + in_state, state.to(h_ptr.dtype.element_ty))
+        w = _tile(W_ptr, start, t, valid, value_heads, hv, K, 0, K, False)
+        U = _tile(Y_ptr, start, t, valid, value_heads, hv, V, v0, BV, False) - _mm(w, state, DOT, IEEE)
+        _put(U_ptr, start, t, valid, value_heads, hv, V, v0, BV, U)
+        if G_MODE == 0:
+            keys_t = _tile(k_ptr, start, t, valid, key_heads, hk, K, 0, K, True)
+        else:
+            keys_t = _tile(KD_ptr, start, t, valid, value_heads, hv, K, 0, K, True)
+            state = state * _decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K, G_MODE)
+        state += _mm(keys_t, U, DOT, IEEE)
+    tl.store(final_ptr + (n * value_heads + hv) * K * V + in_state, state)
+
+
+@triton.jit(do_not_specialize=["key_heads", "value_heads", "group"])
+def _fwd_output_kernel(q_ptr, QG_ptr, P_ptr, h_ptr, U_ptr, o_ptr, bounds_ptr,
+                       key_heads, value_heads, group, scale,
+                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       G_MODE: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """o = scale * ((Gamma * q) S_0 + P U) for one chunk, v head and block of V columns."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    v0 = tl.program_id(2) * BV
+    hk = hv // group
+    start, count, t, valid = _chunk(bounds_ptr, c)
+    out = _mm(_square(P_ptr, (c * value_heads + hv) * _C * _C, False),
+              _tile(U_ptr, start, t, valid, value_heads, hv, V, v0, BV, False), DOT, IEEE)
+    state_base = (c * value_heads + hv) * K * V
+    for kb in range(0, K // BK):
+        if G_MODE == 0:
+            q = _tile(q_ptr, start, t, valid, key_heads, hk, K, kb * BK, BK, False)
+        else:
+            q = _tile(QG_ptr, start, t, valid, value_heads, hv, K, kb * BK, BK, False)
+        out += _mm(q, _state_tile(h_ptr, state_base, kb * BK, BK, v0, BV, V, False), DOT, IEEE)
+    _put(o_ptr, start, t, valid, value_heads, hv, V, v0, BV, out * scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["key_heads", "value_heads", "group"])
+def _bwd_state_kernel(q_ptr, k_ptr, G_ptr, W_ptr, KD_ptr, QG_ptr, P_ptr, do_ptr, dr_ptr, dfinal_ptr,
+                      dh_ptr, dU_ptr, dh0_ptr, bounds_ptr, seq_chunks_ptr,
+                      key_heads, value_heads, group, scale,
+                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G_MODE: tl.constexpr,
+                      HAS_DR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """One sequence, v head and block of V columns, chunk after chunk in reverse:
+    dU = P^T dO' + (k Gamma_C / Gamma) dS_C and dS_0 = Diag(Gamma_C) dS_C + (Gamma q)^T dO' -
+    W^T dU; stores dS_C per chunk, dU, and the initial state's gradient."""
+    n = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    v0 = tl.program_id(2) * BV
+    hk = hv // group
+    in_state = tl.arange(0, K)[:, None] * V + (v0 + tl.arange(0, BV))[None, :]
+    d_state = tl.load(dfinal_ptr + (n * value_heads + hv) * K * V + in_state)
+    first = tl.load(seq_chunks_ptr + n)
+    last = tl.load(seq_chunks_ptr + n + 1)
+    for step in range(first, last):
+        c = last.to(tl.int64) - 1 - (step - first)
+        start, count, t, valid = _chunk(bounds_ptr, c)
+        tl.store(dh_ptr + (c * value_heads + hv) * K * V + in_state, d_state.to(dh_ptr.dtype.element_ty))
+        d_out = _rows(do_ptr, start, t, valid, value_heads, hv, V, v0, BV) * scale
+        if G_MODE == 0:
+            keys = _tile(k_ptr, start, t, valid, key_heads, hk, K, 0, K, False)
+            queries_t = _tile(q_ptr, start, t, valid, key_heads, hk, K, 0, K, True)
+        else:
+            keys = _tile(KD_ptr, start, t, valid, value_heads, hv, K, 0, K, False)
+            queries_t = _tile(QG_ptr, start, t, valid, value_heads, hv, K, 0, K, True)
+        d_u = (_mm(_square(P_ptr, (c * value_heads + hv) * _C * _C, True), d_out, DOT, IEEE)
+               + _mm(keys, d_state, DOT, IEEE))
+        if HAS_DR:
+            d_u += _rows(dr_ptr, start, t, valid, value_heads, hv, V, v0, BV)
+        _put(dU_ptr, start, t, valid, value_heads, hv, V, v0, BV, d_u)
+        if G_MODE != 0:
+            d_state = d_state * _decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K, G_MODE)
+        d_state += (_mm(queries_t, d_out, DOT, IEEE)
+                    - _mm(_tile(W_ptr, start, t, valid, value_heads, hv, K, 0, K, True), d_u, DOT, IEEE))
+    tl.store(dh0_ptr + (n * value_heads + hv) * K * V + in_state, d_state)
+
+
+@triton.jit(do_not_specialize=["value_heads"])
+def _bwd_scores_kernel(v_ptr, beta_ptr, write_ptr, T_ptr, U_ptr, do_ptr, dU_ptr, dP_ptr, dA_ptr,
+                       dv_ptr, dwrite_ptr, dbeta_ptr, bounds_ptr, value_heads, scale,
+                       V: tl.constexpr, BV: tl.constexpr, WRITE: tl.constexpr,
+                       DOT: tl.constexpr, IEEE: tl.constexpr):
+    """dX = T^T dU, dP = lower(dO' U^T), dA = -strictly_lower(dX U^T), dv = w * dX and dw = v * dX
+    (summed over V into beta's share where w is beta) for one chunk and v head."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    start, count, t, valid = _chunk(bounds_ptr, c)
+    base = (c * value_heads + hv) * _C * _C
+    inverse_t = _square(T_ptr, base, True)
+    d_scores_p = tl.zeros([_C, _C], dtype=tl.float32)
+    d_scores_a = tl.zeros([_C, _C], dtype=tl.float32)
+    if not WRITE:
+        beta = _vec(beta_ptr, start, t, valid, value_heads, hv)
+        d_beta = tl.zeros([_C], dtype=tl.float32)
+    for vb in range(0, V // BV):
+        v0 = vb * BV
+        U_t = _tile(U_ptr, start, t, valid, value_heads, hv, V, v0, BV, True)
+        d_x = _mm(inverse_t, _tile(dU_ptr, start, t, valid, value_heads, hv, V, v0, BV, False), DOT, IEEE)
+        d_scores_p += _mm(_rows(do_ptr, start, t, valid, value_heads, hv, V, v0, BV) * scale, U_t, DOT, IEEE)
+        d_scores_a += _mm(d_x, U_t, DOT, IEEE)
+        v = _rows(v_ptr, start, t, valid, value_heads, hv, V, v0, BV)
+        if WRITE:
+            _put(dv_ptr, start, t, valid, value_heads, hv, V, v0, BV,
+                 d_x * _rows(write_ptr, start, t, valid, value_heads, hv, V, v0, BV))
+            _put(dwrite_ptr, start, t, valid, value_heads, hv, V, v0, BV, d_x * v)
+        else:
+            _put(dv_ptr, start, t, valid, value_heads, hv, V, v0, BV, d_x * beta[:, None])
+            d_beta += tl.sum(d_x * v, 1)
+    offsets = t[:, None] * _C + t[None, :]
+    tl.store(dP_ptr + base + offsets,
+             tl.where(t[:, None] >= t[None, :], d_scores_p, 0.0).to(dP_ptr.dtype.element_ty))
+    tl.store(dA_ptr + base + offsets,
+             tl.where(t[:, None] > t[None, :], -d_scores_a, 0.0).to(dA_ptr.dtype.element_ty))
+    if not WRITE:
+        tl.store(_at(dbeta_ptr, start, value_heads, hv, 1) + t * value_heads, d_beta, mask=valid)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "key_heads", "value_heads", "group"])
+def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr,
+                    do_ptr, dP_ptr, dA_ptr, dq_ptr, dk_ptr, derase_ptr, dbeta_ptr, dg_ptr, bounds_ptr,
+                    num_tokens, key_heads, value_heads, group, scale,
+                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    G_MODE: tl.constexpr, ERASE: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """dq, dk, the erase gate's gradient (or beta's share) and dg of one chunk, v head and block of
+    BK key channels. dq and dk are per v head; the per-token results (beta's share, and dg of a
+    per-head decay) are partial sums over the key blocks, at [kb, token, head]."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    kb = tl.program_id(2)
+    c0 = kb * BK
+    hk = hv // group
+    start, count, t, valid = _chunk(bounds_ptr, c)
+    state_base = (c * value_heads + hv) * K * V
+    d_qg = tl.zeros([_C, BK], dtype=tl.float32)  # d(Gamma * q), from o's state term
+    d_us = tl.zeros([_C, BK], dtype=tl.float32)  # dU S_0^T: d(Gamma * a) = -T^T dU S_0^T
+    d_kd = tl.zeros([_C, BK], dtype=tl.float32)  # d(k Gamma_C / Gamma), from S_C
+    d_end = tl.zeros([BK], dtype=tl.float32)     # rowsum(S_0 * dS_C)
+    for vb in range(0, V // BV):
+        v0 = vb * BV
+        state_t = _state_tile(h_ptr, state_base, c0, BK, v0, BV, V, True)
+        d_state_t = _state_tile(dh_ptr, state_base, c0, BK, v0, BV, V, True)
+        d_qg += _mm(_rows(do_ptr, start, t, valid, value_heads, hv, V, v0, BV) * scale, state_t, DOT, IEEE)
+        d_us += _mm(_tile(dU_ptr, start, t, valid, value_heads, hv, V, v0, BV, False), state_t, DOT, IEEE)
+        d_kd += _mm(_tile(U_ptr, start, t, valid, value_heads, hv, V, v0, BV, False), d_state_t, DOT, IEEE)
+        if G_MODE != 0:
+            d_end += tl.sum(state_t * d_state_t, 0)
+    square = (c * value_heads + hv) * _C * _C
+    d_ga = -_mm(_square(T_ptr, square, True), d_us, DOT, IEEE)  # d(Gamma * a)
+    q = _rows(q_ptr, start, t, valid, key_heads, hk, K, c0, BK)
+    k = _rows(k_ptr, start, t, valid, key_heads, hk, K, c0, BK)
+    if ERASE:
+        gate = _rows(erase_ptr, start, t, valid, value_heads, hv, K, c0, BK)
+    else:
+        gate = _vec(beta_ptr, start, t, valid, value_heads, hv)[:, None]
+    a = k * gate
+    last_row = count - 1
+    partial_start = kb.to(tl.int64) * num_tokens + start  # this key block's row of partial sums
+    if G_MODE == 2:
+        blk = t // _SUB
+        within = t % _SUB
+        G = _rows(G_ptr, start, t, valid, value_heads, hv, K, c0, BK)
+        G_end = _decay_row(G_ptr, start, count, value_heads, hv, K, count - 1, c0, BK)
+        d_q = tl.exp(G) * d_qg
+        d_a = tl.exp(G) * d_ga
+        d_k = tl.exp(tl.minimum(G_end[None, :] - G, 0.0)) * d_kd
+        d_G_end = tl.sum(k * d_k, 0) + tl.exp(G_end) * d_end
+        # Off-diagonal sub-blocks, referenced at the row sub-block's first token.
+        for i in tl.static_range(1, 4):
+            G_ref = _decay_row(G_ptr, start, count, value_heads, hv, K, i * _SUB, c0, BK)
+            row_decay = tl.where((blk == i)[:, None], tl.exp(tl.minimum(G - G_ref[None, :], 0.0)), 0.0)
+            col_decay = tl.where((t < i * _SUB)[:, None], tl.exp(tl.minimum(G_ref[None, :] - G, 0.0)), 0.0)
+            k_cols = k * col_decay
+            d_q += row_decay * _mm(_square(dP_ptr, square, False), k_cols, DOT, IEEE)
+            d_a += row_decay * _mm(_square(dA_ptr, square, False), k_cols, DOT, IEEE)
+            d_k += col_decay * (_mm(_square(dP_ptr, square, True), q * row_decay, DOT, IEEE)
+                                + _mm(_square(dA_ptr, square, True), a * row_decay, DOT, IEEE))
+        # Diagonal sub-blocks, exactly: step j pairs each row with row 16 * blk + j of its
+        # sub-block, as its column (dq, da: rows at or after it) or as its row (dk: rows up to it).
+        for j in range(0, _SUB):
+            other = blk * _SUB + j
+            other_valid = other < count
+            k_other = _rows(k_ptr, start, other, other_valid, key_heads, hk, K, c0, BK)
+            q_other = _rows(q_ptr, start, other, other_valid, key_heads, hk, K, c0, BK)
+            if ERASE:
+                a_other = k_other * _rows(erase_ptr, start, other, other_valid, value_heads, hv, K, c0, BK)
+            else:
+                a_other = k_other * _vec(beta_ptr, start, other, other_valid, value_heads, hv)[:, None]
+            decay = tl.exp(-tl.abs(G - _rows(G_ptr, start, other, other_valid, value_heads, hv, K, c0, BK)))
+            below = tl.where((within >= j)[:, None], decay, 0.0)
+            above = tl.where((within <= j)[:, None], decay, 0.0)
+            p_below = tl.load(dP_ptr + square + t * _C + other).to(tl.float32)
+            a_below = tl.load(dA_ptr + square + t * _C + other).to(tl.float32)
+            p_above = tl.load(dP_ptr + square + other * _C + t).to(tl.float32)
+            a_above = tl.load(dA_ptr + square + other * _C + t).to(tl.float32)
+            d_q += p_below[:, None] * k_other * below
+            d_a += a_below[:, None] * k_other * below
+            d_k += (p_above[:, None] * q_other + a_above[:, None] * a_other) * above
+        d_G = q * d_q + a * d_a - k * d_k
+        d_G += tl.where((t == last_row)[:, None], d_G_end[None, :], 0.0)
+        _put(dg_ptr, start, t, valid, value_heads, hv, K, c0, BK, tl.cumsum(d_G, 0, reverse=True))
+    else:
+        d_scores_p = _square(dP_ptr, square, False)
+        d_scores_a = _square(dA_ptr, square, False)
+        d_scores_p_t = _square(dP_ptr, square, True)
+        d_scores_a_t = _square(dA_ptr, square, True)
+        if G_MODE == 1:
+            G = _vec(G_ptr, start, t, valid, value_heads, hv)
+            G_end = tl.load(_at(G_ptr, start, value_heads, hv, 1) + (count - 1) * value_heads)
+            d_k = tl.exp(tl.minimum(G_end - G, 0.0))[:, None] * d_kd
+            d_G_end = tl.sum(tl.sum(k * d_k, 1), 0) + tl.exp(G_end) * tl.sum(d_end, 0)
+            decay = tl.exp(tl.minimum(G[:, None] - G[None, :], 0.0))  # [t, s]
+            d_q = tl.exp(G)[:, None] * d_qg + _mm(d_scores_p * decay, k, DOT, IEEE)
+            d_a = tl.exp(G)[:, None] * d_ga + _mm(d_scores_a * decay, k, DOT, IEEE)
+            decay_t = tl.exp(tl.minimum(G[None, :] - G[:, None], 0.0))  # [s, t]
+            d_k += _mm(d_scores_p_t * decay_t, q, DOT, IEEE) + _mm(d_scores_a_t * decay_t, a, DOT, IEEE)
+        else:
+            d_q = d_qg + _mm(d_scores_p, k, DOT, IEEE)
+            d_a = d_ga + _mm(d_scores_a, k, DOT, IEEE)
+            d_k = d_kd + _mm(d_scores_p_t, q, DOT, IEEE) + _mm(d_scores_a_t, a, DOT, IEEE)
+        if G_MODE == 1:
+            d_G = tl.sum(q * d_q + a * d_a - k * d_k, 1) + tl.where(t == last_row, d_G_end, 0.0)
+            tl.store(_at(dg_ptr, partial_start, value_heads, hv, 1) + t * value_heads,
+                     tl.cumsum(d_G, 0, reverse=True), mask=valid)
+    _put(dq_ptr, start, t, valid, value_heads, hv, K, c0, BK, d_q)
+    _put(dk_ptr, start, t, valid, value_heads, hv, K, c0, BK, d_k + gate * d_a)
+    if ERASE:
+        _put(derase_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * d_a)
+    else:
+        tl.store(_at(dbeta_ptr, partial_start, value_heads, hv, 1) + t * value_heads, tl.sum(k * d_a, 1),
+                 mask=valid)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_unavailable_reason(device, dtype: torch.dtype) -> str | None:
+    """Why these kernels cannot run on ``device`` for q/k/v in ``dtype``, or None if they can: they
+    need a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1, with CPU tensors) and fp32,
+    bf16 or fp16 inputs."""
+    device = torch.device(device)
+    if device.type != "cuda" and not (device.type == "cpu" and _interpreted()):
+        return f"its Triton kernels need a CUDA device, not {device.type!r}"
+    if dtype not in _DOT_DTYPES:
+        return f"inputs in {dtype} (it takes torch.float32, torch.bfloat16 and torch.float16)"
+    return None
+
+
+def _chunk_tables(cu_seqlens, batch: int, seq_len: int, device):
+    """(chunk bounds int32 [NC, 2] = (first token, one past the last), each sequence's first chunk
+    int32 [N + 1]), over the tokens flattened to [B * T]."""
+    if cu_seqlens is None:
+        bounds = torch.arange(batch + 1, dtype=torch.int64) * seq_len
+    else:
+        bounds = cu_seqlens.detach().to("cpu", torch.int64)
+    counts = (bounds[1:] - bounds[:-1] + _C.value - 1) // _C.value
+    seq_chunks = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    seq_chunks[1:] = counts.cumsum(0)
+    sequence = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    starts = bounds[sequence] + _C.value * (torch.arange(len(sequence)) - seq_chunks[sequence])
+    ends = torch.minimum(starts + _C.value, bounds[sequence + 1])
+    chunk_bounds = torch.stack([starts, ends], dim=1).to(torch.int32)
+    return chunk_bounds.to(device), seq_chunks.to(device=device, dtype=torch.int32)
+
+
+class _Config:
+    """What the autograd function needs besides the tensors: sizes, the form of the gates, the
+    dot dtype, the chunk tables and the tile sizes."""
+
+    def __init__(self, q, k, v, g, erase, write, scale, cu_seqlens, want_residual):
+        self.batch, self.seq_len, self.key_heads, self.key_dim = q.shape
+        self.value_heads, self.value_dim = v.shape[2], v.shape[3]
+        self.group = self.value_heads // self.key_heads
+        self.tokens = self.batch * self.seq_len
+        self.scale = scale
+        self.g_mode = 0 if g is None else (1 if g.dim() == 3 else 2)
+        self.erase, self.write = erase is not None, write is not None
+        self.want_residual = want_residual
+        self.store_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        self.flags = dict(DOT=_DOT_DTYPES[self.store_dtype], IEEE=self.store_dtype == torch.float32)
+        self.bounds, self.seq_chunks = _chunk_tables(cu_seqlens, self.batch, self.seq_len, q.device)
+        self.num_chunks = self.bounds.shape[0]
+        self.num_states = self.seq_chunks.shape[0] - 1
+        key_dim, value_dim = self.key_dim, self.value_dim
+        self.block_k = min(key_dim, 64)
+        self.block_v = min(value_dim, 64)
+        self.score_block_k = min(key_dim, 32)  # _fwd_scores, _bwd_qkg
+        self.score_block_v = min(value_dim, 32)  # _bwd_scores
+        self.state_block_v = min(value_dim, 64, max(16, 4096 // key_dim))  # the sequential kernels
+
+    def empty(self, *shape, dtype=None):
+        """A new tensor on the device, [tokens, Hv, *shape] (no shape: one value per token), in the
+        dot dtype unless given."""
+        return torch.empty(self.tokens, self.value_heads, *shape, device=self.bounds.device,
+                           dtype=dtype or self.store_dtype)
+
+
+def _flat(tensor):
+    """[B, T, ...] -> contiguous [B * T, ...]; None stays None."""
+    return None if tensor is None else tensor.reshape(-1, *tensor.shape[2:]).contiguous()
+
+
+def _forward(cfg: _Config, q, k, v, beta, g, erase, write, initial_state):
+    K, V, Hv, Hk, NC = cfg.key_dim, cfg.value_dim, cfg.value_heads, cfg.key_heads, cfg.num_chunks
+    device, stages = q.device, _NUM_STAGES
+    dummy = cfg.bounds  # stands for an absent tensor, which the kernel's flags keep it from reading
+    beta_, erase_, write_ = (dummy if t is None else t for t in (beta, erase, write))
+    square = (NC, Hv, _C.value, _C.value)
+    G = dummy if cfg.g_mode == 0 else cfg.empty(*([K] if cfg.g_mode == 2 else []), dtype=torch.float32)
+    P = torch.empty(square, device=device, dtype=cfg.store_dtype)
+    T = torch.empty_like(P)
+    W = cfg.empty(K)
+    KD, QG = (cfg.empty(K), cfg.empty(K)) if cfg.g_mode != 0 else (dummy, dummy)
+    h = torch.empty(NC, Hv, K, V, device=device, dtype=cfg.store_dtype)
+    U = cfg.empty(V, dtype=torch.float32 if cfg.want_residual else None)
+    final = torch.empty(cfg.num_states, Hv, K, V, device=device, dtype=torch.float32)
+    o = cfg.empty(V, dtype=v.dtype)
+    if NC > 0:
+        if cfg.g_mode != 0:
+            _chunk_cumsum_kernel[(NC, Hv)](g, G, cfg.bounds, Hv, K=K, BK=cfg.block_k,
+                                           PER_CHANNEL=cfg.g_mode == 2, num_warps=4, num_stages=stages)
+        A = torch.empty(square, device=device, dtype=torch.float32)
+        _fwd_scores_kernel[(NC, Hv)](
+            q, k, beta_, erase_, G, A, P, cfg.bounds, Hk, Hv, cfg.group,
+            K=K, BK=cfg.score_block_k, G_MODE=cfg.g_mode, ERASE=cfg.erase,
+            num_warps=8, num_stages=stages, **cfg.flags)
+        _invert_kernel[(NC * Hv,)](A, T, num_warps=4, num_stages=stages)
+        del A
+        Y = cfg.empty(V)
+        _fwd_prepare_kernel[(NC, Hv)](
+            q, k, v, beta_, erase_, write_, G, T, W, Y, KD, QG, cfg.bounds, Hk, Hv, cfg.group,
+            K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, G_MODE=cfg.g_mode, ERASE=cfg.erase,
+            WRITE=cfg.write, num_warps=8, num_stages=stages, **cfg.flags)
+    else:
+        Y = dummy
+    _fwd_state_kernel[(cfg.num_states, Hv, V // cfg.state_block_v)](
+        k, G, W, Y, KD, h, U, final if initial_state is None else initial_state, final,
+        cfg.bounds, cfg.seq_chunks, Hk, Hv, cfg.group, int(initial_state is not None),
+        K=K, V=V, BV=cfg.state_block_v, G_MODE=cfg.g_mode,
+        num_warps=8, num_stages=stages, **cfg.flags)
+    del Y
+    if NC > 0:
+        _fwd_output_kernel[(NC, Hv, V // cfg.block_v)](
+            q, QG, P, h, U, o, cfg.bounds, Hk, Hv, cfg.group, cfg.scale,
+            K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, G_MODE=cfg.g_mode,
+            num_warps=4, num_stages=stages, **cfg.flags)
+    return o, final, U, (G, T, P, W, KD, QG, h, U)
+
+
+def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
+    q, k, v, beta, g, erase, write, initial_state, G, T, P, W, KD, QG, h, U = saved
+    K, V, Hv, Hk, NC = cfg.key_dim, cfg.value_dim, cfg.value_heads, cfg.key_heads, cfg.num_chunks
+    device, stages, tokens = q.device, _NUM_STAGES, cfg.tokens
+    dummy = cfg.bounds
+    beta_, erase_, write_ = (dummy if t is None else t for t in (beta, erase, write))
+    if d_final is None:
+        d_final = torch.zeros(cfg.num_states, Hv, K, V, device=device, dtype=torch.float32)
+    d_final = d_final.float().contiguous()
+    d_o = torch.zeros_like(v) if d_o is None else _flat(d_o)
+    d_residual = None if d_residual is None else _flat(d_residual)
+
+    dh = torch.empty(NC, Hv, K, V, device=device, dtype=cfg.store_dtype)
+    dU = cfg.empty(V, dtype=torch.float32)
+    dh0 = torch.empty(cfg.num_states, Hv, K, V, device=device, dtype=torch.float32)
+    _bwd_state_kernel[(cfg.num_states, Hv, V // cfg.state_block_v)](
+        q, k, G, W, KD, QG, P, d_o, dummy if d_residual is None else d_residual, d_final, dh, dU, dh0,
+        cfg.bounds, cfg.seq_chunks, Hk, Hv, cfg.group, cfg.scale,
+        K=K, V=V, BV=cfg.state_block_v, G_MODE=cfg.g_mode, HAS_DR=d_residual is not None,
+        num_warps=8, num_stages=stages, **cfg.flags)
+
+    per_v_head = cfg.group > 1  # q/k gradients per v head, summed over each group below
+    dq = cfg.empty(K, dtype=torch.float32 if per_v_head else q.dtype)
+    dk = cfg.empty(K, dtype=torch.float32 if per_v_head else k.dtype)
+    dv = torch.empty_like(v)
+    dwrite = torch.empty_like(write) if cfg.write else None
+    derase = torch.empty_like(erase) if cfg.erase else None
+    key_blocks = K // cfg.score_block_k
+    dbeta_v = None if cfg.write else cfg.empty(dtype=torch.float32)
+    dbeta_k = None if cfg.erase else torch.empty(key_blocks, tokens, Hv, device=device, dtype=torch.float32)
+    if cfg.g_mode == 2:
+        dg = torch.empty_like(g)
+    elif cfg.g_mode == 1:
+        dg = torch.empty(key_blocks, tokens, Hv, device=device, dtype=torch.float32)
+    else:
+        dg = None
+    if NC > 0:
+        dP = torch.empty(NC, Hv, _C.value, _C.value, device=device, dtype=cfg.store_dtype)
+        dA = torch.empty_like(dP)
+        _bwd_scores_kernel[(NC, Hv)](
+            v, beta_, write_, T, U, d_o, dU, dP, dA, dv, dummy if dwrite is None else dwrite,
+            dummy if dbeta_v is None else dbeta_v, cfg.bounds, Hv, cfg.scale,
+            V=V, BV=cfg.score_block_v, WRITE=cfg.write, num_warps=8, num_stages=stages, **cfg.flags)
+        _bwd_qkg_kernel[(NC, Hv, key_blocks)](
+            q, k, beta_, erase_, G, T, h, dh, U, dU, d_o, dP, dA, dq, dk,
+            dummy if derase is None else derase, dummy if dbeta_k is None else dbeta_k,
+            dummy if dg is None else dg, cfg.bounds, tokens, Hk, Hv, cfg.group, cfg.scale,
+            K=K, V=V, BK=cfg.score_block_k, BV=cfg.block_v, G_MODE=cfg.g_mode, ERASE=cfg.erase,
+            num_warps=8, num_stages=stages, **cfg.flags)
+    else:  # no tokens at all
+        for tensor in (dq, dk, dv, dwrite, derase, dbeta_v, dbeta_k, dg):
+            if tensor is not None:
+                tensor.zero_()
+
+    def per_key_head(grad, like):
+        if per_v_head:
+            grad = grad.view(tokens, Hk, cfg.group, K).sum(2)
+        return grad.to(like.dtype)
+
+    d_beta = None
+    if beta is not None:
+        parts = [part for part in (dbeta_v, None if dbeta_k is None else dbeta_k.sum(0)) if part is not None]
+        d_beta = sum(parts).to(beta.dtype)
+    if cfg.g_mode == 1:
+        dg = dg.sum(0).to(g.dtype)
+    d_initial = None if initial_state is None else dh0.to(initial_state.dtype)
+    return per_key_head(dq, q), per_key_head(dk, k), dv, d_beta, dg, derase, dwrite, d_initial
+
+
+class _GatedDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, beta, g, erase, write, initial_state, cfg):
+        shapes = [None if t is None else t.shape for t in (q, k, v, beta, g, erase, write)]
+        flat = [_flat(t) for t in (q, k, v, beta, g, erase, write)]
+        initial = None if initial_state is None else initial_state.contiguous()
+        o, final, U, saved = _forward(cfg, *flat, initial)
+        ctx.cfg, ctx.shapes = cfg, shapes
+        ctx.save_for_backward(*flat, initial, *saved)
+        o = o.view(cfg.batch, cfg.seq_len, cfg.value_heads, cfg.value_dim)
+        return o, final, U.view(o.shape) if cfg.want_residual else None
+
+    @staticmethod
+    def backward(ctx, d_o, d_final, d_residual):
+        *grads, d_initial = _backward(ctx.cfg, ctx.saved_tensors, d_o, d_final, d_residual)
+        grads = [None if grad is None else grad.view(shape) for grad, shape in zip(grads, ctx.shapes)]
+        return (*grads, d_initial, None)
+
+
+def gated_delta_rule_triton(
+    q, k, v, *, beta=None, g=None, erase=None, write=None, scale=None,
+    initial_state=None, output_final_state=False, cu_seqlens=None, return_write_residual=False,
+):
+    """``gated_delta_rule`` in our Triton kernels: same arguments, shapes and results as
+    ``gated_delta_rule_reference`` (q, k ``[B, T, Hk, K]``; v ``[B, T, Hv, V]``; beta
+    ``[B, T, Hv]``; g ``[B, T, Hv]`` or ``[B, T, Hv, K]``, <= 0; erase ``[B, T, Hv, K]``; write
+    ``[B, T, Hv, V]``; initial_state ``[N, Hv, K, V]``), returning o ``[B, T, Hv, V]`` in v's
+    dtype, the fp32 final state ``[N, Hv, K, V]`` (or None), and with ``return_write_residual``
+    the write residual ``[B, T, Hv, V]`` in fp32, all with gradients.
+
+    Raises ValueError for K or V outside SUPPORTED_DIMS (tl.dot wants power-of-two tiles of at
+    least 16), and RuntimeError ("gated_delta_rule: backend 'triton' cannot run ...") off CUDA
+    (unless Triton's interpreter is on, TRITON_INTERPRET=1) or for fp64 inputs.
+    """
+    check_inputs(q, k, v, beta=beta, g=g, erase=erase, write=write, initial_state=initial_state,
+                 cu_seqlens=cu_seqlens)
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
+    if key_dim not in SUPPORTED_DIMS or value_dim not in SUPPORTED_DIMS:
+        raise ValueError(
+            f"gated_delta_rule: backend 'triton' supports key and value head dims "
+            f"{', '.join(map(str, SUPPORTED_DIMS))}; got K = {key_dim}, V = {value_dim}")
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    reason = triton_unavailable_reason(q.device, dtype)
+    if reason is not None:
+        raise RuntimeError(f"gated_delta_rule: backend 'triton' cannot run {reason}")
+    scale = key_dim**-0.5 if scale is None else float(scale)
+    cfg = _Config(q, k, v, g, erase, write, scale, cu_seqlens, return_write_residual)
+    o, final, residual = _GatedDeltaRule.apply(q, k, v, beta, g, erase, write, initial_state, cfg)
+    final = final if output_final_state else None
+    if return_write_residual:
+        return o, final, residual
+    return o, final

@@ -1,0 +1,89 @@
+"""Our Triton kernels for the gated delta rule (backend "triton") on the CPU, under Triton's
+interpreter (TRITON_INTERPRET=1), against the reference: the ``check`` of
+tests/gpu/test_triton_delta_rule.py on small shapes in fp32, in a subprocess (the interpreter must
+be switched on before the kernels are defined). Also the messages for what the backend refuses.
+Skipped where Triton does not import. About 50 s on two busy cores.
+
+The interpreter runs each program as numpy code: it checks the algebra, indexing, masking and
+varlen handling of the kernels, not GPU code generation, layouts or speed; and it cannot run bf16
+dots (it multiplies their raw bits), so the subset is fp32 (plus one fp16 run).
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed")
+
+from megatron_ext.kernels import gated_delta_rule  # noqa: E402
+from megatron_ext.kernels.selfcheck import delta_rule_inputs  # noqa: E402
+
+GPU_TESTS = pathlib.Path(__file__).parents[1] / "gpu"
+
+# Keyword arguments of check(): all four forms with grouped heads (Hk = 1, Hv = 2) across a chunk
+# boundary, K != V both ways (K = 64 is two blocks of key channels), one token, Hk = Hv, packed
+# sequences (one empty), strong decay, the write residual, an erase gate next to beta, and fp16.
+SMALL = dict(key_heads=1, value_heads=2, key_dim=16, value_dim=32)
+CASES = [
+    *(dict(case=case, seq_len=70, **SMALL) for case in ("deltanet", "gated_deltanet", "kda", "gdn2")),
+    dict(SMALL, case="kda", seq_len=64, key_dim=64, value_dim=16),
+    dict(SMALL, case="gdn2", seq_len=1),
+    dict(SMALL, case="gated_deltanet", seq_len=65, value_heads=1),
+    dict(SMALL, case="kda", cu_seqlens=[0, 37, 64, 64, 130]),
+    dict(SMALL, case="gated_deltanet", cu_seqlens=[0, 5, 70]),
+    dict(SMALL, case="gated_deltanet", seq_len=70, strong_decay=True),
+    dict(SMALL, case="gdn2", seq_len=70, strong_decay=True),
+    dict(SMALL, case="gdn2", seq_len=40, residual=True),
+    dict(SMALL, case="kda", seq_len=40, erase_with_beta=True),
+    dict(SMALL, case="kda", seq_len=40, dtype="float16"),
+]
+
+# Triton 3.6's interpreter turns a loop bound loaded from memory into a Python int through
+# int(<1-element array>), which NumPy >= 2.5 refuses; this takes the element explicitly.
+_SCRIPT = """
+import json, sys
+import numpy as np
+import torch
+import triton.runtime.interpreter as interpreter
+
+_patch = interpreter._patch_lang_tensor
+def _patch_with_index(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+interpreter._patch_lang_tensor = _patch_with_index
+
+torch.set_num_threads(1)
+sys.path.insert(0, sys.argv[1])
+from test_triton_delta_rule import check
+for kwargs in json.loads(sys.argv[2]):
+    kwargs["dtype"] = getattr(torch, kwargs.pop("dtype", "float32"))
+    errors = check(device="cpu", **kwargs)
+    print(kwargs["case"], "worst error", f"{max(errors.values()):.2e}")
+"""
+
+
+def test_kernels_match_the_reference_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", _SCRIPT, str(GPU_TESTS), json.dumps(CASES)],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr[-5000:]
+    assert result.stdout.count("worst error") == len(CASES), result.stdout
+
+
+def test_unsupported_head_dims_and_devices_are_refused():
+    inputs = {name: t.detach() for name, t in delta_rule_inputs("kda", key_dim=8, value_dim=12).items()}
+    with pytest.raises(ValueError, match=r"backend 'triton' supports key and value head dims 16, 32, "
+                                         r"64, 128, 256; got K = 8, V = 12"):
+        gated_delta_rule(**inputs, backend="triton")
+    inputs = {name: t.detach() for name, t in delta_rule_inputs("kda", key_dim=16, value_dim=32).items()}
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(RuntimeError, match=r"backend 'triton' cannot run .* CUDA device, not 'cpu'"):
+            gated_delta_rule(**inputs, backend="triton")
+    if torch.cuda.is_available():
+        cuda = {name: tensor.cuda() for name, tensor in inputs.items()}
+        with pytest.raises(RuntimeError, match=r"backend 'triton' cannot run inputs in torch.float64"):
+            gated_delta_rule(**cuda, backend="triton")
