@@ -105,7 +105,10 @@ def main(argv=None) -> int:
     parser.add_argument("--run-dir", default="/tmp/megatron-ext-pretrain-run")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--stop-at", type=int, default=150,
-                        help="send SIGUSR1 once this iteration is logged")
+                        help="stop phase 1 at this iteration (see --stop-with)")
+    parser.add_argument("--stop-with", choices=("signal", "exit-interval"), default="signal",
+                        help="signal: SIGUSR1 once the iteration is logged (as Slurm warns a job); "
+                             "exit-interval: Megatron's --exit-interval (as --exit-duration-in-mins)")
     parser.add_argument("--mock-data", action="store_true")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="dense bf16 peak of one GPU (H100/H200 SXM: 989)")
@@ -120,8 +123,13 @@ def main(argv=None) -> int:
                "--run-dir", args.run_dir, "--steps", str(args.steps),
                *(["--mock-data"] if args.mock_data else []), "--", *extra]
 
-    log(f"phase 1: {' '.join(command)} (SIGUSR1 after iteration {args.stop_at})")
-    first = run_phase(command, out.with_name(out.stem + "_phase1.log"), args.stop_at)
+    if args.stop_with == "signal":
+        log(f"phase 1: {' '.join(command)} (SIGUSR1 after iteration {args.stop_at})")
+        first = run_phase(command, out.with_name(out.stem + "_phase1.log"), args.stop_at)
+    else:
+        stopping = command + ["--exit-interval", str(args.stop_at)]
+        log(f"phase 1: {' '.join(stopping)}")
+        first = run_phase(stopping, out.with_name(out.stem + "_phase1.log"), None)
     log(f"phase 1 exited {first['returncode']} (preempted = {PREEMPTED_EXIT_CODE})")
     second = None
     if first["returncode"] == PREEMPTED_EXIT_CODE:
@@ -149,6 +157,7 @@ def main(argv=None) -> int:
     if second and first["records"] and second["records"]:
         summary["stopped_after_iteration"] = first["records"][-1]["iteration"]
         summary["resumed_at_iteration"] = second["records"][0]["iteration"]
+    summary["stopped_with"] = args.stop_with
     result = {"summary": summary, "phases": [first, second], "peak_tflops": args.peak_tflops}
     out.write_text(json.dumps(result, indent=1))
     log(f"summary: {json.dumps(summary)}")

@@ -26,6 +26,8 @@ import logging
 import os
 import pathlib
 import re
+import subprocess
+import sys
 import tempfile
 
 import torch
@@ -154,16 +156,23 @@ def _write_cache(path: pathlib.Path, key: str, op: str, verdict: dict) -> None:
         logger.warning("megatron-ext: cannot write the self-check cache %s (%s)", path, error)
 
 
-def _run_selfcheck(op: str, device: torch.device) -> dict:
-    from . import selfcheck
+SELFCHECK_TIMEOUT_S = 900
 
-    failures = []
-    for case in selfcheck.OPS[op].cases:
-        for dtype in selfcheck.DTYPES:
-            result = selfcheck.check_backend(op, case.name, "triton", device, dtype)
-            if result.status != "pass":
-                detail = result.skipped_reason or result.note or "failed"
-                failures.append(f"{case.name}/{result.dtype}: {detail}")
+
+def _run_selfcheck(op: str, device: torch.device) -> dict:
+    """Run the Triton checks of ``op`` in a child process (``python -m
+    megatron_ext.kernels.selfcheck``): a kernel that faults (an illegal memory access) leaves its
+    CUDA context unusable, and it must be the child's, not the training's."""
+    command = [sys.executable, "-m", "megatron_ext.kernels.selfcheck", op, "triton", str(device)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=SELFCHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"passed": False, "reason": f"the self-check took over {SELFCHECK_TIMEOUT_S} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+        return {"passed": False, "reason": f"the self-check exited with status {done.returncode}: {tail}"}
+    failures = json.loads(lines[-1])["failures"]
     if failures:
         return {"passed": False, "reason": "; ".join(failures)}
     return {"passed": True, "reason": "every case within tolerance, forward and backward"}

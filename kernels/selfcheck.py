@@ -468,3 +468,26 @@ def _checks(device: torch.device, backends: list[str] | None):
             for dtype in DTYPES:
                 for backend in runnable:
                     yield check_backend(op.name, case.name, backend, device, dtype)
+
+
+def failures(op: str, backend: str, device) -> list[str]:
+    """Every case of ``op`` (fp32 and bf16) that ``backend`` does not pass on ``device``, as
+    ``"case/dtype: why"``; empty when all pass."""
+    found = []
+    for case in OPS[op].cases:
+        for dtype in DTYPES:
+            result = check_backend(op, case.name, backend, device, dtype)
+            if result.status != "pass":
+                found.append(f"{case.name}/{result.dtype}: "
+                             f"{result.skipped_reason or result.note or 'failed'}")
+    return found
+
+
+if __name__ == "__main__":
+    # kernels/backends.py runs this in a child process: python -m ... OP BACKEND DEVICE; the last
+    # stdout line is {"failures": [...]}.
+    import json
+    import sys
+
+    op_name, backend_name, device_name = sys.argv[1:4]
+    print(json.dumps({"failures": failures(op_name, backend_name, device_name)}), flush=True)

@@ -85,15 +85,18 @@ class LaunchOptions:
 
 
 TRAINERS = {
-    # Megatron's loop; it resumes from RUN_DIR/checkpoints when a checkpoint is there.
-    "pretrain": '    exec megatron-ext pretrain --preset "$RUN_DIR/preset.yaml" --run-dir "$RUN_DIR"\n',
+    # Megatron's loop; it resumes from RUN_DIR/checkpoints when a checkpoint is there. Besides
+    # SIGUSR1, Megatron's own clock stops it (saving first) when the signal would have come.
+    "pretrain": ('    exec megatron-ext pretrain --preset "$RUN_DIR/preset.yaml" --run-dir "$RUN_DIR" '
+                 '-- --exit-duration-in-mins {exit_minutes}\n'),
     "train": ('    if [ "$MEGATRON_EXT_RESUME" = 1 ]; then\n'
               '        exec megatron-ext train --preset "$RUN_DIR/preset.yaml" --run-dir "$RUN_DIR" '
               '--resume\n'
               '    fi\n'
               '    exec megatron-ext train --preset "$RUN_DIR/preset.yaml" --run-dir "$RUN_DIR"\n'),
 }
-"""The training command every task runs, by ``--trainer``."""
+"""The training command every task runs, by ``--trainer`` (``{exit_minutes}``: the minutes from
+the start of the job to Slurm's warning signal)."""
 
 CHECKPOINT_TRACKERS = ("latest", "latest_checkpointed_iteration.txt")
 """Written into RUN_DIR/checkpoints after each complete save: by megatron-ext train, and by
@@ -303,7 +306,8 @@ def render_job(job: Job) -> str:
         "cluster_env": "\n".join(env_lines),
         "srun_options": "".join(f"    {shlex.quote(opt)} \\\n" for opt in _srun_options(job)),
         "activate": ('    . "$MEGATRON_EXT_VENV/bin/activate"\n' if o.venv else ""),
-        "train_command": TRAINERS[o.trainer],
+        "train_command": TRAINERS[o.trainer].format(
+            exit_minutes=max(1, (_seconds(o.time) - o.signal_seconds) // 60)),
     }
     template = (TEMPLATE_DIR / TEMPLATE).read_text()
     # A placeholder alone on its line that renders empty leaves no blank line behind.

@@ -10,9 +10,10 @@ loss, throughput and memory, evaluation. Flags after ``--`` go to Megatron as th
 over the preset's (``megatron-ext pretrain --preset hybrid-350m -- --use-distributed-optimizer``).
 
 Preemption: Megatron's signal handler listens for SIGUSR1 (which the Slurm job script forwards
-before the time limit); at the end of the current step every rank saves a checkpoint and the
-process exits with :data:`megatron_ext.train.PREEMPTED_EXIT_CODE`, so the job script requeues the
-job. ``--load`` and ``--save`` are the same directory (``RUN_DIR/checkpoints``): a restarted run
+before the time limit), and the job script also passes ``--exit-duration-in-mins`` as a backstop;
+either way, at the end of the current step every rank saves a checkpoint and the process exits
+with :data:`megatron_ext.train.PREEMPTED_EXIT_CODE` (any stop before the last iteration with a
+checkpoint saved), so the job script requeues the job. ``--load`` and ``--save`` are the same directory (``RUN_DIR/checkpoints``): a restarted run
 continues from the newest checkpoint, a new one starts from step 0.
 
 Megatron's training loop needs CUDA (it allocates on ``"cuda"`` while initialising); on a CPU
@@ -162,19 +163,39 @@ def _loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return total, tokens.to(torch.int), {"lm loss": torch.stack([total.detach(), tokens])}
 
 
+def _rearm_exit_signal() -> None:
+    """Make Megatron's exit-signal handler the process's handler again.
+
+    On the H200 machine a native library replaced the process's SIGUSR1 action during CUDA
+    initialisation, after Megatron had installed its handler: at the first forward step the
+    OS-level handler was no longer Python's, ``signal.getsignal`` still named Megatron's, and a
+    SIGUSR1 set no flag, so the run never stopped (benchmarks/results/README.md, "pretrain").
+    ``signal.signal`` registers Python's trampoline again for Megatron's handler; it costs one
+    system call, so it is done at every forward step, after anything initialised lazily."""
+    from megatron.training import global_vars
+
+    handler = global_vars._GLOBAL_SIGNAL_HANDLER
+    if handler is not None:
+        signal.signal(handler.sig, signal.getsignal(handler.sig))
+
+
 def forward_step(data_iterator, model):
     """Megatron's ``forward_step_func`` for a GPT model."""
+    _rearm_exit_signal()
     batch = _batch_on_this_rank(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, functools.partial(_loss, batch["loss_mask"])
 
 
-def _preempted() -> bool:
-    """Whether Megatron stopped the run because a rank received the exit signal."""
-    from megatron.training import global_vars
-
-    handler = getattr(global_vars, "_GLOBAL_SIGNAL_HANDLER", None)
-    return handler is not None and any(handler.signals_received())
+def _stopped_early(args) -> bool:
+    """Whether Megatron left before the last iteration with a checkpoint saved: on the exit
+    signal, or at ``--exit-duration-in-mins`` / ``--exit-interval`` (Megatron saves first)."""
+    tracker = pathlib.Path(args.save or "") / "latest_checkpointed_iteration.txt"
+    try:
+        saved = int(tracker.read_text().strip())
+    except (OSError, ValueError):
+        return False
+    return saved < args.train_iters
 
 
 def _use_shipped_dataset_helpers() -> None:
@@ -193,8 +214,9 @@ def _use_shipped_dataset_helpers() -> None:
 
 def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bool = False,
              megatron_args: list[str] | None = None) -> int:
-    """Train with Megatron's loop; returns the process exit status (0, or
-    :data:`PREEMPTED_EXIT_CODE` when stopped by SIGUSR1 after saving)."""
+    """Train with Megatron's loop; returns the process exit status: 0, or
+    :data:`PREEMPTED_EXIT_CODE` when it stopped early after saving (SIGUSR1,
+    ``--exit-duration-in-mins`` or ``--exit-interval``)."""
     if not torch.cuda.is_available():
         raise ConfigError("megatron-ext pretrain runs Megatron's training loop, which needs CUDA "
                           "GPUs; on a CPU use `megatron-ext train`")
@@ -232,9 +254,9 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
         megatron_pretrain(config, _datasets_provider(settings, run_dir),
                           ModelType.encoder_or_decoder, forward_step)
     except SystemExit as stop:  # Megatron leaves through sys.exit after an exit condition
-        if _preempted():
-            print("megatron-ext pretrain: stopped by SIGUSR1 after saving a checkpoint; run the "
-                  "same command again to resume", flush=True)
+        if stop.code in (0, None) and _stopped_early(args):
+            print("megatron-ext pretrain: stopped before the last iteration after saving a "
+                  "checkpoint; run the same command again to resume", flush=True)
             return PREEMPTED_EXIT_CODE
         return stop.code if isinstance(stop.code, int) else 1
     return 0

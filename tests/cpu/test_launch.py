@@ -66,8 +66,9 @@ def test_every_cluster_and_preset_renders_a_valid_script(cluster, preset, traine
         assert f"    {option} \\" in script
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
     assert "RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS" in script
+    exit_minutes = (12 * 3600 - slurm.DEFAULT_SIGNAL_SECONDS) // 60  # the default --time 12:00:00
     command = {"pretrain": 'exec megatron-ext pretrain --preset "$RUN_DIR/preset.yaml" '
-                           '--run-dir "$RUN_DIR"\n',
+                           f'--run-dir "$RUN_DIR" -- --exit-duration-in-mins {exit_minutes}\n',
                "train": 'exec megatron-ext train --preset "$RUN_DIR/preset.yaml" --run-dir '
                         '"$RUN_DIR" --resume\n'}[trainer]
     assert command in script

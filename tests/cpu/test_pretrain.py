@@ -87,3 +87,45 @@ def test_pretrain_without_cuda_says_what_to_use(tmp_path):
         pytest.skip("checks the CPU message")
     with pytest.raises(ConfigError, match="megatron-ext train"):
         pretrain(presets.load_settings("tiny-hybrid"), tmp_path, mock_data=True)
+
+
+def test_rearm_restores_the_exit_signal_after_a_native_library_replaced_it(monkeypatch):
+    """What the H200 showed: a native library set its own SIGUSR1 action behind Python's back,
+    so Megatron's handler never ran. Simulated with libc's signal(); the re-arm done at every
+    forward step makes SIGUSR1 reach Megatron's handler again."""
+    import ctypes
+    import os
+
+    from megatron.training import global_vars
+    from megatron.training.dist_signal_handler import DistributedSignalHandler
+
+    from megatron_ext.pretrain import _rearm_exit_signal
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    handler = DistributedSignalHandler(signal.SIGUSR1).__enter__()
+    monkeypatch.setattr(global_vars, "_GLOBAL_SIGNAL_HANDLER", handler)
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    try:
+        libc.signal(signal.SIGUSR1, 1)  # SIG_IGN, unknown to Python's signal module
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert handler._signal_received is False  # lost, as on the H200
+        _rearm_exit_signal()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert handler._signal_received is True
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_run_stopped_before_its_last_iteration_is_preempted(tmp_path):
+    from types import SimpleNamespace
+
+    from megatron_ext.pretrain import _stopped_early
+
+    args = SimpleNamespace(save=str(tmp_path), train_iters=250)
+    assert not _stopped_early(args)  # no checkpoint: a failure, not a preemption
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("125")
+    assert _stopped_early(args)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("250")
+    assert not _stopped_early(args)

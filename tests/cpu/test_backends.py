@@ -1,0 +1,47 @@
+"""kernels/backends.py: the Triton self-check runs in a child process, its verdict is cached per
+machine key in memory and on disk, a failing verdict keeps auto on the chunked path, and auto
+is the chunked path off CUDA."""
+import json
+
+import torch
+
+from megatron_ext.kernels import backends
+
+
+def test_selfcheck_child_reports_failures_off_cuda():
+    """The child process runs the real checks; on a CPU our Triton kernels cannot run, so every
+    case is a failure with the reason."""
+    verdict = backends._run_selfcheck("decay_linear_attention", torch.device("cpu"))
+    assert not verdict["passed"] and "CUDA devices" in verdict["reason"]
+    assert "per_channel_packed/bfloat16" in verdict["reason"]
+
+
+def test_verdict_is_cached_in_memory_and_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_EXT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(backends, "_VERDICTS", {})
+    monkeypatch.setattr(backends, "_device_key", lambda device: "fake GPU | versions")
+    runs = []
+
+    def fake_check(op, device):
+        runs.append(op)
+        return {"passed": op == "gated_delta_rule", "reason": "measured"}
+
+    monkeypatch.setattr(backends, "_run_selfcheck", fake_check)
+    assert backends.triton_verdict("gated_delta_rule", "cuda:0")["passed"]
+    assert not backends.triton_verdict("decay_linear_attention", "cuda:0")["passed"]
+    assert backends.triton_verdict("gated_delta_rule", "cuda:0")["passed"]
+    assert runs == ["gated_delta_rule", "decay_linear_attention"]  # once each
+
+    cache = json.loads((tmp_path / "selfcheck.json").read_text())
+    assert cache["fake GPU | versions"]["decay_linear_attention"] == {"passed": False, "reason": "measured"}
+    monkeypatch.setattr(backends, "_VERDICTS", {})  # a new process: read from disk, not rerun
+    assert not backends.triton_verdict("decay_linear_attention", "cuda:0")["passed"]
+    assert runs == ["gated_delta_rule", "decay_linear_attention"]
+
+
+def test_auto_follows_the_verdict(monkeypatch):
+    verdicts = {"gated_delta_rule": True, "decay_linear_attention": False}
+    monkeypatch.setattr(backends, "triton_verdict", lambda op, device: {"passed": verdicts[op]})
+    assert backends.auto_backend("gated_delta_rule", "cuda:0") == "triton"
+    assert backends.auto_backend("decay_linear_attention", "cuda:0") == "chunked"
+    assert backends.auto_backend("gated_delta_rule", "cpu") == "chunked"
