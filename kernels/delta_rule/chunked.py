@@ -35,9 +35,9 @@ Everything inside is fp32 (fp64 for fp64 inputs).
 import math
 
 import torch
-import torch.nn.functional as F
 
-from .reference import check_inputs, expand_inputs, sequence_spans
+from ..common import from_chunks, sequence_spans, to_chunks
+from .reference import check_inputs, expand_inputs
 
 __all__ = ["gated_delta_rule_chunked"]
 
@@ -51,17 +51,6 @@ def _decayed_scores(rows: torch.Tensor, cols: torch.Tensor, relative_decay: torc
     if relative_decay.shape[-1] == 1:
         return (rows @ cols.transpose(-1, -2)) * relative_decay.squeeze(-1)
     return torch.einsum("...tsc,...sc->...ts", rows.unsqueeze(-2) * relative_decay, cols)
-
-
-def _to_chunks(tensor: torch.Tensor, spans, num_chunks: int, chunk_size: int) -> torch.Tensor:
-    """``[B, T, H, D]`` -> ``[N, H, num_chunks, chunk_size, D]``, one row per sequence in spans,
-    zero-padded at the end. Zero padding is exact here: a token with q = k = a = x = 0 and g = 0
-    writes nothing, erases nothing and decays nothing."""
-    padded_len = num_chunks * chunk_size
-    rows = [F.pad(tensor[row, start:end], (0, 0, 0, 0, 0, padded_len - (end - start)))
-            for row, start, end in spans]
-    sequences = torch.stack(rows)  # [N, padded_len, H, D]
-    return sequences.unflatten(1, (num_chunks, chunk_size)).permute(0, 3, 1, 2, 4)
 
 
 def gated_delta_rule_chunked(
@@ -94,7 +83,7 @@ def gated_delta_rule_chunked(
     num_chunks = max(1, math.ceil(max(end - start for _, start, end in spans) / chunk_size))
     # Each [N, Hv, num_chunks, C, D]
     queries, keys, erase_keys, written, log_decay = (
-        _to_chunks(tensor, spans, num_chunks, chunk_size)
+        to_chunks(tensor, spans, num_chunks, chunk_size)
         for tensor in (x.q, x.k, x.erase_gate * x.k, x.write_gate * x.v, x.log_decay)
     )
 
@@ -135,9 +124,7 @@ def gated_delta_rule_chunked(
         state = chunk_decay_n * state + keys_to_end.transpose(-1, -2) @ corrections
 
     def unchunk(per_chunk_rows):  # [N, Hv, C, V] per chunk -> [B, T, Hv, V]
-        t = torch.stack(per_chunk_rows, dim=2).permute(0, 2, 3, 1, 4).flatten(1, 2)
-        t = torch.cat([t[index, : end - start] for index, (_, start, end) in enumerate(spans)])
-        return t.reshape(batch, seq_len, value_heads, value_dim)
+        return from_chunks(torch.stack(per_chunk_rows, dim=2), spans, batch, seq_len)
 
     o = (scale * unchunk(chunk_outputs)).to(v.dtype)
     final_state = state if output_final_state else None
