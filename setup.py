@@ -8,9 +8,11 @@ from setuptools import setup
 _SUBPACKAGES = {
     "megatron_ext": "megatron_ext",
     "megatron_ext.mixers": "megatron_ext/mixers",
+    "megatron_ext.residual": "megatron_ext/residual",
     "megatron_ext.kernels": "kernels",
     "megatron_ext.kernels.delta_rule": "kernels/delta_rule",
     "megatron_ext.kernels.decay": "kernels/decay",
+    "megatron_ext.kernels.residual": "kernels/residual",
     "megatron_ext.launch": "launch",
     "megatron_ext.slurm": "slurm",
 }

@@ -25,8 +25,11 @@ ENV_CONFIG = "MEGATRON_EXT_CONFIG"
 # Fields that take one of a fixed set of values.
 CHOICES = {
     "attention_backend": ("auto", "sdpa", "local", "te"),
-    "kernel_backend": ("auto", "reference", "chunked", "fla"),
+    "kernel_backend": ("auto", "reference", "chunked", "triton", "fla"),
     "cross_layer_routing": ("none", "clvr", "cler_h"),
+    "residual": ("standard", "mhc", "attnres_full", "attnres_block"),
+    "mhc_collapse": ("learned", "mean"),
+    "residual_backend": ("auto", "eager", "compile"),
 }
 
 
@@ -70,6 +73,23 @@ class ExtConfig:
     # after each delta-rule layer, h <- h + P_l s_l with P_l zero-initialised and s_l the layer's
     # value v ("clvr") or its write residual r ("cler_h").
     cross_layer_routing: str = "none"
+
+    # The residual stream of every layer (megatron_ext.residual): "standard" (x + F(x)), "mhc"
+    # (Manifold-Constrained Hyper-Connections, Xie et al. 2025), "attnres_full" or
+    # "attnres_block" (Attention Residuals, Kimi Team 2026).
+    residual: str = "standard"
+    # mHC: number of streams n; Sinkhorn iterations of H_res; how the streams collapse before
+    # the final norm ("learned": DeepSeek-V4's hc_head, or "mean"); and whether backward
+    # recomputes the mHC intermediates, keeping only each pipeline stage's input.
+    mhc_streams: int = 4
+    mhc_sinkhorn_iters: int = 20
+    mhc_collapse: str = "learned"
+    mhc_recompute: bool = False
+    # Block Attention Residuals: transformer layers (two sublayers each) per block.
+    attnres_block_layers: int = 4
+    # How the residual-stream ops run: "auto" (torch.compile on CUDA when Triton is installed,
+    # eager PyTorch otherwise), "eager" or "compile".
+    residual_backend: str = "auto"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -121,8 +141,17 @@ class ExtConfig:
                 raise ConfigError(f"{name}={value} must be a positive integer (or unset)")
         if self.linear_conv_kernel < 1:
             raise ConfigError(f"linear_conv_kernel={self.linear_conv_kernel} must be >= 1")
+        for name in ("mhc_streams", "mhc_sinkhorn_iters", "attnres_block_layers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be a positive integer")
+        if not isinstance(self.mhc_recompute, bool):
+            raise ConfigError(f"mhc_recompute={self.mhc_recompute!r} must be true or false")
         if num_layers is not None:
             expand_pattern(self.pattern, num_layers)
+            if self.residual == "attnres_block" and self.attnres_block_layers > num_layers:
+                raise ConfigError(
+                    f"attnres_block_layers={self.attnres_block_layers} exceeds num_layers="
+                    f"{num_layers}; a single block is attnres_block_layers={num_layers}")
         return self
 
 
@@ -167,13 +196,21 @@ def _arg_dest(name: str) -> str:
     return f"ext_{name}"
 
 
+def _parse_bool(text: str) -> bool:
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
+        text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a boolean; use true or false")
+    return value
+
+
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``extra_args_provider`` for Megatron's ``pretrain``: one ``--ext-<field>`` per field."""
     group = parser.add_argument_group("megatron-ext")
     defaults = ExtConfig()
     for f in _cli_fields():
         flag = "--ext-" + f.name.replace("_", "-")
-        arg_type = int if "int" in str(f.type) else str
+        arg_type = _parse_bool if f.type == "bool" else int if "int" in str(f.type) else str
         help_text = f"megatron-ext {f.name} (default: {getattr(defaults, f.name)!r})"
         if f.name == "pattern":
             help_text += "; symbols like 'GG*' or comma-separated names"

@@ -12,7 +12,10 @@ Three ways in, one construction underneath (:func:`layer_submodules`):
   ``GPTModel(config, transformer_layer_spec=block_spec(config, pattern="GG*"), ...)``.
 
 Every layer is Megatron's TransformerLayer: norm, token mixer in the ``self_attention`` slot,
-bias-dropout-add, norm, FFN (dense MLP, or MoE when ``num_moe_experts`` is set).
+bias-dropout-add, norm, FFN (dense MLP, or MoE when ``num_moe_experts`` is set). With a residual
+scheme (``ExtConfig.residual``: mHC or Attention Residuals, :mod:`megatron_ext.residual`) the
+layer keeps its sublayers and lets the scheme decide what each reads and how its output joins
+the residual state.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from megatron_ext import residual
 from megatron_ext.config import ConfigError, ExtConfig, resolve
 from megatron_ext.norm import TorchNorm
 from megatron_ext.pattern import check_pipeline_split, expand_pattern, stage_layer_indices
@@ -103,13 +107,21 @@ def routes(mixer: Mixer, ext: ExtConfig) -> bool:
 
 
 class ExtTransformerLayer(TransformerLayer):
-    """Megatron's TransformerLayer, plus optional cross-layer routing after the whole layer:
-    ``h <- layer(h) + P_l s_l``, where ``s_l`` is the signal the delta-rule mixer left in
-    ``routed_signal`` (CLVR: its value v; CLER-H: its write residual r) and ``P_l`` is a
-    zero-initialised row-parallel projection (so the model starts exactly at the baseline, and
-    under TP/SP the term is summed over heads and scattered like any layer output)."""
+    """Megatron's TransformerLayer, with two options:
 
-    def __init__(self, config, submodules, *args, route: bool = False, **kwargs):
+    - cross-layer routing after the whole layer: ``h <- layer(h) + P_l s_l``, where ``s_l`` is
+      the signal the delta-rule mixer left in ``routed_signal`` (CLVR: its value v; CLER-H: its
+      write residual r) and ``P_l`` is a zero-initialised row-parallel projection (so the model
+      starts exactly at the baseline, and under TP/SP the term is summed over heads and
+      scattered like any layer output);
+    - a residual scheme (``ext.residual`` other than "standard"): the sublayers' bias-dropout
+      slots stop adding the residual, and the scheme (:mod:`megatron_ext.residual`) gives each
+      sublayer its input and folds its output into the packed state the layer returns. A routed
+      term then joins the FFN's output, which is where it lands in the standard residual too.
+    """
+
+    def __init__(self, config, submodules, *args, route: bool = False,
+                 ext: ExtConfig | None = None, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
         self.routing_projection = None
         if route:
@@ -119,20 +131,47 @@ class ExtTransformerLayer(TransformerLayer):
                 self.self_attention.routed_size, config.hidden_size, config=config,
                 init_method=torch.nn.init.zeros_, bias=False, input_is_parallel=True,
                 skip_bias_add=True, tp_group=self.tp_group)
+        self.residual = residual.build(config, ext, self.layer_number) if ext is not None else None
+        if self.residual is not None:
+            self.self_attn_bda = self.mlp_bda = residual.bias_dropout
+
+    def _routed(self, dtype: torch.dtype) -> torch.Tensor:
+        signal = self.self_attention.routed_signal
+        self.self_attention.routed_signal = None
+        routed, _ = self.routing_projection(signal.to(dtype))
+        return routed
 
     def forward(self, *args, **kwargs):
+        if self.residual is not None:
+            return self._forward_with_scheme(*args, **kwargs)
         output, context = super().forward(*args, **kwargs)
         if self.routing_projection is not None:
-            signal = self.self_attention.routed_signal
-            self.self_attention.routed_signal = None
-            routed, _ = self.routing_projection(signal.to(output.dtype))
-            output = output + routed
+            output = output + self._routed(output.dtype)
         return output, context
+
+    def _forward_with_scheme(self, *args, **kwargs):
+        """TransformerLayer.forward with the residual connections of ``self.residual``."""
+        if "hidden_states" in kwargs:
+            hidden_states = kwargs.pop("hidden_states")
+        else:
+            hidden_states, *args = args
+        state = self.residual.enter(hidden_states)
+        output, context = self._forward_attention(self.residual.sublayer_input(state), *args,
+                                                  **kwargs)
+        self.residual.sublayer_output(state, output)
+        output = self._forward_mlp(self.residual.sublayer_input(state),
+                                   kwargs.get("inference_context"),
+                                   padding_mask=kwargs.get("padding_mask"),
+                                   packed_seq_params=kwargs.get("packed_seq_params"))
+        if self.routing_projection is not None:
+            output = output + self._routed(output.dtype)
+        self.residual.sublayer_output(state, output)
+        return self.residual.exit(state), context
 
 
 def layer_spec(mixer: Mixer, ext: ExtConfig, config) -> ModuleSpec:
     return ModuleSpec(module=ExtTransformerLayer, submodules=layer_submodules(mixer, ext, config),
-                      params={"route": routes(mixer, ext)})
+                      params={"route": routes(mixer, ext), "ext": ext})
 
 
 def final_norm(ext: ExtConfig):
@@ -143,6 +182,7 @@ def _prepare(config, ext: ExtConfig) -> list[Mixer]:
     """Validate once and set what Megatron needs for this pattern; returns all layers' mixers."""
     ext.validate(config.num_layers)
     check_pipeline_split(config)
+    residual.prepare(config, ext)
     mixers = expand_pattern(ext.pattern, config.num_layers)
     if len({m.name for m in mixers}) > 1:
         # Layers with different parameter sets cannot share stacked checkpoint tensors.
@@ -192,7 +232,7 @@ class PatternTransformerLayer(ExtTransformerLayer):
             global_number += get_transformer_layer_offset(config, vp_stage, pp_rank)
         mixer = mixers[global_number - 1]
         super().__init__(
-            config, layer_submodules(mixer, ext, config), route=routes(mixer, ext),
+            config, layer_submodules(mixer, ext, config), route=routes(mixer, ext), ext=ext,
             layer_number=layer_number, vp_stage=vp_stage, pg_collection=pg_collection,
             add_layer_offset=add_layer_offset, **kwargs)
 

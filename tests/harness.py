@@ -144,6 +144,21 @@ def spawn(fn, world_size: int, *args):
     return [out[r][1] for r in range(world_size)]
 
 
+def saved_bytes(fn, *args, **kwargs):
+    """``(bytes, fn(...))``: the bytes of the distinct storages autograd keeps for backward
+    while ``fn`` runs (views of one storage count once)."""
+    kept = []  # holding them keeps a freed storage's address from being reused meanwhile
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args, **kwargs)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+    return sum(storages.values()), out
+
+
 def tiny_config(**overrides):
     """A TransformerConfig small enough for multi-process tests on two CPU cores."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -157,3 +172,156 @@ def tiny_config(**overrides):
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
+
+
+# --------------------------------------------------------------- parallel-layout equivalence
+# One training step of a tiny GPTModel in a given TP/PP/VPP layout, from the weights of a
+# single-process run's dist checkpoint (fresh initialisation cannot be compared across PP: each
+# stage draws only its own layers' weights). Used by the tests in tests/dist.
+SEQ, BATCH, VOCAB, MICRO_BATCHES = 24, 2, 96, 2
+
+
+def layout_batches():
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (MICRO_BATCHES, BATCH, SEQ + 1), generator=g)
+    return [dict(tokens=t[:, :-1], labels=t[:, 1:],
+                 position_ids=torch.arange(SEQ).expand(BATCH, SEQ)) for t in tokens]
+
+
+def build_layout(ext, tp=1, pp=1, vpp=None, sequence_parallel=False, spec="block",
+                 config_overrides=None):
+    """Model chunks of this rank (one per virtual stage), same seed on every layout.
+
+    ``ext`` is the model's ExtConfig; ``spec="block"``: this stage's per-layer specs
+    (block_spec); ``spec="layer"``: one PatternTransformerLayer spec for all layers, which picks
+    its mixer by global layer number. ``config_overrides`` go to :func:`tiny_config`
+    (``num_layers`` defaults to the pattern's length).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_ext.specs import PatternTransformerLayer, block_spec
+
+    init_parallel(tp=tp, pp=pp, vpp=vpp)
+    overrides = {"num_layers": len(ext.pattern), **(config_overrides or {})}
+    config = tiny_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         virtual_pipeline_model_parallel_size=vpp,
+                         sequence_parallel=sequence_parallel, **overrides)
+    chunks = []
+    for v in range(vpp or 1):
+        vp = v if vpp else None
+        torch.manual_seed(1234)
+        if spec == "block":
+            layer_spec = block_spec(config, ext=ext, vp_stage=vp)
+        else:
+            layer_spec = ModuleSpec(module=PatternTransformerLayer, params={"ext": ext})
+        chunks.append(GPTModel(
+            config, layer_spec,
+            vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="none",
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            vp_stage=vp))
+    return chunks, config
+
+
+def run_schedule(chunks):
+    """Megatron's forward-backward schedule over the micro-batches; losses on the last stage."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(iterator, model):
+        b = next(iterator)
+        out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        return out, lambda o: (o.mean(), {"loss": o.mean().detach()})
+
+    iterators = [iter(layout_batches()) for _ in chunks]
+    reduced = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks, num_microbatches=MICRO_BATCHES, seq_length=SEQ,
+        micro_batch_size=BATCH, forward_only=False)
+    return [float(r["loss"]) for r in reduced]
+
+
+def global_grads(chunks, config):
+    """Gradients keyed by global layer number, with TP shards gathered later by the test.
+
+    Under sequence parallelism, replicated weights used on each rank's slice of the sequence
+    (norms) hold partial gradients; Megatron's finalize_model_grads sums them over TP, and so
+    do we here.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if getattr(p, "sequence_parallel", False):
+                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+    grads = {}
+    for v, chunk in enumerate(chunks):
+        offset = get_transformer_layer_offset(config, vp_stage=v if len(chunks) > 1 else None)
+        for name, p in chunk.named_parameters():
+            parts = name.split(".")
+            if parts[:2] == ["decoder", "layers"]:
+                parts[2] = str(int(parts[2]) + offset)
+            grads[".".join(parts)] = (p.grad.clone(), getattr(p, "partition_dim", None)
+                                      if getattr(p, "tensor_model_parallel", False) else None)
+    return grads
+
+
+def run_layout(rank, world_size, ckpt_dir, ext, tp=1, pp=1, vpp=None, sequence_parallel=False,
+               save=False, spec="block", perturb=None, config_overrides=None):
+    """Build this layout, load (or, for the reference, save) the checkpoint, run one step.
+
+    ``perturb``: before saving, parameters whose name contains this string get N(0, 0.05)
+    noise, so that terms which start at zero (routing projections, pseudo-queries) are
+    exercised.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    chunks, config = build_layout(ext, tp, pp, vpp, sequence_parallel, spec, config_overrides)
+    # Keys inside the checkpoint are global (per-layer numbers), so chunks never collide.
+    state = {f"chunk{v}": chunk.sharded_state_dict() for v, chunk in enumerate(chunks)}
+    if save:
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                if perturb is not None and perturb in name:
+                    with torch.no_grad():
+                        p.add_(0.05 * torch.randn_like(p))
+        dist_checkpointing.save(state, ckpt_dir)
+    else:
+        for chunk in chunks:  # prove that every weight comes from the checkpoint
+            for p in chunk.parameters():
+                torch.nn.init.normal_(p)
+        loaded = dist_checkpointing.load(state, ckpt_dir)
+        for v, chunk in enumerate(chunks):
+            chunk.load_state_dict(loaded[f"chunk{v}"])
+    losses = run_schedule(chunks)
+    return dict(losses=losses if ps.is_pipeline_last_stage() else None,
+                tp_rank=ps.get_tensor_model_parallel_rank(),
+                grads=global_grads(chunks, config))
+
+
+def merge_layout(results):
+    """Losses from the last stage, and full gradients (TP shards concatenated)."""
+    losses = next(r["losses"] for r in results if r["losses"] is not None)
+    merged = {}
+    for name in {n for r in results for n in r["grads"]}:
+        owners = sorted((r for r in results if name in r["grads"]), key=lambda r: r["tp_rank"])
+        dim = owners[0]["grads"][name][1]
+        shards = [r["grads"][name][0] for r in owners]
+        merged[name] = shards[0] if dim is None else torch.cat(
+            [shards[i] for i in sorted({r["tp_rank"]: i for i, r in enumerate(owners)}.values())],
+            dim=dim)
+    return losses, merged
+
+
+def assert_same_run(single, parallel, atol=2e-5):
+    """Merged (losses, gradients) of a parallel layout equal those of the single process."""
+    losses_1, grads_1 = single
+    losses_n, grads_n = parallel
+    torch.testing.assert_close(torch.tensor(losses_n), torch.tensor(losses_1), rtol=1e-5, atol=1e-6)
+    assert grads_n.keys() == grads_1.keys()
+    for name in grads_1:
+        torch.testing.assert_close(grads_n[name], grads_1[name], rtol=1e-4, atol=atol, msg=name)

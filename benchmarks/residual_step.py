@@ -1,0 +1,241 @@
+"""Step time and peak memory of one training step with each residual scheme, same GPU, one run.
+
+Default model: the 291M-parameter GPT of the foundation issue (20 layers, hidden 1024, FFN 2816
+SwiGLU, 16 heads, 4 KV groups, vocab 32000, RoPE), sequence 4096, micro-batch 2, bf16, softmax
+attention in every layer (pattern ``*``) so that only the residual scheme differs. Each variant
+(``--variants``) builds the model through ``megatron-ext train``'s own code (the TransformerConfig,
+``block_spec``, Megatron's DDP and optimizer, the pipeline schedule), runs ``--warmup`` steps
+(which also compiles the residual ops), then ``--windows`` windows of ``--steps`` timed steps
+(forward + backward + optimizer step, CUDA events); the median window counts. It also records
+the summed GPU kernel time of one step (torch.profiler), since at this size the host launching
+kernels can set the wall time, and the peak memory above the model and optimizer state.
+
+    python benchmarks/residual_step.py --out benchmarks/results/residual_step_h200.json
+    python benchmarks/residual_step.py --tiny --out /tmp/residual_step_tiny.json   # CPU smoke
+
+Variants: ``standard``; ``mhc`` (4 streams, 20 Sinkhorn iterations, learned collapse);
+``mhc_recompute`` (the same, recomputing the mHC intermediates in backward); ``attnres_block``
+(``--block-layers`` layers per block); ``attnres_full``. Overheads are relative to ``standard``.
+Goals (issue 6): mHC <= 5 % step time (the paper reports 6.7 %), block attention residuals
+<= 3 % (paper: < 4 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pathlib
+import statistics
+import time
+
+import torch
+
+VARIANTS = {
+    "standard": dict(residual="standard"),
+    "mhc": dict(residual="mhc"),
+    "mhc_recompute": dict(residual="mhc", mhc_recompute=True),
+    "attnres_block": dict(residual="attnres_block"),
+    "attnres_full": dict(residual="attnres_full"),
+}
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def settings_for(args, variant):
+    from megatron_ext.config import ExtConfig
+    from megatron_ext.train import ModelSettings, RunSettings, TrainSettings
+
+    ext = ExtConfig(pattern="*", residual_backend=args.residual_backend,
+                    attnres_block_layers=args.block_layers, **VARIANTS[variant])
+    model = ModelSettings(num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
+                          num_attention_heads=args.heads, num_query_groups=args.groups,
+                          seq_length=args.seq, position_embedding_type=args.position_embedding)
+    train = TrainSettings(micro_batch_size=args.batch, global_batch_size=args.batch,
+                          steps=args.warmup + args.windows * args.steps + 10, warmup_steps=1,
+                          lr=1e-4, min_lr=1e-5)
+    return RunSettings(model=model, ext=ext, train=train).validate()
+
+
+def measure(args, variant, runtime):
+    from megatron_ext import train
+    from megatron_ext.kernels.residual import efficient
+
+    settings = settings_for(args, variant)
+    torch.manual_seed(0)
+    config = train.transformer_config(settings, runtime)
+    model = train.build_model(settings, config, args.vocab)
+    model.to(runtime.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    model, optimizer, scheduler = train.build_optimizer(model, settings, runtime)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=runtime.device)
+    batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:],
+                 loss_mask=torch.ones(args.batch, args.seq, device=runtime.device),
+                 position_ids=torch.arange(args.seq, device=runtime.device).expand(args.batch, -1))
+
+    def step():
+        model.train()
+        return train._train_step(model, optimizer, scheduler, [batch], settings, runtime)[0]
+
+    log(f"{variant}: {n_params / 1e6:.1f}M params; {args.warmup} warm-up steps")
+    begin = time.perf_counter()
+    for _ in range(args.warmup):
+        loss = step()
+    _sync(runtime)
+    log(f"{variant}: warm-up took {time.perf_counter() - begin:.1f} s, loss {loss:.3f}")
+    static_gib = peak_gib = None
+    if runtime.cuda:
+        static_gib = torch.cuda.memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    windows = []
+    for _ in range(args.windows):
+        windows.append(_timed(step, args.steps, runtime))
+        log(f"{variant}: window {windows[-1]:.1f} ms/step")
+    result = dict(variant=variant, ext=settings.ext.to_dict(), params=n_params,
+                  ms_per_step=statistics.median(windows), ms_per_step_windows=windows,
+                  loss_after=loss, residual_ops_compiled=efficient.compile_enabled())
+    if runtime.cuda:
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        result.update(gpu_kernel_ms_per_step=sum(
+            e.self_device_time_total for e in prof.key_averages()) / 1e3,
+            peak_memory_gib=peak_gib, static_memory_gib=static_gib,
+            activation_peak_gib=peak_gib - static_gib)
+    log(f"{variant}: {result['ms_per_step']:.1f} ms/step"
+        + (f" (GPU kernels {result['gpu_kernel_ms_per_step']:.1f} ms), peak "
+           f"{peak_gib:.2f} GiB ({peak_gib - static_gib:.2f} above weights + optimizer)"
+           if runtime.cuda else ""))
+    del model, optimizer, scheduler
+    gc.collect()
+    if runtime.cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def _sync(runtime):
+    if runtime.cuda:
+        torch.cuda.synchronize()
+
+
+def _timed(step, steps, runtime) -> float:
+    """Mean ms per step over ``steps`` steps (CUDA events on a GPU, wall clock on a CPU)."""
+    if runtime.cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / steps
+    begin = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - begin) * 1e3 / steps
+
+
+def overheads(results):
+    """Step-time and memory overheads of every variant relative to ``standard``."""
+    by_name = {r["variant"]: r for r in results}
+    base = by_name.get("standard")
+    if base is None:
+        return {}
+    table = {}
+    for name, r in by_name.items():
+        if name == "standard":
+            continue
+        row = dict(step_time_pct=100 * (r["ms_per_step"] / base["ms_per_step"] - 1))
+        if "gpu_kernel_ms_per_step" in r:
+            row["gpu_kernel_time_pct"] = 100 * (r["gpu_kernel_ms_per_step"]
+                                                / base["gpu_kernel_ms_per_step"] - 1)
+            row["peak_memory_gib"] = r["peak_memory_gib"] - base["peak_memory_gib"]
+            row["peak_memory_pct"] = 100 * (r["peak_memory_gib"] / base["peak_memory_gib"] - 1)
+        table[name] = row
+    return table
+
+
+def plot(results, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [("ms_per_step", "ms / step (fwd + bwd + optimizer)")]
+    if "peak_memory_gib" in results[0]:
+        keys.append(("peak_memory_gib", "peak memory (GiB)"))
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.4), squeeze=False)
+    names = [r["variant"] for r in results]
+    for ax, (key, label) in zip(axes[0], keys):
+        ax.bar(names, [r[key] for r in results], color="#2a7")
+        ax.set_title(label)
+        ax.tick_params(axis="x", labelrotation=20)
+        for i, r in enumerate(results):
+            ax.text(i, r[key], f"{r[key]:.1f}", ha="center", va="bottom")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=20)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--ffn", type=int, default=2816)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=2, help="micro-batch size (one per step)")
+    p.add_argument("--position-embedding", default="rope")
+    p.add_argument("--block-layers", type=int, default=4,
+                   help="layers per block of attnres_block (20 layers: 5 blocks + embedding)")
+    p.add_argument("--residual-backend", default="auto", choices=("auto", "eager", "compile"))
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="steps per timed window")
+    p.add_argument("--windows", type=int, default=3, help="timed windows; the median counts")
+    p.add_argument("--variants", default="standard,mhc,mhc_recompute,attnres_block,attnres_full")
+    p.add_argument("--tiny", action="store_true",
+                   help="a 4-layer, hidden-64 model on whatever device there is (smoke test)")
+    p.add_argument("--out", default="benchmarks/results/residual_step.json")
+    args = p.parse_args()
+    if args.tiny:
+        args.layers, args.hidden, args.ffn, args.heads, args.groups = 4, 64, 128, 4, 2
+        args.vocab, args.seq, args.block_layers = 256, 64, 2
+        args.warmup, args.steps, args.windows = 1, 2, 1
+        if not torch.cuda.is_available():
+            args.position_embedding = "none"  # megatron-core's RoPE needs CUDA
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; known: {sorted(VARIANTS)}")
+
+    from megatron_ext.train import init_runtime
+
+    runtime = init_runtime(settings_for(args, "standard"), "auto")
+    device = torch.cuda.get_device_name() if runtime.cuda else "cpu"
+    log(f"device {runtime.device} ({device}), torch {torch.__version__}")
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    for variant in args.variants.split(","):
+        results.append(measure(args, variant, runtime))
+        table = overheads(results)
+        if variant in table:
+            log(f"{variant} vs standard: "
+                + ", ".join(f"{k} {v:+.2f}" for k, v in table[variant].items()))
+        record = dict(device=device, torch=torch.__version__, settings=vars(args),
+                      results=results, overhead_vs_standard=table)
+        out.write_text(json.dumps(record, indent=1))  # after every variant: partial runs count
+    plot(results, out.with_suffix(".png"),
+         f"GPT {results[0]['params'] / 1e6:.0f}M, {args.layers} layers, seq {args.seq}, "
+         f"micro-batch {args.batch}: residual schemes")
+    log(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

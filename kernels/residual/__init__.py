@@ -1,0 +1,12 @@
+"""Residual-stream ops of mHC (Xie et al. 2025) and Attention Residuals (Kimi Team 2026).
+
+    reference   plain autograd PyTorch, fp32: the definitions (reference.py)
+    efficient   the same values through autograd Functions that keep little for backward and
+                recompute the Sinkhorn iterations; optionally torch.compile'd (efficient.py)
+
+The model code (megatron_ext.residual) uses ``efficient``; tests compare it with ``reference``.
+"""
+from . import efficient, reference
+from .reference import EPS
+
+__all__ = ["EPS", "efficient", "reference"]

@@ -1,0 +1,376 @@
+"""Memory-lean autograd Functions for the residual-stream ops, equal to :mod:`.reference`.
+
+Each forward computes the reference definition without a graph (in fp32 exactly; in bf16 the
+mHC projection GEMM reads bf16, see below); each backward is written out by hand, so what stays
+alive between forward and backward is chosen, not every intermediate:
+
+- :func:`sinkhorn`: only its input; the iterations are recomputed in backward and
+  differentiated step by step in reverse (the recompute-in-backward of mHC section 4.3).
+- :func:`mhc_pre` (projection, coefficients with Sinkhorn, and the pre-mix of one sublayer, in
+  one op so that a sublayer costs two autograd calls each way), :func:`rms_project`,
+  :func:`stream_mix`, :func:`stream_update`: the n-stream tensor in its own dtype, never an
+  fp32 copy, plus per-token coefficients; or no stream tensor at all when ``recompute_input``
+  is given: a callable that re-creates it in backward (mHC's stage-wise recomputation,
+  :class:`megatron_ext.residual.mhc.StreamReplay`).
+- :func:`depth_attention`: references to its sources plus per-token fp32 scalars (inverse
+  RMS, logits, weights), as the Attention Residuals paper describes for training.
+
+On CUDA the forward and backward bodies can be compiled with ``torch.compile``
+(:func:`use_compile`): they are small elementwise and reduction chains whose cost in eager mode
+is mostly kernel launches. If compiling fails, the eager bodies are used and the reason is
+logged once.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable, Sequence
+
+import torch
+
+from . import reference
+from .reference import EPS
+
+__all__ = ["use_compile", "compile_enabled", "sinkhorn", "mhc_pre", "rms_project", "stream_mix",
+           "stream_update", "depth_attention"]
+
+_log = logging.getLogger(__name__)
+_compile_enabled = False
+_compiled: dict[Callable, Callable] = {}
+
+
+def use_compile(enabled: bool) -> None:
+    """Run the op bodies through ``torch.compile`` from now on (or not)."""
+    global _compile_enabled
+    _compile_enabled = enabled
+
+
+def compile_enabled() -> bool:
+    """Whether the op bodies run compiled (False again after a compiler failure)."""
+    return _compile_enabled
+
+
+def _body(fn: Callable, dynamic: bool | None = None) -> Callable:
+    """An op body: compiled when :func:`use_compile` is on; eager otherwise or after a failure.
+    ``dynamic=True`` for bodies whose shapes change from layer to layer (depth attention)."""
+
+    @functools.wraps(fn)
+    def call(*args):
+        global _compile_enabled
+        if _compile_enabled:
+            compiled = _compiled.get(fn)
+            if compiled is None:
+                compiled = _compiled[fn] = torch.compile(fn, dynamic=dynamic)
+            try:
+                return compiled(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as error:  # a compiler failure: the eager body computes the same
+                _compile_enabled = False
+                _log.warning("torch.compile of the residual-stream ops failed (%s: %s); they run "
+                             "in eager PyTorch from now on", type(error).__name__, error)
+        return fn(*args)
+
+    return call
+
+
+# ---------------------------------------------------------------------------------- Sinkhorn
+def _sinkhorn_vjp(logits: torch.Tensor, grad: torch.Tensor, iters: int, eps: float):
+    """Gradient of :func:`reference.sinkhorn` at ``logits``: replay the iterations, keeping each
+    normalised matrix and its divisor, then walk back. For ``M' = M / (sum_axis M + eps)``
+    the vector-Jacobian product is ``(G - sum_axis(G * M')) / (sum_axis M + eps)``."""
+    soft = torch.softmax(logits, dim=-1)
+    m = soft + eps
+    steps = []
+    for axis in [-2] + [-1, -2] * (iters - 1):
+        divisor = m.sum(axis, keepdim=True) + eps
+        m = m / divisor
+        steps.append((axis, m, divisor))
+    g = grad
+    for axis, out, divisor in reversed(steps):
+        g = (g - (g * out).sum(axis, keepdim=True)) / divisor
+    return soft * (g - (g * soft).sum(-1, keepdim=True))
+
+
+_sinkhorn_forward = _body(reference.sinkhorn)
+_sinkhorn_backward = _body(_sinkhorn_vjp)
+
+
+class _Sinkhorn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, iters, eps):
+        ctx.iters, ctx.eps = iters, eps
+        ctx.save_for_backward(logits)
+        return _sinkhorn_forward(logits, iters, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (logits,) = ctx.saved_tensors
+        dlogits = _sinkhorn_backward(logits.float(), grad.float(), ctx.iters, ctx.eps)
+        return dlogits.to(logits.dtype), None, None
+
+
+def sinkhorn(logits: torch.Tensor, iters: int = 20, eps: float = EPS) -> torch.Tensor:
+    """:func:`reference.sinkhorn`, recomputing its iterations in backward."""
+    return _Sinkhorn.apply(logits, iters, eps)
+
+
+# ------------------------------------------------------------------------------------ mHC
+# The bodies are broadcasts and reductions rather than einsums over fp32 copies: compiled, each
+# becomes one pass over the n-stream tensor in its own dtype (an einsum would be a batched GEMM
+# over an fp32 copy). The projection onto the (2 + n) n mixes is a real GEMM: it reads x and
+# the weight in x's dtype and accumulates in fp32, as DeepSeek's kernels read x in bf16; the
+# RMS factor and everything after the GEMM is fp32. In fp32 this is exactly the reference.
+def _rms_project_forward_body(x, weight, eps):
+    r = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
+    return (x @ weight.to(x.dtype).t()).float() * r
+
+
+def _rms_project_vjp(x, weight, grad, eps):
+    # mixes = r * (x @ W^T) with r = rsqrt(mean(x^2) + eps), dr/dx = -r^3 x / D:
+    # dx = r (g @ W) - (r^2 / D) (g . mixes) x ;  dW = (r g)^T x
+    w, xf, g = weight.to(x.dtype), x.float(), grad.float()
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    gr = g * r
+    mixes = (x @ w.t()).float() * r
+    dx = (gr.to(x.dtype) @ w).float() - (r * r / x.shape[-1]) * (g * mixes).sum(-1, True) * xf
+    dw = gr.flatten(0, -2).t().to(x.dtype) @ x.flatten(0, -2)
+    return dx.to(x.dtype), dw.to(weight.dtype)
+
+
+def _stream_mix_forward_body(streams, weights):
+    return (weights.float()[..., :, None] * streams.float()).sum(-2).to(streams.dtype)
+
+
+def _stream_mix_vjp(streams, weights, grad):
+    g = grad.float()[..., None, :]
+    dstreams = (weights.float()[..., :, None] * g).to(streams.dtype)
+    return dstreams, (streams.float() * g).sum(-1).to(weights.dtype)
+
+
+def _coefficients_vjp(mixes, bias, gate, grad_pre, grad_post, grad_res, n, iters, eps):
+    """Gradients of :func:`reference.mhc_coefficients` for (mixes, bias, gate), plus H_pre."""
+    mixes, bias, gate = mixes.float(), bias.float(), gate.float()
+    scale = torch.cat([gate[0].expand(n), gate[1].expand(n), gate[2].expand(n * n)])
+    z = mixes * scale + bias
+    pre = torch.sigmoid(z[..., :n])
+    post = torch.sigmoid(z[..., n:2 * n])
+    dres = _sinkhorn_vjp(z[..., 2 * n:].unflatten(-1, (n, n)), grad_res.float(), iters, eps)
+    dz = torch.cat([grad_pre.float() * pre * (1 - pre), 2 * grad_post.float() * post * (1 - post),
+                    dres.flatten(-2)], dim=-1)
+    per_column = (dz * mixes).flatten(0, -2).sum(0)
+    dgate = torch.stack([per_column[:n].sum(), per_column[n:2 * n].sum(), per_column[2 * n:].sum()])
+    return dz * scale, dz.flatten(0, -2).sum(0), dgate, pre + eps
+
+
+def _mhc_pre_forward_body(streams, weight, bias, gate, iters, eps):
+    n = streams.shape[-2]
+    mixes = _rms_project_forward_body(streams.flatten(-2), weight, eps)
+    pre, post, res = reference.mhc_coefficients(mixes, bias, gate, n, iters, eps)
+    return _stream_mix_forward_body(streams, pre), post, res, mixes
+
+
+def _mhc_pre_vjp(streams, weight, bias, gate, mixes, grad_u, grad_post, grad_res, iters, eps):
+    n = streams.shape[-2]
+    dpre = (streams.float() * grad_u.float()[..., None, :]).sum(-1)
+    dmixes, dbias, dgate, pre = _coefficients_vjp(mixes, bias, gate, dpre, grad_post, grad_res,
+                                                  n, iters, eps)
+    dflat, dweight = _rms_project_vjp(streams.flatten(-2), weight, dmixes, eps)
+    dstreams = pre[..., :, None] * grad_u.float()[..., None, :] + dflat.float().unflatten(-1, (
+        n, streams.shape[-1]))
+    return dstreams.to(streams.dtype), dweight, dbias.to(bias.dtype), dgate.to(gate.dtype)
+
+
+def _stream_update_forward_body(streams, y, post, res):
+    # out[j] = post[j] y + sum_m res[m, j] X[m]
+    mixed = (res.float()[..., :, :, None] * streams.float()[..., :, None, :]).sum(-3)
+    return (post.float()[..., :, None] * y.float()[..., None, :] + mixed).to(streams.dtype)
+
+
+def _stream_update_vjp(streams, y, post, res, grad):
+    g, x = grad.float(), streams.float()
+    dstreams = (res.float()[..., :, :, None] * g[..., None, :, :]).sum(-2)
+    dy = (post.float()[..., :, None] * g).sum(-2)
+    dpost = (g * y.float()[..., None, :]).sum(-1)
+    dres = (x[..., :, None, :] * g[..., None, :, :]).sum(-1)
+    return (dstreams.to(streams.dtype), dy.to(y.dtype), dpost.to(post.dtype),
+            dres.to(res.dtype))
+
+
+_mhc_pre_forward = _body(_mhc_pre_forward_body)
+_mhc_pre_backward = _body(_mhc_pre_vjp)
+_rms_project_forward = _body(_rms_project_forward_body)
+_rms_project_backward = _body(_rms_project_vjp)
+_stream_mix_forward = _body(_stream_mix_forward_body)
+_stream_mix_backward = _body(_stream_mix_vjp)
+_stream_update_forward = _body(_stream_update_forward_body)
+_stream_update_backward = _body(_stream_update_vjp)
+
+
+def _keep(ctx, x, recompute_input, *others):
+    """Save ``others`` and ``x``, or only ``others`` when ``x`` can be recomputed in backward."""
+    ctx.recompute_input = recompute_input
+    ctx.save_for_backward(*others, *(() if recompute_input is not None else (x,)))
+
+
+def _kept(ctx):
+    """``(x, *others)`` as :func:`_keep` stored them."""
+    saved = ctx.saved_tensors
+    if ctx.recompute_input is not None:
+        return (ctx.recompute_input(), *saved)
+    return (saved[-1], *saved[:-1])
+
+
+class _MHCPre(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, streams, weight, bias, gate, iters, eps, recompute_input):
+        u, post, res, mixes = _mhc_pre_forward(streams, weight, bias, gate, iters, eps)
+        ctx.config = (iters, eps)
+        _keep(ctx, streams, recompute_input, weight, bias, gate, mixes)
+        return u, post, res
+
+    @staticmethod
+    def backward(ctx, grad_u, grad_post, grad_res):
+        streams, *params = _kept(ctx)
+        grads = _mhc_pre_backward(streams, *params, grad_u, grad_post, grad_res, *ctx.config)
+        return (*grads, None, None, None)
+
+
+class _RMSProject(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, recompute_input):
+        ctx.eps = eps
+        _keep(ctx, x, recompute_input, weight)
+        return _rms_project_forward(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = _kept(ctx)
+        return (*_rms_project_backward(x, weight, grad, ctx.eps), None, None)
+
+
+class _StreamMix(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, streams, weights, recompute_input):
+        _keep(ctx, streams, recompute_input, weights)
+        return _stream_mix_forward(streams, weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        streams, weights = _kept(ctx)
+        return (*_stream_mix_backward(streams, weights, grad), None)
+
+
+class _StreamUpdate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, streams, y, post, res, recompute_input):
+        _keep(ctx, streams, recompute_input, y, post, res)
+        return _stream_update_forward(streams, y, post, res)
+
+    @staticmethod
+    def backward(ctx, grad):
+        streams, y, post, res = _kept(ctx)
+        return (*_stream_update_backward(streams, y, post, res, grad), None)
+
+
+def mhc_pre(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gate: torch.Tensor,
+            iters: int = 20, eps: float = EPS,
+            recompute_input: Callable[[], torch.Tensor] | None = None):
+    """Everything of an mHC sublayer before the sublayer itself, in one op: ``(u, H_post,
+    H_res)`` with ``u = stream_mix(X, H_pre)`` and ``(H_pre, H_post, H_res) =
+    mhc_coefficients(rms_project(vec X, weight), bias, gate)`` (:mod:`.reference`) for streams
+    ``X [..., n, h]``. Keeps the streams (or recomputes them), the parameters and the mixes
+    ``[..., (2 + n) n]``; the Sinkhorn iterations are recomputed in backward."""
+    return _MHCPre.apply(streams, weight, bias, gate, iters, eps, recompute_input)
+
+
+def rms_project(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS,
+                recompute_input: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+    """:func:`reference.rms_project` with the GEMM in ``x``'s dtype (fp32 accumulation and
+    output); keeps ``x`` (or calls ``recompute_input()`` in backward)."""
+    return _RMSProject.apply(x, weight, eps, recompute_input)
+
+
+def stream_mix(streams: torch.Tensor, weights: torch.Tensor,
+               recompute_input: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+    """:func:`reference.stream_mix`; keeps ``streams`` (or recomputes them in backward)."""
+    return _StreamMix.apply(streams, weights, recompute_input)
+
+
+def stream_update(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, res: torch.Tensor,
+                  recompute_input: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+    """:func:`reference.stream_update`; keeps ``streams`` (or recomputes them in backward)."""
+    return _StreamUpdate.apply(streams, y, post, res, recompute_input)
+
+
+# -------------------------------------------------------------------------- depth attention
+# The sources come in groups (a view into the packed state, the layer's own outputs), and their
+# number and the group sizes change from layer to layer; the compiled bodies therefore work on
+# one group at a time with dynamic shapes, and the few glue ops between them run eagerly.
+#
+# z_k = r_k (v_k . q), r_k = rsqrt(mean(v_k^2) + eps), out = sum_k alpha_k v_k, alpha = softmax(z):
+# dz = alpha (dalpha - sum_k alpha_k dalpha_k) with dalpha_k = g . v_k;
+# dv_k = alpha_k g + dz_k r_k q - dz_k z_k r_k^2 v_k / h ;  dq = sum dz_k r_k v_k.
+def _group_logits(v, q, eps):
+    vf = v.float()
+    r = torch.rsqrt(vf.square().mean(-1) + eps)
+    return (vf * q).sum(-1) * r, r
+
+
+def _group_sum(alpha, v):
+    return (alpha[..., None] * v.float()).sum(-2)
+
+
+def _group_dalpha(v, g):
+    return (v.float() * g[..., None, :]).sum(-1)
+
+
+def _group_vjp(v, g, q, alpha, dz, z, r):
+    vf = v.float()
+    along_q = dz * r
+    dv = (alpha[..., None] * g[..., None, :] + along_q[..., None] * q
+          - (along_q * z * r / q.numel())[..., None] * vf)
+    return dv.to(v.dtype), (along_q[..., None] * vf).flatten(0, -2).sum(0)
+
+
+_group_logits_body = _body(_group_logits, dynamic=True)
+_group_sum_body = _body(_group_sum, dynamic=True)
+_group_dalpha_body = _body(_group_dalpha, dynamic=True)
+_group_vjp_body = _body(_group_vjp, dynamic=True)
+
+
+def _split(x, groups):
+    """``x [..., K]`` per group, contiguous (one stride pattern for the compiled bodies)."""
+    return [part.contiguous() for part in x.split([v.shape[-2] for v in groups], dim=-1)]
+
+
+class _DepthAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, eps, *groups):
+        q = query.float()
+        z, r = (torch.cat(parts, -1) for parts in zip(*(_group_logits_body(v, q, eps)
+                                                         for v in groups)))
+        alpha = torch.softmax(z, dim=-1)
+        out = sum(_group_sum_body(a, v) for a, v in zip(_split(alpha, groups), groups))
+        ctx.save_for_backward(query, z, r, alpha, *groups)
+        return out.to(groups[0].dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, z, r, alpha, *groups = ctx.saved_tensors
+        q, g = query.float(), grad.float()
+        dalpha = torch.cat([_group_dalpha_body(v, g) for v in groups], -1)
+        dz = alpha * (dalpha - (alpha * dalpha).sum(-1, keepdim=True))
+        dgroups, dquery = [], 0
+        for v, *parts in zip(groups, *(_split(x, groups) for x in (alpha, dz, z, r))):
+            dv, dq = _group_vjp_body(v, g, q, *parts)
+            dgroups.append(dv)
+            dquery = dquery + dq
+        return (dquery.to(query.dtype), None, *dgroups)
+
+
+def depth_attention(query: torch.Tensor, sources: Sequence[torch.Tensor],
+                    eps: float = EPS) -> torch.Tensor:
+    """:func:`reference.depth_attention` over ``sources``, a list of ``[..., k_i, h]`` groups
+    (views into a packed state need no copy), keeping only references and per-token scalars."""
+    return _DepthAttention.apply(query, eps, *sources)

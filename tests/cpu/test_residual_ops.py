@@ -1,0 +1,107 @@
+"""The residual-stream ops (megatron_ext.kernels.residual): the memory-lean autograd Functions
+equal the plain-autograd definitions in value and gradient, Sinkhorn is (nearly) doubly
+stochastic and recomputes its iterations instead of storing them, and the ops keep for backward
+only what their docstrings say."""
+
+import pytest
+import torch
+
+import harness
+from megatron_ext.kernels.residual import efficient, reference
+
+N, H = 4, 16
+
+
+def _leaf(*shape, scale=1.0):
+    return (scale * torch.randn(*shape)).requires_grad_()
+
+
+def _same_values_and_grads(make_inputs, fast, slow, atol=1e-5):
+    torch.manual_seed(0)
+    inputs = make_inputs()
+    out_fast, out_slow = fast(*inputs), slow(*inputs)
+    out_fast = out_fast if isinstance(out_fast, tuple) else (out_fast,)
+    out_slow = out_slow if isinstance(out_slow, tuple) else (out_slow,)
+    grads = [torch.randn_like(o) for o in out_slow]
+    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    for a, b in zip(out_fast, out_slow):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=atol)
+    for a, b in zip(torch.autograd.grad(out_fast, leaves, grads),
+                    torch.autograd.grad(out_slow, leaves, grads)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=atol)
+
+
+def test_sinkhorn_is_doubly_stochastic():
+    torch.manual_seed(0)
+    logits = torch.randn(64, N, N)
+    m = reference.sinkhorn(logits, iters=20)
+    assert (m > 0).all()
+    # The last pass normalises columns: exact up to eps. Rows converge with the iterations.
+    torch.testing.assert_close(m.sum(-2), torch.ones(64, N), rtol=0, atol=1e-5)
+    torch.testing.assert_close(m.sum(-1), torch.ones(64, N), rtol=0, atol=1e-3)
+    converged = reference.sinkhorn(logits, iters=100)
+    torch.testing.assert_close(converged.sum(-1), torch.ones(64, N), rtol=0, atol=1e-5)
+
+
+def test_sinkhorn_recompute_backward_equals_autograd_through_iterations():
+    _same_values_and_grads(lambda: (_leaf(3, 5, N, N, scale=2.0), 20),
+                           efficient.sinkhorn, reference.sinkhorn)
+    logits = _leaf(32, N, N)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
+                                                  lambda t: t):
+        efficient.sinkhorn(logits, 20)
+    assert saved == [logits.numel()]  # the input only, not 40 normalised matrices
+
+
+def _mhc_pre_reference(streams, weight, bias, gate):
+    mixes = reference.rms_project(streams.flatten(-2), weight)
+    pre, post, res = reference.mhc_coefficients(mixes, bias, gate, N)
+    return reference.stream_mix(streams, pre), post, res
+
+
+@pytest.mark.parametrize("op", ["mhc_pre", "rms_project", "stream_mix", "stream_update",
+                                "depth_attention"])
+def test_efficient_op_equals_reference(op):
+    width = (2 + N) * N
+    inputs = {
+        "mhc_pre": lambda: (_leaf(3, 5, N, H), _leaf(width, N * H, scale=0.1), _leaf(width),
+                            _leaf(3, scale=0.5)),
+        "rms_project": lambda: (_leaf(3, 5, N * H), _leaf(width, N * H, scale=0.05)),
+        "stream_mix": lambda: (_leaf(3, 5, N, H), _leaf(3, 5, N)),
+        "stream_update": lambda: (_leaf(3, 5, N, H), _leaf(3, 5, H), _leaf(3, 5, N),
+                                  _leaf(3, 5, N, N)),
+    }
+    if op == "depth_attention":
+        # Sources as the model passes them: a view into a packed state plus a separate tensor.
+        packed, extra, query = _leaf(3, 5, 3 * H), _leaf(3, 5, H), _leaf(H)
+
+        def call(fn):
+            return lambda q, p, e: fn(q, [p.unflatten(-1, (3, H)), e.unsqueeze(-2)])
+
+        _same_values_and_grads(lambda: (query, packed, extra), call(efficient.depth_attention),
+                               call(reference.depth_attention))
+        return
+    slow = _mhc_pre_reference if op == "mhc_pre" else getattr(reference, op)
+    _same_values_and_grads(inputs[op], getattr(efficient, op), slow)
+
+
+def test_stream_ops_keep_the_stream_in_its_dtype_or_nothing():
+    streams = torch.randn(8, 2, N, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn(8, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    post, res = torch.rand(8, 2, N, requires_grad=True), torch.rand(8, 2, N, N, requires_grad=True)
+    small = post.nbytes + res.nbytes
+    kept, _ = harness.saved_bytes(efficient.stream_update, streams, y, post, res)
+    assert kept == streams.nbytes + y.nbytes + small  # no fp32 copy of the streams
+    dropped, _ = harness.saved_bytes(efficient.stream_update, streams, y, post, res,
+                                     recompute_input=lambda: streams.detach())
+    assert dropped == y.nbytes + small
+
+
+def test_depth_attention_keeps_references_and_scalars():
+    packed = torch.randn(8, 2, 5 * 64, requires_grad=True)
+    query = torch.randn(64, requires_grad=True)
+    kept, _ = harness.saved_bytes(efficient.depth_attention, query,
+                                  [packed.unflatten(-1, (5, 64))])
+    per_token_scalars = 3 * 8 * 2 * 5 * 4  # logits, inverse RMS, weights (fp32)
+    assert kept == packed.nbytes + query.nbytes + per_token_scalars
