@@ -13,6 +13,7 @@ _SUBPACKAGES = {
     "megatron_ext.kernels.delta_rule": "kernels/delta_rule",
     "megatron_ext.kernels.decay": "kernels/decay",
     "megatron_ext.kernels.residual": "kernels/residual",
+    "megatron_ext.kernels.sparse": "kernels/sparse",
     "megatron_ext.launch": "launch",
     "megatron_ext.slurm": "slurm",
 }

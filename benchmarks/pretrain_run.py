@@ -11,7 +11,8 @@ sequence terms (forward + backward = 3x forward): causal softmax attention
 ``6 * T * heads * head_dim`` per layer (half of the full T x T scores), and for a chunked linear
 recurrence per head ``3 * (6 * K * V + 2 * C * (2 * K + V))`` (the state read, the state update and
 the UT-transform correction, ``2 K V`` each, plus the in-chunk scores and their use over chunks of
-C = 64). It is divided by the GPU's dense bf16 peak (``--peak-tflops``, 989 for an H100/H200 SXM).
+C = 64); sparse softmax layers (MoBA, NSA) are counted as dense causal attention, an upper
+bound. It is divided by the GPU's dense bf16 peak (``--peak-tflops``, 989 for an H100/H200 SXM).
 
     python benchmarks/pretrain_run.py --preset hybrid-350m --steps 300 --stop-at 150 \\
         --out benchmarks/results/pretrain_350m_h200.json -- --global-batch-size 8
@@ -56,7 +57,7 @@ def model_flops_per_token(preset: str, vocab_size: int) -> float:
     flops = 6.0 * matmul_weights
     head_dim = m.hidden_size // m.num_attention_heads
     for mixer in expand_pattern(ext.pattern, m.num_layers):
-        if mixer.name == "attention":
+        if mixer.self_attention:  # sparse softmax layers too, as dense (an upper bound)
             flops += 6.0 * m.seq_length * m.num_attention_heads * head_dim
         else:
             heads = ext.linear_num_value_heads or m.num_attention_heads

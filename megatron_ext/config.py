@@ -26,10 +26,12 @@ ENV_CONFIG = "MEGATRON_EXT_CONFIG"
 CHOICES = {
     "attention_backend": ("auto", "sdpa", "local", "te"),
     "kernel_backend": ("auto", "reference", "chunked", "triton", "fla"),
+    "sparse_backend": ("auto", "reference", "gathered", "flex"),
     "cross_layer_routing": ("none", "clvr", "cler_h"),
     "residual": ("standard", "mhc", "attnres_full", "attnres_block"),
     "mhc_collapse": ("learned", "mean"),
     "residual_backend": ("auto", "eager", "compile"),
+    "context_parallel_method": ("state_passing", "all_to_all"),
 }
 
 
@@ -67,6 +69,34 @@ class ExtConfig:
 
     # Which implementation the linear-recurrence ops use (see megatron_ext.kernels).
     kernel_backend: str = "auto"
+    # Context parallelism (context_parallel_size > 1) of the linear recurrences
+    # (megatron_ext.parallel): "state_passing" exchanges each rank's recurrent-state summary
+    # (volume independent of the sequence length); "all_to_all" (Ulysses) moves the op's inputs
+    # and outputs between sequence and head sharding (needs heads divisible by TP * CP).
+    context_parallel_method: str = "state_passing"
+
+    # Softmax attention: every '*' layer and the sparse mixers MoBA ('B') and NSA ('S').
+    # Sliding window, learnable sink, output gate and QK-norm are Megatron's own settings
+    # (window_size + window_attn_skip_freq, softmax_type="learnable", attention_output_gate,
+    # qk_layernorm), which our attention cores honour. Exclusive self attention (XSA, Zhai
+    # 2026) removes from each head's output its component along the token's own value.
+    attention_xsa: bool = False
+    # How the windowed / sink / sparse attention ops run (megatron_ext.kernels.sparse): "auto"
+    # (FlexAttention on CUDA, the gathered PyTorch form elsewhere), "flex", "gathered" or
+    # "reference" (dense masks, for checks).
+    sparse_backend: str = "auto"
+    # MoBA (Lu et al. 2025): keys per block; blocks each query attends to, its own included
+    # (the paper's scaling runs: 512 and 3).
+    moba_block_size: int = 512
+    moba_top_k: int = 3
+    # NSA (Yuan et al. 2025), the paper's sizes: compression blocks of l = 32 tokens every
+    # d = 16; selection blocks of l' = 64 tokens, n = 16 of them per query (the first block and
+    # the 2 local ones included); a sliding window of w = 512 tokens.
+    nsa_compress_block: int = 32
+    nsa_compress_stride: int = 16
+    nsa_select_block: int = 64
+    nsa_select_top_k: int = 16
+    nsa_window: int = 512
 
     # Cross-layer routing from delta-rule layers into the residual stream (Cerruti et al.,
     # "Linear Attention Architectures: Mechanisms, Trade-offs, and Cross-Layer Routing"):
@@ -141,6 +171,7 @@ class ExtConfig:
                 raise ConfigError(f"{name}={value} must be a positive integer (or unset)")
         if self.linear_conv_kernel < 1:
             raise ConfigError(f"linear_conv_kernel={self.linear_conv_kernel} must be >= 1")
+        self._validate_sparse_attention()
         for name in ("mhc_streams", "mhc_sinkhorn_iters", "attnres_block_layers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be a positive integer")
@@ -153,6 +184,23 @@ class ExtConfig:
                     f"attnres_block_layers={self.attnres_block_layers} exceeds num_layers="
                     f"{num_layers}; a single block is attnres_block_layers={num_layers}")
         return self
+
+    def _validate_sparse_attention(self) -> None:
+        if not isinstance(self.attention_xsa, bool):
+            raise ConfigError(f"attention_xsa={self.attention_xsa!r} must be true or false")
+        for name in ("moba_block_size", "moba_top_k", "nsa_compress_block", "nsa_compress_stride",
+                     "nsa_select_block", "nsa_select_top_k", "nsa_window"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be a positive integer")
+        for name in ("nsa_compress_block", "nsa_select_block"):
+            if getattr(self, name) % self.nsa_compress_stride:
+                raise ConfigError(
+                    f"{name}={getattr(self, name)} is not a multiple of nsa_compress_stride="
+                    f"{self.nsa_compress_stride}; NSA's blocks are made of whole strides")
+        if self.nsa_select_top_k < 3:
+            raise ConfigError(
+                f"nsa_select_top_k={self.nsa_select_top_k} must be >= 3: NSA always keeps the "
+                "first block and the 2 local blocks")
 
 
 def resolve(explicit: ExtConfig | None = None) -> ExtConfig:

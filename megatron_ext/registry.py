@@ -1,7 +1,11 @@
 """The table of token mixers: one row per mixer, looked up by pattern symbol or by name.
 
 Symbols keep Megatron's hybrid-pattern meaning where one exists (``*`` softmax attention, ``G``
-Gated DeltaNet, ``M`` Mamba, ``D`` DSA); symbols of our own must not collide with those.
+Gated DeltaNet, ``M`` Mamba, ``D`` DSA, ``+`` MLA, ``-`` MLP, ``E`` MoE, ``|`` and ``/``
+separators); symbols of our own must not collide with those. Sparse softmax attention: ``B``
+MoBA (mixture of Block attention), ``S`` NSA (native Sparse attention); ``D`` stays reserved
+for DSA.
+
 A row names its spec builder as ``"module:function"`` so that this table stays free of imports;
 the builder takes ``(ext_config, transformer_config, **options)`` and returns the ModuleSpec
 that fills the ``self_attention`` slot of a TransformerLayer.
@@ -23,6 +27,9 @@ class Mixer:
     options: dict = field(default_factory=dict)
     # Whether the mixer exposes a value / write residual for cross-layer routing (CLVR, CLER-H).
     routable: bool = False
+    # Whether the mixer is Megatron's SelfAttention (with a core of ours): its input norm stays
+    # where Megatron's attention files it (fused into linear_qkv under Transformer Engine).
+    self_attention: bool = False
 
     def build_spec(self, ext_config, transformer_config):
         module, function = self.builder.split(":")
@@ -30,12 +37,17 @@ class Mixer:
         return fn(ext_config, transformer_config, **self.options)
 
 
+_ATTENTION = "megatron_ext.specs:attention_self_spec"
 _DELTA = "megatron_ext.mixers.delta_rule:delta_rule_spec"
 _DECAY = "megatron_ext.mixers.decay:decay_spec"
 
 MIXERS: tuple[Mixer, ...] = (
-    Mixer("*", "attention", "megatron_ext.specs:attention_self_spec",
-          "softmax self-attention (torch SDPA, TE or Megatron's local core)"),
+    Mixer("*", "attention", _ATTENTION,
+          "softmax self-attention (torch SDPA, TE or Megatron's local core)", self_attention=True),
+    Mixer("B", "moba", _ATTENTION, "MoBA: Mixture of Block Attention (Lu et al. 2025)",
+          {"variant": "moba"}, self_attention=True),
+    Mixer("S", "nsa", _ATTENTION, "NSA: Native Sparse Attention (Yuan et al. 2025)",
+          {"variant": "nsa"}, self_attention=True),
     Mixer("G", "gated_deltanet", _DELTA, "Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025)",
           {"variant": "gated_deltanet"}, routable=True),
     Mixer("N", "deltanet", _DELTA, "DeltaNet (Yang et al. 2024)", {"variant": "deltanet"},

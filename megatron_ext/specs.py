@@ -21,6 +21,7 @@ the residual state.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 
 import torch
@@ -78,20 +79,30 @@ def _base_submodules(ext: ExtConfig, config) -> TransformerLayerSubmodules:
     if ext.attention_backend != "local":
         from megatron_ext.mixers.attention import SDPACoreAttention
 
-        attention.core_attention = SDPACoreAttention
+        attention.core_attention = functools.partial(SDPACoreAttention, ext=ext)
     return subs
 
 
-def attention_self_spec(ext: ExtConfig, config) -> ModuleSpec:
-    """The ``self_attention`` spec of a softmax-attention layer (registry builder of ``*``)."""
-    return _base_submodules(ext, config).self_attention
+def attention_self_spec(ext: ExtConfig, config, variant: str = "attention") -> ModuleSpec:
+    """The ``self_attention`` spec of a softmax-attention layer: registry builder of ``*``
+    (variant "attention") and of the sparse layers ("moba", "nsa"), which swap in their core."""
+    spec = _base_submodules(ext, config).self_attention
+    if variant != "attention":
+        from megatron_ext.mixers.sparse_attention import sparse_attention_spec
+
+        return sparse_attention_spec(spec, ext, variant)
+    if ext.attention_xsa and (ext.attention_backend == "local" or uses_te(ext)):
+        raise ConfigError(
+            "attention_xsa=True needs our attention core, which Transformer Engine and Megatron's "
+            "local core are not; set attention_backend='sdpa'")
+    return spec
 
 
 def layer_submodules(mixer: Mixer, ext: ExtConfig, config) -> TransformerLayerSubmodules:
     """The submodules of one layer whose token mixer is ``mixer``."""
     subs = _base_submodules(ext, config)
     subs.self_attention = mixer.build_spec(ext, config)
-    if mixer.name != "attention":
+    if not mixer.self_attention:
         # The local spec files the input norm under the attention's fused QKV name (for TE
         # checkpoint compatibility); other mixers keep it as their own input_layernorm.
         subs.sharded_state_dict_keys_map.pop("input_layernorm.", None)

@@ -159,6 +159,12 @@ def saved_bytes(fn, *args, **kwargs):
     return sum(storages.values()), out
 
 
+# Block sizes of the sparse attentions (MoBA, NSA) for the short sequences of these tests (12
+# tokens or more); the papers' defaults need sequences of thousands of tokens.
+SHORT_SPARSE = dict(moba_block_size=4, moba_top_k=2, nsa_compress_block=4, nsa_compress_stride=2,
+                    nsa_select_block=4, nsa_select_top_k=3, nsa_window=8)
+
+
 def tiny_config(**overrides):
     """A TransformerConfig small enough for multi-process tests on two CPU cores."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -189,7 +195,7 @@ def layout_batches():
 
 
 def build_layout(ext, tp=1, pp=1, vpp=None, sequence_parallel=False, spec="block",
-                 config_overrides=None):
+                 config_overrides=None, cp=1):
     """Model chunks of this rank (one per virtual stage), same seed on every layout.
 
     ``ext`` is the model's ExtConfig; ``spec="block"``: this stage's per-layer specs
@@ -203,10 +209,10 @@ def build_layout(ext, tp=1, pp=1, vpp=None, sequence_parallel=False, spec="block
 
     from megatron_ext.specs import PatternTransformerLayer, block_spec
 
-    init_parallel(tp=tp, pp=pp, vpp=vpp)
+    init_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp)
     overrides = {"num_layers": len(ext.pattern), **(config_overrides or {})}
     config = tiny_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         virtual_pipeline_model_parallel_size=vpp,
+                         virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
                          sequence_parallel=sequence_parallel, **overrides)
     chunks = []
     for v in range(vpp or 1):
@@ -246,16 +252,18 @@ def run_schedule(chunks):
 def global_grads(chunks, config):
     """Gradients keyed by global layer number, with TP shards gathered later by the test.
 
-    Under sequence parallelism, replicated weights used on each rank's slice of the sequence
-    (norms) hold partial gradients; Megatron's finalize_model_grads sums them over TP, and so
-    do we here.
+    Replicated weights that each TP rank applies to its own part of the work hold partial
+    gradients: norms under sequence parallelism (each rank's slice of the sequence) and the
+    QK-norm weights (each rank's heads). Megatron's finalize_model_grads sums them over TP, and
+    so do we here.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     for chunk in chunks:
-        for p in chunk.parameters():
-            if getattr(p, "sequence_parallel", False):
+        for name, p in chunk.named_parameters():
+            qk_norm = config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+            if getattr(p, "sequence_parallel", False) or qk_norm:
                 dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
     grads = {}
     for v, chunk in enumerate(chunks):
@@ -277,10 +285,21 @@ def run_layout(rank, world_size, ckpt_dir, ext, tp=1, pp=1, vpp=None, sequence_p
     noise, so that terms which start at zero (routing projections, pseudo-queries) are
     exercised.
     """
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     chunks, config = build_layout(ext, tp, pp, vpp, sequence_parallel, spec, config_overrides)
+    save_or_load(chunks, ckpt_dir, save, perturb)
+    losses = run_schedule(chunks)
+    return dict(losses=losses if ps.is_pipeline_last_stage() else None,
+                tp_rank=ps.get_tensor_model_parallel_rank(),
+                grads=global_grads(chunks, config))
+
+
+def save_or_load(chunks, ckpt_dir, save, perturb=None):
+    """The reference run saves its weights (after ``perturb``, see :func:`run_layout`) as a
+    dist checkpoint; every other layout loads them, resharded to its own split."""
+    from megatron.core import dist_checkpointing
+
     # Keys inside the checkpoint are global (per-layer numbers), so chunks never collide.
     state = {f"chunk{v}": chunk.sharded_state_dict() for v, chunk in enumerate(chunks)}
     if save:
@@ -297,10 +316,6 @@ def run_layout(rank, world_size, ckpt_dir, ext, tp=1, pp=1, vpp=None, sequence_p
         loaded = dist_checkpointing.load(state, ckpt_dir)
         for v, chunk in enumerate(chunks):
             chunk.load_state_dict(loaded[f"chunk{v}"])
-    losses = run_schedule(chunks)
-    return dict(losses=losses if ps.is_pipeline_last_stage() else None,
-                tp_rank=ps.get_tensor_model_parallel_rank(),
-                grads=global_grads(chunks, config))
 
 
 def merge_layout(results):

@@ -15,10 +15,12 @@ from .. import backends
 from .chunked import decay_linear_attention_chunked
 from .fla import decay_linear_attention_fla
 from .reference import OP, decay_linear_attention_reference
+from .summary import decay_linear_attention_summary
 
 __all__ = [
     "decay_linear_attention", "decay_linear_attention_chunked", "decay_linear_attention_fla",
-    "decay_linear_attention_reference", "decay_linear_attention_triton",
+    "decay_linear_attention_reference", "decay_linear_attention_summary",
+    "decay_linear_attention_triton",
 ]
 
 

@@ -14,12 +14,13 @@ from .. import backends
 from .chunked import gated_delta_rule_chunked
 from .fla import gated_delta_rule_fla
 from .reference import gated_delta_rule_reference
+from .summary import gated_delta_rule_summary
 
 OP = "gated_delta_rule"
 
 __all__ = [
     "gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_fla",
-    "gated_delta_rule_reference", "gated_delta_rule_triton",
+    "gated_delta_rule_reference", "gated_delta_rule_summary", "gated_delta_rule_triton",
 ]
 
 

@@ -1,4 +1,4 @@
-"""Softmax self-attention: Megatron's SelfAttention with a torch SDPA core.
+"""Softmax self-attention: Megatron's SelfAttention with our core attention.
 
 Megatron's local core (``DotProductAttention``) materialises the ``[b, heads, s, s]`` score
 matrix. :class:`SDPACoreAttention` hands the same query/key/value to
@@ -6,49 +6,106 @@ matrix. :class:`SDPACoreAttention` hands the same query/key/value to
 memory-efficient kernels on CUDA and a fused math path on the CPU. It keeps the core-attention
 contract of ``SelfAttention`` (``[s, b, heads, d]`` in, ``[s, b, heads * d]`` out; ``thd``
 packed sequences as ``[t, heads, d]``), so it drops into Megatron's own attention layer.
+
+The options every softmax layer of ours takes (this core and the sparse ones of
+:mod:`megatron_ext.mixers.sparse_attention`) live in :class:`SoftmaxCoreAttention`:
+
+- sliding window: Megatron's ``window_size`` ``(left, right)`` on the layers that
+  ``window_attn_skip_freq`` picks;
+- sink: Megatron's ``softmax_type``: "learnable" is one logit per head added to the softmax
+  denominator (``softmax_offset``, as in Megatron's local core, drawn at full size and sharded
+  over TP with the heads), "off-by-one" the same logit fixed at 0;
+- exclusive self attention (``ExtConfig.attention_xsa``; Zhai 2026): the output loses its
+  component along the token's own value, per head.
+
+Output gating and QK-norm are SelfAttention's own (``attention_output_gate``, ``qk_layernorm``):
+they act on the projections around the core, for every core. A window or a sink moves this core
+from SDPA to :func:`megatron_ext.kernels.sparse.softmax_attention` (FlexAttention on CUDA).
+Under context parallelism the SDPA core gathers keys and values over the CP group
+(:mod:`megatron_ext.parallel.attention` says why); the other cores refuse CP by name.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
+
+from megatron_ext.config import ExtConfig
+from megatron_ext.kernels import sparse
+from megatron_ext.mixers.common import HeadShardedMixer
+from megatron_ext.parallel import ContextParallel
+from megatron_ext.parallel.attention import gather_keys_values
 
 
-class SDPACoreAttention(MegatronModule):
-    """Core attention on torch SDPA: causal or masked, grouped-query heads, packed sequences.
+class SoftmaxCoreAttention(HeadShardedMixer):
+    """What every core attention of ours shares: Megatron's core contract, the layout change to
+    the kernels' ``[b, s, heads, d]``, the sink, the layer's window and XSA.
 
-    Masks follow Megatron's convention: ``attention_mask`` is boolean with True where a query
-    must NOT attend. With the causal mask type and no mask, SDPA's ``is_causal`` path is used,
-    which is the one that reaches the flash kernels.
+    Subclasses implement :meth:`attend`. Masks follow Megatron's convention:
+    ``attention_mask`` is boolean with True where a query must NOT attend.
     """
+
+    # Whether attend() takes an extra attention mask besides the mask type.
+    takes_attention_mask = True
+    # Whether attend() applies attention dropout (only the plain SDPA path does).
+    applies_dropout = False
+    # Whether attend() runs under context parallelism (only the plain SDPA path does).
+    supports_context_parallel = False
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str = "self", attention_dropout: float | None = None,
                  softmax_scale: float | None = None, cp_comm_type: str | None = None,
-                 pg_collection=None):
-        super().__init__(config=config)
-        unsupported = []
-        if config.context_parallel_size > 1:
-            unsupported.append(f"context_parallel_size={config.context_parallel_size}")
-        if config.window_size is not None:
-            unsupported.append(f"window_size={config.window_size}")
-        if config.softmax_type != "vanilla":
-            unsupported.append(f"softmax_type={config.softmax_type!r}")
-        if unsupported:
+                 pg_collection=None, ext: ExtConfig | None = None):
+        super().__init__(config=config, submodules=None, pg_collection=pg_collection)
+        self.ext = ext if ext is not None else ExtConfig()
+        self.cp = ContextParallel.of(config, pg_collection)
+        if self.cp is not None and not self.supports_context_parallel:
             raise NotImplementedError(
-                f"the SDPA core attention does not support {', '.join(unsupported)}; "
-                "use attention_backend='te' (Transformer Engine) for these options"
-            )
+                f"context_parallel_size={config.context_parallel_size} is not supported by "
+                f"{type(self).__name__}; context parallelism covers '*' attention (SDPA core) "
+                "and the linear mixers")
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        # apply_query_key_layer_scaling only guards fp16 overflow in the unfused path; SDPA
-        # accumulates in fp32, so the plain 1/sqrt(d) scale is the same function.
+        # apply_query_key_layer_scaling only guards fp16 overflow in the unfused path; we
+        # accumulate in fp32, so the plain 1/sqrt(d) scale is the same function.
         self.softmax_scale = softmax_scale
+        self.heads = config.num_attention_heads // self.tp_size
+        self.window = (tuple(config.window_size) if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None)
+        self.fixed_sink = None
+        if config.softmax_type == "learnable":
+            full = torch.empty(config.num_attention_heads)
+            if config.perform_initialization:
+                config.init_method(full)
+            self.sharded_parameter("softmax_offset", full)
+        elif config.softmax_type == "off-by-one":
+            self.fixed_sink = 0.0
+        plain = self.applies_dropout and self.window is None and config.softmax_type == "vanilla"
+        if self.dropout_p > 0 and not plain:
+            raise NotImplementedError(
+                f"attention_dropout={self.dropout_p} is not supported with a sliding window, a "
+                "sink or sparse attention; set attention_dropout=0")
+        if self.cp is not None and (self.window is not None or config.softmax_type != "vanilla"):
+            raise NotImplementedError(
+                f"{type(self).__name__}: a sliding window or a sink under context parallelism "
+                "is not supported yet; use context_parallel_size=1")
+
+    def sink(self, device) -> torch.Tensor | None:
+        """The sink logits of this rank's heads ``[heads]``, or None."""
+        if self.fixed_sink is not None:
+            return torch.full((self.heads,), self.fixed_sink, device=device)
+        return getattr(self, "softmax_offset", None)
+
+    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
+        """q ``[b, s, hq, d]``, k/v ``[b, s, hkv, d]`` -> ``[b, s, hq, d]``."""
+        raise NotImplementedError
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None,
@@ -61,14 +118,51 @@ class SDPACoreAttention(MegatronModule):
         separated by ``packed_seq_params.cu_seqlens_q``.
         """
         if attention_bias is not None:
-            raise NotImplementedError("attention_bias is not supported by the SDPA core")
+            raise NotImplementedError(f"attention_bias is not supported by {type(self).__name__}")
+        if attention_mask is not None and not self.takes_attention_mask:
+            raise NotImplementedError(
+                f"{type(self).__name__} takes no attention_mask beyond its causal mask type; "
+                "build batches without one (create_attention_mask=False)")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if packed:
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, h, d]
+        out = self.attend(q, k, v, attention_mask, mask_type, packed_seq_params)
+        if self.ext.attention_xsa:
+            out = sparse.exclusive_self_attention(out, v)
+        out = out.transpose(0, 1)  # [sq, b, hq, d]
+        if packed:
+            return out.reshape(out.shape[0], -1)
+        return out.reshape(out.shape[0], out.shape[1], -1)
 
-        # [s, b, h, d] -> [b, h, s, d]
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+
+class SDPACoreAttention(SoftmaxCoreAttention):
+    """Core attention of '*' layers: torch SDPA (causal or masked, grouped-query heads, packed
+    sequences); with a sliding window or a sink, the windowed op of ``kernels.sparse``.
+
+    With the causal mask type and no mask, SDPA's ``is_causal`` path is used, which is the one
+    that reaches the flash kernels.
+    """
+
+    applies_dropout = True
+    supports_context_parallel = True
+
+    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
+        if self.cp is not None:
+            return self._attend_context_parallel(q, k, v, attention_mask, mask_type,
+                                                 packed_seq_params)
+        sink = self.sink(q.device)
+        if self.window is not None or sink is not None:
+            cu_seqlens = None
+            if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+                cu_seqlens = packed_seq_params.cu_seqlens_q
+            return sparse.softmax_attention(
+                q, k, v, causal=mask_type == AttnMaskType.causal, window=self.window, sink=sink,
+                scale=self.softmax_scale, cu_seqlens=cu_seqlens,
+                allowed=None if attention_mask is None else ~attention_mask.bool(),
+                backend=self.ext.sparse_backend)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, s, d]
         allowed = self._allowed_mask(q, k, attention_mask, mask_type, packed_seq_params)
         is_causal = allowed is None and mask_type == AttnMaskType.causal and q.shape[2] > 1
         dropout_p = self.dropout_p if self.training else 0.0
@@ -76,10 +170,24 @@ class SDPACoreAttention(MegatronModule):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=is_causal,
                 scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
-        out = out.permute(2, 0, 1, 3)  # [sq, b, hq, d]
-        if packed:
-            return out.reshape(out.shape[0], -1)
-        return out.reshape(out.shape[0], out.shape[1], -1)
+        return out.transpose(1, 2)
+
+    def _attend_context_parallel(self, q, k, v, attention_mask, mask_type, packed_seq_params):
+        """Causal attention of this rank's load-balanced chunks to the whole sequence, by an
+        all-gather of keys and values (:mod:`megatron_ext.parallel.attention` says why)."""
+        if (attention_mask is not None or mask_type != AttnMaskType.causal
+                or packed_seq_params is not None):
+            raise NotImplementedError(
+                "context parallelism of '*' attention takes the causal mask type only: no "
+                "attention_mask, no packed sequences (qkv_format='thd') yet")
+        k, v, allowed = gather_keys_values(self.cp, q, k, v)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, s, d]
+        dropout_p = self.dropout_p if self.training else 0.0
+        with self._dropout_rng(dropout_p):
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=self.softmax_scale,
+                enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2)
 
     @staticmethod
     def _allowed_mask(q, k, attention_mask, mask_type, packed_seq_params):
@@ -100,8 +208,6 @@ class SDPACoreAttention(MegatronModule):
 
     def _dropout_rng(self, dropout_p: float):
         """Dropout under TP must draw from the model-parallel RNG stream, as Megatron's core does."""
-        import contextlib
-
         if dropout_p > 0 and not self.config.sequence_parallel:
             return tensor_parallel.get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
@@ -111,4 +217,3 @@ def _sequence_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """``[0, 3, 5]`` with total 5 -> ``[0, 0, 0, 1, 1]``."""
     positions = torch.arange(total, device=cu_seqlens.device)
     return torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
-

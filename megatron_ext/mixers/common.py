@@ -156,11 +156,25 @@ def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, same_sequence=N
     return out
 
 
-def conv_silu_heads(x: torch.Tensor, weight: torch.Tensor, heads: int, same_sequence=None):
-    """``[s, b, heads * d]`` projection -> causal conv + SiLU -> ``[b, s, heads, d]``."""
+def conv_silu_heads(x: torch.Tensor, weight: torch.Tensor, heads: int, same_sequence=None,
+                    cp=None):
+    """``[s, b, heads * d]`` projection -> causal conv + SiLU -> ``[b, s, heads, d]``.
+
+    Under context parallelism (``cp``, a :class:`~megatron_ext.parallel.ContextParallel`) the
+    local sequence is two chunks of Megatron's load-balanced layout; each is convolved after
+    its halo, the ``kernel - 1`` tokens before it, which may live on another rank.
+    """
     s, b = x.shape[:2]
-    x = F.silu(causal_depthwise_conv(x.transpose(0, 1), weight, same_sequence))
-    return x.reshape(b, s, heads, -1)
+    x = x.transpose(0, 1)
+    if cp is None:
+        x = causal_depthwise_conv(x, weight, same_sequence)
+    else:
+        halo = weight.shape[1] - 1
+        chunks = cp.split_chunks(x)
+        if halo:
+            chunks = torch.cat([cp.previous_tokens(chunks, halo), chunks], dim=1)
+        x = cp.merge_chunks(causal_depthwise_conv(chunks, weight)[:, halo:])
+    return F.silu(x).reshape(b, s, heads, -1)
 
 
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float):

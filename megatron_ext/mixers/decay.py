@@ -17,7 +17,9 @@ causal convolution over x, B and C; ``A`` per head; ``D`` skip) on the same op: 
 "Transformers are SSMs" (ICML 2024).
 
 Tensor parallelism splits heads (and Mamba-2's B/C groups); per-head raw parameters are sharded
-with their heads (see :class:`~megatron_ext.mixers.common.HeadShardedMixer`).
+with their heads (see :class:`~megatron_ext.mixers.common.HeadShardedMixer`). Context
+parallelism: as in :mod:`megatron_ext.mixers.delta_rule` (convolution halo for Mamba-2; state
+passing or all-to-all around the op, :mod:`megatron_ext.parallel.linear`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.config import ConfigError
 from megatron_ext.kernels import decay_linear_attention
+from megatron_ext.kernels.decay import decay_linear_attention_summary
 from megatron_ext.mixers.common import (
     HeadShardedMixer,
     LinearMixerSubmodules,
@@ -36,6 +39,8 @@ from megatron_ext.mixers.common import (
     packed_cu_seqlens,
     same_sequence_masks,
 )
+from megatron_ext.parallel import ContextParallel
+from megatron_ext.parallel.linear import check_heads, check_sequence, linear_recurrence
 
 VARIANTS = ("gla", "retnet", "lightning")
 GLA_GATE_NORMALIZER = 16.0
@@ -49,8 +54,6 @@ class DecayMixer(HeadShardedMixer):
         super().__init__(config, submodules, pg_collection)
         if variant not in VARIANTS:
             raise ConfigError(f"decay variant {variant!r} is not one of {list(VARIANTS)}")
-        if config.context_parallel_size > 1:
-            raise NotImplementedError(f"{variant} does not support context_parallel_size > 1 yet")
         self.variant = variant
         self.layer_number = layer_number
         ext = ext_config
@@ -59,6 +62,9 @@ class DecayMixer(HeadShardedMixer):
             raise ConfigError(f"linear_num_value_heads={heads} is not divisible by "
                               f"tensor_model_parallel_size={self.tp_size}")
         self.heads = heads // self.tp_size
+        self.cp = ContextParallel.of(config, pg_collection)
+        self.cp_method = ext.context_parallel_method
+        check_heads(self.cp, self.cp_method, variant, heads=self.heads)
         self.key_dim = ext.linear_key_head_dim or config.kv_channels
         self.value_dim = ext.linear_value_head_dim or config.kv_channels
         self.kernel_backend = ext.kernel_backend
@@ -105,8 +111,11 @@ class DecayMixer(HeadShardedMixer):
             g = F.logsigmoid(a) / GLA_GATE_NORMALIZER
         else:
             g = self.log_decay
-        o, _ = decay_linear_attention(q, k, v, g=g, cu_seqlens=packed_cu_seqlens(packed_seq_params),
-                                      backend=self.kernel_backend)
+        cu_seqlens = packed_cu_seqlens(packed_seq_params)
+        check_sequence(self.cp, s, cu_seqlens, 1, self.variant)
+        o, _ = linear_recurrence(self.cp, self.cp_method, decay_linear_attention,
+                                 decay_linear_attention_summary, dict(q=q, k=k, v=v, g=g),
+                                 cu_seqlens=cu_seqlens, backend=self.kernel_backend)
         o = gated_rms_norm(o, self.out_norm_weight, to_heads(gate), self.norm_eps)
         return self.linear_out(o.to(hidden_states.dtype).reshape(b, s, -1).transpose(0, 1)
                                .contiguous())
@@ -125,8 +134,6 @@ class Mamba2Mixer(HeadShardedMixer):
     def __init__(self, config, submodules: LinearMixerSubmodules, layer_number: int,
                  ext_config, pg_collection=None, **_unused):
         super().__init__(config, submodules, pg_collection)
-        if config.context_parallel_size > 1:
-            raise NotImplementedError("mamba2 does not support context_parallel_size > 1 yet")
         self.layer_number = layer_number
         self.kernel_backend = ext_config.kernel_backend
         h = config.hidden_size
@@ -140,6 +147,9 @@ class Mamba2Mixer(HeadShardedMixer):
             raise ConfigError(f"mamba_num_groups={groups} is not divisible by "
                               f"tensor_model_parallel_size={self.tp_size}")
         self.heads, self.groups = heads // self.tp_size, groups // self.tp_size
+        self.cp = ContextParallel.of(config, pg_collection)
+        self.cp_method = ext_config.context_parallel_method
+        check_heads(self.cp, self.cp_method, "mamba2", heads=self.heads, groups=self.groups)
         inner, bc_size = heads * self.head_dim, groups * self.state_dim
 
         self.linear_z = self.column("mamba_z", h, inner)
@@ -165,17 +175,19 @@ class Mamba2Mixer(HeadShardedMixer):
         dt, _ = self.linear_dt(hidden_states)
         s, b = x.shape[:2]
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
+        check_sequence(self.cp, s, cu_seqlens, self.conv_x.shape[1], "mamba2")
         same_sequence = same_sequence_masks(cu_seqlens, s, self.conv_x.shape[1], x.device)
 
-        x = conv_silu_heads(x, self.conv_x, self.heads, same_sequence)    # [b, s, H, P]
-        B = conv_silu_heads(B, self.conv_B, self.groups, same_sequence)   # [b, s, G, N]
-        C = conv_silu_heads(C, self.conv_C, self.groups, same_sequence)
+        x = conv_silu_heads(x, self.conv_x, self.heads, same_sequence, self.cp)   # [b, s, H, P]
+        B = conv_silu_heads(B, self.conv_B, self.groups, same_sequence, self.cp)  # [b, s, G, N]
+        C = conv_silu_heads(C, self.conv_C, self.groups, same_sequence, self.cp)
         dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())  # [b, s, H]
         g = -self.A_log.float().exp() * dt
         # C reads and B writes the state; dt scales the write; scale 1 as in Mamba-2.
-        y, _ = decay_linear_attention(C, B, (x.float() * dt.unsqueeze(-1)).to(x.dtype), g=g,
-                                      scale=1.0, cu_seqlens=cu_seqlens,
-                                      backend=self.kernel_backend)
+        y, _ = linear_recurrence(
+            self.cp, self.cp_method, decay_linear_attention, decay_linear_attention_summary,
+            dict(q=C, k=B, v=(x.float() * dt.unsqueeze(-1)).to(x.dtype), g=g),
+            scale=1.0, cu_seqlens=cu_seqlens, backend=self.kernel_backend)
         y = y.float() + self.D.float().view(-1, 1) * x.float()
         # Mamba-2 gates before its norm: rmsnorm(y * silu(z)) per group of heads, times weight.
         group_shape = (b, s, self.groups, -1)

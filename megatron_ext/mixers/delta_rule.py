@@ -28,6 +28,11 @@ one output-norm weight per value head, where fla-core shares one over heads). Th
 decay projection's first factor is column-parallel with its output gathered. Separate
 projections, rather than one fused matrix, keep each TP shard a plain slice of the full weight,
 so checkpoints reshard across TP sizes without split factories.
+
+Context parallelism (``context_parallel_size > 1``, Megatron's load-balanced layout): the
+convolutions take their halo from the neighbouring chunks, and the op runs under
+:func:`megatron_ext.parallel.linear.linear_recurrence`, by state passing (default) or all-to-all
+(``ExtConfig.context_parallel_method``); the equations are in that module.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.config import ConfigError
 from megatron_ext.kernels import gated_delta_rule
+from megatron_ext.kernels.delta_rule import gated_delta_rule_summary
 from megatron_ext.mixers.common import (
     HeadShardedMixer,
     LinearMixerSubmodules,
@@ -46,6 +52,8 @@ from megatron_ext.mixers.common import (
     packed_cu_seqlens,
     same_sequence_masks,
 )
+from megatron_ext.parallel import ContextParallel
+from megatron_ext.parallel.linear import check_heads, check_sequence, linear_recurrence
 
 VARIANTS = ("deltanet", "gated_deltanet", "kda", "gated_deltanet2")
 
@@ -65,9 +73,6 @@ class DeltaRuleMixer(HeadShardedMixer):
             raise ConfigError(f"delta-rule variant {variant!r} is not one of {list(VARIANTS)}")
         self.variant = variant
         self.layer_number = layer_number
-        if config.context_parallel_size > 1:
-            raise NotImplementedError(
-                f"{variant} does not support context_parallel_size > 1 yet")
 
         ext = ext_config
         key_heads = ext.linear_num_key_heads or config.num_query_groups or config.num_attention_heads
@@ -84,6 +89,10 @@ class DeltaRuleMixer(HeadShardedMixer):
                 f"tensor_model_parallel_size={self.tp_size}; choose a multiple of the TP size")
         self.key_heads = key_heads // self.tp_size
         self.value_heads = value_heads // self.tp_size
+        self.cp = ContextParallel.of(config, pg_collection)
+        self.cp_method = ext.context_parallel_method
+        check_heads(self.cp, self.cp_method, variant, key_heads=self.key_heads,
+                    value_heads=self.value_heads)
         self.kernel_backend = ext.kernel_backend
         self.routing = ext.cross_layer_routing
         self.routed_signal: torch.Tensor | None = None
@@ -142,6 +151,7 @@ class DeltaRuleMixer(HeadShardedMixer):
         gate, _ = self.linear_gate(hidden_states)
         s, b = q.shape[:2]
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
+        check_sequence(self.cp, s, cu_seqlens, self.conv_q.shape[1], self.variant)
         same_sequence = same_sequence_masks(cu_seqlens, s, self.conv_q.shape[1], q.device)
 
         def sigmoid_gate(linear, per_head_channels):
@@ -149,19 +159,22 @@ class DeltaRuleMixer(HeadShardedMixer):
             return torch.sigmoid(out.transpose(0, 1).float()).reshape(
                 b, s, self.value_heads, *per_head_channels)
 
-        q = F.normalize(conv_silu_heads(q, self.conv_q, self.key_heads, same_sequence).float(), dim=-1)
-        k = F.normalize(conv_silu_heads(k, self.conv_k, self.key_heads, same_sequence).float(), dim=-1)
-        v = conv_silu_heads(v, self.conv_v, self.value_heads, same_sequence)
+        q = F.normalize(conv_silu_heads(q, self.conv_q, self.key_heads, same_sequence,
+                                        self.cp).float(), dim=-1)
+        k = F.normalize(conv_silu_heads(k, self.conv_k, self.key_heads, same_sequence,
+                                        self.cp).float(), dim=-1)
+        v = conv_silu_heads(v, self.conv_v, self.value_heads, same_sequence, self.cp)
         gates = {}
         if self.variant == "gated_deltanet2":
             gates["erase"] = sigmoid_gate(self.linear_erase, (self.key_dim,))
             gates["write"] = sigmoid_gate(self.linear_write, (self.value_dim,))
         else:
             gates["beta"] = sigmoid_gate(self.linear_beta, ())
-        o, _, *residual = gated_delta_rule(
-            q.to(v.dtype), k.to(v.dtype), v, g=self._decay(hidden_states, b, s),
+        o, _, *residual = linear_recurrence(
+            self.cp, self.cp_method, gated_delta_rule, gated_delta_rule_summary,
+            dict(q=q.to(v.dtype), k=k.to(v.dtype), v=v, g=self._decay(hidden_states, b, s), **gates),
             cu_seqlens=cu_seqlens, backend=self.kernel_backend,
-            return_write_residual=self.routing == "cler_h", **gates)
+            return_write_residual=self.routing == "cler_h")
         if self.routing != "none":
             signal = residual[0] if self.routing == "cler_h" else v
             self.routed_signal = signal.reshape(b, s, -1).transpose(0, 1)

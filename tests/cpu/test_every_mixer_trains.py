@@ -13,11 +13,13 @@ pytestmark = pytest.mark.usefixtures("megatron_single_process")
 def test_tiny_hybrid_trains(symbol):
     from megatron.core.models.gpt import GPTModel
 
+    from megatron_ext.config import ExtConfig
     from megatron_ext.specs import block_spec
 
     config = harness.tiny_config(num_layers=2)
     torch.manual_seed(0)
-    model = GPTModel(config, block_spec(config, pattern=symbol + "*"), vocab_size=96,
+    ext = ExtConfig(pattern=symbol + "*", **harness.SHORT_SPARSE)
+    model = GPTModel(config, block_spec(config, ext=ext), vocab_size=96,
                      max_sequence_length=48, position_embedding_type="none")
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tokens = torch.randint(0, 96, (4, 49), generator=torch.Generator().manual_seed(1))

@@ -243,7 +243,8 @@ def test_every_mixer_of_the_registry_runs_inside_a_scheme(scheme):
     from megatron_ext.registry import MIXERS
 
     pattern = "".join(m.symbol for m in MIXERS)
-    model = _model(_config(num_layers=len(pattern)), pattern=pattern, residual=scheme)
+    model = _model(_config(num_layers=len(pattern)), pattern=pattern, residual=scheme,
+                   **harness.SHORT_SPARSE)
     _loss(model).backward()
     assert all(p.grad is not None for p in model.parameters())
 

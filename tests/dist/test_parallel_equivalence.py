@@ -6,7 +6,7 @@ The single-process run saves a Megatron dist checkpoint; every parallel layout s
 random weights of its own and loads that checkpoint, resharded to its TP/PP/VPP split. (Fresh
 initialisation cannot be compared across PP: each stage draws only its own layers' weights.)
 So these tests are also the checkpoint save -> load -> reshard tests.
-The model is a tiny hybrid with every mixer kind of the registry. The helpers (building a
+The model is a tiny hybrid with every linear mixer kind of the registry and '*'. The helpers (building a
 layout, running Megatron's schedule, gathering gradients) live in tests/harness.py.
 """
 
@@ -14,8 +14,9 @@ import pytest
 
 import harness
 
-# Every mixer of the registry: GDN, KDA, attention, GDN-2, DeltaNet, GLA, RetNet, Lightning,
-# Mamba-2.
+# Every mixer of the registry but the sparse softmax ones (MoBA, NSA: their own sizes and
+# options, in test_sparse_attention_tp.py): GDN, KDA, attention, GDN-2, DeltaNet, GLA, RetNet,
+# Lightning, Mamba-2.
 PATTERN = "GK*QN*AR*LM*"
 
 

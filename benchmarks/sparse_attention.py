@@ -1,0 +1,220 @@
+"""Windowed and sparse softmax attention ops on one device: forward and forward+backward time and
+peak memory of each beside torch SDPA (causal, the yardstick), in one run.
+
+Ops (``--ops`` takes families, e.g. ``moba``, backends, e.g. ``flex``, or single ops, e.g.
+``nsa/gathered``):
+
+    swa_sink      softmax_attention with a sliding window of ``--window`` tokens and a
+                  learnable sink per head (gpt-oss / DeepSeek-V4 style SWA layers)
+    causal_sink   softmax_attention, causal, with a sink (what a '*' layer with
+                  softmax_type="learnable" runs)
+    moba          moba_attention, ``--moba-block`` tokens per block, ``--moba-top-k`` blocks
+    nsa           nsa_attention, ``--nsa`` = compress block, stride, select block, top-k, window
+                  (the paper's 32,16,64,16,512), with its gates and compression weights
+    sdpa          torch SDPA, causal (flash on CUDA)
+
+each with the backends of ``megatron_ext.kernels.sparse``: flex (FlexAttention, compiled; CUDA
+only, its CPU form has no backward) and gathered (PyTorch). Shapes: B = batch_tokens / T
+sequences, H heads for q, k and v alike, head dim D; bf16 q, k, v and gates, fp32 sink and
+compression weights, as in the layers. Timing and memory as in ``benchmarks/kernels.py`` (whose
+measurement this script reuses): median of ``--reps`` calls after ``--warmup``, peak allocated
+memory over the timed calls, inputs included; fwd+bwd takes the gradients of every input. The
+first flex call of each shape compiles (tens of seconds).
+
+    source benchmarks/gpu_setup.sh && python benchmarks/sparse_attention.py    # on the GPU machine
+    python benchmarks/sparse_attention.py --device cpu --seq-lens 128,256 --batch-tokens 512 \\
+        --heads 2 --head-dim 16 --window 32 --moba-block 32 --moba-top-k 2 --nsa 8,4,16,3,32
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from megatron_ext.kernels import sparse
+
+
+def _kernel_benchmark():
+    """benchmarks/kernels.py, for its Op, measure and environment (loaded by path: benchmarks/ is
+    a folder of scripts, not a package)."""
+    path = pathlib.Path(__file__).with_name("kernels.py")
+    spec = importlib.util.spec_from_file_location("kernel_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _kernel_benchmark()
+log = bench.log
+# The inputs of each family (the gradients of all of them are taken).
+INPUTS = {"swa_sink": ["q", "k", "v", "sink"], "causal_sink": ["q", "k", "v", "sink"],
+          "moba": ["q", "k", "v"], "nsa": ["q", "k", "v", "gates", "k_weights", "v_weights"]}
+BACKENDS = ["flex", "gathered"]
+
+
+def make_inputs(args, family, batch, seq_len, heads, dim):
+    device = torch.device(args.device)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device)
+
+    compress_block = args.nsa[0]
+    inputs = dict(
+        q=randn(batch, seq_len, heads, dim).bfloat16(),
+        k=randn(batch, seq_len, heads, dim).bfloat16(),
+        v=randn(batch, seq_len, heads, dim).bfloat16(), sink=randn(heads),
+        gates=torch.sigmoid(randn(batch, seq_len, heads, 3)).bfloat16(),
+        k_weights=torch.full((heads, compress_block), 1 / compress_block, device=device),
+        v_weights=torch.full((heads, compress_block), 1 / compress_block, device=device))
+    return {name: inputs[name] for name in INPUTS[family]}
+
+
+def family_run(family, backend, args):
+    """``run(**inputs) -> output`` of one op."""
+    compress_block, compress_stride, select_block, select_top_k, window = args.nsa
+    calls = {
+        "swa_sink": lambda x: sparse.softmax_attention(
+            x["q"], x["k"], x["v"], window=(args.window - 1, 0), sink=x["sink"], backend=backend),
+        "causal_sink": lambda x: sparse.softmax_attention(
+            x["q"], x["k"], x["v"], sink=x["sink"], backend=backend),
+        "moba": lambda x: sparse.moba_attention(
+            x["q"], x["k"], x["v"], block_size=args.moba_block, top_k=args.moba_top_k,
+            backend=backend),
+        "nsa": lambda x: sparse.nsa_attention(
+            x["q"], x["k"], x["v"], x["gates"], x["k_weights"], x["v_weights"],
+            compress_block=compress_block, compress_stride=compress_stride,
+            select_block=select_block, select_top_k=select_top_k, window=window,
+            backend=backend),
+    }
+    return lambda **x: calls[family](x)
+
+
+def build_ops(args) -> list:
+    device = torch.device(args.device)
+    ops = []
+    for family in INPUTS:
+        for backend in BACKENDS:
+            skip = None
+            if backend == "flex" and device.type != "cuda":
+                skip = "FlexAttention has no backward on the CPU"
+            make = lambda *shape, family=family: make_inputs(args, family, *shape)  # noqa: E731
+            ops.append(bench.Op(family, backend, make, family_run(family, backend, args), skip))
+    ops.append(bench.Op("sdpa", "torch", lambda *shape: bench.sdpa_inputs(*shape, device),
+                        lambda **x: F.scaled_dot_product_attention(x["q"], x["k"], x["v"],
+                                                                   is_causal=True)))
+    return ops
+
+
+def plot(record: dict, path: pathlib.Path) -> None:
+    """fwd+bwd time (solid; fwd dashed) and peak memory against T, one line per op."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = sorted({r["op"] for r in record["results"] if "fwd_ms" in r})
+    with_memory = any(r.get("fwd_bwd_peak_gib") for r in record["results"])
+    fig, axes = plt.subplots(1, 2 if with_memory else 1, figsize=(13 if with_memory else 7, 5),
+                             squeeze=False)
+    for index, op in enumerate(ops):
+        rows = sorted((r for r in record["results"] if r["op"] == op), key=lambda r: r["seq_len"])
+        color = f"C{index % 10}"
+        for key, style, label in (("fwd_bwd_ms", "-", op), ("fwd_ms", "--", None)):
+            points = [(r["seq_len"], r[key]) for r in rows if key in r]
+            if points:
+                axes[0, 0].plot(*zip(*points), style, color=color, marker="o", label=label)
+        memory = [(r["seq_len"], r["fwd_bwd_peak_gib"]) for r in rows if r.get("fwd_bwd_peak_gib")]
+        if with_memory and memory:
+            axes[0, 1].plot(*zip(*memory), "-", color=color, marker="o", label=op)
+    axes[0, 0].set(xscale="log", yscale="log", xlabel="T (B = batch_tokens / T)",
+                   ylabel="ms (median): fwd+bwd solid, fwd dashed")
+    if with_memory:
+        axes[0, 1].set(xscale="log", xlabel="T", ylabel="peak GiB, fwd+bwd (inputs included)")
+    for axis in axes[0]:
+        axis.legend(fontsize=7)
+        axis.grid(alpha=0.3)
+    s = record["settings"]
+    fig.suptitle(f"{record['device']}: B*T = {s['batch_tokens']}, H = {s['heads']}, "
+                 f"D = {s['head_dim']}, window {s['window']}, MoBA {s['moba_block']}/top-"
+                 f"{s['moba_top_k']}, NSA {s['nsa']}, bf16", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def summary(record: dict) -> None:
+    """Each op's fwd+bwd time as a fraction of SDPA's at the same T."""
+    sdpa = {r["seq_len"]: r.get("fwd_bwd_ms") for r in record["results"] if r["op"] == "sdpa/torch"}
+    for r in record["results"]:
+        if r["op"] != "sdpa/torch" and r.get("fwd_bwd_ms") and sdpa.get(r["seq_len"]):
+            log(f"{r['op']} T={r['seq_len']}: fwd+bwd {r['fwd_bwd_ms']:.2f} ms = "
+                f"{r['fwd_bwd_ms'] / sdpa[r['seq_len']]:.2f}x SDPA, peak "
+                f"{r.get('fwd_bwd_peak_gib') or float('nan'):.2f} GiB")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", default="4096,16384,32768", help="comma-separated T values")
+    parser.add_argument("--batch-tokens", type=int, default=32768,
+                        help="B * T, the same for every T")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--window", type=int, default=512, help="swa_sink: tokens in the window")
+    parser.add_argument("--moba-block", type=int, default=512)
+    parser.add_argument("--moba-top-k", type=int, default=3)
+    parser.add_argument("--nsa", default="32,16,64,16,512",
+                        help="compress block, stride, select block, top-k, window")
+    parser.add_argument("--ops", default="all",
+                        help="comma-separated families, backends or ops (default: all)")
+    parser.add_argument("--warmup", type=int, help="untimed calls first (default: 2; 1 on CPU)")
+    parser.add_argument("--reps", type=int, help="timed calls (default: 10; 3 on CPU)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default="benchmarks/results/sparse_attention_h200.json")
+    args = parser.parse_args(argv)
+    on_cpu = torch.device(args.device).type == "cpu"
+    args.warmup = (1 if on_cpu else 2) if args.warmup is None else args.warmup
+    args.reps = (3 if on_cpu else 10) if args.reps is None else args.reps
+    args.seq_lens = [int(value) for value in args.seq_lens.split(",")]
+    args.nsa = [int(value) for value in args.nsa.split(",")]
+    if len(args.nsa) != 5:
+        parser.error("--nsa takes 5 numbers: compress block, stride, select block, top-k, window")
+    for seq_len in args.seq_lens:
+        if args.batch_tokens % seq_len:
+            parser.error(f"--batch-tokens {args.batch_tokens} is not a multiple of T = {seq_len}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    ops = build_ops(args)
+    if args.ops != "all":
+        wanted = set(args.ops.split(","))
+        known = {op.family for op in ops} | {op.backend for op in ops} | {op.name for op in ops}
+        if wanted - known:
+            raise SystemExit(f"unknown --ops {sorted(wanted - known)}; known: {sorted(known)}")
+        ops = [op for op in ops if {op.family, op.backend, op.name} & wanted]
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = dict(bench.environment(device), settings=vars(args), results=[])
+    log(f"{record['device']}, torch {torch.__version__}: {len(ops)} ops x T in {args.seq_lens}")
+    started = time.time()
+    for seq_len in args.seq_lens:
+        for op in ops:
+            record["results"].append(bench.measure(op, seq_len, args))
+            out.write_text(json.dumps(record, indent=1))
+    log(f"wrote {out} after {time.time() - started:.0f} s")
+    summary(record)
+    plot(record, out.with_suffix(".png"))
+    log(f"wrote {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

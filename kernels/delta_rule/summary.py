@@ -1,0 +1,42 @@
+"""The affine summary of a stretch of tokens under the gated delta rule (for context parallelism).
+
+Per head, each step ``S_t = (I - k_t a_t^T) Diag(exp g_t) S_{t-1} + k_t x_t^T`` (a_t = b_t * k_t,
+x_t = w_t * v_t) is affine in the state, so a stretch of T tokens entered with state S_0 leaves
+
+    S_T = M S_0 + H,    M = (I - k_T a_T^T) D_T ... (I - k_1 a_1^T) D_1  (K x K),
+                        H = the state the stretch leaves when entered with S_0 = 0  (K x V).
+
+Both come from ONE call of the op: the columns of the state evolve independently, each driven by
+its own value column, so entering with ``[0 | I_K]`` while writing the values ``[v | 0]``
+leaves ``[H | M I_K] = [H | M]``. Any backend of the op therefore gives the summary, with its
+own backward; the cost is one run with V + K value channels.
+"""
+import torch
+
+__all__ = ["gated_delta_rule_summary"]
+
+
+def gated_delta_rule_summary(k, v, *, beta=None, g=None, erase=None, write=None,
+                             backend: str = "auto"):
+    """(transition ``[B, Hv, K, K]``, state ``[B, Hv, K, V]``) of each batch row, fp32.
+
+    Arguments as in :func:`~megatron_ext.kernels.gated_delta_rule` (k ``[B, T, Hk, K]``, v
+    ``[B, T, Hv, V]``, beta, g, erase, write); q plays no part in the state.
+    Then for any entering state S_0, the state after the row's T tokens is
+    ``transition @ S_0 + state``.
+    """
+    from . import gated_delta_rule  # the package entry point picks the backend
+
+    batch, seq_len, _, key_dim = k.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    values = torch.cat([v, v.new_zeros(batch, seq_len, value_heads, key_dim)], dim=-1)
+    if write is not None:  # the gate of the zero columns is irrelevant
+        write = torch.cat([write, write.new_ones(batch, seq_len, value_heads, key_dim)], dim=-1)
+    dtype = torch.promote_types(torch.float32, v.dtype)
+    entering = torch.cat([
+        torch.zeros(batch, value_heads, key_dim, value_dim, dtype=dtype, device=v.device),
+        torch.eye(key_dim, dtype=dtype, device=v.device).expand(batch, value_heads, key_dim, key_dim),
+    ], dim=-1)
+    _, final = gated_delta_rule(k, k, values, beta=beta, g=g, erase=erase, write=write,
+                                initial_state=entering, output_final_state=True, backend=backend)
+    return final[..., value_dim:], final[..., :value_dim]

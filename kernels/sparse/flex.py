@@ -1,0 +1,76 @@
+"""A :class:`~.layout.BlockLayout` run by PyTorch FlexAttention (Dong et al., "Flex Attention: A
+Programming Model for Generating Optimized Attention Kernels", 2024): the layout becomes a
+``BlockMask`` (the visited key blocks per query block) with the layout's token rule as its
+``mask_mod``; the sink rescales the output by the log-sum-exp,
+``o * sigmoid(lse - sink) = o * sum exp / (sum exp + exp sink)``, which FlexAttention
+differentiates.
+
+On CUDA the kernel is compiled once per shape and token rule (``torch.compile``). On the CPU,
+torch 2.11's FlexAttention runs forward only and unfused: it evaluates the token rule on every
+(query, key) pair and ignores the block sparsity, and it refuses inputs that require grad; so
+"auto" picks the gathered executor there, and this backend serves CPU inference and tests of
+the rule.
+"""
+import torch
+
+from .layout import BlockLayout
+from .reference import OP
+
+__all__ = ["flex_attention_layout", "block_mask"]
+
+_compiled = None
+
+
+def _flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+def _compiled_flex_attention():
+    global _compiled
+    if _compiled is None:
+        # One compiled variant per token rule and shape: a hybrid with window, MoBA and NSA
+        # layers (NSA alone has three rules) passes Dynamo's default of 8 recompiles, after which
+        # it would fall back to the unfused eager kernel.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _compiled = torch.compile(_flex_attention(), dynamic=False)
+    return _compiled
+
+
+def block_mask(layout: BlockLayout, heads: int, seq_len: int, key_len: int):
+    """The layout as a FlexAttention BlockMask over ``heads`` query heads."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    active = layout.active
+    if active.shape[1] not in (1, heads):  # one layout per key/value group -> per query head
+        active = active.repeat_interleave(heads // active.shape[1], dim=1)
+    counts, order = layout.kv_blocks(active)
+    return BlockMask.from_kv_blocks(
+        counts, order, BLOCK_SIZE=(layout.q_block, layout.kv_block), mask_mod=layout.mask_mod,
+        seq_lengths=(seq_len, key_len))
+
+
+def flex_attention_layout(q, k, v, layout: BlockLayout, *, sink=None, scale=None):
+    """Same contract as ``gathered_attention``."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if q.device.type == "cpu":
+        if torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (q, k, v, sink)):
+            raise RuntimeError(
+                f"{OP}: backend 'flex' cannot run: FlexAttention has no backward on the CPU in "
+                f"torch {torch.__version__}; use backend='gathered'")
+        q, k, v = q.detach(), k.detach(), v.detach()  # it refuses any input that requires grad
+    run = _compiled_flex_attention() if q.device.type == "cuda" else _flex_attention()
+    out, aux = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                   block_mask=block_mask(layout, heads, q.shape[1], k.shape[1]), scale=scale,
+                   enable_gqa=heads != kv_heads, return_aux=AuxRequest(lse=True))
+    if sink is not None:
+        # A query with no key has o = 0 and lse = -inf; any finite lse keeps it 0 (and NaN out
+        # of -inf - sink, for a sink of -inf).
+        lse = aux.lse.masked_fill(aux.lse == float("-inf"), 0.0)
+        keep = torch.sigmoid(lse - sink.float().view(1, heads, 1))
+        out = (out.float() * keep.unsqueeze(-1)).to(out.dtype)
+    return out.transpose(1, 2).to(v.dtype)

@@ -1,0 +1,196 @@
+"""Block layouts: which key blocks each query block visits, and the exact rule inside them.
+
+Every sparse attention of this package is described once, as a :class:`BlockLayout`, and run by
+either executor: ``gathered.py`` (PyTorch, any device) or ``flex.py`` (FlexAttention). The
+layout is a coarse bool matrix over (query block, key block) pairs, so that whole blocks of
+keys are skipped, plus a token rule ``mask_mod(b, h, q_idx, kv_idx) -> bool`` in FlexAttention's
+convention (h a query head), which decides inside the visited blocks. A rule is written with
+elementwise tensor operations only, so that it serves FlexAttention, which calls it on scalars,
+and the gathered executor, which calls it on broadcast index tensors.
+
+Also here: the discrete selections (MoBA's and NSA's top-k blocks, computed without gradient
+and by chunks of queries, never as a ``[T, T]`` matrix) and NSA's compression.
+"""
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .reference import chosen_blocks
+
+__all__ = [
+    "BlockLayout", "interval_layout", "selection_layout", "window_rule", "window_span",
+    "document_rule", "allowed_rule", "both", "moba_chosen", "compress", "nsa_chosen",
+]
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Queries per step when a selection scores them (a [B, H, chunk, blocks] matrix at a time).
+SELECTION_CHUNK = 4096
+
+
+@dataclass
+class BlockLayout:
+    """``active``: bool ``[B | 1, Hm, Tq / q_block, S / kv_block]`` (blocks rounded up), Hm one
+    of 1, the key/value heads or the query heads; ``mask_mod``: the token rule."""
+
+    q_block: int
+    kv_block: int
+    active: torch.Tensor
+    mask_mod: MaskMod
+
+    def kv_blocks(self, active: torch.Tensor | None = None):
+        """FlexAttention's form of ``active`` (or of a broadcast of it): the number of visited
+        key blocks ``[..., nq]`` and their indices first ``[..., nq, nk]``, both int32."""
+        active = self.active if active is None else active
+        order = torch.argsort(active.to(torch.int8), dim=-1, descending=True, stable=True)
+        return active.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+
+def both(first: MaskMod, second: MaskMod) -> MaskMod:
+    return lambda b, h, q, kv: first(b, h, q, kv) & second(b, h, q, kv)
+
+
+def _window_bounds(causal: bool, window) -> tuple[int, int]:
+    left, right = window if window is not None else (-1, -1)
+    return left, 0 if causal else right
+
+
+def window_rule(causal: bool, window) -> MaskMod:
+    """Causal and/or sliding window ``(left, right)`` (-1: unbounded)."""
+    left, right = _window_bounds(causal, window)
+
+    def rule(b, h, q, kv):
+        ok = kv >= 0
+        if left >= 0:
+            ok = ok & (kv >= q - left)
+        if right >= 0:
+            ok = ok & (kv <= q + right)
+        return ok
+
+    return rule
+
+
+def window_span(causal: bool, window):
+    """``first_key(t), last_key(t)`` of :func:`window_rule`, for :func:`interval_layout`."""
+    left, right = _window_bounds(causal, window)
+    first = (lambda t: t - left) if left >= 0 else torch.zeros_like
+    last = (lambda t: t + right) if right >= 0 else (lambda t: torch.full_like(t, 1 << 62))
+    return first, last
+
+
+def document_rule(cu_seqlens: torch.Tensor, total: int) -> MaskMod:
+    """Query and key in the same of the sequences packed along T."""
+    positions = torch.arange(total, device=cu_seqlens.device)
+    ids = torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
+    return lambda b, h, q, kv: ids[q] == ids[kv]
+
+
+def allowed_rule(allowed: torch.Tensor) -> MaskMod:
+    """A dense bool mask ``[B, Hq | 1, T, S]`` (broadcast already to the batch)."""
+    if allowed.shape[1] == 1:
+        return lambda b, h, q, kv: allowed[b, 0, q, kv]
+    return lambda b, h, q, kv: allowed[b, h, q, kv]
+
+
+def interval_layout(seq_len: int, key_len: int, q_block: int, kv_block: int, first_key, last_key,
+                    mask_mod: MaskMod, device) -> BlockLayout:
+    """The layout of a rule under which query t sees only keys ``first_key(t) .. last_key(t)``,
+    both nondecreasing in t (causal, sliding window, NSA's compressed keys): a key block is
+    visited when it meets the span of some query of the block."""
+    q_start = torch.arange(0, seq_len, q_block, device=device)
+    q_end = (q_start + q_block).clamp(max=seq_len) - 1
+    kv_start = torch.arange(0, key_len, kv_block, device=device)
+    kv_end = (kv_start + kv_block).clamp(max=key_len) - 1
+    active = ((kv_start[None, :] <= last_key(q_end)[:, None])
+              & (kv_end[None, :] >= first_key(q_start)[:, None]))
+    return BlockLayout(q_block, kv_block, active[None, None], mask_mod)
+
+
+def selection_layout(chosen: torch.Tensor, select_block: int, key_len: int, q_block: int,
+                     kv_block: int, mask_mod: MaskMod) -> BlockLayout:
+    """The layout of a per-token block selection ``chosen [B, H, T, n]`` (bool, blocks of
+    ``select_block`` keys): a key block is visited when a query of the block chose a selection
+    block that overlaps it."""
+    batch, heads, seq_len, num_select = chosen.shape
+    num_q = math.ceil(seq_len / q_block)
+    padded = F.pad(chosen, (0, 0, 0, num_q * q_block - seq_len))
+    per_q_block = padded.view(batch, heads, num_q, q_block, num_select).any(3)
+    select_start = torch.arange(num_select, device=chosen.device) * select_block
+    select_end = (select_start + select_block).clamp(max=key_len) - 1
+    kv_start = torch.arange(0, key_len, kv_block, device=chosen.device)
+    kv_end = (kv_start + kv_block).clamp(max=key_len) - 1
+    overlap = ((select_start[:, None] <= kv_end[None, :])
+               & (select_end[:, None] >= kv_start[None, :]))  # [n, nk]
+    active = (per_q_block.float() @ overlap.float()) > 0
+    return BlockLayout(q_block, kv_block, active, mask_mod)
+
+
+@torch.no_grad()
+def moba_chosen(q: torch.Tensor, k: torch.Tensor, block_size: int, top_k: int) -> torch.Tensor:
+    """MoBA's selection ``[B, Hq, T, n]``: per query and head, its own block and the
+    ``top_k - 1`` finished blocks of highest ``q . mean(K_block)``."""
+    batch, seq_len, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    num_blocks = math.ceil(seq_len / block_size)
+    padded = F.pad(k.float(), (0, 0, 0, 0, 0, num_blocks * block_size - seq_len))
+    sums = padded.view(batch, num_blocks, block_size, kv_heads, dim).sum(2)
+    starts = torch.arange(num_blocks, device=q.device) * block_size
+    counts = (seq_len - starts).clamp(max=block_size)
+    means = (sums / counts[:, None, None]).repeat_interleave(heads // kv_heads, dim=2)
+    means = means.transpose(1, 2)  # [B, Hq, n, D]
+    blocks = torch.arange(num_blocks, device=q.device)
+    chosen = torch.empty(batch, heads, seq_len, num_blocks, dtype=torch.bool, device=q.device)
+    for start in range(0, seq_len, SELECTION_CHUNK):
+        end = min(start + SELECTION_CHUNK, seq_len)
+        gate = q[:, start:end].float().transpose(1, 2) @ means.transpose(-1, -2)
+        own = torch.arange(start, end, device=q.device)[:, None] // block_size
+        gate = gate.masked_fill(blocks > own, float("-inf"))
+        gate = gate.masked_fill(blocks == own, float("inf"))
+        chosen[:, :, start:end] = chosen_blocks(gate, top_k)
+    return chosen
+
+
+def compress(x: torch.Tensor, weights: torch.Tensor, block: int, stride: int) -> torch.Tensor:
+    """NSA's compressed tokens (see ``compress_reference``), from strided windows of x:
+    ``[B, T, H, D]`` -> ``[B, N, H, D]`` in x's dtype."""
+    batch, seq_len, heads, dim = x.shape
+    if seq_len < block:
+        return x.new_zeros(batch, 0, heads, dim)
+    windows = x.unfold(1, block, stride)  # [B, N, H, D, block], a view
+    return torch.einsum("bnhdp,hp->bnhd", windows, weights.to(x.dtype))
+
+
+@torch.no_grad()
+def nsa_chosen(q: torch.Tensor, compressed_k: torch.Tensor, *, compress_block: int,
+               compress_stride: int, select_block: int, select_top_k: int,
+               scale: float) -> torch.Tensor:
+    """NSA's selection ``[B, Hkv, T, n]`` (see ``nsa_attention_reference``), from the
+    compressed branch's probabilities, by chunks of queries."""
+    batch, seq_len, heads, _ = q.shape
+    num_compressed, kv_heads = compressed_k.shape[1], compressed_k.shape[2]
+    num_select = math.ceil(seq_len / select_block)
+    starts = torch.arange(num_compressed, device=q.device) * compress_stride
+    ends = starts + compress_block - 1
+    select_start = torch.arange(num_select, device=q.device) * select_block
+    # share[i, j]: the fraction of compressed block i's tokens that lie in selection block j.
+    share = (torch.minimum(ends[:, None] + 1, select_start[None, :] + select_block)
+             - torch.maximum(starts[:, None], select_start[None, :])).clamp(min=0) / compress_block
+    keys = compressed_k.float().repeat_interleave(heads // kv_heads, dim=2).transpose(1, 2)
+    blocks = torch.arange(num_select, device=q.device)
+    chosen = torch.empty(batch, kv_heads, seq_len, num_select, dtype=torch.bool, device=q.device)
+    for start in range(0, seq_len, SELECTION_CHUNK):
+        end = min(start + SELECTION_CHUNK, seq_len)
+        positions = torch.arange(start, end, device=q.device)[:, None]
+        visible = ends[None, :] <= positions
+        scores = q[:, start:end].float().transpose(1, 2) @ keys.transpose(-1, -2) * scale
+        probs = scores.masked_fill(~visible, torch.finfo(torch.float32).min).softmax(-1) * visible
+        importance = (probs @ share).unflatten(1, (kv_heads, -1)).sum(2)  # [B, Hkv, C, n]
+        own = positions // select_block
+        must = (blocks == 0) | (blocks == own) | (blocks == own - 1)
+        importance = importance.masked_fill(blocks > own, float("-inf"))
+        importance = importance.masked_fill(must & (blocks <= own), float("inf"))
+        chosen[:, :, start:end] = chosen_blocks(importance, select_top_k)
+    return chosen

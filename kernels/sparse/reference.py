@@ -1,0 +1,229 @@
+"""Dense fp32 definitions of the windowed, sink and sparse softmax attentions: the oracles.
+
+Each function writes out the boolean mask of the keys every query may attend to, as a full
+``[B, H, T, S]`` tensor, and runs one masked softmax over it. They are written for clarity, not
+speed; every efficient path in this package is tested against them.
+
+Layout: q ``[B, T, Hq, D]``, k and v ``[B, S, Hkv, D]`` with Hq a multiple of Hkv (query head h
+reads key/value head ``h // (Hq / Hkv)``); query t and key t are the same token. Results come
+back in v's dtype. A query that may attend to no key gets a zero output.
+
+Sliding windows follow Megatron's (and FlashAttention's) ``(left, right)`` convention: query t
+sees keys ``t - left .. t + right``; -1 means unbounded; causal attention caps right at 0.
+"""
+import math
+
+import torch
+
+__all__ = [
+    "OP", "check_qkv", "masked_attention", "window_mask", "document_mask",
+    "softmax_attention_reference", "moba_attention_reference", "compress_reference",
+    "nsa_attention_reference", "exclusive_self_attention", "chosen_blocks",
+]
+
+OP = "sparse attention"
+
+
+def check_qkv(op: str, q, k, v) -> None:
+    """Raise ValueError, naming the argument and the expected shape, if q, k, v do not fit."""
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if tensor.dim() != 4 or not tensor.is_floating_point():
+            raise ValueError(f"{op}: {name} has shape {tuple(tensor.shape)} and dtype "
+                             f"{tensor.dtype}, expected a floating-point [B, T, H, D] tensor")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
+                         f"[B, S, Hkv, D] with B, D = {q.shape[0]}, {q.shape[3]} as in q")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"{op}: q has {q.shape[2]} heads, not a multiple of the {k.shape[2]} "
+                         "key/value heads")
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, S, Hkv, D]`` -> fp32 ``[B, heads, S, D]``, each key/value head repeated for its
+    query heads."""
+    return x.float().repeat_interleave(heads // x.shape[2], dim=2).transpose(1, 2)
+
+
+def _masked_attention_fp32(q, k, v, allowed, sink, scale):
+    batch, seq_len, heads, dim = q.shape
+    scale = dim ** -0.5 if scale is None else scale
+    scores = q.float().transpose(1, 2) @ _heads(k, heads).transpose(-1, -2) * scale
+    allowed = allowed.expand_as(scores)
+    scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+    if sink is not None:  # one more logit per head in the denominator, with a zero value
+        sink_column = sink.float().view(1, heads, 1, 1).expand(batch, heads, seq_len, 1)
+        scores = torch.cat([scores, sink_column], dim=-1)
+    probs = scores.softmax(-1)[..., : allowed.shape[-1]] * allowed
+    return (probs @ _heads(v, heads)).transpose(1, 2)  # [B, T, Hq, D]
+
+
+def masked_attention(q, k, v, allowed, *, sink=None, scale=None):
+    """``softmax(q k^T * scale over the allowed keys) v``; with ``sink [Hq]``, the learnable
+    sink of StreamingLLM / gpt-oss: ``exp(sink_h)`` joins each row's denominator, i.e.
+    ``p_ts = exp(z_ts) / (sum_allowed exp(z_ts') + exp(sink_h))``. ``allowed``: bool,
+    broadcastable to ``[B, Hq, T, S]``. scale defaults to ``D ** -0.5``."""
+    return _masked_attention_fp32(q, k, v, allowed, sink, scale).to(v.dtype)
+
+
+def window_mask(seq_len: int, key_len: int, *, causal: bool = True, window=None,
+                device=None) -> torch.Tensor:
+    """``[T, S]`` bool: which keys each query sees under a causal mask and/or a sliding window
+    ``(left, right)``."""
+    offset = (torch.arange(key_len, device=device)[None, :]
+              - torch.arange(seq_len, device=device)[:, None])
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    allowed = torch.ones(seq_len, key_len, dtype=torch.bool, device=device)
+    if left >= 0:
+        allowed &= offset >= -left
+    if right >= 0:
+        allowed &= offset <= right
+    return allowed
+
+
+def document_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``[T, T]`` bool: query and key lie in the same of the sequences packed along T."""
+    positions = torch.arange(total, device=cu_seqlens.device)
+    ids = torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
+    return ids[:, None] == ids[None, :]
+
+
+def softmax_attention_reference(q, k, v, *, causal=True, window=None, sink=None, scale=None,
+                                cu_seqlens=None, allowed=None):
+    """Softmax attention with an optional sliding window, sink, packed sequences
+    (``cu_seqlens``, B == 1) and extra mask ``allowed`` (bool ``[B | 1, Hq | 1, T, S]``)."""
+    check_qkv(OP, q, k, v)
+    mask = window_mask(q.shape[1], k.shape[1], causal=causal, window=window, device=q.device)
+    if cu_seqlens is not None:
+        mask = mask & document_mask(cu_seqlens, q.shape[1])
+    if allowed is not None:
+        mask = mask & allowed
+    return masked_attention(q, k, v, mask, sink=sink, scale=scale)
+
+
+def chosen_blocks(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """bool mask of the ``top_k`` highest-scoring blocks per row; ``-inf`` marks a block that
+    cannot be chosen, ``+inf`` one that must be."""
+    top = scores.topk(min(top_k, scores.shape[-1]), dim=-1)
+    chosen = torch.zeros_like(scores, dtype=torch.bool)
+    return chosen.scatter(-1, top.indices, top.values > float("-inf"))
+
+
+def moba_attention_reference(q, k, v, *, block_size, top_k, window=None, sink=None, scale=None,
+                             allowed=None):
+    """MoBA, Lu et al., "MoBA: Mixture of Block Attention for Long-Context LLMs" (2025).
+
+    The keys are cut into blocks of ``block_size`` tokens. Query t (per head) scores each block
+    that ends before t's own block by ``q_t . mean(keys of the block)``, keeps the ``top_k - 1``
+    best of them and always its own block, and attends causally to the tokens of the kept
+    blocks (intersected with the sliding window and ``allowed``, when given).
+    """
+    check_qkv(OP, q, k, v)
+    seq_len, heads = q.shape[1], q.shape[2]
+    num_blocks = math.ceil(seq_len / block_size)
+    block_means = torch.stack([k[:, j * block_size:(j + 1) * block_size].float().mean(1)
+                               for j in range(num_blocks)], dim=1)  # [B, n, Hkv, D]
+    gate = q.float().transpose(1, 2) @ _heads(block_means, heads).transpose(-1, -2)
+    own_block = torch.arange(seq_len, device=q.device) // block_size  # [T]
+    blocks = torch.arange(num_blocks, device=q.device)
+    gate = gate.masked_fill(blocks[None, :] > own_block[:, None], float("-inf"))  # not yet done
+    gate = gate.masked_fill(blocks[None, :] == own_block[:, None], float("inf"))  # own block
+    chosen = chosen_blocks(gate, top_k)  # [B, Hq, T, n]
+    mask = chosen[..., own_block] & window_mask(seq_len, seq_len, window=window, device=q.device)
+    if allowed is not None:
+        mask = mask & allowed
+    return masked_attention(q, k, v, mask, sink=sink, scale=scale)
+
+
+def compress_reference(x: torch.Tensor, weights: torch.Tensor, block: int, stride: int):
+    """NSA's compressed tokens: ``x [B, T, H, D]`` -> ``[B, N, H, D]``, entry i the weighted sum
+    ``sum_p weights[h, p] * x[i * stride + p]`` over the block of ``block`` tokens starting at
+    ``i * stride``, for every block that fits in T."""
+    count = (x.shape[1] - block) // stride + 1 if x.shape[1] >= block else 0
+    pooled = [torch.einsum("bphd,hp->bhd", x[:, i * stride:i * stride + block].float(),
+                           weights.float()) for i in range(count)]
+    if not pooled:
+        return x.new_zeros(x.shape[0], 0, x.shape[2], x.shape[3], dtype=torch.float32)
+    return torch.stack(pooled, dim=1)
+
+
+def nsa_attention_reference(q, k, v, gates, k_weights, v_weights, *, compress_block,
+                            compress_stride, select_block, select_top_k, window, sink=None,
+                            scale=None):
+    """NSA, Yuan et al., "Native Sparse Attention: Hardware-Aligned and Natively Trainable
+    Sparse Attention" (2025): three attention branches over one query, summed with per-token
+    sigmoid gates ``gates [B, T, Hq, 3]`` (compressed, selected, window; already in (0, 1)).
+
+    - compressed: keys and values pooled over blocks of ``compress_block`` tokens every
+      ``compress_stride`` tokens with per-head position weights ``k_weights`` / ``v_weights``
+      ``[Hkv, compress_block]`` (:func:`compress_reference`); query t sees the blocks that end
+      at or before t.
+    - selected: the keys are cut into blocks of ``select_block`` tokens. A block's importance
+      for query t is the compressed branch's attention probability (no sink) of each compressed
+      block, spread evenly over that block's tokens and summed over the block's tokens, then
+      summed over the query heads of a key/value group, which share one selection (eq. 9 of the
+      paper shares a compressed block's probability among the selection blocks it overlaps in
+      the same proportion). The first block and the 2 blocks ending at t's (t's own
+      and the one before) are always kept; the best others fill ``select_top_k`` blocks in all.
+      Attention over their tokens is causal.
+    - window: the last ``window`` tokens, t's own included.
+
+    Every branch has its own softmax (with the sink, when given).
+    """
+    check_qkv(OP, q, k, v)
+    batch, seq_len, heads, _ = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    positions = torch.arange(seq_len, device=q.device)
+
+    compressed_k = compress_reference(k, k_weights, compress_block, compress_stride)
+    compressed_v = compress_reference(v, v_weights, compress_block, compress_stride)
+    starts = torch.arange(compressed_k.shape[1], device=q.device) * compress_stride
+    ends = starts + compress_block - 1
+    sees_compressed = ends[None, :] <= positions[:, None]  # [T, N]
+    out_compressed = _masked_attention_fp32(q, compressed_k, compressed_v, sees_compressed, sink,
+                                            scale)
+
+    # Importance of the selection blocks, from the compressed branch's probabilities.
+    scores = q.float().transpose(1, 2) @ _heads(compressed_k, heads).transpose(-1, -2) * scale
+    scores = scores.masked_fill(~sees_compressed, torch.finfo(torch.float32).min)
+    probs = scores.softmax(-1) * sees_compressed  # rows with nothing visible are all zero
+    num_select = math.ceil(seq_len / select_block)
+    token_share = torch.zeros(compressed_k.shape[1], seq_len, device=q.device)
+    for i, start in enumerate(starts.tolist()):
+        token_share[i, start:start + compress_block] = 1 / compress_block
+    block_of_token = positions // select_block
+    overlap = torch.zeros(seq_len, num_select, device=q.device)
+    overlap[positions, block_of_token] = 1.0
+    importance = probs @ token_share @ overlap  # [B, Hq, T, n]
+    importance = importance.unflatten(1, (kv_heads, group)).sum(2)  # [B, Hkv, T, n]
+
+    blocks = torch.arange(num_select, device=q.device)
+    own = block_of_token[:, None]
+    must = (blocks[None, :] == 0) | (blocks[None, :] == own) | (blocks[None, :] == own - 1)
+    importance = importance.masked_fill(blocks[None, :] > own, float("-inf"))
+    importance = importance.masked_fill(must & (blocks[None, :] <= own), float("inf"))
+    chosen = chosen_blocks(importance, select_top_k)  # [B, Hkv, T, n]
+    sees_selected = chosen[..., block_of_token] & window_mask(seq_len, seq_len, device=q.device)
+    out_selected = _masked_attention_fp32(q, k, v, sees_selected.repeat_interleave(group, 1),
+                                          sink, scale)
+
+    sees_window = window_mask(seq_len, seq_len, window=(window - 1, 0), device=q.device)
+    out_window = _masked_attention_fp32(q, k, v, sees_window, sink, scale)
+
+    gates = gates.float()
+    out = (gates[..., 0:1] * out_compressed + gates[..., 1:2] * out_selected
+           + gates[..., 2:3] * out_window)
+    return out.to(v.dtype)
+
+
+def exclusive_self_attention(out: torch.Tensor, v: torch.Tensor, eps: float = 1e-6):
+    """XSA, Zhai, "Exclusive Self Attention" (2026): remove from each head's attention output
+    ``out [B, T, Hq, D]`` its component along the token's own value ``v [B, T, Hkv, D]`` (the
+    value of the head's key/value group): ``z = y - (y . v) / (|v|^2 + eps) v``, in fp32."""
+    y = out.float()
+    own = v.float().repeat_interleave(out.shape[2] // v.shape[2], dim=2)
+    coefficient = (y * own).sum(-1, keepdim=True) / (own.square().sum(-1, keepdim=True) + eps)
+    return (y - coefficient * own).to(out.dtype)

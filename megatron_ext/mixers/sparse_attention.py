@@ -1,0 +1,142 @@
+"""Sparse softmax attention layers: MoBA ('B') and NSA ('S').
+
+Both are Megatron's SelfAttention (QKV projection, RoPE, QK-norm, output gate, output
+projection, TP over heads, SP) with a core of ours in place of the dense one; every option of
+:class:`~megatron_ext.mixers.attention.SoftmaxCoreAttention` (sink, XSA, and for MoBA the
+sliding window) applies.
+
+- MoBA, Lu et al., "MoBA: Mixture of Block Attention for Long-Context LLMs" (2025): no
+  parameters; each query head picks its key blocks by ``q . mean(K_block)``.
+- NSA, Yuan et al., "Native Sparse Attention: Hardware-Aligned and Natively Trainable Sparse
+  Attention" (2025): compressed, selected and sliding-window branches over the layer's one set
+  of keys and values (as fla-org's implementation does; the paper gives each branch its own),
+  mixed by per-token sigmoid gates ``sigmoid(X W_g)`` from the layer input. The compression is a
+  learned weighted pooling per key/value head and block position (initialised to the mean,
+  which is what fla-org's implementation fixes it to); the paper uses a small MLP.
+
+Under TP every parameter here is per head and split with the heads: the NSA gate projection is
+column-parallel (head-major, 3 gates per head), the compression weights are sharded over the
+key/value heads, the sink over the query heads. Selections are per head (MoBA) or per key/value
+group (NSA), so they never cross ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+
+import torch
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from megatron_ext.config import ConfigError, ExtConfig
+from megatron_ext.kernels import sparse
+from megatron_ext.mixers.attention import SoftmaxCoreAttention
+
+
+def _check_blocks(top_k_name: str, top_k: int, block_name: str, block: int, seq_len: int):
+    blocks = math.ceil(seq_len / block)
+    if top_k > blocks:
+        raise ConfigError(
+            f"{top_k_name}={top_k} is more than the {blocks} blocks of {block_name}={block} in a "
+            f"sequence of {seq_len} tokens; lower {top_k_name} or {block_name}")
+
+
+class _SparseCore(SoftmaxCoreAttention):
+    """A sparse core: causal self-attention over one sequence per batch row."""
+
+    takes_attention_mask = False
+
+    def __init__(self, config, layer_number, attn_mask_type, *args, **kwargs):
+        super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
+        if attn_mask_type != AttnMaskType.causal:
+            raise NotImplementedError(f"{type(self).__name__} is causal; got {attn_mask_type}")
+
+    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            raise NotImplementedError(
+                f"{type(self).__name__} does not take packed (thd) sequences: its blocks are "
+                "counted from the start of each batch row")
+        return self.sparse_attend(q, k, v)
+
+
+class MoBACoreAttention(_SparseCore):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.window is not None and self.window[1] > 0:
+            raise NotImplementedError(f"MoBA is causal; window_size={self.window} looks ahead")
+
+    def sparse_attend(self, q, k, v):
+        ext = self.ext
+        _check_blocks("moba_top_k", ext.moba_top_k, "moba_block_size", ext.moba_block_size,
+                      q.shape[1])
+        return sparse.moba_attention(
+            q, k, v, block_size=ext.moba_block_size, top_k=ext.moba_top_k, window=self.window,
+            sink=self.sink(q.device), scale=self.softmax_scale, backend=ext.sparse_backend)
+
+
+class NSACoreAttention(_SparseCore):
+    """NSA's core; the branch gates come from :class:`NSASelfAttention` (``gate_logits``)."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if self.window is not None:
+            raise ConfigError(
+                f"window_size={self.window} applies to '*' and MoBA layers; NSA has its own "
+                "sliding-window branch (nsa_window). Use window_attn_skip_freq to leave NSA "
+                "layers out, or drop window_size")
+        block = self.ext.nsa_compress_block
+        mean = torch.full((config.num_query_groups, block), 1.0 / block)
+        self.sharded_parameter("compress_k_weights", mean)
+        self.sharded_parameter("compress_v_weights", mean.clone())
+        self.gate_logits = None
+
+    def sparse_attend(self, q, k, v):
+        ext = self.ext
+        _check_blocks("nsa_select_top_k", ext.nsa_select_top_k, "nsa_select_block",
+                      ext.nsa_select_block, q.shape[1])
+        # [s, b, heads * 3] (head-major) -> [b, s, heads, 3]
+        gates = torch.sigmoid(self.gate_logits.float()).transpose(0, 1).unflatten(-1, (-1, 3))
+        return sparse.nsa_attention(
+            q, k, v, gates, self.compress_k_weights, self.compress_v_weights,
+            compress_block=ext.nsa_compress_block, compress_stride=ext.nsa_compress_stride,
+            select_block=ext.nsa_select_block, select_top_k=ext.nsa_select_top_k,
+            window=ext.nsa_window, sink=self.sink(q.device), scale=self.softmax_scale,
+            backend=ext.sparse_backend)
+
+
+class NSASelfAttention(SelfAttention):
+    """Megatron's SelfAttention plus NSA's gate projection ``X -> [heads, 3]`` logits, built like
+    ``linear_qkv`` (column-parallel; under Transformer Engine with the input norm fused), whose
+    output the core reads as ``core_attention.gate_logits``."""
+
+    def __init__(self, config, submodules, layer_number, *args, **kwargs):
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+        if config.num_query_groups % self.world_size:
+            raise ConfigError(
+                f"NSA shards its compression over the {config.num_query_groups} key/value heads: "
+                "num_query_groups must be divisible by tensor_model_parallel_size="
+                f"{self.world_size}")
+        self.linear_branch_gate = build_module(
+            submodules.linear_qkv, config.hidden_size, 3 * config.num_attention_heads,
+            config=config, init_method=config.init_method, gather_output=False, bias=True,
+            skip_bias_add=False, is_expert=False, tp_comm_buffer_name="nsa_gate",
+            tp_group=self.pg_collection.tp)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.core_attention.gate_logits, _ = self.linear_branch_gate(hidden_states)
+        return super().forward(hidden_states, *args, **kwargs)
+
+
+_CORES = {"moba": MoBACoreAttention, "nsa": NSACoreAttention}
+
+
+def sparse_attention_spec(attention: ModuleSpec, ext: ExtConfig, variant: str) -> ModuleSpec:
+    """The ``self_attention`` spec of a sparse layer, from the '*' layer's spec ``attention``."""
+    spec = copy.deepcopy(attention)
+    spec.submodules.core_attention = functools.partial(_CORES[variant], ext=ext)
+    if variant == "nsa":
+        spec.module = NSASelfAttention
+    return spec

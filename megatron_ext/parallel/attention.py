@@ -1,0 +1,38 @@
+"""Context parallelism of softmax attention: all-gather of keys and values.
+
+Each rank keeps its queries (Megatron's load-balanced chunks r and 2CP-1-r), gathers the keys
+and values of the whole sequence in global order, and masks with the global positions: query
+at position p may see key position j iff ``j <= p``. Backward is the all-gather's:
+a reduce-scatter of dK and dV.
+
+Why an all-gather for this mixer (rather than all-to-all or a ring):
+
+- keys and values are the small side of grouped-query attention (``hkv <= hq``): a rank
+  receives ``2 (CP-1)/CP * T * hkv * d`` values, while all-to-all moves q, k, v and the output
+  (``(CP-1)/CP * T/CP * (2 hq + 2 hkv) d``, four tensors) and needs the heads divisible by TP*CP;
+  with hkv much smaller than hq and moderate CP the two are close, and the gather has no head
+  constraint;
+- the load-balanced layout already gives every rank the same causal work, and one collective
+  per direction keeps the CPU/gloo path simple; a ring (overlapping the transfer with the
+  blocks' compute) is what to add when T is long enough that the gathered K/V
+  (``T * hkv * d`` per rank) do not fit or the transfer cannot hide behind compute;
+- masks of any shape (causal here; windows and sinks later) apply unchanged to the gathered
+  keys, because they are written in global positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_ext.parallel.context import ContextParallel
+
+
+def gather_keys_values(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q ``[b, 2L, hq, d]``, k/v ``[b, 2L, hkv, d]`` (this rank's chunks) -> k, v of the whole
+    sequence ``[b, T, hkv, d]`` and the causal mask of the local queries ``[2L, T]`` (True =
+    may attend)."""
+    local_length = cp.check_local_length(q.shape[1]) * 2
+    k, v = cp.gather_sequence(k), cp.gather_sequence(v)
+    query_positions = cp.positions(local_length, device=q.device)
+    key_positions = torch.arange(k.shape[1], device=q.device)
+    return k, v, key_positions[None, :] <= query_positions[:, None]

@@ -1,0 +1,200 @@
+"""Windowed / sink / sparse softmax attention ops (megatron_ext.kernels.sparse): the gathered
+backend against the dense fp32 reference, forward and backward; FlexAttention's forward and
+block mask on the CPU; causality; the sink; XSA.
+
+Lengths (37) are multiples of none of the block sizes (MoBA 5, NSA 4/2/8, layout blocks 8 x 4
+and the default 64 x 64). fp32 throughout; both paths accumulate the same products in a
+different order, so they agree to ~1e-6; 1e-4 relative / 1e-5 absolute leaves room and still
+catches a wrong mask (errors of order 1e-1).
+"""
+import math
+
+import pytest
+import torch
+
+from megatron_ext.kernels import sparse
+from megatron_ext.kernels.sparse import gathered, reference
+from megatron_ext.kernels.sparse.flex import block_mask
+from megatron_ext.kernels.sparse.layout import BlockLayout
+
+B, T, HQ, HKV, D = 2, 37, 4, 2, 8
+NSA = dict(compress_block=4, compress_stride=2, select_block=8, select_top_k=4, window=6)
+
+
+def _inputs(seed=0, length=T):
+    g = torch.Generator().manual_seed(seed)
+    tensors = dict(q=torch.randn(B, length, HQ, D, generator=g),
+                   k=torch.randn(B, length, HKV, D, generator=g),
+                   v=torch.randn(B, length, HKV, D, generator=g),
+                   sink=torch.randn(HQ, generator=g),
+                   gates=torch.rand(B, length, HQ, 3, generator=g),
+                   k_weights=torch.rand(HKV, NSA["compress_block"], generator=g),
+                   v_weights=torch.rand(HKV, NSA["compress_block"], generator=g))
+    return {name: t.requires_grad_() for name, t in tensors.items()}
+
+
+# name -> op(inputs, **kwargs); every case uses q, k, v and the sink where it says so.
+CASES = {
+    "window+sink": lambda x, **kw: sparse.softmax_attention(
+        x["q"], x["k"], x["v"], window=(5, 0), sink=x["sink"], **kw),
+    "causal+sink": lambda x, **kw: sparse.softmax_attention(
+        x["q"], x["k"], x["v"], sink=x["sink"], **kw),
+    "bidirectional window": lambda x, **kw: sparse.softmax_attention(
+        x["q"], x["k"], x["v"], causal=False, window=(3, 2), **kw),
+    "packed+window+sink": lambda x, **kw: sparse.softmax_attention(
+        x["q"][:1], x["k"][:1], x["v"][:1], window=(6, 0), sink=x["sink"],
+        cu_seqlens=torch.tensor([0, 11, 30, T]), **kw),
+    "mask+sink": lambda x, **kw: sparse.softmax_attention(
+        x["q"], x["k"], x["v"], sink=x["sink"],
+        allowed=torch.rand(B, 1, T, T, generator=torch.Generator().manual_seed(5)) > 0.3, **kw),
+    "moba": lambda x, **kw: sparse.moba_attention(
+        x["q"], x["k"], x["v"], block_size=5, top_k=3, **kw),
+    "moba+window+sink": lambda x, **kw: sparse.moba_attention(
+        x["q"], x["k"], x["v"], block_size=5, top_k=3, window=(12, 0), sink=x["sink"], **kw),
+    "nsa": lambda x, **kw: sparse.nsa_attention(
+        x["q"], x["k"], x["v"], x["gates"], x["k_weights"], x["v_weights"], **NSA, **kw),
+    "nsa+sink": lambda x, **kw: sparse.nsa_attention(
+        x["q"], x["k"], x["v"], x["gates"], x["k_weights"], x["v_weights"], sink=x["sink"],
+        **NSA, **kw),
+}
+
+
+def _run(case, backend, inputs, layout_blocks=None):
+    """Output and the gradients of a fixed random projection of it, per input."""
+    for t in inputs.values():
+        t.grad = None
+    out = CASES[case](inputs, backend=backend, layout_blocks=layout_blocks)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    (out * weights).sum().backward()
+    return out.detach(), {name: t.grad for name, t in inputs.items() if t.grad is not None}
+
+
+def _assert_gathered_matches_reference(case, layout_blocks):
+    inputs = _inputs()
+    expected, expected_grads = _run(case, "reference", inputs)
+    out, grads = _run(case, "gathered", inputs, layout_blocks)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-5,
+                                   msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("layout_blocks", [(8, 4), None])
+@pytest.mark.parametrize("case", list(CASES))
+def test_gathered_matches_reference(case, layout_blocks):
+    _assert_gathered_matches_reference(case, layout_blocks)
+
+
+@pytest.mark.parametrize("case", ["window+sink", "moba+window+sink", "nsa+sink"])
+def test_gathered_in_many_chunks_matches_reference(case, monkeypatch):
+    """Few scores per chunk: query blocks run (and are recomputed in backward) chunk by chunk."""
+    monkeypatch.setattr(gathered, "MAX_SCORES", 256)
+    _assert_gathered_matches_reference(case, (8, 4))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_flex_forward_matches_reference_on_cpu(case):
+    """torch 2.11's FlexAttention runs on the CPU without grad (unfused, rule only)."""
+    inputs = _inputs()
+    with torch.no_grad():
+        expected = CASES[case](inputs, backend="reference")
+        out = CASES[case](inputs, backend="flex", layout_blocks=(8, 4))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_flex_refuses_cpu_backward_clearly():
+    with pytest.raises(RuntimeError, match="backend 'flex' cannot run.*backend='gathered'"):
+        CASES["window+sink"](_inputs(), backend="flex")
+
+
+def test_flex_block_mask_is_the_layout():
+    """What the CUDA kernel skips by: the BlockMask's blocks are the layout's, a layout per
+    key/value group repeated over its query heads."""
+    active = torch.rand(B, HKV, 5, 10, generator=torch.Generator().manual_seed(2)) > 0.5
+    layout = BlockLayout(8, 4, active, lambda b, h, q, kv: kv <= q)
+    dense = block_mask(layout, HQ, T, T).to_dense()
+    torch.testing.assert_close(dense.bool(), active.repeat_interleave(HQ // HKV, dim=1))
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case != "bidirectional window"])
+@pytest.mark.parametrize("backend", ["reference", "gathered"])
+def test_future_tokens_do_not_change_earlier_outputs(case, backend):
+    first_changed = 21
+    inputs = {name: t.detach() for name, t in _inputs().items()}
+    before = CASES[case](inputs, backend=backend)
+    for name in ("q", "k", "v", "gates"):
+        inputs[name] = inputs[name].clone()
+        inputs[name][:, first_changed:] += 3 * torch.randn_like(inputs[name][:, first_changed:])
+    after = CASES[case](inputs, backend=backend)
+    torch.testing.assert_close(after[:, :first_changed], before[:, :first_changed], rtol=1e-5,
+                               atol=1e-6)
+    assert not torch.allclose(after[:, first_changed:], before[:, first_changed:])
+
+
+@pytest.mark.parametrize("backend", ["reference", "gathered", "flex"])
+@pytest.mark.parametrize("case", ["window+sink", "moba+window+sink", "nsa+sink"])
+def test_sink_of_minus_infinity_is_plain_softmax(case, backend):
+    inputs = {name: t.detach() for name, t in _inputs().items()}
+    without = dict(inputs, sink=None)
+    plain = CASES[case](without, backend=backend)
+    inputs["sink"] = torch.full((HQ,), float("-inf"))
+    torch.testing.assert_close(CASES[case](inputs, backend=backend), plain, rtol=1e-6, atol=1e-6)
+
+
+def test_sink_joins_the_denominator():
+    """One query, two keys: p_i = exp(z_i) / (exp(z_1) + exp(z_2) + exp(sink))."""
+    q = torch.tensor([1.0, 0.0]).view(1, 1, 1, 2)
+    k = torch.tensor([[2.0, 0.0], [0.0, 1.0]]).view(1, 2, 1, 2)
+    v = torch.tensor([[1.0, 0.0], [0.0, 1.0]]).view(1, 2, 1, 2)
+    sink = torch.tensor([0.5])
+    out = reference.masked_attention(q, k, v, torch.ones(1, 2, dtype=torch.bool), sink=sink,
+                                     scale=1.0)
+    denominator = math.exp(2.0) + math.exp(0.0) + math.exp(0.5)
+    expected = torch.tensor([math.exp(2.0), math.exp(0.0)]) / denominator
+    torch.testing.assert_close(out.flatten(), expected)
+
+
+def test_xsa_output_is_orthogonal_to_own_value():
+    inputs = {name: t.detach() for name, t in _inputs().items()}
+    out = CASES["window+sink"](inputs, backend="gathered")
+    z = sparse.exclusive_self_attention(out, inputs["v"])
+    own = inputs["v"].repeat_interleave(HQ // HKV, dim=2)  # each query head's group value
+    # Relative to |y| |v|: the first token sees only itself, so its y is parallel to v and z ~ 0.
+    along_v = (z * own).sum(-1) / (out.norm(dim=-1) * own.norm(dim=-1))
+    assert along_v.abs().max() < 1e-5
+    # What is removed is only the component along v: z + c v = y for some c per head and token.
+    residual = out - z
+    parallel = (residual * own).sum(-1, keepdim=True) / own.square().sum(-1, keepdim=True) * own
+    torch.testing.assert_close(residual, parallel, rtol=1e-4, atol=1e-5)
+
+
+def test_top_k_beyond_the_blocks_fails_clearly():
+    x = {name: t.detach() for name, t in _inputs().items()}
+    with pytest.raises(ValueError, match=r"top_k=9 is more than the 8 blocks"):
+        sparse.moba_attention(x["q"], x["k"], x["v"], block_size=5, top_k=9)
+    with pytest.raises(ValueError, match=r"top_k=6 is more than the 5 blocks"):
+        sparse.nsa_attention(x["q"], x["k"], x["v"], x["gates"], x["k_weights"], x["v_weights"],
+                             **dict(NSA, select_top_k=6))
+    with pytest.raises(ValueError, match="multiples of compress_stride=3"):
+        sparse.nsa_attention(x["q"], x["k"], x["v"], x["gates"], x["k_weights"], x["v_weights"],
+                             **dict(NSA, compress_stride=3))
+
+
+def test_moba_with_every_block_is_causal_attention():
+    """top_k = number of blocks keeps every finished block: MoBA is then dense causal."""
+    x = {name: t.detach() for name, t in _inputs().items()}
+    moba = sparse.moba_attention(x["q"], x["k"], x["v"], block_size=5, top_k=8, backend="gathered")
+    dense = sparse.softmax_attention(x["q"], x["k"], x["v"], backend="reference")
+    torch.testing.assert_close(moba, dense, rtol=1e-4, atol=1e-5)
+
+
+def test_gathered_bf16_is_close_to_fp32_reference():
+    """bf16 inputs, fp32 math inside, bf16 output: within bf16 rounding of the output."""
+    x = {name: t.detach() for name, t in _inputs().items()}
+    low = {name: t.bfloat16() for name, t in x.items()}
+    for case in ("window+sink", "moba+window+sink", "nsa+sink"):
+        out = CASES[case](low, backend="gathered")
+        expected = CASES[case]({name: t.float() for name, t in low.items()}, backend="reference")
+        assert out.dtype == torch.bfloat16
+        assert (out.float() - expected).abs().max() < 2e-2, case

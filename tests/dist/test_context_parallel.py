@@ -1,0 +1,220 @@
+"""Context parallelism (megatron_ext.parallel) on gloo: every CP run equals the one-process run.
+
+- Op level: state passing and all-to-all around ``gated_delta_rule`` (every variant) and
+  ``decay_linear_attention`` (every decay form), on Megatron's load-balanced layout, give the
+  full-sequence outputs and input gradients at this rank's positions; so do the convolution
+  halo and the attention KV gather; and the bytes the collectives move equal the formulas of
+  megatron_ext/parallel/README.md.
+- Model level: a tiny GPTModel with every linear mixer and '*' under CP = 2 (both methods),
+  CP = 4, TP = 2 x CP = 2 and TP = 2 x CP = 2 + SP equals CP = 1 in loss and gradients.
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import harness
+
+
+@contextlib.contextmanager
+def counted_bytes():
+    """Count the bytes each collective brings to this rank from the other ranks, by kind."""
+    counts = {"all_gather": 0, "reduce_scatter": 0, "all_to_all": 0}
+    originals = {name: getattr(dist, name) for name in
+                 ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")}
+
+    def counting(name, kind, received):
+        def call(out, inp, *args, group=None, **kwargs):
+            size = (group or dist.group.WORLD).size()
+            counts[kind] += received(out, inp) * (size - 1) // size
+            return originals[name](out, inp, *args, group=group, **kwargs)
+        return call
+
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    dist.all_gather_into_tensor = counting("all_gather_into_tensor", "all_gather",
+                                           lambda out, inp: nbytes(out))
+    dist.reduce_scatter_tensor = counting("reduce_scatter_tensor", "reduce_scatter",
+                                          lambda out, inp: nbytes(inp))
+    dist.all_to_all_single = counting("all_to_all_single", "all_to_all",
+                                      lambda out, inp: nbytes(inp))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def _op_cases(cp):
+    from megatron_ext.kernels import decay_linear_attention, gated_delta_rule
+    from megatron_ext.kernels.decay import decay_linear_attention_summary
+    from megatron_ext.kernels.delta_rule import gated_delta_rule_summary
+    from megatron_ext.kernels.selfcheck import (DECAY_CASES, DELTA_RULE_CASES, decay_inputs,
+                                                delta_rule_inputs)
+
+    shape = dict(batch=2, seq_len=24, key_heads=cp, value_heads=2 * cp, key_dim=8, value_dim=6,
+                 dtype=torch.float32, with_initial_state=False)
+    for case in DELTA_RULE_CASES:
+        yield case, gated_delta_rule, gated_delta_rule_summary, delta_rule_inputs(case, **shape)
+    for case in DECAY_CASES:
+        yield case, decay_linear_attention, decay_linear_attention_summary, decay_inputs(case, **shape)
+
+
+def _state_passing_bytes(inputs, cp):
+    """README formula, state passing: 2 B H K (V + X) fp32 values from each other rank, X = K
+    for the delta rule's full transition, 1 for the decay family's diagonal one."""
+    batch, _, heads, value_dim = inputs["v"].shape
+    key_dim = inputs["k"].shape[-1]
+    width = key_dim if "beta" in inputs or "erase" in inputs else 1
+    return (cp - 1) * 2 * batch * heads * key_dim * (value_dim + width) * 4
+
+
+def _all_to_all_bytes(inputs, outputs, cp):
+    """README formula, all-to-all: every [B, T/CP, ...] input and output, times (CP-1)/CP."""
+    tensors = [t for t in inputs.values() if t.dim() >= 3] + outputs
+    return sum(t.numel() * t.element_size() for t in tensors) // cp * (cp - 1) // cp
+
+
+def ops_on_cp_ranks(rank, world_size):
+    from megatron_ext.parallel import ContextParallel
+    from megatron_ext.parallel.linear import linear_recurrence
+
+    cp = ContextParallel(dist.group.WORLD)
+    failures = []
+    for case, op, summary, inputs in _op_cases(world_size):
+        seq_len = inputs["q"].shape[1]
+        positions = cp.positions(seq_len // world_size)
+        full_out, _ = op(**inputs, backend="chunked")
+        weight = torch.randn(full_out.shape, generator=torch.Generator().manual_seed(7))
+        full_grads = torch.autograd.grad((full_out * weight).sum(), list(inputs.values()))
+        for method in ("state_passing", "all_to_all"):
+            local = {n: (t[:, positions] if t.dim() >= 3 else t).detach().requires_grad_()
+                     for n, t in inputs.items()}
+            with counted_bytes() as counts:
+                out, _ = linear_recurrence(cp, method, op, summary, local, backend="chunked")
+                grads = torch.autograd.grad((out * weight[:, positions]).sum(), list(local.values()))
+            try:
+                torch.testing.assert_close(out, full_out[:, positions], rtol=1e-4, atol=1e-5)
+                for name, grad, full in zip(local, grads, full_grads):
+                    if full.dim() >= 3:
+                        full = full[:, positions]
+                    else:  # a per-head constant: each rank holds part of its gradient
+                        dist.all_reduce(grad)
+                    torch.testing.assert_close(grad, full, rtol=1e-4, atol=1e-5, msg=name)
+                if method == "state_passing":
+                    volume = _state_passing_bytes(inputs, world_size)
+                    assert counts == dict(all_gather=volume, reduce_scatter=volume,
+                                          all_to_all=0), (counts, volume)
+                else:
+                    volume = _all_to_all_bytes(inputs, [full_out], world_size)
+                    assert counts == dict(all_gather=0, reduce_scatter=0,
+                                          all_to_all=2 * volume), (counts, volume)
+            except AssertionError as error:
+                failures.append(f"{case} {method}: {error}")
+    failures += _halo_and_kv_gather(cp, world_size)
+    return failures
+
+
+def _halo_and_kv_gather(cp, world_size):
+    """The convolution halo and the attention KV gather: values, and bytes against README."""
+    from megatron_ext.mixers.common import causal_depthwise_conv
+    from megatron_ext.parallel.attention import gather_keys_values
+
+    failures = []
+    batch, seq_len, heads, dim, width = 2, 24, 2, 8, 4
+    full = torch.randn(batch, seq_len, heads, dim, generator=torch.Generator().manual_seed(3))
+    positions = cp.positions(seq_len // world_size)
+    local = full[:, positions].requires_grad_()
+    with counted_bytes() as counts:
+        keys, values, allowed = gather_keys_values(cp, local, local, local)
+        (keys.sum() + values.sum()).backward()
+    volume = 2 * batch * seq_len * heads * dim * 4 * (world_size - 1) // world_size
+    if not (torch.equal(keys, full) and torch.equal(allowed, positions[:, None] >= torch.arange(seq_len))
+            and counts == dict(all_gather=volume, reduce_scatter=volume, all_to_all=0)):
+        failures.append(f"kv gather: {counts}, expected {volume} each way")
+
+    channels = full.flatten(2)
+    weight = torch.randn(heads * dim, width, generator=torch.Generator().manual_seed(4))
+    with counted_bytes() as counts:
+        chunks = cp.split_chunks(channels[:, positions])
+        halo = cp.previous_tokens(chunks, width - 1)
+    convolved = cp.merge_chunks(causal_depthwise_conv(torch.cat([halo, chunks], 1), weight)[:, width - 1:])
+    volume = 2 * batch * (width - 1) * heads * dim * 4 * (world_size - 1)
+    if not (torch.allclose(convolved, causal_depthwise_conv(channels, weight)[:, positions])
+            and counts["all_gather"] == volume):
+        failures.append(f"conv halo: {counts}, expected {volume}")
+    return failures
+
+
+def test_linear_recurrence_ops_equal_the_full_sequence():
+    failures = harness.spawn(ops_on_cp_ranks, 2)
+    assert failures == [[]] * 2
+
+
+# ------------------------------------------------------------------------- model level
+# Every linear mixer of the registry and '*': GDN, KDA, GDN-2, DeltaNet, GLA, RetNet,
+# Lightning, Mamba-2, attention.
+PATTERN = "GKQNARLM*"
+# (method, TP, CP, sequence parallel) run by each world size; a world runs its layouts one
+# after another, so that the processes start (and import Megatron) once per world size.
+LAYOUTS = {
+    1: [("state_passing", 1, 1, False)],
+    2: [("state_passing", 1, 2, False), ("all_to_all", 1, 2, False)],
+    4: [("state_passing", 1, 4, False), ("state_passing", 2, 2, False),
+        ("state_passing", 2, 2, True)],
+}
+
+
+def run_cp_layouts(rank, world_size, ckpt_dir):
+    """Each layout of this world size: build, load the one-rank weights (the one-rank run saves
+    them), one forward-backward on Megatron's CP split of a micro-batch. The loss is the mean
+    over all tokens, the gradients summed over CP (as Megatron's finalize_model_grads does
+    over its DP x CP group)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_ext.config import ExtConfig
+
+    results = []
+    for method, tp, cp, sp in LAYOUTS[world_size]:
+        ext = ExtConfig(pattern=PATTERN, context_parallel_method=method, kernel_backend="chunked")
+        (model,), config = harness.build_layout(ext, tp=tp, sequence_parallel=sp, cp=cp)
+        harness.save_or_load([model], ckpt_dir, save=world_size == 1)
+        group = ps.get_context_parallel_group()
+        # cp_group must be given: without it this helper splits over the whole world.
+        batch = get_batch_on_this_cp_rank(harness.layout_batches()[0], is_hybrid_cp=False,
+                                          cp_group=group)
+        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss = losses.sum() / (harness.BATCH * harness.SEQ)
+        loss.backward()
+        dist.all_reduce(loss.detach(), group=group)
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=group)
+        results.append(dict(losses=[float(loss)], tp_rank=ps.get_tensor_model_parallel_rank(),
+                            grads=harness.global_grads([model], config)))
+    return results
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory):
+    """Merged (losses, gradients) by layout; the one-rank run first."""
+    ckpt = str(tmp_path_factory.mktemp("cp1"))
+    runs = {}
+    for world_size, layouts in LAYOUTS.items():
+        per_rank = harness.spawn(run_cp_layouts, world_size, ckpt)
+        for i, layout in enumerate(layouts):
+            runs[layout] = harness.merge_layout([results[i] for results in per_rank])
+    return runs
+
+
+@pytest.mark.parametrize("layout", [layout for world_size in (2, 4) for layout in LAYOUTS[world_size]],
+                         ids=lambda layout: "{}-tp{}-cp{}{}".format(*layout[:3], "-sp" * layout[3]))
+def test_context_parallel_model_equals_one_rank(cp_runs, layout):
+    harness.assert_same_run(cp_runs[("state_passing", 1, 1, False)], cp_runs[layout])
+
+
+def test_state_passing_equals_all_to_all(cp_runs):
+    harness.assert_same_run(cp_runs[("all_to_all", 1, 2, False)],
+                            cp_runs[("state_passing", 1, 2, False)],
+                            atol=1e-6)

@@ -1,0 +1,48 @@
+"""MoBA, NSA and '*' with every softmax option (learnable sink, output gate, QK-norm, XSA, a
+sliding window on the MoBA and '*' layers) under TP=2 and TP=2 + SP equal the single process in
+loss and gradients, starting from its dist checkpoint resharded to two ranks (so this is also
+the save -> load -> reshard test of the sink, the NSA gate and the compression weights). The
+layers are local to a pipeline stage; PP is tested with the other mixers
+(test_parallel_equivalence.py). Helpers: tests/harness.py."""
+
+import pytest
+
+import harness
+
+PATTERN = "BS*"
+SPARSE = dict(harness.SHORT_SPARSE, attention_xsa=True)
+OPTIONS = dict(softmax_type="learnable", attention_output_gate=True, qk_layernorm=True,
+               window_size=(9, 0), window_attn_skip_freq=[1, 0, 1])
+
+
+def _ext():
+    from megatron_ext.config import ExtConfig
+
+    return ExtConfig(pattern=PATTERN, **SPARSE)
+
+
+@pytest.fixture(scope="module")
+def no_compile():
+    # Megatron compiles the output gate with torch.compile: ~30 s per process on two CPU cores
+    # for the same math. The spawned ranks inherit the environment.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_COMPILE_DISABLE", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def single_process(no_compile, tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("sparse_tp1"))
+    # The sink starts near 0 and the compression weights at the mean for every head: noise
+    # makes each head's values differ, so that a shard in the wrong place shows.
+    return ckpt, harness.merge_layout(harness.spawn(
+        harness.run_layout, 1, ckpt, _ext(), 1, 1, None, False, True, "block", "core_attention",
+        OPTIONS))
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp2_equals_single_process(no_compile, single_process, sp):
+    ckpt, reference = single_process
+    parallel = harness.merge_layout(harness.spawn(
+        harness.run_layout, 2, ckpt, _ext(), 2, 1, None, sp, False, "block", None, OPTIONS))
+    harness.assert_same_run(reference, parallel)

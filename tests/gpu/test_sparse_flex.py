@@ -1,0 +1,73 @@
+"""CUDA checks (skipped without a GPU) of the sparse attention ops: compiled FlexAttention and the
+gathered path, forward and backward, against the dense fp32 reference, at lengths that span
+several 128-token blocks and are multiples of none of the block sizes; and bf16 inputs.
+
+fp32 tolerances as on the CPU (1e-4 relative, 1e-5 absolute; TF32 is off in PyTorch's default
+matmul precision for fp32). bf16: the kernels round probabilities and outputs to bf16, each
+costing at most 2^-8 of max |v|, as in test_cuda_paths."""
+
+import pytest
+import torch
+
+from megatron_ext.kernels import sparse
+
+pytestmark = pytest.mark.gpu
+
+B, HQ, HKV, D = 2, 4, 2, 64
+NSA = dict(compress_block=32, compress_stride=16, select_block=64, select_top_k=5, window=100)
+
+CASES = {
+    "window+sink": lambda x, **kw: sparse.softmax_attention(
+        x["q"], x["k"], x["v"], window=(150, 0), sink=x["sink"], **kw),
+    "causal+sink": lambda x, **kw: sparse.softmax_attention(
+        x["q"], x["k"], x["v"], sink=x["sink"], **kw),
+    "moba+sink": lambda x, **kw: sparse.moba_attention(
+        x["q"], x["k"], x["v"], block_size=96, top_k=3, sink=x["sink"], **kw),
+    "nsa+sink": lambda x, **kw: sparse.nsa_attention(
+        x["q"], x["k"], x["v"], x["gates"], x["k_weights"], x["v_weights"], sink=x["sink"],
+        **NSA, **kw),
+}
+
+
+def _inputs(seq, dtype=torch.float32):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = dict(q=(B, seq, HQ, D), k=(B, seq, HKV, D), v=(B, seq, HKV, D), sink=(HQ,))
+    x = {name: torch.randn(shape, device="cuda", generator=g) for name, shape in shapes.items()}
+    x["gates"] = torch.rand(B, seq, HQ, 3, device="cuda", generator=g)
+    x["k_weights"] = torch.rand(HKV, NSA["compress_block"], device="cuda", generator=g)
+    x["v_weights"] = torch.rand(HKV, NSA["compress_block"], device="cuda", generator=g)
+    return {name: t.to(dtype).requires_grad_() for name, t in x.items()}
+
+
+def _run(case, backend, x):
+    for t in x.values():
+        t.grad = None
+    out = CASES[case](x, backend=backend)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    weights = torch.randn(out.shape, device="cuda", generator=g)
+    (out.float() * weights).sum().backward()
+    return out.detach().float(), {n: t.grad.float() for n, t in x.items() if t.grad is not None}
+
+
+@pytest.mark.parametrize("backend", ["flex", "gathered"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("seq", [300, 1000])
+def test_fp32_matches_reference(case, backend, seq):
+    x = _inputs(seq)
+    expected, expected_grads = _run(case, "reference", x)
+    out, grads = _run(case, backend, x)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    for name in expected_grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-4,
+                                   msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_flex_close_to_fp32_reference(case):
+    x = _inputs(1000, torch.bfloat16)
+    out = CASES[case](x, backend="flex")
+    assert out.dtype == torch.bfloat16
+    with torch.no_grad():
+        expected = CASES[case]({n: t.float() for n, t in x.items()}, backend="reference")
+    err = (out.float() - expected).abs().max().item()
+    assert err <= 3 * 2**-8 * x["v"].float().abs().max().item(), err
