@@ -66,14 +66,26 @@ token bounds and of each sequence's first chunk; loads past a chunk's end are ze
 padding (a zero token with g = 0 reads, writes and decays nothing).
 
 Launch configurations (fixed, no autotuning, so that the configuration the tests run is the one
-that runs): num_stages 2 everywhere; num_warps 4 for _chunk_cumsum, _invert and _fwd_output, 8
-for the others. Tiles (each capped at K or V): BK = 32 in _fwd_scores and _bwd_qkg, else 64;
-BV = 32 in _bwd_scores, min(64, 4096 / K) in the sequential kernels, else 64. These were chosen
-so that ptxas spills nothing or little (at most ~150 bytes per thread) for sm_90 in bf16 with K,
-V of 64, 128 and 256 (compiled without a GPU; not yet timed on one). The fp32 path, whose dots
-run on FMA units, spills a lot: it is there to check the algebra, not for speed. Supported K and
-V: 16, 32, 64, 128, 256. No tl.trans anywhere: transposed operands are loaded transposed (Hopper
-with Triton 3.4 to 3.7.0 miscompiles tl.trans of dot results, fla-core issue #640).
+that runs): num_stages 2 everywhere; num_warps 4 (one warpgroup) for _chunk_cumsum, _invert,
+_fwd_output and _bwd_qkg (8 there in fp32), 8 for the others. Tiles (each capped at K or V):
+BK = 32 in _fwd_scores and _bwd_qkg (16 in _bwd_qkg with a per-channel decay), else 64; BV = 32
+in _bwd_scores, min(64, 4096 / K) in the sequential kernels, else 64. These were chosen so that
+ptxas spills nothing or little (at most ~150 bytes per thread) for sm_90 in bf16 with K, V of 64,
+128 and 256 (compiled without a GPU). The fp32 path, whose dots run on FMA units, spills a lot
+(_bwd_qkg ~1 KB per thread at 8 warps, but 24 KB at 4, hence 8): it is there to check the
+algebra, not for speed. Supported K and V: 16, 32, 64, 128, 256. No tl.trans anywhere:
+transposed operands are loaded transposed (Hopper with Triton 3.4 to 3.7.0 miscompiles tl.trans
+of dot results, fla-core issue #640).
+
+Hopper. On an H200 (Triton 3.6.0, with its ptxas 12.8) _bwd_qkg at 8 warps returned wrong dk and
+d beta in bf16 without a decay and faulted (illegal memory access) with a per-channel decay; these
+forms fed the [64, 64] tiles of dP and dA (and their transposes) to tl.dot straight from memory,
+while the per-head form, which scales them by the decays in registers first, passed. The fp32
+runs (no tensor cores) passed, and under the interpreter every access of the bf16 path is in
+bounds: code generation, not indexing. So _bwd_qkg masks dP and dA as it uses them (every form
+takes the tiles from registers) and, on tensor cores, runs on one warpgroup (no replicated
+accumulator layouts, no conversions between them), as fla-core keeps its kernels of this shape
+at 2 or 4 warps on Hopper (its issues #984 and #640 report similar failures).
 """
 import os
 
@@ -510,8 +522,9 @@ def _bwd_scores_kernel(v_ptr, beta_ptr, write_ptr, T_ptr, U_ptr, do_ptr, dU_ptr,
                        dv_ptr, dwrite_ptr, dbeta_ptr, bounds_ptr, value_heads, scale,
                        V: tl.constexpr, BV: tl.constexpr, WRITE: tl.constexpr,
                        DOT: tl.constexpr, IEEE: tl.constexpr):
-    """dX = T^T dU, dP = lower(dO' U^T), dA = -strictly_lower(dX U^T), dv = w * dX and dw = v * dX
-    (summed over V into beta's share where w is beta) for one chunk and v head."""
+    """dX = T^T dU, dO' U^T and -dX U^T (whole: _bwd_qkg takes dP and dA from them by masking),
+    dv = w * dX and dw = v * dX (summed over V into beta's share where w is beta) for one chunk
+    and v head."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     start, count, t, valid = _chunk(bounds_ptr, c)
@@ -537,10 +550,8 @@ def _bwd_scores_kernel(v_ptr, beta_ptr, write_ptr, T_ptr, U_ptr, do_ptr, dU_ptr,
             _put(dv_ptr, start, t, valid, value_heads, hv, V, v0, BV, d_x * beta[:, None])
             d_beta += tl.sum(d_x * v, 1)
     offsets = t[:, None] * _C + t[None, :]
-    tl.store(dP_ptr + base + offsets,
-             tl.where(t[:, None] >= t[None, :], d_scores_p, 0.0).to(dP_ptr.dtype.element_ty))
-    tl.store(dA_ptr + base + offsets,
-             tl.where(t[:, None] > t[None, :], -d_scores_a, 0.0).to(dA_ptr.dtype.element_ty))
+    tl.store(dP_ptr + base + offsets, d_scores_p.to(dP_ptr.dtype.element_ty))
+    tl.store(dA_ptr + base + offsets, (-d_scores_a).to(dA_ptr.dtype.element_ty))
     if not WRITE:
         tl.store(_at(dbeta_ptr, start, value_heads, hv, 1) + t * value_heads, d_beta, mask=valid)
 
@@ -553,7 +564,9 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
                     G_MODE: tl.constexpr, ERASE: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
     """dq, dk, the erase gate's gradient (or beta's share) and dg of one chunk, v head and block of
     BK key channels. dq and dk are per v head; the per-token results (beta's share, and dg of a
-    per-head decay) are partial sums over the key blocks, at [kb, token, head]."""
+    per-head decay) are partial sums over the key blocks, at [kb, token, head]. dP and dA come
+    whole from _bwd_scores and are masked here, as they are used, so that their tiles reach tl.dot
+    from registers, not straight from memory (see "Hopper" in the module docstring)."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     kb = tl.program_id(2)
@@ -594,18 +607,26 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
         d_a = tl.exp(G) * d_ga
         d_k = tl.exp(tl.minimum(G_end[None, :] - G, 0.0)) * d_kd
         d_G_end = tl.sum(k * d_k, 0) + tl.exp(G_end) * d_end
-        # Off-diagonal sub-blocks, referenced at the row sub-block's first token.
+        # Off-diagonal sub-blocks, referenced at the row sub-block's first token: the pairs (t, s)
+        # of rows t in sub-block i and columns s before it.
+        d_scores_p = _square(dP_ptr, square, False)
+        d_scores_a = _square(dA_ptr, square, False)
+        d_scores_p_t = _square(dP_ptr, square, True)
+        d_scores_a_t = _square(dA_ptr, square, True)
         for i in tl.static_range(1, 4):
             G_ref = _decay_row(G_ptr, start, count, value_heads, hv, K, i * _SUB, c0, BK)
-            row_decay = tl.where((blk == i)[:, None], tl.exp(tl.minimum(G - G_ref[None, :], 0.0)), 0.0)
-            col_decay = tl.where((t < i * _SUB)[:, None], tl.exp(tl.minimum(G_ref[None, :] - G, 0.0)), 0.0)
+            row_decay = tl.exp(tl.minimum(G - G_ref[None, :], 0.0))
+            col_decay = tl.exp(tl.minimum(G_ref[None, :] - G, 0.0))
+            pairs = (blk == i)[:, None] & (t < i * _SUB)[None, :]    # [t, s]
+            pairs_t = (t < i * _SUB)[:, None] & (blk == i)[None, :]  # [s, t]
             k_cols = k * col_decay
-            d_q += row_decay * _mm(_square(dP_ptr, square, False), k_cols, DOT, IEEE)
-            d_a += row_decay * _mm(_square(dA_ptr, square, False), k_cols, DOT, IEEE)
-            d_k += col_decay * (_mm(_square(dP_ptr, square, True), q * row_decay, DOT, IEEE)
-                                + _mm(_square(dA_ptr, square, True), a * row_decay, DOT, IEEE))
+            d_q += row_decay * _mm(tl.where(pairs, d_scores_p, 0.0), k_cols, DOT, IEEE)
+            d_a += row_decay * _mm(tl.where(pairs, d_scores_a, 0.0), k_cols, DOT, IEEE)
+            d_k += col_decay * (_mm(tl.where(pairs_t, d_scores_p_t, 0.0), q * row_decay, DOT, IEEE)
+                                + _mm(tl.where(pairs_t, d_scores_a_t, 0.0), a * row_decay, DOT, IEEE))
         # Diagonal sub-blocks, exactly: step j pairs each row with row 16 * blk + j of its
-        # sub-block, as its column (dq, da: rows at or after it) or as its row (dk: rows up to it).
+        # sub-block, as its column (rows at or after it; for A after it) or as its row (rows up to
+        # it; for A before it).
         for j in range(0, _SUB):
             other = blk * _SUB + j
             other_valid = other < count
@@ -619,9 +640,9 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
             below = tl.where((within >= j)[:, None], decay, 0.0)
             above = tl.where((within <= j)[:, None], decay, 0.0)
             p_below = tl.load(dP_ptr + square + t * _C + other).to(tl.float32)
-            a_below = tl.load(dA_ptr + square + t * _C + other).to(tl.float32)
+            a_below = tl.load(dA_ptr + square + t * _C + other, mask=within > j, other=0.0).to(tl.float32)
             p_above = tl.load(dP_ptr + square + other * _C + t).to(tl.float32)
-            a_above = tl.load(dA_ptr + square + other * _C + t).to(tl.float32)
+            a_above = tl.load(dA_ptr + square + other * _C + t, mask=within < j, other=0.0).to(tl.float32)
             d_q += p_below[:, None] * k_other * below
             d_a += a_below[:, None] * k_other * below
             d_k += (p_above[:, None] * q_other + a_above[:, None] * a_other) * above
@@ -629,10 +650,10 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
         d_G += tl.where((t == last_row)[:, None], d_G_end[None, :], 0.0)
         _put(dg_ptr, start, t, valid, value_heads, hv, K, c0, BK, tl.cumsum(d_G, 0, reverse=True))
     else:
-        d_scores_p = _square(dP_ptr, square, False)
-        d_scores_a = _square(dA_ptr, square, False)
-        d_scores_p_t = _square(dP_ptr, square, True)
-        d_scores_a_t = _square(dA_ptr, square, True)
+        d_scores_p = tl.where(t[:, None] >= t[None, :], _square(dP_ptr, square, False), 0.0)
+        d_scores_a = tl.where(t[:, None] > t[None, :], _square(dA_ptr, square, False), 0.0)
+        d_scores_p_t = tl.where(t[:, None] <= t[None, :], _square(dP_ptr, square, True), 0.0)
+        d_scores_a_t = tl.where(t[:, None] < t[None, :], _square(dA_ptr, square, True), 0.0)
         if G_MODE == 1:
             G = _vec(G_ptr, start, t, valid, value_heads, hv)
             G_end = tl.load(_at(G_ptr, start, value_heads, hv, 1) + (count - 1) * value_heads)
@@ -718,7 +739,9 @@ class _Config:
         key_dim, value_dim = self.key_dim, self.value_dim
         self.block_k = min(key_dim, 64)
         self.block_v = min(value_dim, 64)
-        self.score_block_k = min(key_dim, 32)  # _fwd_scores, _bwd_qkg
+        self.score_block_k = min(key_dim, 32)  # _fwd_scores
+        self.qkg_block_k = min(key_dim, 16 if self.g_mode == 2 else 32)  # _bwd_qkg
+        self.qkg_warps = 8 if self.store_dtype == torch.float32 else 4  # _bwd_qkg
         self.score_block_v = min(value_dim, 32)  # _bwd_scores
         self.state_block_v = min(value_dim, 64, max(16, 4096 // key_dim))  # the sequential kernels
 
@@ -808,7 +831,7 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
     dv = torch.empty_like(v)
     dwrite = torch.empty_like(write) if cfg.write else None
     derase = torch.empty_like(erase) if cfg.erase else None
-    key_blocks = K // cfg.score_block_k
+    key_blocks = K // cfg.qkg_block_k
     dbeta_v = None if cfg.write else cfg.empty(dtype=torch.float32)
     dbeta_k = None if cfg.erase else torch.empty(key_blocks, tokens, Hv, device=device, dtype=torch.float32)
     if cfg.g_mode == 2:
@@ -828,8 +851,8 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
             q, k, beta_, erase_, G, T, h, dh, U, dU, d_o, dP, dA, dq, dk,
             dummy if derase is None else derase, dummy if dbeta_k is None else dbeta_k,
             dummy if dg is None else dg, cfg.bounds, tokens, Hk, Hv, cfg.group, cfg.scale,
-            K=K, V=V, BK=cfg.score_block_k, BV=cfg.block_v, G_MODE=cfg.g_mode, ERASE=cfg.erase,
-            num_warps=8, num_stages=stages, **cfg.flags)
+            K=K, V=V, BK=cfg.qkg_block_k, BV=cfg.block_v, G_MODE=cfg.g_mode, ERASE=cfg.erase,
+            num_warps=cfg.qkg_warps, num_stages=stages, **cfg.flags)
     else:  # no tokens at all
         for tensor in (dq, dk, dv, dwrite, derase, dbeta_v, dbeta_k, dg):
             if tensor is not None:

@@ -1,12 +1,12 @@
 """Our Triton kernels for the gated delta rule (backend "triton") on the CPU, under Triton's
 interpreter (TRITON_INTERPRET=1), against the reference: the ``check`` of
-tests/gpu/test_triton_delta_rule.py on small shapes in fp32, in a subprocess (the interpreter must
-be switched on before the kernels are defined). Also the messages for what the backend refuses.
-Skipped where Triton does not import. About 50 s on two busy cores.
+tests/gpu/test_triton_delta_rule.py on small shapes in fp32, and in bf16 and fp16 (the tensor-core
+path's storage dtypes and casts), in a subprocess (the interpreter must be switched on before the
+kernels are defined). Also the messages for what the backend refuses. Skipped where Triton does
+not import. About 90 s on two busy cores.
 
 The interpreter runs each program as numpy code: it checks the algebra, indexing, masking and
-varlen handling of the kernels, not GPU code generation, layouts or speed; and it cannot run bf16
-dots (it multiplies their raw bits), so the subset is fp32 (plus one fp16 run).
+varlen handling of the kernels, not GPU code generation, layouts or speed.
 """
 import json
 import os
@@ -25,8 +25,9 @@ from megatron_ext.kernels.selfcheck import delta_rule_inputs  # noqa: E402
 GPU_TESTS = pathlib.Path(__file__).parents[1] / "gpu"
 
 # Keyword arguments of check(): all four forms with grouped heads (Hk = 1, Hv = 2) across a chunk
-# boundary, K != V both ways (K = 64 is two blocks of key channels), one token, Hk = Hv, packed
-# sequences (one empty), strong decay, the write residual, an erase gate next to beta, and fp16.
+# boundary, K != V both ways (K = 64 is several blocks of key channels), one token, Hk = Hv, packed
+# sequences (one empty), strong decay, the write residual, an erase gate next to beta, fp16, and
+# bf16 without a decay and with a per-channel one (the forms whose bf16 backward failed on an H200).
 SMALL = dict(key_heads=1, value_heads=2, key_dim=16, value_dim=32)
 CASES = [
     *(dict(case=case, seq_len=70, **SMALL) for case in ("deltanet", "gated_deltanet", "kda", "gdn2")),
@@ -40,14 +41,18 @@ CASES = [
     dict(SMALL, case="gdn2", seq_len=40, residual=True),
     dict(SMALL, case="kda", seq_len=40, erase_with_beta=True),
     dict(SMALL, case="kda", seq_len=40, dtype="float16"),
+    *(dict(SMALL, case=case, seq_len=70, dtype="bfloat16") for case in ("deltanet", "kda")),
 ]
 
-# Triton 3.6's interpreter turns a loop bound loaded from memory into a Python int through
-# int(<1-element array>), which NumPy >= 2.5 refuses; this takes the element explicitly.
+# Two fixes to Triton 3.6's interpreter. It turns a loop bound loaded from memory into a Python int
+# through int(<1-element array>), which NumPy >= 2.5 refuses: this takes the element explicitly.
+# It keeps bf16 as raw 16-bit integers (NumPy has no bf16) and multiplies those in tl.dot: this
+# widens bf16 dot operands to fp32 first, exactly (as tensor cores do, accumulating in fp32).
 _SCRIPT = """
 import json, sys
 import numpy as np
 import torch
+import triton.language as tl
 import triton.runtime.interpreter as interpreter
 
 _patch = interpreter._patch_lang_tensor
@@ -55,6 +60,16 @@ def _patch_with_index(tensor, scope):
     _patch(tensor, scope)
     scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 interpreter._patch_lang_tensor = _patch_with_index
+
+_dot = interpreter.InterpreterBuilder.create_dot
+def _widen(x):
+    if x.dtype.scalar != tl.bfloat16:
+        return x
+    data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+    return interpreter.TensorHandle(data, tl.float32)
+def _dot_of_bf16(self, a, b, d, *args):
+    return _dot(self, _widen(a), _widen(b), d, *args)
+interpreter.InterpreterBuilder.create_dot = _dot_of_bf16
 
 torch.set_num_threads(1)
 sys.path.insert(0, sys.argv[1])
