@@ -103,7 +103,7 @@ def run_phase(command: list[str], log_path: pathlib.Path, stop_at: int | None) -
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="hybrid-350m")
-    parser.add_argument("--run-dir", default="/tmp/megatron-ext-pretrain-run")
+    parser.add_argument("--run-dir", default="runs/pretrain_run")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--stop-at", type=int, default=150,
                         help="stop phase 1 at this iteration (see --stop-with)")
