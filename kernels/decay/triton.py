@@ -69,7 +69,13 @@ exactly, one key (or query) token at a time. No [C, C, K] tensor is ever formed.
 end of a sequence inside its last chunk read q = k = v = 0 and the G of the last token, so they
 change nothing and decay nothing. Accumulation is fp32; tl.dot takes the inputs' dtype (the
 chunk states h_c and dh'_c are stored in it), with input_precision "ieee" for fp32 inputs, so
-that fp32 runs are not TF32-rounded.
+that fp32 runs are not TF32-rounded. The exception: with a decay, the two state passes keep the
+decayed k (and q) tiles in fp32, which for bf16 and fp16 inputs tl.dot rounds to TF32 (10
+mantissa bits, bf16 has 7). The running state carries the rounding of these tiles into every
+later chunk, and the decay's gradient, a small difference of large sums, magnifies it: rounded to
+bf16 they made a relative error of 2.3e-2 in the gradient of a constant g (the strong-decay bf16
+case of tests/gpu/test_triton_decay.py, T = 200, with the GPU's bf16 and TF32 roundings
+emulated on the interpreter), 7.5e-3 in TF32.
 
 Memory: nothing beyond the inputs is saved for the backward (h_c and P are recomputed).
 Temporaries: h_c in the forward, h_c and dh'_c in the backward, NC * Hv * K * V values each in
@@ -208,13 +214,14 @@ def _states_kernel(k, v, G, h, h0, ht, cu, chunk_offsets, H_K, H_V,
             decay = tl.load(G + _clamped(start, rows, length) * H_V + hv)  # [BT]
             decay_last = tl.load(G + last * H_V + hv)
             state = state * tl.exp(decay_last)
-            keys_t = (keys_t * tl.exp(decay_last - decay)[None, :]).to(values.dtype)
+            keys_t = keys_t * tl.exp(decay_last - decay)[None, :]
         elif DECAY == 2:
             decay_t = tl.load(G + (_clamped(start, rows, length)[None, :] * H_V + hv) * K + kk[:, None])
             decay_last = tl.load(G + (last * H_V + hv) * K + kk)  # [BK]
             state = state * tl.exp(decay_last)[:, None]
-            keys_t = (keys_t * tl.exp(decay_last[:, None] - decay_t)).to(values.dtype)
-        state = tl.dot(keys_t, values, state, input_precision=PREC)
+            keys_t = keys_t * tl.exp(decay_last[:, None] - decay_t)
+        # With a decay, the decayed keys stay fp32 (TF32 in the product for low-precision inputs).
+        state = tl.dot(keys_t, values.to(keys_t.dtype), state, input_precision=PREC)
     tl.store(ht + _state_offsets(nh, K, V, kk, vv), state)
 
 
@@ -346,12 +353,13 @@ def _dstates_kernel(q, do, G, h, ht, dhn, dht, dh0, terms, cu, chunk_offsets, sc
         if DECAY == 1:
             decay = tl.load(G + _clamped(start, rows, length) * H_V + hv)
             grad = grad * tl.exp(tl.load(G + last * H_V + hv))
-            queries_t = (queries_t * tl.exp(decay)[None, :]).to(grads_o.dtype)
+            queries_t = queries_t * tl.exp(decay)[None, :]
         elif DECAY == 2:
             decay_t = tl.load(G + (_clamped(start, rows, length)[None, :] * H_V + hv) * K + kk[:, None])
             grad = grad * tl.exp(tl.load(G + (last * H_V + hv) * K + kk))[:, None]
-            queries_t = (queries_t * tl.exp(decay_t)).to(grads_o.dtype)
-        grad += scale * tl.dot(queries_t, grads_o, input_precision=PREC)
+            queries_t = queries_t * tl.exp(decay_t)
+        # With a decay, the decayed queries stay fp32, as the decayed keys in _states_kernel.
+        grad += scale * tl.dot(queries_t, grads_o.to(queries_t.dtype), input_precision=PREC)
     tl.store(dh0 + _state_offsets(nh, K, V, kk, vv), grad)
 
 
@@ -596,7 +604,8 @@ class _Problem(NamedTuple):
 
     @property
     def precision(self) -> str:
-        """tl.dot's input_precision: exact fp32 products for fp32 inputs (no TF32)."""
+        """tl.dot's input_precision: exact fp32 products for fp32 inputs (no TF32); TF32 for the
+        fp32 operands the state passes form from low-precision inputs."""
         return "ieee" if self.dtype == torch.float32 else "tf32"
 
     @property
@@ -771,8 +780,9 @@ class _DecayLinearAttention(torch.autograd.Function):
                 grad_g = grad_g.sum(-1)  # over the K blocks
             # g [Hv] is the same log-decay at every token of every sequence: the sum of them all.
             grad_g = (grad_g.sum(0) if g.dim() == 1 else grad_g.view(g.shape)).to(g.dtype)
+        grad_v = grad_v.view(*shape[:2], heads, problem.value_dim)  # V, not -1, which T = 0 leaves open
         q_dtype, k_dtype, v_dtype, state_dtype = ctx.input_dtypes
-        return (grad_q.to(q_dtype), grad_k.to(k_dtype), grad_v.view(*shape[:2], heads, -1).to(v_dtype), grad_g,
+        return (grad_q.to(q_dtype), grad_k.to(k_dtype), grad_v.to(v_dtype), grad_g,
                 None if state_dtype is None else grad_state0.to(state_dtype), None, None)
 
 

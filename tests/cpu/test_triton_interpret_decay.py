@@ -5,9 +5,10 @@ The interpreter is chosen when the kernels are defined (TRITON_INTERPRET=1 must 
 the module is imported), so the checks run in a subprocess: this file run as a script, which
 loads tests/gpu/test_triton_decay.py and runs its ``check_case`` on ``interpret_cases``, small
 fp32 cases (and two fp16 ones) of every decay form, packed sequences and grouped heads, with
-that module's tolerances. bf16 is not among them: the interpreter's tl.dot multiplies bf16
-inputs as raw 16-bit integers (Triton 3.6), so bf16 is checked on the GPU only.
-~25 s on two cores.
+that module's tolerances, every load and store checked to stay inside the tensors passed to its
+kernel (``_check_bounds_on_the_interpreter``). bf16 is not among them: the interpreter's tl.dot
+multiplies bf16 inputs as raw 16-bit integers and it truncates fp32 to bf16 where the GPU rounds
+to nearest (Triton 3.6), so bf16 is checked on the GPU only. ~25 s on two cores.
 """
 import importlib.util
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,11 +64,53 @@ def _fix_interpreter_for_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patch_tensor_with_index
 
 
+def _check_bounds_on_the_interpreter() -> None:
+    """Fail any load or store of a kernel that leaves the tensors passed to its launch. The
+    interpreter reads and writes host memory directly, so an access past a tensor's end, which
+    faults on a GPU (an illegal memory access) or corrupts a neighbouring buffer, would otherwise
+    pass unnoticed. Lanes masked off are not checked: they access nothing on a GPU either."""
+    from triton.runtime import interpreter
+
+    launch = {"kernel": None, "extents": []}  # the running kernel's tensors: (first byte, end)
+    run_grid = interpreter.GridExecutor.__call__
+    load, store = interpreter.InterpreterBuilder.create_masked_load, interpreter.InterpreterBuilder.create_masked_store
+
+    def run_grid_recording_extents(self, *args, **kwargs):
+        tensors = [arg for arg in (*args, *kwargs.values()) if isinstance(arg, torch.Tensor)]
+        launch.update(kernel=self.fn.__name__, extents=[
+            (tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()) for tensor in tensors])
+        run_grid(self, *args, **kwargs)
+
+    def check(ptrs, mask, access):
+        addresses = ptrs.data[np.broadcast_to(mask.data.astype(bool), ptrs.data.shape)]
+        size = ptrs.get_element_ty().primitive_bitwidth // 8
+        inside = np.zeros(addresses.shape, dtype=bool)
+        for start, end in launch["extents"]:
+            inside |= (addresses >= start) & (addresses + size <= end)
+        if not inside.all():
+            raise IndexError(f"{launch['kernel']}: {access} of {(~inside).sum()} elements outside the tensors of "
+                             "the launch")
+
+    def checked_load(self, ptrs, mask, *rest):
+        check(ptrs, mask, "load")
+        return load(self, ptrs, mask, *rest)
+
+    def checked_store(self, ptrs, value, mask, *rest):
+        check(ptrs, mask, "store")
+        return store(self, ptrs, value, mask, *rest)
+
+    interpreter.GridExecutor.__call__ = run_grid_recording_extents
+    interpreter.InterpreterBuilder.create_masked_load = checked_load
+    interpreter.InterpreterBuilder.create_masked_store = checked_store
+
+
 def main() -> None:
-    """Run INTERPRET_CASES with the GPU module's check_case on the CPU (TRITON_INTERPRET=1)."""
+    """Run INTERPRET_CASES with the GPU module's check_case on the CPU (TRITON_INTERPRET=1), every
+    memory access checked to stay inside the tensors of its launch."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     torch.set_num_threads(1)
     _fix_interpreter_for_numpy_2_4()
+    _check_bounds_on_the_interpreter()
     spec = importlib.util.spec_from_file_location("triton_decay_checks", GPU_MODULE)
     checks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(checks)
