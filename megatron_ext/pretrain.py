@@ -233,9 +233,6 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
 
     settings.validate()
     run_dir = pathlib.Path(run_dir)
-    # Megatron installs a handler for the exit signal, but a handler never runs while the signal
-    # is blocked, and a blocked mask is inherited from whatever started this process.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR1])
     # A lone process (no torchrun, no Slurm task) is rank 0 of 1.
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                         ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"),
