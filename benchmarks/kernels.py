@@ -273,7 +273,12 @@ def parse_args(argv=None):
     parser.add_argument("--resume", action="store_true",
                         help="keep the results already in --out and measure only what is missing "
                              "(to finish a run that was cut short, or to add ops)")
-    args = parser.parse_args(argv)
+    return finish_timing_args(parser, parser.parse_args(argv))
+
+
+def finish_timing_args(parser, args):
+    """Device-dependent --warmup / --reps defaults and --seq-lens as integers that divide
+    --batch-tokens (shared with the other kernel benchmarks)."""
     on_cpu = torch.device(args.device).type == "cpu"
     args.warmup = (1 if on_cpu else 2) if args.warmup is None else args.warmup
     args.reps = (3 if on_cpu else 10) if args.reps is None else args.reps
@@ -284,16 +289,21 @@ def parse_args(argv=None):
     return args
 
 
+def select_ops(ops: list[Op], spec: str) -> list[Op]:
+    """The ops that ``--ops`` names ("all", or comma-separated families, backends or ops)."""
+    if spec == "all":
+        return ops
+    wanted = set(spec.split(","))
+    known = {op.family for op in ops} | {op.backend for op in ops} | {op.name for op in ops}
+    if wanted - known:
+        raise SystemExit(f"unknown --ops {sorted(wanted - known)}; known: {sorted(known)}")
+    return [op for op in ops if {op.family, op.backend, op.name} & wanted]
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
-    ops = build_ops(device)
-    wanted = None if args.ops == "all" else set(args.ops.split(","))
-    if wanted is not None:
-        known = {op.family for op in ops} | {op.backend for op in ops} | {op.name for op in ops}
-        if wanted - known:
-            raise SystemExit(f"unknown --ops {sorted(wanted - known)}; known: {sorted(known)}")
-        ops = [op for op in ops if {op.family, op.backend, op.name} & wanted]
+    ops = select_ops(build_ops(device), args.ops)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     env = environment(device)

@@ -177,30 +177,17 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, help="timed calls (default: 10; 3 on CPU)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/results/sparse_attention_h200.json")
-    args = parser.parse_args(argv)
-    on_cpu = torch.device(args.device).type == "cpu"
-    args.warmup = (1 if on_cpu else 2) if args.warmup is None else args.warmup
-    args.reps = (3 if on_cpu else 10) if args.reps is None else args.reps
-    args.seq_lens = [int(value) for value in args.seq_lens.split(",")]
+    args = bench.finish_timing_args(parser, parser.parse_args(argv))
     args.nsa = [int(value) for value in args.nsa.split(",")]
     if len(args.nsa) != 5:
         parser.error("--nsa takes 5 numbers: compress block, stride, select block, top-k, window")
-    for seq_len in args.seq_lens:
-        if args.batch_tokens % seq_len:
-            parser.error(f"--batch-tokens {args.batch_tokens} is not a multiple of T = {seq_len}")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
-    ops = build_ops(args)
-    if args.ops != "all":
-        wanted = set(args.ops.split(","))
-        known = {op.family for op in ops} | {op.backend for op in ops} | {op.name for op in ops}
-        if wanted - known:
-            raise SystemExit(f"unknown --ops {sorted(wanted - known)}; known: {sorted(known)}")
-        ops = [op for op in ops if {op.family, op.backend, op.name} & wanted]
+    ops = bench.select_ops(build_ops(args), args.ops)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = dict(bench.environment(device), settings=vars(args), results=[])
