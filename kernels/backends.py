@@ -21,6 +21,7 @@ cases are logged. ``megatron-ext doctor`` shows every check in full.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -127,8 +128,10 @@ def _package_version() -> str:
         return "unknown"
 
 
+@functools.lru_cache(maxsize=None)
 def _device_key(device: torch.device) -> str:
-    """What a verdict depends on: the GPU, its compute capability and the software versions."""
+    """What a verdict depends on: the GPU, its compute capability and the software versions
+    (computed once per device: auto_backend runs in every layer's forward)."""
     import triton
 
     major, minor = torch.cuda.get_device_capability(device)
