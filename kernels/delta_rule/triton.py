@@ -82,10 +82,12 @@ d beta in bf16 without a decay and faulted (illegal memory access) with a per-ch
 forms fed the [64, 64] tiles of dP and dA (and their transposes) to tl.dot straight from memory,
 while the per-head form, which scales them by the decays in registers first, passed. The fp32
 runs (no tensor cores) passed, and under the interpreter every access of the bf16 path is in
-bounds: code generation, not indexing. So _bwd_qkg masks dP and dA as it uses them (every form
-takes the tiles from registers) and, on tensor cores, runs on one warpgroup (no replicated
-accumulator layouts, no conversions between them), as fla-core keeps its kernels of this shape
-at 2 or 4 warps on Hopper (its issues #984 and #640 report similar failures).
+bounds: code generation, not indexing. So _bwd_qkg masks dP and dA as it uses them and, on tensor
+cores, runs on one warpgroup (no replicated accumulator layouts, no conversions between them), as
+fla-core keeps its kernels of this shape at 2 or 4 warps on Hopper (its issues #984 and #640
+report similar failures). That fixed the per-channel form, but the form without a decay still
+gave dk 0.46 off in bf16 (masking by tl.where alone did not keep the compiler from the failing
+code), so it is gone: without a decay, _bwd_qkg runs the per-head form on a zero decay.
 """
 import os
 
@@ -566,7 +568,8 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
     BK key channels. dq and dk are per v head; the per-token results (beta's share, and dg of a
     per-head decay) are partial sums over the key blocks, at [kb, token, head]. dP and dA come
     whole from _bwd_scores and are masked here, as they are used, so that their tiles reach tl.dot
-    from registers, not straight from memory (see "Hopper" in the module docstring)."""
+    from registers, not straight from memory. G_MODE is 1 or 2: without a decay the host passes a
+    zero per-head one (see "Hopper" in the module docstring)."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     kb = tl.program_id(2)
@@ -585,8 +588,7 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
         d_qg += _mm(_rows(do_ptr, start, t, valid, value_heads, hv, V, v0, BV) * scale, state_t, DOT, IEEE)
         d_us += _mm(_tile(dU_ptr, start, t, valid, value_heads, hv, V, v0, BV, False), state_t, DOT, IEEE)
         d_kd += _mm(_tile(U_ptr, start, t, valid, value_heads, hv, V, v0, BV, False), d_state_t, DOT, IEEE)
-        if G_MODE != 0:
-            d_end += tl.sum(state_t * d_state_t, 0)
+        d_end += tl.sum(state_t * d_state_t, 0)
     square = (c * value_heads + hv) * _C * _C
     d_ga = -_mm(_square(T_ptr, square, True), d_us, DOT, IEEE)  # d(Gamma * a)
     q = _rows(q_ptr, start, t, valid, key_heads, hk, K, c0, BK)
@@ -654,24 +656,18 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
         d_scores_a = tl.where(t[:, None] > t[None, :], _square(dA_ptr, square, False), 0.0)
         d_scores_p_t = tl.where(t[:, None] <= t[None, :], _square(dP_ptr, square, True), 0.0)
         d_scores_a_t = tl.where(t[:, None] < t[None, :], _square(dA_ptr, square, True), 0.0)
-        if G_MODE == 1:
-            G = _vec(G_ptr, start, t, valid, value_heads, hv)
-            G_end = tl.load(_at(G_ptr, start, value_heads, hv, 1) + (count - 1) * value_heads)
-            d_k = tl.exp(tl.minimum(G_end - G, 0.0))[:, None] * d_kd
-            d_G_end = tl.sum(tl.sum(k * d_k, 1), 0) + tl.exp(G_end) * tl.sum(d_end, 0)
-            decay = tl.exp(tl.minimum(G[:, None] - G[None, :], 0.0))  # [t, s]
-            d_q = tl.exp(G)[:, None] * d_qg + _mm(d_scores_p * decay, k, DOT, IEEE)
-            d_a = tl.exp(G)[:, None] * d_ga + _mm(d_scores_a * decay, k, DOT, IEEE)
-            decay_t = tl.exp(tl.minimum(G[None, :] - G[:, None], 0.0))  # [s, t]
-            d_k += _mm(d_scores_p_t * decay_t, q, DOT, IEEE) + _mm(d_scores_a_t * decay_t, a, DOT, IEEE)
-        else:
-            d_q = d_qg + _mm(d_scores_p, k, DOT, IEEE)
-            d_a = d_ga + _mm(d_scores_a, k, DOT, IEEE)
-            d_k = d_kd + _mm(d_scores_p_t, q, DOT, IEEE) + _mm(d_scores_a_t, a, DOT, IEEE)
-        if G_MODE == 1:
-            d_G = tl.sum(q * d_q + a * d_a - k * d_k, 1) + tl.where(t == last_row, d_G_end, 0.0)
-            tl.store(_at(dg_ptr, partial_start, value_heads, hv, 1) + t * value_heads,
-                     tl.cumsum(d_G, 0, reverse=True), mask=valid)
+        G = _vec(G_ptr, start, t, valid, value_heads, hv)
+        G_end = tl.load(_at(G_ptr, start, value_heads, hv, 1) + (count - 1) * value_heads)
+        d_k = tl.exp(tl.minimum(G_end - G, 0.0))[:, None] * d_kd
+        d_G_end = tl.sum(tl.sum(k * d_k, 1), 0) + tl.exp(G_end) * tl.sum(d_end, 0)
+        decay = tl.exp(tl.minimum(G[:, None] - G[None, :], 0.0))  # [t, s]
+        d_q = tl.exp(G)[:, None] * d_qg + _mm(d_scores_p * decay, k, DOT, IEEE)
+        d_a = tl.exp(G)[:, None] * d_ga + _mm(d_scores_a * decay, k, DOT, IEEE)
+        decay_t = tl.exp(tl.minimum(G[None, :] - G[:, None], 0.0))  # [s, t]
+        d_k += _mm(d_scores_p_t * decay_t, q, DOT, IEEE) + _mm(d_scores_a_t * decay_t, a, DOT, IEEE)
+        d_G = tl.sum(q * d_q + a * d_a - k * d_k, 1) + tl.where(t == last_row, d_G_end, 0.0)
+        tl.store(_at(dg_ptr, partial_start, value_heads, hv, 1) + t * value_heads,
+                 tl.cumsum(d_G, 0, reverse=True), mask=valid)
     _put(dq_ptr, start, t, valid, value_heads, hv, K, c0, BK, d_q)
     _put(dk_ptr, start, t, valid, value_heads, hv, K, c0, BK, d_k + gate * d_a)
     if ERASE:
@@ -834,12 +830,14 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
     key_blocks = K // cfg.qkg_block_k
     dbeta_v = None if cfg.write else cfg.empty(dtype=torch.float32)
     dbeta_k = None if cfg.erase else torch.empty(key_blocks, tokens, Hv, device=device, dtype=torch.float32)
+    # _bwd_qkg always takes a decay: without one, a zero per-head decay (see "Hopper" above), and
+    # the gradient it then finds for it is dropped.
+    qkg_mode = max(cfg.g_mode, 1)
+    G_qkg = G if cfg.g_mode != 0 else torch.zeros(tokens, Hv, device=device, dtype=torch.float32)
     if cfg.g_mode == 2:
         dg = torch.empty_like(g)
-    elif cfg.g_mode == 1:
-        dg = torch.empty(key_blocks, tokens, Hv, device=device, dtype=torch.float32)
     else:
-        dg = None
+        dg = torch.empty(key_blocks, tokens, Hv, device=device, dtype=torch.float32)
     if NC > 0:
         dP = torch.empty(NC, Hv, _C.value, _C.value, device=device, dtype=cfg.store_dtype)
         dA = torch.empty_like(dP)
@@ -848,10 +846,10 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
             dummy if dbeta_v is None else dbeta_v, cfg.bounds, Hv, cfg.scale,
             V=V, BV=cfg.score_block_v, WRITE=cfg.write, num_warps=8, num_stages=stages, **cfg.flags)
         _bwd_qkg_kernel[(NC, Hv, key_blocks)](
-            q, k, beta_, erase_, G, T, h, dh, U, dU, d_o, dP, dA, dq, dk,
+            q, k, beta_, erase_, G_qkg, T, h, dh, U, dU, d_o, dP, dA, dq, dk,
             dummy if derase is None else derase, dummy if dbeta_k is None else dbeta_k,
-            dummy if dg is None else dg, cfg.bounds, tokens, Hk, Hv, cfg.group, cfg.scale,
-            K=K, V=V, BK=cfg.qkg_block_k, BV=cfg.block_v, G_MODE=cfg.g_mode, ERASE=cfg.erase,
+            dg, cfg.bounds, tokens, Hk, Hv, cfg.group, cfg.scale,
+            K=K, V=V, BK=cfg.qkg_block_k, BV=cfg.block_v, G_MODE=qkg_mode, ERASE=cfg.erase,
             num_warps=cfg.qkg_warps, num_stages=stages, **cfg.flags)
     else:  # no tokens at all
         for tensor in (dq, dk, dv, dwrite, derase, dbeta_v, dbeta_k, dg):
@@ -869,6 +867,8 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
         d_beta = sum(parts).to(beta.dtype)
     if cfg.g_mode == 1:
         dg = dg.sum(0).to(g.dtype)
+    elif cfg.g_mode == 0:
+        dg = None
     d_initial = None if initial_state is None else dh0.to(initial_state.dtype)
     return per_key_head(dq, q), per_key_head(dk, k), dv, d_beta, dg, derase, dwrite, d_initial
 
