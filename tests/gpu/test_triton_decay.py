@@ -139,15 +139,17 @@ def check_case(case: Case, device) -> dict[str, float]:
     return errors
 
 
-# fp32 at K = 32, V = 64 (K != V); bf16 at K = V = 128 (the benchmark's head dims). Over T: a
-# single token, one short of a chunk, exactly one, one past, and several chunks with a short end.
+# fp32 at K = 32, V = 64 (K != V); bf16 at K = V = 128 (the benchmark's head dims), at K = 32,
+# V = 64 (kernels/selfcheck.py's: a bf16 failure that `megatron-ext doctor` shows must show here
+# too) and at K = 64, V = 128. Over T: a single token, one short of a chunk, exactly one, one
+# past, and several chunks with a short end.
 SEQ_LENS = (1, 63, 64, 65, 200)
-DIMS = {torch.float32: (32, 64), torch.bfloat16: (128, 128)}
+DIMS = [(torch.float32, 32, 64), (torch.bfloat16, 128, 128), (torch.bfloat16, 32, 64), (torch.bfloat16, 64, 128)]
 
 
 def _gpu_cases() -> list[Case]:
     cases = []
-    for dtype, (key_dim, value_dim) in DIMS.items():
+    for dtype, key_dim, value_dim in DIMS:
         dims = dict(dtype=dtype, key_dim=key_dim, value_dim=value_dim)
         for decay in DECAYS:
             cases += [Case(decay, seq_len=seq_len, **dims) for seq_len in SEQ_LENS]  # Hk = 2, Hv = 4
