@@ -114,6 +114,19 @@ def fla_unavailable_reason(kind: str, device, requires_grad: bool) -> str | None
 _VERDICTS: dict[tuple[str, str], dict] = {}  # (op, device key) -> {"passed": bool, "reason": str}
 
 
+def decay_triton_declined_reason(q: torch.Tensor, g: torch.Tensor | None) -> str | None:
+    """Why our decay Triton kernels decline these inputs, or None: on CUDA tensor cores (bf16 or
+    fp16 q), a key dim below 64 with no decay or a scalar one. On an H200 (Triton 3.6.0) their
+    backward gave dk 0.7 to 0.9 off (relative) at K = 32 in these forms, while K = 64 and 128 and
+    the per-channel form at K = 32 passed (tests/gpu/test_triton_decay.py). ``backend="auto"``
+    then runs chunked; ``backend="triton"`` refuses."""
+    per_channel = g is not None and g.dim() == 4
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] < 64 and not per_channel:
+        return (f"K = {q.shape[-1]} in {q.dtype} with {'no' if g is None else 'a scalar'} decay on a GPU "
+                f"(K >= 64 there: at K = 32 the backward was wrong on an H200)")
+    return None
+
+
 def selfcheck_cache_path() -> pathlib.Path:
     root = os.environ.get("MEGATRON_EXT_CACHE_DIR") or pathlib.Path.home() / ".cache" / "megatron-ext"
     return pathlib.Path(root) / "selfcheck.json"

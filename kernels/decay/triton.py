@@ -86,7 +86,8 @@ state terms, NC * Hv * K * V/32 fp32; and fp32 dq, dk per v head when Hk < Hv.
 Launch configuration: every kernel runs with num_warps = 4 and num_stages = 2 (``LAUNCH``), the
 only configuration tested, on blocks of BK = min(K, 64) key channels and BV = min(V, 64) value
 channels (min(V, 32) in the two state passes, for more programs when there are few sequences).
-Supported: K and V powers of two from 16 to 256, q, k, v in fp32,
+Supported: K and V powers of two from 16 to 256 (on a GPU in bf16/fp16, K >= 64 unless the
+decay is per channel: kernels.backends.decay_triton_declined_reason), q, k, v in fp32,
 bf16 or fp16, CUDA tensors (or any device with TRITON_INTERPRET=1, Triton's CPU interpreter).
 Hopper note: no kernel transposes a tl.dot result (tl.trans); transposed operands are loaded
 through strides, to stay clear of the wrong results seen with transposed MMA results in gated
@@ -100,6 +101,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import backends
 from .reference import OP, check_inputs
 
 __all__ = ["decay_linear_attention_triton", "LAUNCH", "SUPPORTED_DIMS"]
@@ -790,10 +792,11 @@ def _refuse(reason: str):
     raise RuntimeError(f"{OP}: backend 'triton' cannot run {reason}; use backend='chunked'")
 
 
-def _check_supported(q, k, v) -> None:
+def _check_supported(q, k, v, g) -> None:
     """Raise ValueError for a K or V the kernels do not take; refuse (RuntimeError "<op>: backend
-    'triton' cannot run ...", which the self-check reports as a skip) fp64 inputs and tensors off
-    CUDA outside Triton's interpreter."""
+    'triton' cannot run ...", which the self-check reports as a skip) fp64 inputs, tensors off
+    CUDA outside Triton's interpreter and what kernels.backends.decay_triton_declined_reason
+    names."""
     for name, dim in (("K", q.shape[-1]), ("V", v.shape[-1])):
         if dim not in SUPPORTED_DIMS:
             raise ValueError(f"{OP}: backend 'triton' supports K and V in {list(SUPPORTED_DIMS)} "
@@ -803,6 +806,9 @@ def _check_supported(q, k, v) -> None:
             _refuse(f"{name} in {tensor.dtype} (float32, bfloat16 and float16 only)")
     if q.device.type != "cuda" and not triton.knobs.runtime.interpret:
         _refuse(f"tensors on {q.device.type} (CUDA only, or Triton's CPU interpreter with TRITON_INTERPRET=1)")
+    declined = backends.decay_triton_declined_reason(q, g)
+    if declined:
+        _refuse(declined)
 
 
 def decay_linear_attention_triton(
@@ -819,7 +825,7 @@ def decay_linear_attention_triton(
     every accumulation in fp32. K and V must be powers of two from 16 to 256.
     """
     check_inputs(q, k, v, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    _check_supported(q, k, v)
+    _check_supported(q, k, v, g)
     batch, seq_len, key_heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     if g is None:

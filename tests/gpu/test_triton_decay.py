@@ -35,8 +35,8 @@ A CUDA fault (an illegal memory access, say) breaks the CUDA context for the res
 after which every case would report the same error: ``_synchronize`` ends the run at the first
 one instead, naming the case.
 
-GPU time: the cases share two sets of compiled kernels, fp32 at K = 32, V = 64 and bf16 at
-K = V = 128, each ~20 kernels over the three decay forms (constant and per-head decays share
+GPU time: the cases share a few sets of compiled kernels (fp32 at K = 32, V = 64; bf16 at
+K = V = 128, at K = 64, V = 128 and, per channel, at K = 32, V = 64), each ~20 kernels over the three decay forms (constant and per-head decays share
 theirs); the references run on the CPU on small shapes (~8 s in all on two cores). fp16 runs the
 bf16 kernels' code with another dtype and is checked on the interpreter only.
 """
@@ -47,6 +47,7 @@ import pytest
 import torch
 
 from megatron_ext.kernels import decay_linear_attention
+from megatron_ext.kernels.backends import decay_triton_declined_reason
 from megatron_ext.kernels.decay import decay_linear_attention_reference
 from megatron_ext.kernels.selfcheck import decay_inputs, relative_error, run_with_grads
 
@@ -176,11 +177,31 @@ def _synchronize(where: str) -> None:
                     "cases were not run.", returncode=1)
 
 
+def _declined(case: Case) -> str | None:
+    """kernels.backends.decay_triton_declined_reason for the case's inputs on the GPU."""
+    q = torch.empty(1, 1, 1, case.key_dim, dtype=case.dtype, device="cuda")
+    g = None if case.decay == "none" else torch.empty(
+        (1, 1, 1, case.key_dim) if case.decay == "per_channel" else (1, 1, 1), device="cuda")
+    return decay_triton_declined_reason(q, g)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_triton_matches_reference(case):
+    """Within the tolerance; or, for the inputs the kernels decline on a GPU (bf16 scalar forms at
+    K = 32, measured wrong on the H200), refused with a clear error, and "auto" runs chunked."""
     _synchronize(f"before {case} (left by an earlier test of this process; run this file alone)")
     try:
-        check_case(case, "cuda")
+        if _declined(case):
+            with pytest.raises(RuntimeError, match="backend 'triton' cannot run K = 32"):
+                check_case(case, "cuda")
+            q = torch.randn(1, 8, 1, case.key_dim, dtype=case.dtype, device="cuda")
+            o, _ = decay_linear_attention(q, q, q, g=None if case.decay == "none" else torch.full(
+                (1, 8, 1), -0.1, device="cuda"), backend="auto")
+            expected, _ = decay_linear_attention(q, q, q, g=None if case.decay == "none" else torch.full(
+                (1, 8, 1), -0.1, device="cuda"), backend="chunked")
+            torch.testing.assert_close(o, expected, rtol=0, atol=0)
+        else:
+            check_case(case, "cuda")
     finally:
         _synchronize(f"in {case}, the first case to fault")
