@@ -6,26 +6,40 @@ parallelism): ``S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T`` gives, after T tokens 
 The transition is diagonal, so it is kept as a column ``[K or 1, 1]`` that broadcasts.
 """
 
+import torch
+
 __all__ = ["decay_linear_attention_summary"]
 
 
-def decay_linear_attention_summary(k, v, *, g=None, backend: str = "auto"):
-    """(transition ``[B, Hv, K or 1, 1]``, state ``[B, Hv, K, V]``) of each batch row, fp32.
+def decay_linear_attention_summary(k, v, *, g=None, cu_seqlens=None, backend: str = "auto"):
+    """(transition ``[N, Hv, K or 1, 1]``, state ``[N, Hv, K, V]``) of each of the N sequences
+    (the batch rows, or the packed sequences of ``cu_seqlens``), fp32.
 
     Arguments as in :func:`~megatron_ext.kernels.decay_linear_attention` (k ``[B, T, Hk, K]``,
-    v ``[B, T, Hv, V]``, g None, ``[Hv]``, ``[B, T, Hv]`` or ``[B, T, Hv, K]``). The state after
-    the row's T tokens, entered with S_0, is ``transition * S_0 + state``.
+    v ``[B, T, Hv, V]``, g None, ``[Hv]``, ``[B, T, Hv]`` or ``[B, T, Hv, K]``, cu_seqlens). The
+    state after the sequence's tokens, entered with S_0, is ``transition * S_0 + state``.
     """
     from . import decay_linear_attention  # the package entry point picks the backend
 
     batch, seq_len, value_heads = v.shape[:3]
-    _, state = decay_linear_attention(k, k, v, g=g, output_final_state=True, backend=backend)
+    _, state = decay_linear_attention(k, k, v, g=g, output_final_state=True, cu_seqlens=cu_seqlens,
+                                      backend=backend)
+    if cu_seqlens is None:
+        lengths = torch.full((batch,), seq_len, device=v.device)
+    else:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(v.device)
     if g is None:
-        log_transition = state.new_zeros(batch, value_heads, 1)
+        log_transition = state.new_zeros(len(lengths), value_heads, 1)
     elif g.dim() == 1:  # a constant per head
-        log_transition = (seq_len * g.to(state.dtype)).view(1, value_heads, 1).expand(batch, -1, -1)
-    elif g.dim() == 3:  # one per head and token
-        log_transition = g.to(state.dtype).sum(dim=1).unsqueeze(-1)
-    else:  # per key channel
-        log_transition = g.to(state.dtype).sum(dim=1)
+        log_transition = lengths.to(state.dtype).view(-1, 1, 1) * g.to(state.dtype).view(1, value_heads, 1)
+    else:  # one per head and token ([.., Hv]), or per key channel ([.., Hv, K])
+        per_token = g.to(state.dtype)
+        if g.dim() == 3:
+            per_token = per_token.unsqueeze(-1)
+        if cu_seqlens is None:
+            log_transition = per_token.sum(dim=1)
+        else:  # the sum over each packed sequence
+            sequence_of_token = torch.repeat_interleave(lengths)
+            log_transition = per_token.new_zeros(len(lengths), *per_token.shape[2:]).index_add(
+                0, sequence_of_token, per_token[0])
     return log_transition.exp().unsqueeze(-1), state

@@ -17,26 +17,29 @@ __all__ = ["gated_delta_rule_summary"]
 
 
 def gated_delta_rule_summary(k, v, *, beta=None, g=None, erase=None, write=None,
-                             backend: str = "auto"):
-    """(transition ``[B, Hv, K, K]``, state ``[B, Hv, K, V]``) of each batch row, fp32.
+                             cu_seqlens=None, backend: str = "auto"):
+    """(transition ``[N, Hv, K, K]``, state ``[N, Hv, K, V]``) of each of the N sequences (the
+    batch rows, or the packed sequences of ``cu_seqlens``), fp32.
 
     Arguments as in :func:`~megatron_ext.kernels.gated_delta_rule` (k ``[B, T, Hk, K]``, v
-    ``[B, T, Hv, V]``, beta, g, erase, write); q plays no part in the state.
-    Then for any entering state S_0, the state after the row's T tokens is
+    ``[B, T, Hv, V]``, beta, g, erase, write, cu_seqlens); q plays no part in the state.
+    Then for any entering state S_0, the state after the sequence's tokens is
     ``transition @ S_0 + state``.
     """
     from . import gated_delta_rule  # the package entry point picks the backend
 
     batch, seq_len, _, key_dim = k.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
+    sequences = batch if cu_seqlens is None else len(cu_seqlens) - 1
     values = torch.cat([v, v.new_zeros(batch, seq_len, value_heads, key_dim)], dim=-1)
     if write is not None:  # the gate of the zero columns is irrelevant
         write = torch.cat([write, write.new_ones(batch, seq_len, value_heads, key_dim)], dim=-1)
     dtype = torch.promote_types(torch.float32, v.dtype)
     entering = torch.cat([
-        torch.zeros(batch, value_heads, key_dim, value_dim, dtype=dtype, device=v.device),
-        torch.eye(key_dim, dtype=dtype, device=v.device).expand(batch, value_heads, key_dim, key_dim),
+        torch.zeros(sequences, value_heads, key_dim, value_dim, dtype=dtype, device=v.device),
+        torch.eye(key_dim, dtype=dtype, device=v.device).expand(sequences, value_heads, key_dim, key_dim),
     ], dim=-1)
     _, final = gated_delta_rule(k, k, values, beta=beta, g=g, erase=erase, write=write,
-                                initial_state=entering, output_final_state=True, backend=backend)
+                                initial_state=entering, output_final_state=True,
+                                cu_seqlens=cu_seqlens, backend=backend)
     return final[..., value_dim:], final[..., :value_dim]

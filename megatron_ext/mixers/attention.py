@@ -175,12 +175,14 @@ class SDPACoreAttention(SoftmaxCoreAttention):
     def _attend_context_parallel(self, q, k, v, attention_mask, mask_type, packed_seq_params):
         """Causal attention of this rank's load-balanced chunks to the whole sequence, by an
         all-gather of keys and values (:mod:`megatron_ext.parallel.attention` says why)."""
-        if (attention_mask is not None or mask_type != AttnMaskType.causal
-                or packed_seq_params is not None):
+        if attention_mask is not None or mask_type != AttnMaskType.causal:
             raise NotImplementedError(
-                "context parallelism of '*' attention takes the causal mask type only: no "
-                "attention_mask, no packed sequences (qkv_format='thd') yet")
-        k, v, allowed = gather_keys_values(self.cp, q, k, v)
+                "context parallelism of '*' attention takes the causal mask type only, with no "
+                "attention_mask (packed sequences are fine)")
+        cu_seqlens = None
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cu_seqlens = packed_seq_params.cu_seqlens_q
+        k, v, allowed = gather_keys_values(self.cp, q, k, v, cu_seqlens)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, s, d]
         dropout_p = self.dropout_p if self.training else 0.0
         with self._dropout_rng(dropout_p):

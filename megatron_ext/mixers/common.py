@@ -157,19 +157,26 @@ def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, same_sequence=N
 
 
 def conv_silu_heads(x: torch.Tensor, weight: torch.Tensor, heads: int, same_sequence=None,
-                    cp=None):
+                    cp=None, packed=None):
     """``[s, b, heads * d]`` projection -> causal conv + SiLU -> ``[b, s, heads, d]``.
 
     Under context parallelism (``cp``, a :class:`~megatron_ext.parallel.ContextParallel`) the
-    local sequence is two chunks of Megatron's load-balanced layout; each is convolved after
-    its halo, the ``kernel - 1`` tokens before it, which may live on another rank.
+    local sequence is two chunks of Megatron's load-balanced layout, or with packed sequences
+    (``packed``, a :class:`~megatron_ext.parallel.context.PackedLayout`) two chunks of each
+    document; each chunk is convolved after its halo, the ``kernel - 1`` tokens before it,
+    which may live on another rank.
     """
     s, b = x.shape[:2]
     x = x.transpose(0, 1)
-    if cp is None:
+    halo = weight.shape[1] - 1
+    if cp is None or halo == 0:
         x = causal_depthwise_conv(x, weight, same_sequence)
+    elif packed is not None:  # b = 1; one convolution per piece, after its halo
+        pieces = packed.split(x)
+        before = cp.before_tails(torch.cat([piece[:, piece.shape[1] - halo:] for piece in pieces]))
+        x = torch.cat([causal_depthwise_conv(torch.cat([before[i:i + 1], piece], dim=1), weight)[:, halo:]
+                       for i, piece in enumerate(pieces)], dim=1)
     else:
-        halo = weight.shape[1] - 1
         chunks = cp.split_chunks(x)
         if halo:
             chunks = torch.cat([cp.previous_tokens(chunks, halo), chunks], dim=1)

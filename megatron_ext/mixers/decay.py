@@ -175,12 +175,12 @@ class Mamba2Mixer(HeadShardedMixer):
         dt, _ = self.linear_dt(hidden_states)
         s, b = x.shape[:2]
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
-        check_sequence(self.cp, s, cu_seqlens, self.conv_x.shape[1], "mamba2")
+        packed = check_sequence(self.cp, s, cu_seqlens, self.conv_x.shape[1], "mamba2")
         same_sequence = same_sequence_masks(cu_seqlens, s, self.conv_x.shape[1], x.device)
 
-        x = conv_silu_heads(x, self.conv_x, self.heads, same_sequence, self.cp)   # [b, s, H, P]
-        B = conv_silu_heads(B, self.conv_B, self.groups, same_sequence, self.cp)  # [b, s, G, N]
-        C = conv_silu_heads(C, self.conv_C, self.groups, same_sequence, self.cp)
+        x = conv_silu_heads(x, self.conv_x, self.heads, same_sequence, self.cp, packed)   # [b, s, H, P]
+        B = conv_silu_heads(B, self.conv_B, self.groups, same_sequence, self.cp, packed)  # [b, s, G, N]
+        C = conv_silu_heads(C, self.conv_C, self.groups, same_sequence, self.cp, packed)
         dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())  # [b, s, H]
         g = -self.A_log.float().exp() * dt
         # C reads and B writes the state; dt scales the write; scale 1 as in Mamba-2.

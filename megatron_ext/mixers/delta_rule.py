@@ -151,7 +151,7 @@ class DeltaRuleMixer(HeadShardedMixer):
         gate, _ = self.linear_gate(hidden_states)
         s, b = q.shape[:2]
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
-        check_sequence(self.cp, s, cu_seqlens, self.conv_q.shape[1], self.variant)
+        packed = check_sequence(self.cp, s, cu_seqlens, self.conv_q.shape[1], self.variant)
         same_sequence = same_sequence_masks(cu_seqlens, s, self.conv_q.shape[1], q.device)
 
         def sigmoid_gate(linear, per_head_channels):
@@ -160,10 +160,10 @@ class DeltaRuleMixer(HeadShardedMixer):
                 b, s, self.value_heads, *per_head_channels)
 
         q = F.normalize(conv_silu_heads(q, self.conv_q, self.key_heads, same_sequence,
-                                        self.cp).float(), dim=-1)
+                                        self.cp, packed).float(), dim=-1)
         k = F.normalize(conv_silu_heads(k, self.conv_k, self.key_heads, same_sequence,
-                                        self.cp).float(), dim=-1)
-        v = conv_silu_heads(v, self.conv_v, self.value_heads, same_sequence, self.cp)
+                                        self.cp, packed).float(), dim=-1)
+        v = conv_silu_heads(v, self.conv_v, self.value_heads, same_sequence, self.cp, packed)
         gates = {}
         if self.variant == "gated_deltanet2":
             gates["erase"] = sigmoid_gate(self.linear_erase, (self.key_dim,))

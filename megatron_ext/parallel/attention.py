@@ -24,15 +24,27 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.parallel.context import ContextParallel
+from megatron_ext.parallel.context import ContextParallel, PackedLayout
 
 
-def gather_keys_values(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def gather_keys_values(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cu_seqlens: torch.Tensor | None = None):
     """q ``[b, 2L, hq, d]``, k/v ``[b, 2L, hkv, d]`` (this rank's chunks) -> k, v of the whole
     sequence ``[b, T, hkv, d]`` and the causal mask of the local queries ``[2L, T]`` (True =
-    may attend)."""
-    local_length = cp.check_local_length(q.shape[1]) * 2
-    k, v = cp.gather_sequence(k), cp.gather_sequence(v)
-    query_positions = cp.positions(local_length, device=q.device)
+    may attend). With packed sequences (``cu_seqlens``, global; b = 1; Megatron's per-document
+    split) the mask is also block-diagonal: a query sees the earlier keys of its document."""
+    if cu_seqlens is None:
+        local_length = cp.check_local_length(q.shape[1]) * 2
+        query_positions = cp.positions(local_length, device=q.device)
+        packed = None
+    else:
+        packed = PackedLayout(cp, cu_seqlens)
+        query_positions = packed.global_index(cp.rank)
+    k, v = cp.gather_sequence(k, packed), cp.gather_sequence(v, packed)
     key_positions = torch.arange(k.shape[1], device=q.device)
-    return k, v, key_positions[None, :] <= query_positions[:, None]
+    allowed = key_positions[None, :] <= query_positions[:, None]
+    if packed is not None:
+        boundaries = packed.cu_seqlens[1:].to(key_positions.device)
+        document = lambda positions: torch.searchsorted(boundaries, positions, right=True)  # noqa: E731
+        allowed &= document(query_positions)[:, None] == document(key_positions)[None, :]
+    return k, v, allowed

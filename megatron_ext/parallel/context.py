@@ -16,6 +16,14 @@ each differentiable:
   "DeepSpeed Ulysses", 2023); the backward of one is the other.
 - :meth:`ContextParallel.gather_sequence`: the all-gather of a whole sequence-sharded tensor
   (keys and values of softmax attention), in global token order.
+
+Packed sequences (``qkv_format='thd'``, one batch row): Megatron splits each document on its
+own (``get_batch_on_this_cp_rank`` with ``cu_seqlens``: Transformer Engine's
+``thd_get_partitioned_indices``): document i, of a length divisible by ``2 * CP``, is cut into
+``2 * CP`` chunks of ``n_i / (2 CP)`` tokens and rank r holds, document after document, chunk r
+then chunk ``2 CP - 1 - r``; ``cu_seqlens`` stays global. :class:`PackedLayout` describes that:
+the local sequence is ``2 * documents`` pieces (document i's two chunks), which play the role of
+the ``2B`` chunk-batched rows above, and every method takes it as ``packed=``.
 """
 
 from __future__ import annotations
@@ -44,6 +52,53 @@ class _AllGather(torch.autograd.Function):
         out = grad.new_empty(grad.shape[0] // ctx.group.size(), *grad.shape[1:])
         dist.reduce_scatter_tensor(out, grad, group=ctx.group)
         return out, None
+
+
+class PackedLayout:
+    """This rank's part of ``thd``-packed sequences under CP (see the module docstring).
+
+    ``cu_seqlens``: the global cumulative document lengths (Megatron's PackedSeqParams).
+    ``local_cu_seqlens`` ``[2D + 1]``: the pieces of the local sequence (document i's two chunks
+    at 2i and 2i + 1), for the ops' ``cu_seqlens``; ``piece_lengths`` ``[2D]``.
+    """
+
+    def __init__(self, cp: "ContextParallel", cu_seqlens: torch.Tensor, min_chunk: int = 1):
+        cu_seqlens = cu_seqlens.long()
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        parts = 2 * cp.size
+        bad = [int(n) for n in lengths if n % parts]
+        if bad:
+            raise ConfigError(
+                f"packed sequences of lengths {bad} are not divisible by 2 * context_parallel_size"
+                f" = {parts} (Megatron cuts each document into that many chunks under CP); pad "
+                "each document to a multiple of it")
+        chunk = lengths // parts
+        if int(chunk.min()) < min_chunk:
+            raise ConfigError(
+                f"a packed document of {int(lengths[chunk.argmin()])} tokens gives CP chunks of "
+                f"{int(chunk.min())} tokens, fewer than the {min_chunk} this layer needs (its "
+                "convolution reaches that far back); use longer documents or a smaller "
+                "context_parallel_size")
+        self.cp, self.cu_seqlens, self.chunk = cp, cu_seqlens, chunk
+        self.piece_lengths = chunk.repeat_interleave(2)
+        self.local_cu_seqlens = torch.cat([cu_seqlens.new_zeros(1), self.piece_lengths.cumsum(0)])
+        self.documents = len(chunk)
+
+    def global_index(self, rank: int) -> torch.Tensor:
+        """Global token positions of ``rank``'s local sequence, in its local order."""
+        pieces = []
+        for start, chunk in zip(self.cu_seqlens[:-1].tolist(), self.chunk.tolist()):
+            for c in (rank, 2 * self.cp.size - 1 - rank):
+                pieces.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
+        return torch.cat(pieces).to(self.cu_seqlens.device)
+
+    def rank_major_order(self) -> torch.Tensor:
+        """Global positions of every rank's local tokens, rank after rank."""
+        return torch.cat([self.global_index(rank) for rank in range(self.cp.size)])
+
+    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``[1, local, ...]`` -> the pieces, ``[1, piece_length, ...]`` each."""
+        return list(x.split(self.piece_lengths.tolist(), dim=1))
 
 
 class ContextParallel:
@@ -124,12 +179,17 @@ class ContextParallel:
         """The ``count`` tokens before each local chunk (zeros before the sequence start), from
         chunk-batched ``[2B, L, C]``: ``[2B, count, C]``. This is the halo of a causal
         convolution of width ``count + 1``; needs ``L >= count``."""
-        tails = chunked[:, chunked.shape[1] - count:]
+        return self.before_tails(chunked[:, chunked.shape[1] - count:])
+
+    def before_tails(self, tails: torch.Tensor) -> torch.Tensor:
+        """Given the last tokens of each local chunk or piece, ``[2B, count, C]`` (chunk-batched
+        rows, or a packed layout's pieces), the last tokens of the chunk before each (zeros
+        for a sequence's first chunk): ``[2B, count, C]``."""
         ordered = self.gather_chunks(tails.unflatten(0, (tails.shape[0] // 2, 2)))
         before = torch.cat([torch.zeros_like(ordered[:1]), ordered[:-1]])  # chunk c -> c - 1's tail
         return self.mine(before)
 
-    def sequence_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+    def sequence_to_heads(self, x: torch.Tensor, packed: PackedLayout | None = None) -> torch.Tensor:
         """Sequence-sharded ``[B, 2L, H, ...]`` -> head-sharded ``[B, T, H / CP, ...]`` with
         the whole sequence in global order (this rank gets head group ``rank``)."""
         if x.shape[2] % self.size:
@@ -137,18 +197,28 @@ class ContextParallel:
                               f"context_parallel_size={self.size} for all-to-all CP")
         send = x.unflatten(2, (self.size, -1)).movedim(2, 0)  # [CP (head group), B, 2L, h, ...]
         received = all_to_all(self.group, send.contiguous())  # [CP (source rank), B, 2L, h, ...]
+        if packed is not None:  # B = 1: put the ranks' tokens at their global positions
+            order = packed.rank_major_order()
+            return received.movedim(0, 1).flatten(1, 2)[:, torch.argsort(order)]
         per_rank = received.unflatten(2, (2, -1)).movedim(2, 1)  # [CP, 2, B, L, h, ...]
         return self._global_order(per_rank).movedim(0, 1).flatten(1, 2)
 
-    def heads_to_sequence(self, y: torch.Tensor) -> torch.Tensor:
+    def heads_to_sequence(self, y: torch.Tensor, packed: PackedLayout | None = None) -> torch.Tensor:
         """Inverse of :meth:`sequence_to_heads`: ``[B, T, H / CP, ...]`` -> ``[B, 2L, H, ...]``."""
-        ordered = y.unflatten(1, (2 * self.size, -1)).movedim(1, 0)  # [2CP, B, L, h, ...]
-        send = self._by_rank(ordered).movedim(1, 2).flatten(2, 3)  # [CP (dest), B, 2L, h, ...]
+        if packed is not None:
+            order = packed.rank_major_order()
+            send = y[:, order].unflatten(1, (self.size, -1)).movedim(1, 0)  # [CP (dest), 1, 2L, h]
+        else:
+            ordered = y.unflatten(1, (2 * self.size, -1)).movedim(1, 0)  # [2CP, B, L, h, ...]
+            send = self._by_rank(ordered).movedim(1, 2).flatten(2, 3)  # [CP (dest), B, 2L, h, ...]
         received = all_to_all(self.group, send.contiguous())  # [CP (head group), B, 2L, h, ...]
         return received.movedim(0, 2).flatten(2, 3)
 
-    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+    def gather_sequence(self, x: torch.Tensor, packed: PackedLayout | None = None) -> torch.Tensor:
         """Sequence-sharded ``[B, 2L, ...]`` -> the whole ``[B, T, ...]`` in global order."""
+        if packed is not None:  # B = 1
+            gathered = _AllGather.apply(x.transpose(0, 1).contiguous(), self.group)  # [CP 2L, 1, ...]
+            return gathered[torch.argsort(packed.rank_major_order())].transpose(0, 1)
         ordered = self.gather_chunks(x.unflatten(1, (2, -1)))  # [2CP, B, L, ...]
         return ordered.movedim(0, 1).flatten(1, 2)
 

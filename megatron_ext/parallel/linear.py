@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ext.config import ConfigError
-from megatron_ext.parallel.context import ContextParallel
+from megatron_ext.parallel.context import ContextParallel, PackedLayout
 
 METHODS = ("state_passing", "all_to_all")
 
@@ -60,15 +60,23 @@ def check_heads(cp: ContextParallel | None, method: str, mixer: str, **local_hea
 
 
 def check_sequence(cp: ContextParallel | None, local_length: int, cu_seqlens, conv_kernel: int,
-                   mixer: str) -> None:
-    """Under CP: refuse packed sequences, and lengths the layout or the convolution's halo
-    cannot take, naming the mixer."""
+                   mixer: str) -> PackedLayout | None:
+    """Under CP: raise for lengths the layout or the convolution's halo cannot take, naming the
+    mixer; return the layout of packed sequences (None for ordinary batches or without CP)."""
     if cp is None:
-        return
-    if cu_seqlens is not None:
-        raise NotImplementedError(f"{mixer}: packed sequences (qkv_format='thd') under context "
-                                  "parallelism are not supported yet")
-    cp.check_local_length(local_length, min_chunk=conv_kernel - 1)
+        return None
+    try:
+        if cu_seqlens is None:
+            cp.check_local_length(local_length, min_chunk=conv_kernel - 1)
+            return None
+        packed = PackedLayout(cp, cu_seqlens, min_chunk=conv_kernel - 1)
+    except ConfigError as error:
+        raise ConfigError(f"{mixer}: {error}") from None
+    if int(packed.local_cu_seqlens[-1]) != local_length:
+        raise ValueError(f"{mixer}: the local sequence has {local_length} tokens, but cu_seqlens "
+                         f"{cu_seqlens.tolist()} under context_parallel_size={cp.size} gives "
+                         f"{int(packed.local_cu_seqlens[-1])} (is it Megatron's per-document split?)")
+    return packed
 
 
 def entering_states(cp: ContextParallel, transition: torch.Tensor,
@@ -103,25 +111,33 @@ def linear_recurrence(cp: ContextParallel | None, method: str, op, summary, inpu
     ``op`` is ``gated_delta_rule`` or ``decay_linear_attention`` and ``summary`` its
     ``*_summary``; ``inputs`` are the op's tensors (q, k, v, gates, decay; ``[B, 2L, ...]``
     under CP, per-head constants ``[H]`` allowed); ``options`` the rest (backend, scale, ...).
+    With ``cu_seqlens`` (global, as Megatron passes it) the local sequence is Megatron's
+    per-document split (:class:`~megatron_ext.parallel.context.PackedLayout`).
     Returns what the op returns, the final state being None under CP.
     """
     if cp is None:
         return op(**inputs, **options)
     if options.get("output_final_state") or options.get("initial_state") is not None:
         raise NotImplementedError("initial_state / output_final_state under context parallelism")
-    check_sequence(cp, inputs["q"].shape[1], options.get("cu_seqlens"), 1, op.__name__)
+    packed = check_sequence(cp, inputs["q"].shape[1], options.get("cu_seqlens"), 1, op.__name__)
     if method == "state_passing":
-        chunked = _sequence_tensors(cp.split_chunks, inputs)
-        transition, state = summary(**{n: t for n, t in chunked.items() if n != "q"},
-                                    backend=options.get("backend", "auto"))
-        outputs = op(**chunked, initial_state=entering_states(cp, transition, state), **options)
-        back = cp.merge_chunks
+        # The rows of the summaries and the op: chunk-batched [2B, L] rows, or the packed
+        # layout's pieces (document i's two chunks at 2i, 2i + 1) through cu_seqlens.
+        if packed is None:
+            rows, back, pieces = _sequence_tensors(cp.split_chunks, inputs), cp.merge_chunks, {}
+        else:
+            rows, back = inputs, (lambda t: t)
+            pieces = {"cu_seqlens": packed.local_cu_seqlens}
+            options = {**options, **pieces}
+        transition, state = summary(**{n: t for n, t in rows.items() if n != "q"},
+                                    backend=options.get("backend", "auto"), **pieces)
+        outputs = op(**rows, initial_state=entering_states(cp, transition, state), **options)
     elif method == "all_to_all":
-        full = _sequence_tensors(cp.sequence_to_heads, inputs)
+        full = _sequence_tensors(lambda t: cp.sequence_to_heads(t, packed), inputs)
         full = {n: cp.heads_of_rank(t) if t is not None and t.dim() == 1 else t
                 for n, t in full.items()}
         outputs = op(**full, **options)
-        back = cp.heads_to_sequence
+        back = lambda t: cp.heads_to_sequence(t, packed)  # noqa: E731
     else:
         raise ConfigError(f"context_parallel_method={method!r} is not one of {list(METHODS)}")
     return (back(outputs[0]), None, *(back(t) for t in outputs[2:]))

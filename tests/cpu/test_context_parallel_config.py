@@ -71,10 +71,16 @@ def test_mixers_without_context_parallelism_are_named():
                           pg_collection=_pg(2))
 
 
-def test_packed_sequences_under_context_parallelism_are_refused_by_name():
+def test_packed_sequences_that_megatron_cannot_split_are_refused_by_name():
     import torch
 
     from megatron_ext.parallel.linear import check_sequence
 
-    with pytest.raises(NotImplementedError, match="kda: packed sequences"):
-        check_sequence(ContextParallel(StandInGroup(2)), 8, torch.tensor([0, 3, 8]), 4, "kda")
+    cp = ContextParallel(StandInGroup(2))
+    with pytest.raises(ConfigError, match=r"kda: packed sequences of lengths \[3, 5\] are not divisible"):
+        check_sequence(cp, 2, torch.tensor([0, 3, 8]), 4, "kda")
+    with pytest.raises(ConfigError, match="kda: a packed document of 8 tokens gives CP chunks of 2"):
+        check_sequence(cp, 12, torch.tensor([0, 16, 24]), 4, "kda")
+    with pytest.raises(ValueError, match="the local sequence has 10 tokens"):
+        check_sequence(cp, 10, torch.tensor([0, 16, 24]), 3, "kda")
+    assert check_sequence(cp, 12, torch.tensor([0, 16, 24]), 3, "kda").local_cu_seqlens.tolist() == [0, 4, 8, 10, 12]

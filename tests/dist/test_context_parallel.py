@@ -46,15 +46,15 @@ def counted_bytes():
             setattr(dist, name, original)
 
 
-def _op_cases(cp):
+def _op_cases(cp, batch=2, seq_len=24):
     from megatron_ext.kernels import decay_linear_attention, gated_delta_rule
     from megatron_ext.kernels.decay import decay_linear_attention_summary
     from megatron_ext.kernels.delta_rule import gated_delta_rule_summary
     from megatron_ext.kernels.selfcheck import (DECAY_CASES, DELTA_RULE_CASES, decay_inputs,
                                                 delta_rule_inputs)
 
-    shape = dict(batch=2, seq_len=24, key_heads=cp, value_heads=2 * cp, key_dim=8, value_dim=6,
-                 dtype=torch.float32, with_initial_state=False)
+    shape = dict(batch=batch, seq_len=seq_len, key_heads=cp, value_heads=2 * cp, key_dim=8,
+                 value_dim=6, dtype=torch.float32, with_initial_state=False)
     for case in DELTA_RULE_CASES:
         yield case, gated_delta_rule, gated_delta_rule_summary, delta_rule_inputs(case, **shape)
     for case in DECAY_CASES:
@@ -76,12 +76,49 @@ def _all_to_all_bytes(inputs, outputs, cp):
     return sum(t.numel() * t.element_size() for t in tensors) // cp * (cp - 1) // cp
 
 
+# Packed documents for CP = 2 and 4: every length a multiple of 2 * CP, chunks of >= 3 tokens
+# (the convolution's halo) at CP = 4.
+PACKED_LENGTHS = (24, 48, 24)
+
+
+def _packed_ops_on_cp_ranks(cp, world_size):
+    """Both methods on packed sequences (Megatron's per-document split) against the one-rank
+    op on the whole pack, outputs and input gradients."""
+    from megatron_ext.parallel.context import PackedLayout
+    from megatron_ext.parallel.linear import linear_recurrence
+
+    failures = []
+    cu_seqlens = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    index = PackedLayout(cp, cu_seqlens).global_index(cp.rank)
+    for case, op, summary, inputs in _op_cases(world_size, batch=1, seq_len=sum(PACKED_LENGTHS)):
+        full_out, _ = op(**inputs, cu_seqlens=cu_seqlens, backend="chunked")
+        weight = torch.randn(full_out.shape, generator=torch.Generator().manual_seed(7))
+        full_grads = torch.autograd.grad((full_out * weight).sum(), list(inputs.values()))
+        for method in ("state_passing", "all_to_all"):
+            local = {n: (t[:, index] if t.dim() >= 3 else t).detach().requires_grad_()
+                     for n, t in inputs.items()}
+            out, _ = linear_recurrence(cp, method, op, summary, local, cu_seqlens=cu_seqlens,
+                                       backend="chunked")
+            grads = torch.autograd.grad((out * weight[:, index]).sum(), list(local.values()))
+            try:
+                torch.testing.assert_close(out, full_out[:, index], rtol=1e-4, atol=1e-5)
+                for name, grad, full in zip(local, grads, full_grads):
+                    if full.dim() >= 3:
+                        full = full[:, index]
+                    else:
+                        dist.all_reduce(grad)
+                    torch.testing.assert_close(grad, full, rtol=1e-4, atol=1e-5, msg=name)
+            except AssertionError as error:
+                failures.append(f"packed {case} {method}: {error}")
+    return failures
+
+
 def ops_on_cp_ranks(rank, world_size):
     from megatron_ext.parallel import ContextParallel
     from megatron_ext.parallel.linear import linear_recurrence
 
     cp = ContextParallel(dist.group.WORLD)
-    failures = []
+    failures = _packed_ops_on_cp_ranks(cp, world_size)
     for case, op, summary, inputs in _op_cases(world_size):
         seq_len = inputs["q"].shape[1]
         positions = cp.positions(seq_len // world_size)
@@ -144,6 +181,26 @@ def _halo_and_kv_gather(cp, world_size):
     if not (torch.allclose(convolved, causal_depthwise_conv(channels, weight)[:, positions])
             and counts["all_gather"] == volume):
         failures.append(f"conv halo: {counts}, expected {volume}")
+
+    # Packed: the halo and the KV gather on Megatron's per-document split.
+    from megatron_ext.mixers.common import conv_silu_heads, same_sequence_masks
+    from megatron_ext.parallel.context import PackedLayout
+
+    total = sum(PACKED_LENGTHS)
+    cu_seqlens = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    packed = PackedLayout(cp, cu_seqlens, min_chunk=width - 1)
+    index = packed.global_index(cp.rank)
+    full = torch.randn(1, total, heads, dim, generator=torch.Generator().manual_seed(5))
+    keys, values, allowed = gather_keys_values(cp, full[:, index], full[:, index], full[:, index], cu_seqlens)
+    document = torch.repeat_interleave(torch.tensor(PACKED_LENGTHS))
+    expected = (torch.arange(total)[None, :] <= index[:, None]) & (document[index][:, None] == document[None, :])
+    if not (torch.equal(keys, full) and torch.equal(values, full) and torch.equal(allowed, expected)):
+        failures.append("packed kv gather")
+    channels = full.flatten(2).transpose(0, 1)  # [s, b = 1, C]
+    local = conv_silu_heads(channels[index], weight, heads, cp=cp, packed=packed)
+    whole = conv_silu_heads(channels, weight, heads, same_sequence_masks(cu_seqlens, total, width, None))
+    if not torch.allclose(local, whole[:, index]):
+        failures.append("packed conv halo")
     return failures
 
 
@@ -168,13 +225,15 @@ LAYOUTS = {
 
 def run_cp_layouts(rank, world_size, ckpt_dir):
     """Each layout of this world size: build, load the one-rank weights (the one-rank run saves
-    them), one forward-backward on Megatron's CP split of a micro-batch. The loss is the mean
-    over all tokens, the gradients summed over CP (as Megatron's finalize_model_grads does
-    over its DP x CP group)."""
+    them), one forward-backward on Megatron's CP split of a micro-batch, then one on packed
+    documents (two results per layout). The loss is the mean over all tokens, the gradients
+    summed over CP (as Megatron's finalize_model_grads does over its DP x CP group)."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from megatron_ext.config import ExtConfig
+    from megatron_ext.parallel import ContextParallel
+    from megatron_ext.parallel.context import PackedLayout
 
     results = []
     for method, tp, cp, sp in LAYOUTS[world_size]:
@@ -186,14 +245,40 @@ def run_cp_layouts(rank, world_size, ckpt_dir):
         batch = get_batch_on_this_cp_rank(harness.layout_batches()[0], is_hybrid_cp=False,
                                           cp_group=group)
         losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        loss = losses.sum() / (harness.BATCH * harness.SEQ)
-        loss.backward()
-        dist.all_reduce(loss.detach(), group=group)
-        for p in model.parameters():
-            dist.all_reduce(p.grad, group=group)
-        results.append(dict(losses=[float(loss)], tp_rank=ps.get_tensor_model_parallel_rank(),
-                            grads=harness.global_grads([model], config)))
+        results.append(_step_result(model, config, losses.sum() / (harness.BATCH * harness.SEQ), group))
+        # The same weights on packed documents, split per document as Megatron does.
+        model.zero_grad()
+        tokens, labels, params = _packed_batch()
+        index = PackedLayout(ContextParallel(group), params.cu_seqlens_q).global_index(group.rank())
+        losses = model(tokens[:, index], torch.arange(len(index))[None], None, labels=labels[:, index],
+                       packed_seq_params=params)
+        results.append(_step_result(model, config, losses.sum() / tokens.shape[1], group))
     return results
+
+
+def _packed_batch():
+    """Tokens and labels ``[1, T]`` of PACKED_LENGTHS documents, and their PackedSeqParams."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    total = sum(PACKED_LENGTHS)
+    tokens = torch.randint(0, harness.VOCAB, (1, total + 1), generator=torch.Generator().manual_seed(11))
+    cu_seqlens = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             max_seqlen_q=max(PACKED_LENGTHS), max_seqlen_kv=max(PACKED_LENGTHS))
+    return tokens[:, :-1], tokens[:, 1:], params
+
+
+def _step_result(model, config, loss, group):
+    """Backward of ``loss`` (this rank's share of the mean over all tokens); the loss and the
+    gradients summed over CP, as Megatron's finalize_model_grads does over its DP x CP group."""
+    from megatron.core import parallel_state as ps
+
+    loss.backward()
+    dist.all_reduce(loss.detach(), group=group)
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=group)
+    return dict(losses=[float(loss)], tp_rank=ps.get_tensor_model_parallel_rank(),
+                grads=harness.global_grads([model], config))
 
 
 @pytest.fixture(scope="module")
@@ -204,17 +289,20 @@ def cp_runs(tmp_path_factory):
     for world_size, layouts in LAYOUTS.items():
         per_rank = harness.spawn(run_cp_layouts, world_size, ckpt)
         for i, layout in enumerate(layouts):
-            runs[layout] = harness.merge_layout([results[i] for results in per_rank])
+            for j, batch in enumerate(("batch", "packed")):
+                runs[(*layout, batch)] = harness.merge_layout([results[2 * i + j] for results in per_rank])
     return runs
 
 
+@pytest.mark.parametrize("batch", ["batch", "packed"])
 @pytest.mark.parametrize("layout", [layout for world_size in (2, 4) for layout in LAYOUTS[world_size]],
                          ids=lambda layout: "{}-tp{}-cp{}{}".format(*layout[:3], "-sp" * layout[3]))
-def test_context_parallel_model_equals_one_rank(cp_runs, layout):
-    harness.assert_same_run(cp_runs[("state_passing", 1, 1, False)], cp_runs[layout])
+def test_context_parallel_model_equals_one_rank(cp_runs, layout, batch):
+    harness.assert_same_run(cp_runs[("state_passing", 1, 1, False, batch)], cp_runs[(*layout, batch)])
 
 
-def test_state_passing_equals_all_to_all(cp_runs):
-    harness.assert_same_run(cp_runs[("all_to_all", 1, 2, False)],
-                            cp_runs[("state_passing", 1, 2, False)],
+@pytest.mark.parametrize("batch", ["batch", "packed"])
+def test_state_passing_equals_all_to_all(cp_runs, batch):
+    harness.assert_same_run(cp_runs[("all_to_all", 1, 2, False, batch)],
+                            cp_runs[("state_passing", 1, 2, False, batch)],
                             atol=1e-6)
