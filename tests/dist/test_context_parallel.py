@@ -97,10 +97,15 @@ def _packed_ops_on_cp_ranks(cp, world_size):
         for method in ("state_passing", "all_to_all"):
             local = {n: (t[:, index] if t.dim() >= 3 else t).detach().requires_grad_()
                      for n, t in inputs.items()}
-            out, _ = linear_recurrence(cp, method, op, summary, local, cu_seqlens=cu_seqlens,
-                                       backend="chunked")
-            grads = torch.autograd.grad((out * weight[:, index]).sum(), list(local.values()))
+            with counted_bytes() as counts:
+                out, _ = linear_recurrence(cp, method, op, summary, local, cu_seqlens=cu_seqlens,
+                                           backend="chunked")
+                grads = torch.autograd.grad((out * weight[:, index]).sum(), list(local.values()))
             try:
+                if method == "state_passing":  # README: 2 B -> 2 D, D documents
+                    per_document = _state_passing_bytes(inputs, world_size)  # inputs' batch is 1
+                    volume = len(PACKED_LENGTHS) * per_document
+                    assert counts == dict(all_gather=volume, reduce_scatter=volume, all_to_all=0), counts
                 torch.testing.assert_close(out, full_out[:, index], rtol=1e-4, atol=1e-5)
                 for name, grad, full in zip(local, grads, full_grads):
                     if full.dim() >= 3:
@@ -197,10 +202,12 @@ def _halo_and_kv_gather(cp, world_size):
     if not (torch.equal(keys, full) and torch.equal(values, full) and torch.equal(allowed, expected)):
         failures.append("packed kv gather")
     channels = full.flatten(2).transpose(0, 1)  # [s, b = 1, C]
-    local = conv_silu_heads(channels[index], weight, heads, cp=cp, packed=packed)
+    with counted_bytes() as counts:
+        local = conv_silu_heads(channels[index], weight, heads, cp=cp, packed=packed)
     whole = conv_silu_heads(channels, weight, heads, same_sequence_masks(cu_seqlens, total, width, None))
-    if not torch.allclose(local, whole[:, index]):
-        failures.append("packed conv halo")
+    volume = 2 * len(PACKED_LENGTHS) * (width - 1) * heads * dim * 4 * (world_size - 1)  # 2 B -> 2 D
+    if not (torch.allclose(local, whole[:, index]) and counts["all_gather"] == volume):
+        failures.append(f"packed conv halo: {counts}, expected {volume}")
     return failures
 
 
