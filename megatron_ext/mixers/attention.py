@@ -92,10 +92,6 @@ class SoftmaxCoreAttention(HeadShardedMixer):
             raise NotImplementedError(
                 f"attention_dropout={self.dropout_p} is not supported with a sliding window, a "
                 "sink or sparse attention; set attention_dropout=0")
-        if self.cp is not None and (self.window is not None or config.softmax_type != "vanilla"):
-            raise NotImplementedError(
-                f"{type(self).__name__}: a sliding window or a sink under context parallelism "
-                "is not supported yet; use context_parallel_size=1")
 
     def sink(self, device) -> torch.Tensor | None:
         """The sink logits of this rank's heads ``[heads]``, or None."""
@@ -182,7 +178,11 @@ class SDPACoreAttention(SoftmaxCoreAttention):
         cu_seqlens = None
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu_seqlens = packed_seq_params.cu_seqlens_q
-        k, v, allowed = gather_keys_values(self.cp, q, k, v, cu_seqlens)
+        k, v, allowed = gather_keys_values(self.cp, q, k, v, cu_seqlens, self.window)
+        sink = self.sink(q.device)
+        if self.window is not None or sink is not None:  # the mask carries the window
+            return sparse.softmax_attention(q, k, v, causal=False, sink=sink, scale=self.softmax_scale,
+                                            allowed=allowed[None, None], backend=self.ext.sparse_backend)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, s, d]
         dropout_p = self.dropout_p if self.training else 0.0
         with self._dropout_rng(dropout_p):

@@ -16,8 +16,9 @@ Why an all-gather for this mixer (rather than all-to-all or a ring):
   per direction keeps the CPU/gloo path simple; a ring (overlapping the transfer with the
   blocks' compute) is what to add when T is long enough that the gathered K/V
   (``T * hkv * d`` per rank) do not fit or the transfer cannot hide behind compute;
-- masks of any shape (causal here; windows and sinks later) apply unchanged to the gathered
-  keys, because they are written in global positions.
+- masks of any shape (causal, packed documents, sliding windows) apply unchanged to the
+  gathered keys, because they are written in global positions; a sink is a per-head logit and
+  needs nothing from the other ranks.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ from megatron_ext.parallel.context import ContextParallel, PackedLayout
 
 
 def gather_keys_values(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       cu_seqlens: torch.Tensor | None = None):
+                       cu_seqlens: torch.Tensor | None = None, window: tuple[int, int] | None = None):
     """q ``[b, 2L, hq, d]``, k/v ``[b, 2L, hkv, d]`` (this rank's chunks) -> k, v of the whole
     sequence ``[b, T, hkv, d]`` and the causal mask of the local queries ``[2L, T]`` (True =
     may attend). With packed sequences (``cu_seqlens``, global; b = 1; Megatron's per-document
-    split) the mask is also block-diagonal: a query sees the earlier keys of its document."""
+    split) the mask is also block-diagonal: a query sees the earlier keys of its document. A
+    sliding ``window`` ``(left, right)`` (Megatron's convention, -1 unbounded) narrows it:
+    query p sees keys p - left .. p + right."""
     if cu_seqlens is None:
         local_length = cp.check_local_length(q.shape[1]) * 2
         query_positions = cp.positions(local_length, device=q.device)
@@ -47,4 +50,11 @@ def gather_keys_values(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v:
         boundaries = packed.cu_seqlens[1:].to(key_positions.device)
         document = lambda positions: torch.searchsorted(boundaries, positions, right=True)  # noqa: E731
         allowed &= document(query_positions)[:, None] == document(key_positions)[None, :]
+    if window is not None:
+        offset = query_positions[:, None] - key_positions[None, :]  # p - j
+        left, right = window
+        if left >= 0:
+            allowed &= offset <= left
+        if right >= 0:
+            allowed &= -offset <= right
     return k, v, allowed

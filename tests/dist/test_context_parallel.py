@@ -6,10 +6,12 @@
   halo and the attention KV gather; and the bytes the collectives move equal the formulas of
   megatron_ext/parallel/README.md.
 - Model level: a tiny GPTModel with every linear mixer and '*' under CP = 2 (both methods),
-  CP = 4, TP = 2 x CP = 2 and TP = 2 x CP = 2 + SP equals CP = 1 in loss and gradients.
+  CP = 4, TP = 2 x CP = 2 and TP = 2 x CP = 2 + SP equals CP = 1 in loss and gradients, on a
+  batch and on packed documents; so does a model with sliding-window attention and sinks.
 """
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -232,8 +234,9 @@ LAYOUTS = {
 
 def run_cp_layouts(rank, world_size, ckpt_dir):
     """Each layout of this world size: build, load the one-rank weights (the one-rank run saves
-    them), one forward-backward on Megatron's CP split of a micro-batch, then one on packed
-    documents (two results per layout). The loss is the mean over all tokens, the gradients
+    them), one forward-backward on Megatron's CP split of a micro-batch, one on packed
+    documents, and one of a model with windowed attention and sinks (three results per
+    layout). The loss is the mean over all tokens, the gradients
     summed over CP (as Megatron's finalize_model_grads does over its DP x CP group)."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
@@ -260,7 +263,21 @@ def run_cp_layouts(rank, world_size, ckpt_dir):
         losses = model(tokens[:, index], torch.arange(len(index))[None], None, labels=labels[:, index],
                        packed_seq_params=params)
         results.append(_step_result(model, config, losses.sum() / tokens.shape[1], group))
+        # Sliding-window attention with a learnable sink, next to a linear mixer.
+        ext = ExtConfig(pattern=WINDOW_PATTERN, context_parallel_method=method, kernel_backend="chunked")
+        (model,), config = harness.build_layout(ext, tp=tp, sequence_parallel=sp, cp=cp,
+                                                config_overrides=WINDOW_CONFIG)
+        window_ckpt = f"{ckpt_dir}-window"
+        if world_size == 1:
+            os.makedirs(window_ckpt, exist_ok=True)
+        harness.save_or_load([model], window_ckpt, save=world_size == 1)
+        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        results.append(_step_result(model, config, losses.sum() / (harness.BATCH * harness.SEQ), group))
     return results
+
+
+WINDOW_PATTERN = "*G*"
+WINDOW_CONFIG = dict(window_size=(5, 0), softmax_type="learnable")
 
 
 def _packed_batch():
@@ -296,19 +313,25 @@ def cp_runs(tmp_path_factory):
     for world_size, layouts in LAYOUTS.items():
         per_rank = harness.spawn(run_cp_layouts, world_size, ckpt)
         for i, layout in enumerate(layouts):
-            for j, batch in enumerate(("batch", "packed")):
-                runs[(*layout, batch)] = harness.merge_layout([results[2 * i + j] for results in per_rank])
+            for j, batch in enumerate(BATCHES):
+                runs[(*layout, batch)] = harness.merge_layout(
+                    [results[len(BATCHES) * i + j] for results in per_rank])
     return runs
 
 
-@pytest.mark.parametrize("batch", ["batch", "packed"])
+# What each layout runs: the pattern on a batch and on packed documents, and WINDOW_PATTERN
+# (window and sink) on the batch.
+BATCHES = ("batch", "packed", "window_sink")
+
+
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("layout", [layout for world_size in (2, 4) for layout in LAYOUTS[world_size]],
                          ids=lambda layout: "{}-tp{}-cp{}{}".format(*layout[:3], "-sp" * layout[3]))
 def test_context_parallel_model_equals_one_rank(cp_runs, layout, batch):
     harness.assert_same_run(cp_runs[("state_passing", 1, 1, False, batch)], cp_runs[(*layout, batch)])
 
 
-@pytest.mark.parametrize("batch", ["batch", "packed"])
+@pytest.mark.parametrize("batch", BATCHES)
 def test_state_passing_equals_all_to_all(cp_runs, batch):
     harness.assert_same_run(cp_runs[("all_to_all", 1, 2, False, batch)],
                             cp_runs[("state_passing", 1, 2, False, batch)],
