@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -32,6 +33,7 @@ CHOICES = {
     "mhc_collapse": ("learned", "mean"),
     "residual_backend": ("auto", "eager", "compile"),
     "context_parallel_method": ("state_passing", "all_to_all"),
+    "dsa_stage": ("dense_warmup", "sparse"),
 }
 
 
@@ -75,7 +77,8 @@ class ExtConfig:
     # and outputs between sequence and head sharding (needs heads divisible by TP * CP).
     context_parallel_method: str = "state_passing"
 
-    # Softmax attention: every '*' layer and the sparse mixers MoBA ('B') and NSA ('S').
+    # Softmax attention: every '*' layer and the sparse mixers MoBA ('B'), NSA ('S') and DSA
+    # ('D').
     # Sliding window, learnable sink, output gate and QK-norm are Megatron's own settings
     # (window_size + window_attn_skip_freq, softmax_type="learnable", attention_output_gate,
     # qk_layernorm), which our attention cores honour. Exclusive self attention (XSA, Zhai
@@ -83,7 +86,8 @@ class ExtConfig:
     attention_xsa: bool = False
     # How the windowed / sink / sparse attention ops run (megatron_ext.kernels.sparse): "auto"
     # (FlexAttention on CUDA, the gathered PyTorch form elsewhere), "flex", "gathered" or
-    # "reference" (dense masks, for checks).
+    # "reference" (dense masks, for checks). DSA's per-token selection is no block layout: it
+    # runs gathered unless "reference".
     sparse_backend: str = "auto"
     # MoBA (Lu et al. 2025): keys per block; blocks each query attends to, its own included
     # (the paper's scaling runs: 512 and 3).
@@ -97,6 +101,18 @@ class ExtConfig:
     nsa_select_block: int = 64
     nsa_select_top_k: int = 16
     nsa_window: int = 512
+    # DSA (DeepSeek-V3.2, arXiv 2512.02556; megatron_ext.mixers.dsa), the paper's sizes: each
+    # query attends to the dsa_top_k = 2048 earlier tokens that a lightning indexer of 64 heads
+    # of 128 dims scores highest. dsa_stage: "dense_warmup" (dense attention; only the indexer
+    # trains, on its KL loss to the attention; everything else frozen) or "sparse" (top-k
+    # attention; the indexer learns from its KL loss on the selected keys, the rest of the
+    # model from the LM loss). The loss is a mean over tokens times dsa_indexer_loss_coeff;
+    # as the indexer learns from nothing else, the coefficient only scales its gradient.
+    dsa_top_k: int = 2048
+    dsa_indexer_heads: int = 64
+    dsa_indexer_dim: int = 128
+    dsa_stage: str = "sparse"
+    dsa_indexer_loss_coeff: float = 1.0
 
     # Cross-layer routing from delta-rule layers into the residual stream (Cerruti et al.,
     # "Linear Attention Architectures: Mechanisms, Trade-offs, and Cross-Layer Routing"):
@@ -201,6 +217,16 @@ class ExtConfig:
             raise ConfigError(
                 f"nsa_select_top_k={self.nsa_select_top_k} must be >= 3: NSA always keeps the "
                 "first block and the 2 local blocks")
+        for name in ("dsa_top_k", "dsa_indexer_heads", "dsa_indexer_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        coeff = self.dsa_indexer_loss_coeff
+        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not (
+                0 <= coeff < math.inf):
+            raise ConfigError(
+                f"dsa_indexer_loss_coeff={coeff!r} must be a finite number >= 0 (0 leaves the "
+                "indexer untrained)")
 
 
 def resolve(explicit: ExtConfig | None = None) -> ExtConfig:
@@ -258,7 +284,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     defaults = ExtConfig()
     for f in _cli_fields():
         flag = "--ext-" + f.name.replace("_", "-")
-        arg_type = _parse_bool if f.type == "bool" else int if "int" in str(f.type) else str
+        arg_type = {"bool": _parse_bool, "float": float}.get(
+            f.type, int if "int" in str(f.type) else str)
         help_text = f"megatron-ext {f.name} (default: {getattr(defaults, f.name)!r})"
         if f.name == "pattern":
             help_text += "; symbols like 'GG*' or comma-separated names"

@@ -3,8 +3,8 @@
 Symbols keep Megatron's hybrid-pattern meaning where one exists (``*`` softmax attention, ``G``
 Gated DeltaNet, ``M`` Mamba, ``D`` DSA, ``+`` MLA, ``-`` MLP, ``E`` MoE, ``|`` and ``/``
 separators); symbols of our own must not collide with those. Sparse softmax attention: ``B``
-MoBA (mixture of Block attention), ``S`` NSA (native Sparse attention); ``D`` stays reserved
-for DSA.
+MoBA (mixture of Block attention), ``S`` NSA (native Sparse attention), ``D`` DSA (DeepSeek
+Sparse Attention).
 
 A row names its spec builder as ``"module:function"`` so that this table stays free of imports;
 the builder takes ``(ext_config, transformer_config, **options)`` and returns the ModuleSpec
@@ -48,6 +48,10 @@ MIXERS: tuple[Mixer, ...] = (
           {"variant": "moba"}, self_attention=True),
     Mixer("S", "nsa", _ATTENTION, "NSA: Native Sparse Attention (Yuan et al. 2025)",
           {"variant": "nsa"}, self_attention=True),
+    # A SelfAttention too, but its indexer reads the normalised input: the input norm stays the
+    # layer's own (under Transformer Engine not fused into linear_qkv).
+    Mixer("D", "dsa", _ATTENTION, "DSA: DeepSeek Sparse Attention (DeepSeek-V3.2, 2025)",
+          {"variant": "dsa"}),
     Mixer("G", "gated_deltanet", _DELTA, "Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025)",
           {"variant": "gated_deltanet"}, routable=True),
     Mixer("N", "deltanet", _DELTA, "DeltaNet (Yang et al. 2024)", {"variant": "deltanet"},

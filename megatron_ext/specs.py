@@ -45,7 +45,7 @@ from megatron_ext.registry import Mixer
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 if HAVE_TE:
-    from megatron.core.extensions.transformer_engine import TENorm
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_submodules,
     )
@@ -85,11 +85,16 @@ def _base_submodules(ext: ExtConfig, config) -> TransformerLayerSubmodules:
 
 def attention_self_spec(ext: ExtConfig, config, variant: str = "attention") -> ModuleSpec:
     """The ``self_attention`` spec of a softmax-attention layer: registry builder of ``*``
-    (variant "attention") and of the sparse layers ("moba", "nsa"), which swap in their core."""
+    (variant "attention") and of the sparse layers ("moba", "nsa", "dsa"), which swap in their
+    core."""
     spec = _base_submodules(ext, config).self_attention
     if variant != "attention":
         from megatron_ext.mixers.sparse_attention import sparse_attention_spec
 
+        if variant == "dsa" and uses_te(ext):
+            # DSA's indexer reads the normalised input, which TE's norm-fused QKV linear never
+            # gives out: the layer keeps its own input norm (layer_submodules) and a plain QKV.
+            spec.submodules.linear_qkv = TEColumnParallelLinear
         return sparse_attention_spec(spec, ext, variant)
     if ext.attention_xsa and (ext.attention_backend == "local" or uses_te(ext)):
         raise ConfigError(
@@ -195,6 +200,14 @@ def _prepare(config, ext: ExtConfig) -> list[Mixer]:
     check_pipeline_split(config)
     residual.prepare(config, ext)
     mixers = expand_pattern(ext.pattern, config.num_layers)
+    if any(m.name == "dsa" for m in mixers):
+        from megatron_ext.mixers import dsa
+
+        dsa.prepare(config, ext)
+    elif ext.dsa_stage == "dense_warmup":
+        raise ConfigError(
+            f"dsa_stage='dense_warmup' trains only the indexers of DSA layers, but pattern "
+            f"{ext.pattern!r} has no 'D' layer; add one or set dsa_stage='sparse'")
     if len({m.name for m in mixers}) > 1:
         # Layers with different parameter sets cannot share stacked checkpoint tensors.
         config.hetereogenous_dist_checkpoint = True
@@ -208,6 +221,8 @@ def block_spec(config, pattern: str | list[str] | None = None, ext: ExtConfig | 
 
     ``config`` is the model's TransformerConfig (or a GPTModelConfig wrapping one). ``pattern``
     overrides ``ext.pattern``; without ``ext`` the settings come from :func:`config.resolve`.
+    For DSA's dense warm-up, call :func:`megatron_ext.mixers.dsa.freeze_all_but_indexers` on
+    the model you build (``hybrid_block`` has Megatron's builder do it).
     """
     ext = copy.copy(ext if ext is not None else (ExtConfig() if pattern else resolve()))
     if pattern is not None:

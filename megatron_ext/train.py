@@ -297,7 +297,7 @@ def build_model(settings: RunSettings, config, vocab_size: int):
 
     from megatron_ext.specs import block_spec
 
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(config, ext=settings.ext),
         vocab_size=vocab_size,
@@ -308,6 +308,11 @@ def build_model(settings: RunSettings, config, vocab_size: int):
         rotary_base=settings.model.rotary_base,
         share_embeddings_and_output_weights=False,
     )
+    if settings.ext.dsa_stage == "dense_warmup":
+        from megatron_ext.mixers.dsa import freeze_all_but_indexers
+
+        freeze_all_but_indexers(model)
+    return model
 
 
 # ---------------------------------------------------------------------------- data
@@ -425,6 +430,10 @@ def _forward_backward(model, batches, settings, runtime, forward_only: bool) -> 
         if not parallel_state.is_pipeline_last_stage():
             return float("nan")
         return float(torch.stack([r["lm loss"] for r in reduced]).mean())
+    from megatron_ext.mixers.dsa import IndexerLoss
+
+    # Megatron's schedule sets this on CUDA; here each micro-batch's LM loss is divided by N.
+    IndexerLoss.set_loss_scale(torch.tensor(1.0 / len(batches)))
     total = 0.0
     for b in batches:
         with torch.set_grad_enabled(not forward_only):

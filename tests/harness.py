@@ -159,10 +159,11 @@ def saved_bytes(fn, *args, **kwargs):
     return sum(storages.values()), out
 
 
-# Block sizes of the sparse attentions (MoBA, NSA) for the short sequences of these tests (12
+# Sizes of the sparse attentions (MoBA, NSA, DSA) for the short sequences of these tests (12
 # tokens or more); the papers' defaults need sequences of thousands of tokens.
 SHORT_SPARSE = dict(moba_block_size=4, moba_top_k=2, nsa_compress_block=4, nsa_compress_stride=2,
-                    nsa_select_block=4, nsa_select_top_k=3, nsa_window=8)
+                    nsa_select_block=4, nsa_select_top_k=3, nsa_window=8, dsa_top_k=6,
+                    dsa_indexer_heads=4, dsa_indexer_dim=8)
 
 
 def tiny_config(**overrides):

@@ -1,5 +1,5 @@
-"""Softmax attention with a sliding window and a learnable sink, and the sparse attentions MoBA
-and NSA, behind one layout ``[B, T, H, D]`` (grouped heads: k and v may have fewer heads).
+"""Softmax attention with a sliding window and a learnable sink, and the sparse attentions MoBA,
+NSA and DSA, behind one layout ``[B, T, H, D]`` (grouped heads: k and v may have fewer heads).
 
 Backends, with one signature per op:
     reference   the dense fp32 definitions, explicit ``[B, H, T, S]`` masks (reference.py)
@@ -12,6 +12,10 @@ the layout's block sizes (defaults: 128 x 128 for flex, 64 x 64 for gathered; 16
 NSA's selected branch in gathered, whose queries pick their own blocks); the result does not
 depend on them.
 
+DSA selects keys per token, which no block layout describes; its ops (``dsa_select``,
+``dsa_attention``, ``dsa_indexer_loss``) run the reference or, for every other backend, the
+per-token gathered form of selected.py.
+
 ``exclusive_self_attention`` (XSA) post-processes any attention output.
 """
 import math
@@ -22,11 +26,14 @@ from .flex import flex_attention_layout
 from .gathered import gathered_attention
 from .layout import (allowed_rule, both, compress, document_rule, interval_layout, moba_chosen,
                      nsa_chosen, selection_layout, window_rule, window_span)
-from .reference import (OP, check_qkv, exclusive_self_attention, moba_attention_reference,
+from .reference import (OP, check_qkv, dsa_attention_reference, dsa_indexer_loss_reference,
+                        dsa_select_reference, exclusive_self_attention, moba_attention_reference,
                         nsa_attention_reference, softmax_attention_reference)
+from .selected import indexer_loss, select_keys, selected_attention
 
 __all__ = [
-    "BACKENDS", "softmax_attention", "moba_attention", "nsa_attention", "exclusive_self_attention",
+    "BACKENDS", "softmax_attention", "moba_attention", "nsa_attention", "dsa_select",
+    "dsa_attention", "dsa_indexer_loss", "exclusive_self_attention",
 ]
 
 BACKENDS = ("auto", "reference", "gathered", "flex")
@@ -183,3 +190,77 @@ def nsa_attention(q, k, v, gates, k_weights, v_weights, *, compress_block, compr
     out = (gates[..., 0:1] * out_compressed.float() + gates[..., 1:2] * out_selected.float()
            + gates[..., 2:3] * out_window.float())
     return out.to(v.dtype)
+
+
+def _dsa_reference(backend: str) -> bool:
+    """Whether a DSA op runs its reference (else the per-token gathered form)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{OP}: backend={backend!r} is not one of {list(BACKENDS)}")
+    return backend == "reference"
+
+
+def _check_index(index_q, index_k, index_weights, seq_len: int):
+    """Raise ValueError, with the shapes, unless the indexer's tensors fit each other and T."""
+    tensors = (index_q, index_k, index_weights)
+    fits = index_q.dim() == 4 and index_q.shape[1] == seq_len
+    if fits:
+        batch, _, heads, dim = index_q.shape
+        fits = (tuple(index_k.shape) == (batch, seq_len, dim)
+                and tuple(index_weights.shape) == (batch, seq_len, heads))
+    if not fits or not all(t.is_floating_point() for t in tensors):
+        shapes = ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in
+                           zip(("index_q", "index_k", "index_weights"), tensors))
+        raise ValueError(f"{OP}: DSA's indexer takes floating-point index_q [B, T, HI, DI], "
+                         f"index_k [B, T, DI], index_weights [B, T, HI] with T = {seq_len}; "
+                         f"got {shapes}")
+
+
+def dsa_select(index_q, index_k, index_weights, *, top_k, cu_seqlens=None, backend="auto"):
+    """DSA (DeepSeek-AI, "DeepSeek-V3.2", arXiv 2512.02556; see ``lightning_index_scores``):
+    the ``top_k`` keys of each query among its causal keys (within its own sequence of a pack,
+    ``cu_seqlens``, B == 1) by the lightning indexer's score ``sum_j w_tj relu(q_tj . k_s)``.
+    index_q ``[B, T, HI, DI]``, index_k ``[B, T, DI]``, index_weights ``[B, T, HI]`` ->
+    ``[B, T, min(top_k, T)]`` int32 key positions; a query with fewer causal keys gets all of
+    them, then -1. No gradient: the choice is discrete."""
+    _check_index(index_q, index_k, index_weights, index_q.shape[1])
+    if top_k < 1:
+        raise ValueError(f"{OP}: DSA's top_k={top_k} must be >= 1")
+    if _dsa_reference(backend):
+        return dsa_select_reference(index_q, index_k, index_weights, top_k=top_k,
+                                    cu_seqlens=cu_seqlens)
+    return select_keys(index_q, index_k, index_weights, top_k=top_k, cu_seqlens=cu_seqlens)
+
+
+def dsa_attention(q, k, v, selected, *, sink=None, scale=None, backend="auto"):
+    """DSA's sparse attention: each query attends to its ``selected [B, T, K]`` keys
+    (:func:`dsa_select`; shared by all heads, -1 skipped), with the sink and scale of
+    :func:`softmax_attention`. q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` -> ``[B, T, Hq, D]``;
+    memory O(T K)."""
+    check_qkv(OP, q, k, v)
+    _check_sink(sink, q)
+    if (selected.dim() != 3 or tuple(selected.shape[:2]) != tuple(q.shape[:2])
+            or selected.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"{OP}: selected has shape {tuple(selected.shape)} and dtype "
+                         f"{selected.dtype}, expected integer [B, T, K] with B, T = "
+                         f"{q.shape[0]}, {q.shape[1]}")
+    if _dsa_reference(backend):
+        return dsa_attention_reference(q, k, v, selected, sink=sink, scale=scale)
+    return selected_attention(q, k, v, selected, sink=sink, scale=scale)
+
+
+def dsa_indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seqlens=None,
+                     sink=None, scale=None, reduce_heads=None, backend="auto"):
+    """The indexer's training loss (arXiv 2512.02556, sec. 2.1), averaged over the B * T
+    queries: ``KL(p_t || softmax(I_t))``, p the main attention of q, k (with sink and scale; no
+    gradient reaches q, k or the sink) summed over the heads and L1-normalised, I the indexer's
+    scores. ``selected=None`` (dense warm-up): over every causal key; else over the selected
+    keys only (sparse training). ``reduce_heads``: sums a ``[B, T', S']`` tensor over the query
+    heads of other processes (tensor parallelism) and returns the sum."""
+    check_qkv(OP, q, k, k)
+    _check_sink(sink, q)
+    _check_index(index_q, index_k, index_weights, q.shape[1])
+    options = dict(selected=selected, cu_seqlens=cu_seqlens, sink=sink, scale=scale,
+                   reduce_heads=reduce_heads)
+    if _dsa_reference(backend):
+        return dsa_indexer_loss_reference(q, k, index_q, index_k, index_weights, **options)
+    return indexer_loss(q, k, index_q, index_k, index_weights, **options)

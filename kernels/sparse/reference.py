@@ -10,6 +10,9 @@ back in v's dtype. A query that may attend to no key gets a zero output.
 
 Sliding windows follow Megatron's (and FlashAttention's) ``(left, right)`` convention: query t
 sees keys ``t - left .. t + right``; -1 means unbounded; causal attention caps right at 0.
+
+DSA selects keys per token, not per block: ``selected [B, T, K]`` (int32; the largest tensor
+DSA keeps for backward) lists the keys of each query (-1: none), shared by all heads.
 """
 import math
 
@@ -18,7 +21,9 @@ import torch
 __all__ = [
     "OP", "check_qkv", "masked_attention", "window_mask", "document_mask",
     "softmax_attention_reference", "moba_attention_reference", "compress_reference",
-    "nsa_attention_reference", "exclusive_self_attention", "chosen_blocks",
+    "nsa_attention_reference", "exclusive_self_attention", "chosen_blocks", "causal_mask",
+    "lightning_index_scores", "top_k_keys", "selected_mask", "dsa_select_reference",
+    "dsa_attention_reference", "indexer_kl", "dsa_indexer_loss_reference",
 ]
 
 OP = "sparse attention"
@@ -44,7 +49,9 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.float().repeat_interleave(heads // x.shape[2], dim=2).transpose(1, 2)
 
 
-def _masked_attention_fp32(q, k, v, allowed, sink, scale):
+def _masked_probs(q, k, allowed, sink, scale):
+    """fp32 attention probabilities ``[B, Hq, T, S]``, zero outside ``allowed``; with a sink,
+    each row sums to less than 1."""
     batch, seq_len, heads, dim = q.shape
     scale = dim ** -0.5 if scale is None else scale
     scores = q.float().transpose(1, 2) @ _heads(k, heads).transpose(-1, -2) * scale
@@ -53,8 +60,12 @@ def _masked_attention_fp32(q, k, v, allowed, sink, scale):
     if sink is not None:  # one more logit per head in the denominator, with a zero value
         sink_column = sink.float().view(1, heads, 1, 1).expand(batch, heads, seq_len, 1)
         scores = torch.cat([scores, sink_column], dim=-1)
-    probs = scores.softmax(-1)[..., : allowed.shape[-1]] * allowed
-    return (probs @ _heads(v, heads)).transpose(1, 2)  # [B, T, Hq, D]
+    return scores.softmax(-1)[..., : allowed.shape[-1]] * allowed
+
+
+def _masked_attention_fp32(q, k, v, allowed, sink, scale):
+    probs = _masked_probs(q, k, allowed, sink, scale)
+    return (probs @ _heads(v, q.shape[2])).transpose(1, 2)  # [B, T, Hq, D]
 
 
 def masked_attention(q, k, v, allowed, *, sink=None, scale=None):
@@ -217,6 +228,94 @@ def nsa_attention_reference(q, k, v, gates, k_weights, v_weights, *, compress_bl
     out = (gates[..., 0:1] * out_compressed + gates[..., 1:2] * out_selected
            + gates[..., 2:3] * out_window)
     return out.to(v.dtype)
+
+
+def causal_mask(seq_len: int, cu_seqlens=None, device=None) -> torch.Tensor:
+    """``[T, T]`` bool: causal, and within one sequence of a pack when ``cu_seqlens`` is given."""
+    mask = window_mask(seq_len, seq_len, device=device)
+    if cu_seqlens is not None:
+        mask = mask & document_mask(cu_seqlens, seq_len)
+    return mask
+
+
+def lightning_index_scores(index_q, index_k, index_weights) -> torch.Tensor:
+    """DSA's lightning indexer (DeepSeek-AI, "DeepSeek-V3.2: Pushing the Frontier of Open Large
+    Language Models", arXiv 2512.02556, sec. 2.1): ``I[t, s] = sum_j w[t, j] relu(q[t, j] . k[s])``
+    over the indexer heads j, in fp32.
+
+    index_q ``[B, T, HI, DI]``, index_weights ``[B, T, HI]``; index_k ``[B, S, DI]`` (one key per
+    token, shared by the heads and by every query) -> ``[B, T, S]``, or ``[B, T, S, DI]`` (the
+    keys each query scores, already gathered) -> ``[B, T, S]``.
+    """
+    pattern = "bthd,bsd->bths" if index_k.dim() == 3 else "bthd,btsd->bths"
+    dots = torch.einsum(pattern, index_q.float(), index_k.float()).relu()
+    return torch.einsum("bths,bth->bts", dots, index_weights.float())
+
+
+def top_k_keys(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """int32 indices ``[..., K]`` of the ``K = min(top_k, S)`` highest scores of each row (ties
+    go to the earlier key, so that every path picks the same set); -1 where a row has fewer
+    than K keys that may be chosen (score above ``-inf``)."""
+    count = min(top_k, scores.shape[-1])
+    order = scores.sort(dim=-1, descending=True, stable=True)
+    indices = order.indices[..., :count].int()
+    return indices.masked_fill(order.values[..., :count] == float("-inf"), -1)
+
+
+def selected_mask(selected: torch.Tensor, key_len: int) -> torch.Tensor:
+    """``[B, T, S]`` bool: the keys listed in ``selected [B, T, K]`` (-1: no key)."""
+    index = torch.where(selected < 0, key_len, selected).long()  # -1: a column dropped below
+    mask = torch.zeros(*selected.shape[:2], key_len + 1, dtype=torch.bool,
+                       device=selected.device)
+    return mask.scatter(-1, index, True)[..., :key_len]
+
+
+def dsa_select_reference(index_q, index_k, index_weights, *, top_k, cu_seqlens=None):
+    """DSA's selection ``[B, T, K]``: each query's ``top_k`` causal keys (its own sequence of a
+    pack) by :func:`lightning_index_scores`; all of them, then -1, when it has fewer."""
+    scores = lightning_index_scores(index_q, index_k, index_weights)
+    allowed = causal_mask(index_q.shape[1], cu_seqlens, index_q.device)
+    return top_k_keys(scores.masked_fill(~allowed, float("-inf")), top_k)
+
+
+def dsa_attention_reference(q, k, v, selected, *, sink=None, scale=None):
+    """DSA's sparse attention: each query attends to exactly its ``selected [B, T, K]`` keys
+    (shared by all heads), with the sink and scale of :func:`masked_attention`."""
+    check_qkv(OP, q, k, v)
+    allowed = selected_mask(selected, k.shape[1])[:, None]
+    return masked_attention(q, k, v, allowed, sink=sink, scale=scale)
+
+
+def indexer_kl(attention_mass, index_logits, allowed, reduce_heads=None) -> torch.Tensor:
+    """``sum_t KL(p_t || softmax(I_t))`` over the allowed keys of each query: p is the main
+    attention's probability summed over heads (``attention_mass``, no gradient), summed over
+    the heads held elsewhere by ``reduce_heads`` (tensor parallelism) and L1-normalised.
+    ``attention_mass``, ``index_logits``, ``allowed``: ``[..., T, S]``."""
+    if reduce_heads is not None:
+        attention_mass = reduce_heads(attention_mass)
+    target = attention_mass / attention_mass.sum(-1, keepdim=True).clamp_min(
+        torch.finfo(torch.float32).tiny)
+    log_probs = index_logits.masked_fill(~allowed, float("-inf")).log_softmax(-1)
+    return (torch.xlogy(target, target) - target * log_probs.masked_fill(~allowed, 0.0)).sum()
+
+
+def dsa_indexer_loss_reference(q, k, index_q, index_k, index_weights, *, selected=None,
+                               cu_seqlens=None, sink=None, scale=None, reduce_heads=None):
+    """The indexer's training loss of DSA (arXiv 2512.02556, sec. 2.1), averaged over the
+    queries: ``KL(p_t || softmax(I_t))`` with p the main attention (q, k, sink, scale; no
+    gradient reaches them) summed over heads and L1-normalised. Dense warm-up
+    (``selected=None``): over all causal keys; sparse training: over the selected keys only,
+    where both distributions are renormalised."""
+    check_qkv(OP, q, k, k)
+    if selected is None:
+        allowed = causal_mask(q.shape[1], cu_seqlens, q.device)[None]
+    else:
+        allowed = selected_mask(selected, k.shape[1])
+    with torch.no_grad():
+        mass = _masked_probs(q, k, allowed[:, None], sink, scale).sum(1)
+    logits = lightning_index_scores(index_q, index_k, index_weights)
+    allowed = allowed.expand_as(logits)
+    return indexer_kl(mass, logits, allowed, reduce_heads) / (q.shape[0] * q.shape[1])
 
 
 def exclusive_self_attention(out: torch.Tensor, v: torch.Tensor, eps: float = 1e-6):

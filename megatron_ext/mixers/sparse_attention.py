@@ -1,4 +1,5 @@
-"""Sparse softmax attention layers: MoBA ('B') and NSA ('S').
+"""Sparse softmax attention layers: MoBA ('B') and NSA ('S'); DSA ('D') lives in
+:mod:`megatron_ext.mixers.dsa` and is built here too.
 
 Both are Megatron's SelfAttention (QKV projection, RoPE, QK-norm, output gate, output
 projection, TP over heads, SP) with a core of ours in place of the dense one; every option of
@@ -34,6 +35,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.kernels import sparse
 from megatron_ext.mixers.attention import SoftmaxCoreAttention
+from megatron_ext.mixers.dsa import DSACoreAttention, DSASelfAttention
 
 
 def _check_blocks(top_k_name: str, top_k: int, block_name: str, block: int, seq_len: int):
@@ -130,13 +132,15 @@ class NSASelfAttention(SelfAttention):
         return super().forward(hidden_states, *args, **kwargs)
 
 
-_CORES = {"moba": MoBACoreAttention, "nsa": NSACoreAttention}
+# variant -> (core attention, attention layer)
+_LAYERS = {"moba": (MoBACoreAttention, SelfAttention), "nsa": (NSACoreAttention, NSASelfAttention),
+           "dsa": (DSACoreAttention, DSASelfAttention)}
 
 
 def sparse_attention_spec(attention: ModuleSpec, ext: ExtConfig, variant: str) -> ModuleSpec:
     """The ``self_attention`` spec of a sparse layer, from the '*' layer's spec ``attention``."""
+    core, layer = _LAYERS[variant]
     spec = copy.deepcopy(attention)
-    spec.submodules.core_attention = functools.partial(_CORES[variant], ext=ext)
-    if variant == "nsa":
-        spec.module = NSASelfAttention
+    spec.submodules.core_attention = functools.partial(core, ext=ext)
+    spec.module = layer
     return spec

@@ -129,3 +129,33 @@ def test_a_run_stopped_before_its_last_iteration_is_preempted(tmp_path):
     assert _stopped_early(args)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("250")
     assert not _stopped_early(args)
+
+
+def test_megatron_builder_freezes_all_but_the_indexers_in_dsa_dense_warmup(
+        monkeypatch, tmp_path, megatron_single_process):
+    """DSA's dense warm-up through Megatron's builder: hybrid_block installs the freeze as a
+    pre-wrap hook and the indexer loss's scale hook on the model config."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training import global_vars
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    from megatron_ext.mixers.dsa import IndexerLoss
+    from megatron_ext.train import _padded_vocab
+
+    settings = presets.load_settings("tiny-hybrid")
+    settings.train.bf16 = False
+    settings.ext.pattern = "D*" * (settings.model.num_layers // 2)
+    settings.ext.dsa_stage = "dense_warmup"
+    args = _parse(megatron_argv(settings, tmp_path, mock_data=True) + ["--use-cpu-initialization"],
+                  monkeypatch)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    model_config = gpt_config_from_args(args)
+    model_config.vocab_size = _padded_vocab(settings.data.vocab_size, 1)
+    chunks = GPTModelBuilder(model_config).build_distributed_models(
+        ProcessGroupCollection.use_mpu_process_groups(), wrap_with_ddp=False)
+    trained = [name for name, p in chunks[0].named_parameters() if p.requires_grad]
+    assert len(trained) == 5 * settings.ext.pattern.count("D")
+    assert all(".indexer." in name for name in trained)
+    assert model_config.experimental_attention_variant_loss_scale_func is (
+        IndexerLoss.set_loss_scale)

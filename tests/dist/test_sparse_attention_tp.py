@@ -1,18 +1,19 @@
-"""MoBA, NSA and '*' with every softmax option (learnable sink, output gate, QK-norm, XSA, a
-sliding window on the MoBA and '*' layers) under TP=2 and TP=2 + SP equal the single process in
-loss and gradients, starting from its dist checkpoint resharded to two ranks (so this is also
-the save -> load -> reshard test of the sink, the NSA gate and the compression weights). The
-layers are local to a pipeline stage; PP is tested with the other mixers
-(test_parallel_equivalence.py). Helpers: tests/harness.py."""
+"""MoBA, NSA, DSA and '*' with every softmax option (learnable sink, output gate, QK-norm, XSA,
+a sliding window on the MoBA and '*' layers) under TP=2 and TP=2 + SP equal the single process
+in loss and gradients, starting from its dist checkpoint resharded to two ranks (so this is also
+the save -> load -> reshard test of the sink, the NSA gate, the compression weights and DSA's
+replicated indexer, whose loss target is summed over the ranks' heads). The layers are local to
+a pipeline stage; PP is tested with the other mixers (test_parallel_equivalence.py). Helpers:
+tests/harness.py."""
 
 import pytest
 
 import harness
 
-PATTERN = "BS*"
+PATTERN = "BSD*"
 SPARSE = dict(harness.SHORT_SPARSE, attention_xsa=True)
 OPTIONS = dict(softmax_type="learnable", attention_output_gate=True, qk_layernorm=True,
-               window_size=(9, 0), window_attn_skip_freq=[1, 0, 1])
+               window_size=(9, 0), window_attn_skip_freq=[1, 0, 0, 1])
 
 
 def _ext():
@@ -45,4 +46,20 @@ def test_tp2_equals_single_process(no_compile, single_process, sp):
     ckpt, reference = single_process
     parallel = harness.merge_layout(harness.spawn(
         harness.run_layout, 2, ckpt, _ext(), 2, 1, None, sp, False, "block", None, OPTIONS))
+    harness.assert_same_run(reference, parallel)
+
+
+def test_dsa_dense_warmup_tp2_sp_equals_single_process(no_compile, tmp_path):
+    """DSA's dense warm-up under TP=2 + SP: the indexer's loss over every causal key, whose
+    target each recomputed chunk sums over the ranks' heads (in backward too)."""
+    from megatron_ext.config import ExtConfig
+
+    ext = ExtConfig(pattern="D*", dsa_stage="dense_warmup", **SPARSE)
+    options = dict(OPTIONS, window_attn_skip_freq=[0, 1])
+    ckpt = str(tmp_path)
+    reference = harness.merge_layout(harness.spawn(
+        harness.run_layout, 1, ckpt, ext, 1, 1, None, False, True, "block", "core_attention",
+        options))
+    parallel = harness.merge_layout(harness.spawn(
+        harness.run_layout, 2, ckpt, ext, 2, 1, None, True, False, "block", None, options))
     harness.assert_same_run(reference, parallel)

@@ -1,0 +1,146 @@
+"""DSA's per-token selection run in PyTorch, by chunks of queries; any device, autograd gives
+the backward.
+
+- :func:`select_keys`: the lightning indexer's scores and the top-k keys of each query, without
+  gradient. A chunk of queries scores the keys up to its last query only, ``[B, c, HI, S]``
+  values at a time, never a ``[T, T]`` matrix at once.
+- :func:`selected_attention`: a chunk gathers its queries' K keys and values
+  (``[B, c, K, Hkv, D]``) and takes one softmax over them: memory O(T K), not O(T^2).
+- :func:`indexer_loss`: the indexer's KL loss, chunk by chunk, over the selected keys (gathered)
+  or, for the dense warm-up, over every causal key.
+
+A chunk holds at most ``gathered.MAX_SCORES`` fp32 values. With gradients, each chunk is
+recomputed in the backward pass (activation checkpointing), so that what is kept for backward
+is the inputs and the outputs, linear in T.
+"""
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from . import gathered
+from .gathered import _softmax_with_sink
+from .layout import both, document_rule, window_rule
+from .reference import indexer_kl, lightning_index_scores, top_k_keys
+
+__all__ = ["select_keys", "selected_attention", "indexer_loss"]
+
+
+def _query_chunks(seq_len: int, batch: int, per_query: int):
+    """``(start, end)`` ranges of queries of at most ``MAX_SCORES`` values, at ``per_query``
+    values per query of each batch row."""
+    step = max(1, gathered.MAX_SCORES // max(1, batch * per_query))
+    return [(start, min(start + step, seq_len)) for start in range(0, seq_len, step)]
+
+
+def _causal_rule(cu_seqlens, seq_len: int):
+    rule = window_rule(True, None)
+    return rule if cu_seqlens is None else both(rule, document_rule(cu_seqlens, seq_len))
+
+
+def _allowed(rule, start: int, end: int, key_len: int, device) -> torch.Tensor:
+    """``[1, c, key_len]`` bool: the rule for queries ``start .. end - 1``."""
+    queries = torch.arange(start, end, device=device)[:, None]
+    return rule(0, 0, queries, torch.arange(key_len, device=device))[None]
+
+
+def _gather(x: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """``x [B, S, ...]`` at ``selected [B, c, K]`` -> ``[B, c, K, ...]``; -1 reads key 0, which
+    the caller masks."""
+    rows = torch.arange(x.shape[0], device=x.device).view(-1, 1, 1)
+    return x[rows, selected.clamp(min=0)]
+
+
+def _probs(q, keys, allowed, sink, scale):
+    """Softmax (with the sink) over each query's allowed keys, fp32 ``[B, c, Hkv, G, S]``.
+    q ``[B, c, Hq, D]``; keys shared by the chunk ``[B, S, Hkv, D]`` or gathered per query
+    ``[B, c, S, Hkv, D]``; allowed ``[B | 1, c, S]``."""
+    batch, chunk, heads, dim = q.shape
+    kv_heads = keys.shape[-2]
+    group = heads // kv_heads
+    pattern = "bcngd,bsnd->bcngs" if keys.dim() == 4 else "bcngd,bcsnd->bcngs"
+    scores = torch.einsum(pattern, q.float().view(batch, chunk, kv_heads, group, dim),
+                          keys.float()) * scale
+    if sink is not None:
+        sink = sink.float().view(1, 1, kv_heads, group, 1)
+    return _softmax_with_sink(scores, allowed[:, :, None, None, :], sink)
+
+
+def _maybe_checkpoint(fn, *args):
+    """``fn(*args)``, recomputed in backward when a tensor argument requires grad."""
+    if torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+@torch.no_grad()
+def select_keys(index_q, index_k, index_weights, *, top_k, cu_seqlens=None) -> torch.Tensor:
+    """Same contract as ``dsa_select_reference``: ``[B, T, min(top_k, T)]``, -1 for no key."""
+    batch, seq_len, index_heads, _ = index_q.shape
+    count = min(top_k, index_k.shape[1])
+    rule = _causal_rule(cu_seqlens, seq_len)
+    selected = torch.empty(batch, seq_len, count, dtype=torch.int32, device=index_q.device)
+    for start, end in _query_chunks(seq_len, batch, index_heads * seq_len):
+        key_len = max(end, count)  # keys after the chunk's last query are never chosen
+        scores = lightning_index_scores(index_q[:, start:end], index_k[:, :key_len],
+                                        index_weights[:, start:end])
+        allowed = _allowed(rule, start, end, key_len, index_q.device)
+        selected[:, start:end] = top_k_keys(scores.masked_fill(~allowed, float("-inf")), count)
+    return selected
+
+
+def _attention_chunk(q, k, v, selected, sink, scale):
+    probs = _probs(q, _gather(k, selected), selected >= 0, sink, scale)
+    out = torch.einsum("bcngs,bcsnd->bcngd", probs, _gather(v, selected).float())
+    return out.flatten(2, 3)
+
+
+def selected_attention(q, k, v, selected, *, sink=None, scale=None) -> torch.Tensor:
+    """Same contract as ``dsa_attention_reference``."""
+    batch, seq_len, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    scale = dim ** -0.5 if scale is None else scale
+    per_query = selected.shape[-1] * (heads + 2 * kv_heads * dim)
+    outputs = [_maybe_checkpoint(_attention_chunk, q[:, start:end], k, v,
+                                 selected[:, start:end], sink, scale)
+               for start, end in _query_chunks(seq_len, batch, per_query)]
+    return torch.cat(outputs, dim=1).to(v.dtype)
+
+
+def _loss_chunk(start, q, k, index_q, index_k, index_weights, selected, rule, sink, scale,
+                reduce_heads):
+    """Summed KL of the chunk's queries (``start ..``): over their selected keys, or, with
+    ``selected`` None, over the causal keys among those of k and index_k."""
+    if selected is None:
+        allowed = _allowed(rule, start, start + q.shape[1], k.shape[1], q.device)
+    else:
+        allowed = selected >= 0
+        k, index_k = _gather(k, selected), _gather(index_k, selected)
+    with torch.no_grad():
+        mass = _probs(q, k, allowed, sink, scale).sum((2, 3))  # [B, c, S]
+    logits = lightning_index_scores(index_q, index_k, index_weights)
+    return indexer_kl(mass, logits, allowed.expand_as(logits), reduce_heads)
+
+
+def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seqlens=None,
+                 sink=None, scale=None, reduce_heads=None) -> torch.Tensor:
+    """Same contract as ``dsa_indexer_loss_reference``."""
+    batch, seq_len, heads, dim = q.shape
+    q, k = q.detach(), k.detach()
+    sink = None if sink is None else sink.detach()
+    scale = dim ** -0.5 if scale is None else scale
+    index_heads, index_dim = index_q.shape[2:]
+    rule = _causal_rule(cu_seqlens, seq_len)
+    if selected is None:
+        per_query = seq_len * (heads + index_heads)
+    else:
+        per_query = selected.shape[-1] * (heads + k.shape[2] * dim + index_heads + index_dim)
+    total = 0.0
+    for start, end in _query_chunks(seq_len, batch, per_query):
+        # The dense warm-up's chunk reads the keys up to its last query; the sparse one gathers.
+        keys = slice(0, end) if selected is None else slice(None)
+        chunk_selected = None if selected is None else selected[:, start:end]
+        total = total + _maybe_checkpoint(
+            _loss_chunk, start, q[:, start:end], k[:, keys], index_q[:, start:end],
+            index_k[:, keys], index_weights[:, start:end], chunk_selected, rule, sink, scale,
+            reduce_heads)
+    return total / (batch * seq_len)

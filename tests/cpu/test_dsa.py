@@ -1,0 +1,219 @@
+"""DSA ops (megatron_ext.kernels.sparse): the lightning indexer's top-k selection, the attention
+over the selected keys and the indexer's KL loss, gathered by chunks of queries against the
+dense fp32 reference, forward and backward; causality, packed sequences, grouped heads, a
+top-k that covers every key, a hand-computed loss, ties.
+
+The length (37) is a multiple of no chunk size: the default chunks hold the whole sequence,
+``MAX_SCORES = 256`` cuts it into chunks of one to a few queries. fp32 throughout; both paths
+sum the same products in a different order and agree to ~1e-6 (1e-4 relative / 1e-5 absolute
+still catches a wrong key, an error of order 1e-1).
+"""
+import math
+
+import pytest
+import torch
+
+from megatron_ext.kernels import sparse
+from megatron_ext.kernels.sparse import gathered, reference
+
+B, T, HQ, HKV, D, HI, DI = 2, 37, 4, 2, 8, 3, 5
+TOP_K = 6
+CU_SEQLENS = torch.tensor([0, 11, 30, T])
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = dict(q=(B, T, HQ, D), k=(B, T, HKV, D), v=(B, T, HKV, D), sink=(HQ,),
+                  index_q=(B, T, HI, DI), index_k=(B, T, DI), index_weights=(B, T, HI))
+    return {name: torch.randn(shape, generator=g).requires_grad_()
+            for name, shape in shapes.items()}
+
+
+# name -> (batch rows used, extra arguments of the ops)
+CASES = {
+    "top-k": (B, dict(top_k=TOP_K)),
+    "top-k+sink": (B, dict(top_k=TOP_K, sink=True)),
+    "packed+sink": (1, dict(top_k=TOP_K, sink=True, cu_seqlens=CU_SEQLENS)),
+    "top-k beyond T": (B, dict(top_k=50)),
+}
+
+
+def _case(name, inputs):
+    rows, options = CASES[name]
+    x = {n: t if n == "sink" else t[:rows] for n, t in inputs.items()}
+    sink = x["sink"] if options.get("sink") else None
+    return x, options["top_k"], sink, options.get("cu_seqlens")
+
+
+def _select(x, top_k, cu_seqlens, backend):
+    return sparse.dsa_select(x["index_q"], x["index_k"], x["index_weights"], top_k=top_k,
+                             cu_seqlens=cu_seqlens, backend=backend)
+
+
+def _grads(out, inputs):
+    """Gradients of a fixed random projection of ``out``, per input that gets one."""
+    for t in inputs.values():
+        t.grad = None
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    (out * weights).sum().backward()
+    return {name: t.grad for name, t in inputs.items() if t.grad is not None}
+
+
+def _assert_same(out, grads, expected, expected_grads):
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-5,
+                                   msg=f"grad of {name}")
+
+
+@pytest.fixture(params=["one chunk", "many chunks"])
+def chunks(request, monkeypatch):
+    if request.param == "many chunks":
+        monkeypatch.setattr(gathered, "MAX_SCORES", 256)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gathered_selection_matches_reference(case, chunks):
+    x, top_k, _, cu_seqlens = _case(case, _inputs())
+    expected = _select(x, top_k, cu_seqlens, "reference")
+    assert expected.shape[-1] == min(top_k, T)
+    torch.testing.assert_close(_select(x, top_k, cu_seqlens, "gathered"), expected)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gathered_attention_matches_reference(case, chunks):
+    inputs = _inputs()
+    x, top_k, sink, cu_seqlens = _case(case, inputs)
+    selected = _select(x, top_k, cu_seqlens, "reference")
+    results = []
+    for backend in ("reference", "gathered"):
+        out = sparse.dsa_attention(x["q"], x["k"], x["v"], selected, sink=sink, backend=backend)
+        results += [out.detach(), _grads(out, inputs)]
+    assert set(results[1]) == {"q", "k", "v"} | ({"sink"} if sink is not None else set())
+    _assert_same(results[2], results[3], results[0], results[1])
+
+
+@pytest.mark.parametrize("stage", ["dense_warmup", "sparse"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_gathered_indexer_loss_matches_reference(case, stage, chunks):
+    """The loss's gradient reaches the indexer's q, k and weights only: the main attention's
+    q, k and sink are its (detached) target."""
+    inputs = _inputs()
+    x, top_k, sink, cu_seqlens = _case(case, inputs)
+    selected = _select(x, top_k, cu_seqlens, "reference") if stage == "sparse" else None
+    results = []
+    for backend in ("reference", "gathered"):
+        loss = sparse.dsa_indexer_loss(
+            x["q"], x["k"], x["index_q"], x["index_k"], x["index_weights"], selected=selected,
+            cu_seqlens=cu_seqlens, sink=sink, backend=backend)
+        results += [loss.detach(), _grads(loss, inputs)]
+    assert results[0] > 0
+    assert set(results[1]) == {"index_q", "index_k", "index_weights"}
+    _assert_same(results[2], results[3], results[0], results[1])
+
+
+@pytest.mark.parametrize("case", ["top-k", "packed+sink"])
+def test_selection_is_causal_within_each_sequence(case):
+    x, top_k, _, cu_seqlens = _case(case, _inputs())
+    selected = _select(x, top_k, cu_seqlens, "gathered")
+    allowed = reference.causal_mask(T, cu_seqlens)
+    chosen = reference.selected_mask(selected, T)
+    assert not (chosen & ~allowed).any()
+    # Every query keeps min(top_k, its causal keys) distinct keys.
+    torch.testing.assert_close(chosen.sum(-1), allowed.sum(-1).clamp(max=top_k).expand_as(
+        chosen[..., 0]))
+
+
+@pytest.mark.parametrize("backend", ["reference", "gathered"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_future_tokens_do_not_change_earlier_outputs(case, backend):
+    first_changed = 21
+    inputs = {name: t.detach() for name, t in _inputs().items()}
+
+    def run(tensors):
+        x, top_k, sink, cu_seqlens = _case(case, tensors)
+        selected = _select(x, top_k, cu_seqlens, backend)
+        return sparse.dsa_attention(x["q"], x["k"], x["v"], selected, sink=sink, backend=backend)
+
+    before = run(inputs)
+    for name in ("q", "k", "v", "index_q", "index_k", "index_weights"):
+        inputs[name] = inputs[name].clone()
+        inputs[name][:, first_changed:] += 3 * torch.randn_like(inputs[name][:, first_changed:])
+    after = run(inputs)
+    torch.testing.assert_close(after[:, :first_changed], before[:, :first_changed], rtol=1e-5,
+                               atol=1e-6)
+    assert not torch.allclose(after[:, first_changed:], before[:, first_changed:])
+
+
+@pytest.mark.parametrize("backend", ["reference", "gathered"])
+@pytest.mark.parametrize("case", ["top-k+sink", "packed+sink"])
+def test_top_k_covering_every_key_is_causal_attention(case, backend):
+    """With top_k >= T each query keeps all its causal keys: dense causal softmax attention
+    (and the sparse loss is the dense one)."""
+    inputs = {name: t.detach() for name, t in _inputs().items()}
+    x, _, sink, cu_seqlens = _case(case, inputs)
+    selected = _select(x, T, cu_seqlens, backend)
+    out = sparse.dsa_attention(x["q"], x["k"], x["v"], selected, sink=sink, backend=backend)
+    dense = sparse.softmax_attention(x["q"], x["k"], x["v"], sink=sink, cu_seqlens=cu_seqlens,
+                                     backend="reference")
+    torch.testing.assert_close(out, dense, rtol=1e-4, atol=1e-5)
+    losses = [sparse.dsa_indexer_loss(x["q"], x["k"], x["index_q"], x["index_k"],
+                                      x["index_weights"], selected=chosen, sink=sink,
+                                      cu_seqlens=cu_seqlens, backend=backend)
+              for chosen in (selected, None)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+
+
+def test_indexer_loss_by_hand():
+    """Two tokens, one head each: query 0 sees only itself (KL 0); query 1 has main
+    probabilities p = softmax(q1 k_s / sqrt(2)) and indexer scores I_s = w relu(iq . ik_s)."""
+    q = torch.tensor([[0.5, -1.0], [1.0, 2.0]]).view(1, 2, 1, 2)
+    k = torch.tensor([[1.0, 0.5], [-0.5, 1.0]]).view(1, 2, 1, 2)
+    index_q = torch.tensor([[0.3], [2.0]]).view(1, 2, 1, 1)
+    index_k = torch.tensor([[1.5], [-1.0]]).view(1, 2, 1)
+    index_weights = torch.tensor([[1.0], [0.7]]).view(1, 2, 1)
+    z = [(1.0 * 1.0 + 2.0 * 0.5) / math.sqrt(2), (1.0 * -0.5 + 2.0 * 1.0) / math.sqrt(2)]
+    p = [math.exp(zi) / sum(math.exp(zj) for zj in z) for zi in z]
+    scores = [0.7 * max(2.0 * 1.5, 0.0), 0.7 * max(2.0 * -1.0, 0.0)]
+    log_q = [si - math.log(sum(math.exp(sj) for sj in scores)) for si in scores]
+    expected = sum(pi * (math.log(pi) - lqi) for pi, lqi in zip(p, log_q)) / 2
+    for backend in ("reference", "gathered"):
+        loss = sparse.dsa_indexer_loss(q, k, index_q, index_k, index_weights, backend=backend)
+        assert loss.item() == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["reference", "gathered"])
+def test_ties_go_to_the_earlier_key(backend):
+    """An indexer that scores every key alike (here: all ReLUs dead) keeps the first keys."""
+    x = {name: t.detach() for name, t in _inputs().items()}
+    index_q = -x["index_q"].abs()
+    index_k = x["index_k"].abs()
+    selected = sparse.dsa_select(index_q, index_k, x["index_weights"], top_k=3, backend=backend)
+    first = torch.arange(3).expand(T, 3)
+    expected = torch.where(first <= torch.arange(T)[:, None], first, -1)
+    torch.testing.assert_close(selected, expected.int().expand(B, T, 3))
+
+
+def test_gathered_bf16_is_close_to_fp32_reference():
+    x = {name: t.detach() for name, t in _inputs().items()}
+    low = {name: t.bfloat16() for name, t in x.items()}
+    selected = _select(low, TOP_K, None, "gathered")
+    out = sparse.dsa_attention(low["q"], low["k"], low["v"], selected, sink=low["sink"])
+    expected = sparse.dsa_attention(*(low[n].float() for n in ("q", "k", "v")), selected,
+                                    sink=low["sink"].float(), backend="reference")
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - expected).abs().max() < 2e-2
+
+
+def test_bad_arguments_fail_clearly():
+    x = {name: t.detach() for name, t in _inputs().items()}
+    with pytest.raises(ValueError, match="top_k=0 must be >= 1"):
+        sparse.dsa_select(x["index_q"], x["index_k"], x["index_weights"], top_k=0)
+    with pytest.raises(ValueError, match=r"index_k \[B, T, DI\].*got .*index_k \(2, 37, 4\)"):
+        sparse.dsa_select(x["index_q"], x["index_k"][..., :4], x["index_weights"], top_k=2)
+    with pytest.raises(ValueError, match=r"selected has shape \(2, 36, 3\)"):
+        sparse.dsa_attention(x["q"], x["k"], x["v"], torch.zeros(2, 36, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="backend='triton' is not one of"):
+        sparse.dsa_indexer_loss(x["q"], x["k"], x["index_q"], x["index_k"],
+                                x["index_weights"], backend="triton")
