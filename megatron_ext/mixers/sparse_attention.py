@@ -18,7 +18,8 @@ sliding window) applies.
 Under TP every parameter here is per head and split with the heads: the NSA gate projection is
 column-parallel (head-major, 3 gates per head), the compression weights are sharded over the
 key/value heads, the sink over the query heads. Selections are per head (MoBA) or per key/value
-group (NSA), so they never cross ranks.
+group (NSA), so they never cross ranks. Under CP both split their heads further, by all-to-all
+(:class:`_SparseCore`).
 """
 
 from __future__ import annotations
@@ -47,21 +48,44 @@ def _check_blocks(top_k_name: str, top_k: int, block_name: str, block: int, seq_
 
 
 class _SparseCore(SoftmaxCoreAttention):
-    """A sparse core: causal self-attention over one sequence per batch row."""
+    """A sparse core: causal self-attention over one sequence per batch row.
+
+    Context parallelism: all-to-all (Ulysses). The selections look at the whole sequence (MoBA's
+    block means, NSA's compressed keys), and are per head or per key/value group, so the core
+    trades the sequence split for a split of its heads around the op (``sequence_to_heads`` /
+    ``heads_to_sequence``), runs the op unchanged on the whole sequence, and takes this rank's
+    head group of every per-head tensor (``sparse_attend``'s ``heads``). Needs the query and
+    key/value heads per TP rank divisible by CP."""
 
     takes_attention_mask = False
+    supports_context_parallel = True
 
     def __init__(self, config, layer_number, attn_mask_type, *args, **kwargs):
         super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
         if attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"{type(self).__name__} is causal; got {attn_mask_type}")
+        if self.cp is not None:
+            groups = config.num_query_groups // self.tp_size
+            if self.heads % self.cp.size or groups % self.cp.size:
+                raise ConfigError(
+                    f"{type(self).__name__} under context parallelism splits its heads over the "
+                    f"CP ranks (all-to-all): {self.heads} query and {groups} key/value heads per "
+                    f"tensor-parallel rank must be divisible by context_parallel_size="
+                    f"{self.cp.size}")
 
     def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             raise NotImplementedError(
                 f"{type(self).__name__} does not take packed (thd) sequences: its blocks are "
                 "counted from the start of each batch row")
-        return self.sparse_attend(q, k, v)
+        if self.cp is None:
+            return self.sparse_attend(q, k, v, heads=lambda t: t)
+        q, k, v = (self.cp.sequence_to_heads(x) for x in (q, k, v))
+        return self.cp.heads_to_sequence(self.sparse_attend(q, k, v, heads=self._cp_heads))
+
+    def _cp_heads(self, per_head: torch.Tensor) -> torch.Tensor:
+        """This CP rank's head group of a per-head tensor ``[heads, ...]`` (None stays None)."""
+        return None if per_head is None else self.cp.heads_of_rank(per_head)
 
 
 class MoBACoreAttention(_SparseCore):
@@ -70,13 +94,13 @@ class MoBACoreAttention(_SparseCore):
         if self.window is not None and self.window[1] > 0:
             raise NotImplementedError(f"MoBA is causal; window_size={self.window} looks ahead")
 
-    def sparse_attend(self, q, k, v):
+    def sparse_attend(self, q, k, v, heads):
         ext = self.ext
         _check_blocks("moba_top_k", ext.moba_top_k, "moba_block_size", ext.moba_block_size,
                       q.shape[1])
         return sparse.moba_attention(
             q, k, v, block_size=ext.moba_block_size, top_k=ext.moba_top_k, window=self.window,
-            sink=self.sink(q.device), scale=self.softmax_scale, backend=ext.sparse_backend)
+            sink=heads(self.sink(q.device)), scale=self.softmax_scale, backend=ext.sparse_backend)
 
 
 class NSACoreAttention(_SparseCore):
@@ -95,17 +119,19 @@ class NSACoreAttention(_SparseCore):
         self.sharded_parameter("compress_v_weights", mean.clone())
         self.gate_logits = None
 
-    def sparse_attend(self, q, k, v):
+    def sparse_attend(self, q, k, v, heads):
         ext = self.ext
         _check_blocks("nsa_select_top_k", ext.nsa_select_top_k, "nsa_select_block",
                       ext.nsa_select_block, q.shape[1])
         # [s, b, heads * 3] (head-major) -> [b, s, heads, 3]
         gates = torch.sigmoid(self.gate_logits.float()).transpose(0, 1).unflatten(-1, (-1, 3))
+        if self.cp is not None:  # the gates follow q: whole sequence, this rank's heads
+            gates = self.cp.sequence_to_heads(gates)
         return sparse.nsa_attention(
-            q, k, v, gates, self.compress_k_weights, self.compress_v_weights,
+            q, k, v, gates, heads(self.compress_k_weights), heads(self.compress_v_weights),
             compress_block=ext.nsa_compress_block, compress_stride=ext.nsa_compress_stride,
             select_block=ext.nsa_select_block, select_top_k=ext.nsa_select_top_k,
-            window=ext.nsa_window, sink=self.sink(q.device), scale=self.softmax_scale,
+            window=ext.nsa_window, sink=heads(self.sink(q.device)), scale=self.softmax_scale,
             backend=ext.sparse_backend)
 
 

@@ -63,12 +63,24 @@ def test_delta_rule_mixer_refuses_all_to_all_it_cannot_split_at_build_time():
 def test_mixers_without_context_parallelism_are_named():
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_ext.mixers.sparse_attention import MoBACoreAttention
+    from megatron_ext.mixers.dsa import DSACoreAttention
 
     config = harness.tiny_config(context_parallel_size=2)
-    with pytest.raises(NotImplementedError, match="not supported by MoBACoreAttention"):
+    with pytest.raises(NotImplementedError, match="not supported by DSACoreAttention"):
+        DSACoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                         pg_collection=_pg(2))
+
+
+def test_sparse_cores_need_heads_divisible_by_context_parallel_size():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ext.mixers.sparse_attention import MoBACoreAttention
+
+    config = harness.tiny_config(context_parallel_size=4)  # 4 query heads, 2 key/value heads
+    with pytest.raises(ConfigError, match="4 query and 2 key/value heads per tensor-parallel rank "
+                                          "must be divisible by context_parallel_size=4"):
         MoBACoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                          pg_collection=_pg(2))
+                          pg_collection=_pg(4))
 
 
 def test_packed_sequences_that_megatron_cannot_split_are_refused_by_name():
