@@ -36,7 +36,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from megatron_ext.config import ExtConfig
+from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.kernels import sparse
 from megatron_ext.mixers.common import HeadShardedMixer
 from megatron_ext.parallel import ContextParallel
@@ -92,6 +92,20 @@ class SoftmaxCoreAttention(HeadShardedMixer):
             raise NotImplementedError(
                 f"attention_dropout={self.dropout_p} is not supported with a sliding window, a "
                 "sink or sparse attention; set attention_dropout=0")
+
+    def check_heads_split_over_cp(self, config) -> None:
+        """For cores whose CP is all-to-all over heads (sparse attention): ConfigError unless the
+        query and key/value heads per TP rank divide by CP."""
+        groups = config.num_query_groups // self.tp_size
+        if self.cp is not None and (self.heads % self.cp.size or groups % self.cp.size):
+            raise ConfigError(
+                f"{type(self).__name__} under context parallelism splits its heads over the CP "
+                f"ranks (all-to-all): {self.heads} query and {groups} key/value heads per "
+                f"tensor-parallel rank must be divisible by context_parallel_size={self.cp.size}")
+
+    def cp_heads(self, per_head: torch.Tensor | None) -> torch.Tensor | None:
+        """This CP rank's head group of a per-head tensor ``[heads, ...]`` (all-to-all CP)."""
+        return None if per_head is None else self.cp.heads_of_rank(per_head)
 
     def sink(self, device) -> torch.Tensor | None:
         """The sink logits of this rank's heads ``[heads]``, or None."""

@@ -137,29 +137,49 @@ class DSACoreAttention(SoftmaxCoreAttention):
     ``index``. Packed (``thd``) sequences select within their own sequence."""
 
     takes_attention_mask = False
+    supports_context_parallel = True
 
     def __init__(self, config, layer_number, attn_mask_type, *args, **kwargs):
         super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
         if attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"DSA is causal; got {attn_mask_type}")
+        self.check_heads_split_over_cp(config)
         if self.window is not None:
             raise ConfigError(
                 f"window_size={self.window} applies to '*' and MoBA layers; DSA picks its own "
                 "keys. Use window_attn_skip_freq to leave DSA layers out, or drop window_size")
         self.index = None
 
-    def _sum_over_tp(self, mass: torch.Tensor) -> torch.Tensor:
-        torch.distributed.all_reduce(mass, group=self.tp_group)
+    def _sum_over_heads(self, mass: torch.Tensor) -> torch.Tensor:
+        """The loss target summed over the heads of every TP rank (and CP rank, under CP)."""
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(mass, group=self.tp_group)
+        if self.cp is not None:
+            torch.distributed.all_reduce(mass, group=self.cp.group)
         return mass
 
     def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
+        """Under context parallelism (all-to-all, as MoBA and NSA): the indexer's outputs are
+        all-gathered (every rank selects for the whole sequence, the same keys), q, k and v go
+        from a sequence split to a head split, and each rank's indexer loss, the same on every
+        rank, is divided by CP (its gradient reaches the local indexer outputs summed over
+        the ranks by the gather's backward)."""
         if self.index is None:
             raise RuntimeError("DSACoreAttention runs inside DSASelfAttention, which computes "
                                "the indexer's outputs first")
         (index_q, index_k, index_weights), self.index = self.index, None
         ext = self.ext
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
-        options = dict(sink=self.sink(q.device), scale=self.softmax_scale,
+        heads = lambda per_head: per_head  # noqa: E731
+        if self.cp is not None:
+            if cu_seqlens is not None:
+                raise NotImplementedError("DSA under context parallelism does not take packed "
+                                          "(thd) sequences yet")
+            index_q, index_k, index_weights = (self.cp.gather_sequence(t)
+                                               for t in (index_q, index_k, index_weights))
+            q, k, v = (self.cp.sequence_to_heads(x) for x in (q, k, v))
+            heads = self.cp_heads
+        options = dict(sink=heads(self.sink(q.device)), scale=self.softmax_scale,
                        backend=ext.sparse_backend)
         selected = None
         if ext.dsa_stage == "sparse":
@@ -171,9 +191,12 @@ class DSACoreAttention(SoftmaxCoreAttention):
         if index_q.requires_grad and ext.dsa_indexer_loss_coeff > 0:
             loss = sparse.dsa_indexer_loss(
                 q, k, index_q, index_k, index_weights, selected=selected, cu_seqlens=cu_seqlens,
-                reduce_heads=self._sum_over_tp if self.tp_size > 1 else None, **options)
+                reduce_heads=self._sum_over_heads if self.tp_size > 1 or self.cp is not None else None,
+                **options)
+            if self.cp is not None:
+                loss = loss / self.cp.size
             out = IndexerLoss.apply(out, ext.dsa_indexer_loss_coeff * loss)
-        return out
+        return out if self.cp is None else self.cp.heads_to_sequence(out)
 
 
 class DSASelfAttention(SelfAttention):

@@ -64,14 +64,7 @@ class _SparseCore(SoftmaxCoreAttention):
         super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
         if attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"{type(self).__name__} is causal; got {attn_mask_type}")
-        if self.cp is not None:
-            groups = config.num_query_groups // self.tp_size
-            if self.heads % self.cp.size or groups % self.cp.size:
-                raise ConfigError(
-                    f"{type(self).__name__} under context parallelism splits its heads over the "
-                    f"CP ranks (all-to-all): {self.heads} query and {groups} key/value heads per "
-                    f"tensor-parallel rank must be divisible by context_parallel_size="
-                    f"{self.cp.size}")
+        self.check_heads_split_over_cp(config)
 
     def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
@@ -81,11 +74,7 @@ class _SparseCore(SoftmaxCoreAttention):
         if self.cp is None:
             return self.sparse_attend(q, k, v, heads=lambda t: t)
         q, k, v = (self.cp.sequence_to_heads(x) for x in (q, k, v))
-        return self.cp.heads_to_sequence(self.sparse_attend(q, k, v, heads=self._cp_heads))
-
-    def _cp_heads(self, per_head: torch.Tensor) -> torch.Tensor:
-        """This CP rank's head group of a per-head tensor ``[heads, ...]`` (None stays None)."""
-        return None if per_head is None else self.cp.heads_of_rank(per_head)
+        return self.cp.heads_to_sequence(self.sparse_attend(q, k, v, heads=self.cp_heads))
 
 
 class MoBACoreAttention(_SparseCore):

@@ -60,15 +60,17 @@ def test_delta_rule_mixer_refuses_all_to_all_it_cannot_split_at_build_time():
             ext_config=ExtConfig(context_parallel_method="all_to_all"), pg_collection=_pg(4))
 
 
-def test_mixers_without_context_parallelism_are_named():
+def test_cores_without_context_parallelism_are_named():
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_ext.mixers.dsa import DSACoreAttention
+    from megatron_ext.mixers.attention import SoftmaxCoreAttention
+
+    class NewCore(SoftmaxCoreAttention):  # a core that does not declare CP support
+        pass
 
     config = harness.tiny_config(context_parallel_size=2)
-    with pytest.raises(NotImplementedError, match="not supported by DSACoreAttention"):
-        DSACoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                         pg_collection=_pg(2))
+    with pytest.raises(NotImplementedError, match="not supported by NewCore"):
+        NewCore(config, layer_number=1, attn_mask_type=AttnMaskType.causal, pg_collection=_pg(2))
 
 
 def test_sparse_cores_need_heads_divisible_by_context_parallel_size():

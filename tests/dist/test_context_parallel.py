@@ -8,7 +8,7 @@
 - Model level: a tiny GPTModel with every linear mixer and '*' under CP = 2 (both methods),
   CP = 4, TP = 2 x CP = 2 and TP = 2 x CP = 2 + SP equals CP = 1 in loss and gradients, on a
   batch and on packed documents; so do a model with sliding-window attention and sinks and one
-  with MoBA and NSA.
+  with MoBA, NSA and DSA.
 """
 
 import contextlib
@@ -236,7 +236,7 @@ LAYOUTS = {
 def run_cp_layouts(rank, world_size, ckpt_dir):
     """Each layout of this world size: build, load the one-rank weights (the one-rank run saves
     them), one forward-backward on Megatron's CP split of a micro-batch, one on packed
-    documents, one of a model with windowed attention and sinks and one with MoBA and NSA (four
+    documents, one of a model with windowed attention and sinks and one with MoBA, NSA and DSA (four
     results per layout). The loss is the mean over all tokens, the gradients
     summed over CP (as Megatron's finalize_model_grads does over its DP x CP group)."""
     from megatron.core import parallel_state as ps
@@ -274,7 +274,7 @@ def run_cp_layouts(rank, world_size, ckpt_dir):
         harness.save_or_load([model], window_ckpt, save=world_size == 1)
         losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         results.append(_step_result(model, config, losses.sum() / (harness.BATCH * harness.SEQ), group))
-        # MoBA and NSA (all-to-all over heads) with a sink, next to a linear mixer.
+        # MoBA, NSA and DSA (all-to-all over heads) with a sink, next to a linear mixer.
         ext = ExtConfig(pattern=SPARSE_PATTERN, context_parallel_method=method, kernel_backend="chunked",
                         **harness.SHORT_SPARSE)
         (model,), config = harness.build_layout(ext, tp=tp, sequence_parallel=sp, cp=cp,
@@ -291,7 +291,7 @@ def run_cp_layouts(rank, world_size, ckpt_dir):
 WINDOW_PATTERN = "*G*"
 WINDOW_CONFIG = dict(window_size=(5, 0), softmax_type="learnable")
 # 8 query and 4 key/value heads: divisible by TP * CP in every layout.
-SPARSE_PATTERN = "BGS"
+SPARSE_PATTERN = "BGSD"
 SPARSE_CONFIG = dict(softmax_type="learnable", num_attention_heads=8, num_query_groups=4)
 
 
@@ -335,8 +335,8 @@ def cp_runs(tmp_path_factory):
 
 
 # What each layout runs: the pattern on a batch and on packed documents, WINDOW_PATTERN (window
-# and sink) and SPARSE_PATTERN (MoBA, NSA) on the batch.
-BATCHES = ("batch", "packed", "window_sink", "moba_nsa")
+# and sink) and SPARSE_PATTERN (MoBA, NSA, DSA) on the batch.
+BATCHES = ("batch", "packed", "window_sink", "sparse")
 
 
 @pytest.mark.parametrize("batch", BATCHES)
