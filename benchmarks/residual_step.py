@@ -6,7 +6,8 @@ attention in every layer (pattern ``*``) so that only the residual scheme differ
 (``--variants``) builds the model through ``megatron-ext train``'s own code (the TransformerConfig,
 ``block_spec``, Megatron's DDP and optimizer, the pipeline schedule), runs ``--warmup`` steps
 (which also compiles the residual ops), then ``--windows`` windows of ``--steps`` timed steps
-(forward + backward + optimizer step, CUDA events); the median window counts. It also records
+(forward + backward + optimizer step, CUDA events); the median window counts. Each variant runs
+in a process of its own (nothing of the one before is held). It also records
 the summed GPU kernel time of one step (torch.profiler), since at this size the host launching
 kernels can set the wall time, and the peak memory above the model and optimizer state.
 
@@ -23,10 +24,12 @@ Goals (issue 6): mHC <= 5 % step time (the paper reports 6.7 %), block attention
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import pathlib
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -111,11 +114,23 @@ def measure(args, variant, runtime):
         + (f" (GPU kernels {result['gpu_kernel_ms_per_step']:.1f} ms), peak "
            f"{peak_gib:.2f} GiB ({peak_gib - static_gib:.2f} above weights + optimizer)"
            if runtime.cuda else ""))
-    del model, optimizer, scheduler
-    gc.collect()
-    if runtime.cuda:
-        torch.cuda.empty_cache()
     return result
+
+
+def _measure_in_child(variant: str) -> dict:
+    """:func:`measure` of one variant in a fresh process (this script with the same arguments),
+    so that nothing of the variant before (its model, compiled graphs, cached memory) is still
+    held while this one is measured."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = pathlib.Path(tmp) / "result.json"
+        argv = [a for a in sys.argv[1:]]
+        if "--variants" in argv:  # the child measures only this variant
+            i = argv.index("--variants")
+            del argv[i:i + 2]
+        argv = [a for a in argv if not a.startswith("--variants=")]
+        subprocess.run([sys.executable, __file__, *argv, "--variants", variant,
+                        "--child-result", str(result)], check=True)
+        return json.loads(result.read_text())
 
 
 def _sync(runtime):
@@ -203,6 +218,7 @@ def main():
     p.add_argument("--tiny", action="store_true",
                    help="a 4-layer, hidden-64 model on whatever device there is (smoke test)")
     p.add_argument("--out", default="benchmarks/results/residual_step.json")
+    p.add_argument("--child-result", help=argparse.SUPPRESS)  # one variant, in a child process
     args = p.parse_args()
     if args.tiny:
         args.layers, args.hidden, args.ffn, args.heads, args.groups = 4, 64, 128, 4, 2
@@ -214,16 +230,19 @@ def main():
     if unknown:
         p.error(f"unknown variant(s) {unknown}; known: {sorted(VARIANTS)}")
 
-    from megatron_ext.train import init_runtime
+    if args.child_result:
+        from megatron_ext.train import init_runtime
 
-    runtime = init_runtime(settings_for(args, "standard"), "auto")
-    device = torch.cuda.get_device_name() if runtime.cuda else "cpu"
-    log(f"device {runtime.device} ({device}), torch {torch.__version__}")
+        runtime = init_runtime(settings_for(args, args.variants), "auto")
+        log(f"device {runtime.device}, torch {torch.__version__}")
+        pathlib.Path(args.child_result).write_text(json.dumps(measure(args, args.variants, runtime)))
+        return
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = []
     for variant in args.variants.split(","):
-        results.append(measure(args, variant, runtime))
+        results.append(_measure_in_child(variant))
         table = overheads(results)
         if variant in table:
             log(f"{variant} vs standard: "
