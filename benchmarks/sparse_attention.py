@@ -11,6 +11,9 @@ Ops (``--ops`` takes families, e.g. ``moba``, backends, e.g. ``flex``, or single
     moba          moba_attention, ``--moba-block`` tokens per block, ``--moba-top-k`` blocks
     nsa           nsa_attention, ``--nsa`` = compress block, stride, select block, top-k, window
                   (the paper's 32,16,64,16,512), with its gates and compression weights
+    dsa           a DSA layer's sparse stage: dsa_select, dsa_attention and dsa_indexer_loss,
+                  ``--dsa`` = top-k, indexer heads, indexer dim (the paper's 2048,64,128);
+                  gathered only
     sdpa          torch SDPA, causal (flash on CUDA)
 
 each with the backends of ``megatron_ext.kernels.sparse``: flex (FlexAttention, compiled; CUDA
@@ -23,7 +26,8 @@ first flex call of each shape compiles (tens of seconds).
 
     source benchmarks/gpu_setup.sh && python benchmarks/sparse_attention.py    # on the GPU machine
     python benchmarks/sparse_attention.py --device cpu --seq-lens 128,256 --batch-tokens 512 \\
-        --heads 2 --head-dim 16 --window 32 --moba-block 32 --moba-top-k 2 --nsa 8,4,16,3,32
+        --heads 2 --head-dim 16 --window 32 --moba-block 32 --moba-top-k 2 --nsa 8,4,16,3,32 \\
+        --dsa 16,2,8
 """
 from __future__ import annotations
 
@@ -55,7 +59,8 @@ bench = _kernel_benchmark()
 log = bench.log
 # The inputs of each family (the gradients of all of them are taken).
 INPUTS = {"swa_sink": ["q", "k", "v", "sink"], "causal_sink": ["q", "k", "v", "sink"],
-          "moba": ["q", "k", "v"], "nsa": ["q", "k", "v", "gates", "k_weights", "v_weights"]}
+          "moba": ["q", "k", "v"], "nsa": ["q", "k", "v", "gates", "k_weights", "v_weights"],
+          "dsa": ["q", "k", "v", "sink", "index_q", "index_k", "index_weights"]}
 BACKENDS = ["flex", "gathered"]
 
 
@@ -66,7 +71,11 @@ def make_inputs(args, family, batch, seq_len, heads, dim):
         return torch.randn(*shape, device=device)
 
     compress_block = args.nsa[0]
+    _, index_heads, index_dim = args.dsa
     inputs = dict(
+        index_q=randn(batch, seq_len, index_heads, index_dim).bfloat16(),
+        index_k=randn(batch, seq_len, index_dim).bfloat16(),
+        index_weights=randn(batch, seq_len, index_heads).bfloat16(),
         q=randn(batch, seq_len, heads, dim).bfloat16(),
         k=randn(batch, seq_len, heads, dim).bfloat16(),
         v=randn(batch, seq_len, heads, dim).bfloat16(), sink=randn(heads),
@@ -92,8 +101,22 @@ def family_run(family, backend, args):
             compress_block=compress_block, compress_stride=compress_stride,
             select_block=select_block, select_top_k=select_top_k, window=window,
             backend=backend),
+        "dsa": lambda x: dsa_layer_op(x, args.dsa[0], backend),
     }
     return lambda **x: calls[family](x)
+
+
+def dsa_layer_op(x, top_k, backend):
+    """What a DSA layer runs in its sparse stage: the selection, the attention over it, and the
+    indexer's loss on the selected keys, attached to the output as the layer attaches it."""
+    from megatron_ext.mixers.dsa import IndexerLoss
+
+    index = (x["index_q"], x["index_k"], x["index_weights"])
+    selected = sparse.dsa_select(*index, top_k=top_k, backend=backend)
+    out = sparse.dsa_attention(x["q"], x["k"], x["v"], selected, sink=x["sink"], backend=backend)
+    loss = sparse.dsa_indexer_loss(x["q"], x["k"], *index, selected=selected, sink=x["sink"],
+                                   backend=backend)
+    return IndexerLoss.apply(out, loss)
 
 
 def build_ops(args) -> list:
@@ -102,7 +125,9 @@ def build_ops(args) -> list:
     for family in INPUTS:
         for backend in BACKENDS:
             skip = None
-            if backend == "flex" and device.type != "cuda":
+            if backend == "flex" and family == "dsa":
+                skip = "DSA has no FlexAttention form (a per-token selection is no block mask)"
+            elif backend == "flex" and device.type != "cuda":
                 skip = "FlexAttention has no backward on the CPU"
             make = lambda *shape, family=family: make_inputs(args, family, *shape)  # noqa: E731
             ops.append(bench.Op(family, backend, make, family_run(family, backend, args), skip))
@@ -171,6 +196,8 @@ def parse_args(argv=None):
     parser.add_argument("--moba-top-k", type=int, default=3)
     parser.add_argument("--nsa", default="32,16,64,16,512",
                         help="compress block, stride, select block, top-k, window")
+    parser.add_argument("--dsa", default="2048,64,128",
+                        help="dsa: top-k, indexer heads, indexer dim (the paper's)")
     parser.add_argument("--ops", default="all",
                         help="comma-separated families, backends or ops (default: all)")
     parser.add_argument("--warmup", type=int, help="untimed calls first (default: 2; 1 on CPU)")
@@ -181,6 +208,9 @@ def parse_args(argv=None):
     args.nsa = [int(value) for value in args.nsa.split(",")]
     if len(args.nsa) != 5:
         parser.error("--nsa takes 5 numbers: compress block, stride, select block, top-k, window")
+    args.dsa = [int(value) for value in args.dsa.split(",")]
+    if len(args.dsa) != 3:
+        parser.error("--dsa takes 3 numbers: top-k, indexer heads, indexer dim")
     return args
 
 
