@@ -197,6 +197,8 @@ def measure(op: Op, seq_len: int, args) -> dict:
             log(f"{op.name} T={seq_len}: forward+backward")
             result["fwd_bwd_ms"], result["fwd_bwd_peak_gib"] = time_ms(
                 forward_backward, warmup=args.warmup, reps=args.reps, device=device)
+            if args.profile and device.type == "cuda":
+                result["fwd_bwd_kernel_ms"] = kernel_times(forward_backward)
         except Exception as error:  # noqa: BLE001
             result["fwd_bwd_error"] = describe(error)
             log(f"{op.name} T={seq_len}: forward+backward failed: {result['fwd_bwd_error']}")
@@ -207,6 +209,18 @@ def measure(op: Op, seq_len: int, args) -> dict:
     timings = ", ".join(f"{key} {result[key]:.3f}" for key in ("fwd_ms", "fwd_bwd_ms") if key in result)
     log(f"{op.name} T={seq_len}: {timings or 'no timings'}")
     return result
+
+
+def kernel_times(fn, top: int = 12) -> dict[str, float]:
+    """GPU time per kernel (ms, summed over its launches) of one call of ``fn``, the ``top``
+    longest, from torch.profiler: where an op's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+    return {e.key[:120]: e.self_device_time_total / 1e3 for e in events[:top] if e.self_device_time_total > 0}
 
 
 def environment(device: torch.device) -> dict:
@@ -270,6 +284,8 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, help="timed calls, the median counts (default: 10; 3 on CPU)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/results/kernels_h200.json")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record the GPU time of each kernel of one fwd+bwd call")
     parser.add_argument("--resume", action="store_true",
                         help="keep the results already in --out and measure only what is missing "
                              "(to finish a run that was cut short, or to add ops)")
