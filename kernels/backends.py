@@ -14,7 +14,7 @@ The self-check (``megatron_ext.kernels.selfcheck``) runs the Triton backend of a
 case the doctor checks (grouped heads, an initial state, T = 97 across a chunk border, packed
 sequences), with fp32 and bf16 inputs, forward and backward, against the fp32 reference. Its
 verdict is kept per process and on disk, per (GPU, compute capability, torch, Triton,
-megatron-ext version), in ``$MEGATRON_EXT_CACHE_DIR/selfcheck.json`` (default
+megatron-ext version and a hash of the kernels' and the check's source), in ``$MEGATRON_EXT_CACHE_DIR/selfcheck.json`` (default
 ``~/.cache/megatron-ext``), so each machine image pays for it once (the first check compiles the
 kernels: tens of seconds). A backend that fails is not used and never silently: the failing
 cases are logged. ``megatron-ext doctor`` shows every check in full.
@@ -132,13 +132,21 @@ def selfcheck_cache_path() -> pathlib.Path:
     return pathlib.Path(root) / "selfcheck.json"
 
 
-def _package_version() -> str:
+def _kernels_fingerprint() -> str:
+    """The package version and a hash of the Triton kernels' source, so that an edited kernel
+    (an editable install keeps its version) or a tree that is not installed is checked anew."""
+    import hashlib
     import importlib.metadata
 
     try:
-        return importlib.metadata.version("megatron-ext")
+        version = importlib.metadata.version("megatron-ext")
     except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+        version = "not installed"
+    here = pathlib.Path(__file__).parent
+    digest = hashlib.sha256()
+    for source in ("delta_rule/triton.py", "decay/triton.py", "selfcheck.py"):
+        digest.update((here / source).read_bytes())
+    return f"{version}, kernels {digest.hexdigest()[:12]}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,7 +157,7 @@ def _device_key(device: torch.device) -> str:
 
     major, minor = torch.cuda.get_device_capability(device)
     return (f"{torch.cuda.get_device_name(device)} sm_{major}{minor} | torch {torch.__version__} | "
-            f"triton {triton.__version__} | megatron-ext {_package_version()}")
+            f"triton {triton.__version__} | megatron-ext {_kernels_fingerprint()}")
 
 
 def _read_cache(path: pathlib.Path) -> dict:
