@@ -103,11 +103,18 @@ def measure(args, variant, runtime):
         peak_gib = torch.cuda.max_memory_allocated() / 2**30
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.profile else [])
+        with profile(activities=activities) as prof:
             step()
             torch.cuda.synchronize()
+        events = prof.key_averages()
+        if args.profile:  # where the host's time goes: the ops with the most own CPU time
+            top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:30]
+            result["host_profile"] = [dict(op=e.key[:100], calls=e.count, self_cpu_ms=e.self_cpu_time_total / 1e3,
+                                           device_ms=e.self_device_time_total / 1e3) for e in top]
+            result["launches_per_step"] = sum(e.count for e in events if e.self_device_time_total > 0)
         result.update(gpu_kernel_ms_per_step=sum(
-            e.self_device_time_total for e in prof.key_averages()) / 1e3,
+            e.self_device_time_total for e in events) / 1e3,
             peak_memory_gib=peak_gib, static_memory_gib=static_gib,
             activation_peak_gib=peak_gib - static_gib)
     log(f"{variant}: {result['ms_per_step']:.1f} ms/step"
@@ -218,6 +225,9 @@ def main():
     p.add_argument("--tiny", action="store_true",
                    help="a 4-layer, hidden-64 model on whatever device there is (smoke test)")
     p.add_argument("--out", default="benchmarks/results/residual_step.json")
+    p.add_argument("--profile", action="store_true",
+                   help="on a GPU, also record the host-side profile of one step (top ops by CPU "
+                        "time, kernel launches per step)")
     p.add_argument("--child-result", help=argparse.SUPPRESS)  # one variant, in a child process
     args = p.parse_args()
     if args.tiny:
