@@ -264,35 +264,29 @@ def run_cp_layouts(rank, world_size, ckpt_dir):
         losses = model(tokens[:, index], torch.arange(len(index))[None], None, labels=labels[:, index],
                        packed_seq_params=params)
         results.append(_step_result(model, config, losses.sum() / tokens.shape[1], group))
-        # Sliding-window attention with a learnable sink, next to a linear mixer.
-        ext = ExtConfig(pattern=WINDOW_PATTERN, context_parallel_method=method, kernel_backend="chunked")
-        (model,), config = harness.build_layout(ext, tp=tp, sequence_parallel=sp, cp=cp,
-                                                config_overrides=WINDOW_CONFIG)
-        window_ckpt = f"{ckpt_dir}-window"
-        if world_size == 1:
-            os.makedirs(window_ckpt, exist_ok=True)
-        harness.save_or_load([model], window_ckpt, save=world_size == 1)
-        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        results.append(_step_result(model, config, losses.sum() / (harness.BATCH * harness.SEQ), group))
-        # MoBA, NSA and DSA (all-to-all over heads) with a sink, next to a linear mixer.
-        ext = ExtConfig(pattern=SPARSE_PATTERN, context_parallel_method=method, kernel_backend="chunked",
-                        **harness.SHORT_SPARSE)
-        (model,), config = harness.build_layout(ext, tp=tp, sequence_parallel=sp, cp=cp,
-                                                config_overrides=SPARSE_CONFIG)
-        sparse_ckpt = f"{ckpt_dir}-sparse"
-        if world_size == 1:
-            os.makedirs(sparse_ckpt, exist_ok=True)
-        harness.save_or_load([model], sparse_ckpt, save=world_size == 1)
-        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        results.append(_step_result(model, config, losses.sum() / (harness.BATCH * harness.SEQ), group))
+        # The two other models on the batch, each with weights of its own.
+        for name, (pattern, ext_options, overrides) in OTHER_MODELS.items():
+            ext = ExtConfig(pattern=pattern, context_parallel_method=method, kernel_backend="chunked",
+                            **ext_options)
+            (model,), config = harness.build_layout(ext, tp=tp, sequence_parallel=sp, cp=cp,
+                                                    config_overrides=overrides)
+            model_ckpt = f"{ckpt_dir}-{name}"
+            if world_size == 1:
+                os.makedirs(model_ckpt, exist_ok=True)
+            harness.save_or_load([model], model_ckpt, save=world_size == 1)
+            losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            results.append(_step_result(model, config, losses.sum() / (harness.BATCH * harness.SEQ), group))
     return results
 
 
-WINDOW_PATTERN = "*G*"
-WINDOW_CONFIG = dict(window_size=(5, 0), softmax_type="learnable")
-# 8 query and 4 key/value heads: divisible by TP * CP in every layout.
-SPARSE_PATTERN = "BGSD"
-SPARSE_CONFIG = dict(softmax_type="learnable", num_attention_heads=8, num_query_groups=4)
+# name: (pattern, ExtConfig options, TransformerConfig overrides). Sliding-window attention
+# with a learnable sink; MoBA, NSA and DSA (all-to-all over heads) with a sink, with 8 query and
+# 4 key/value heads (divisible by TP * CP in every layout); each next to a linear mixer.
+OTHER_MODELS = {
+    "window_sink": ("*G*", {}, dict(window_size=(5, 0), softmax_type="learnable")),
+    "sparse": ("BGSD", harness.SHORT_SPARSE,
+               dict(softmax_type="learnable", num_attention_heads=8, num_query_groups=4)),
+}
 
 
 def _packed_batch():
@@ -334,9 +328,8 @@ def cp_runs(tmp_path_factory):
     return runs
 
 
-# What each layout runs: the pattern on a batch and on packed documents, WINDOW_PATTERN (window
-# and sink) and SPARSE_PATTERN (MoBA, NSA, DSA) on the batch.
-BATCHES = ("batch", "packed", "window_sink", "sparse")
+# What each layout runs: the pattern on a batch and on packed documents, then OTHER_MODELS.
+BATCHES = ("batch", "packed", *OTHER_MODELS)
 
 
 @pytest.mark.parametrize("batch", BATCHES)
