@@ -77,8 +77,8 @@ class ExtConfig:
     # and outputs between sequence and head sharding (needs heads divisible by TP * CP).
     context_parallel_method: str = "state_passing"
 
-    # Softmax attention: every '*' layer and the sparse mixers MoBA ('B'), NSA ('S') and DSA
-    # ('D').
+    # Softmax attention: every '*' layer and the sparse mixers MoBA ('B'), NSA ('S'), DSA
+    # ('D'), CSA ('C') and HCA ('H').
     # Sliding window, learnable sink, output gate and QK-norm are Megatron's own settings
     # (window_size + window_attn_skip_freq, softmax_type="learnable", attention_output_gate,
     # qk_layernorm), which our attention cores honour. Exclusive self attention (XSA, Zhai
@@ -86,8 +86,8 @@ class ExtConfig:
     attention_xsa: bool = False
     # How the windowed / sink / sparse attention ops run (megatron_ext.kernels.sparse): "auto"
     # (FlexAttention on CUDA, the gathered PyTorch form elsewhere), "flex", "gathered" or
-    # "reference" (dense masks, for checks). DSA's per-token selection is no block layout: it
-    # runs gathered unless "reference".
+    # "reference" (dense masks, for checks). DSA's and CSA's per-token selections are no block
+    # layout: they run gathered unless "reference".
     sparse_backend: str = "auto"
     # MoBA (Lu et al. 2025): keys per block; blocks each query attends to, its own included
     # (the paper's scaling runs: 512 and 3).
@@ -113,6 +113,21 @@ class ExtConfig:
     dsa_indexer_dim: int = 128
     dsa_stage: str = "sparse"
     dsa_indexer_loss_coeff: float = 1.0
+    # DeepSeek-V4's compressed attentions (arXiv 2606.19348; megatron_ext.mixers.compressed),
+    # V4-Flash's sizes. CSA ('C'): one compressed entry per csa_compress_rate = 4 tokens (each
+    # mixing two adjacent blocks); each query attends to the csa_top_k = 512 entries an
+    # indexer of 64 heads of 128 dims scores highest, plus its last csa_window = 128 tokens.
+    # HCA ('H'): one entry per hca_compress_rate = 128 tokens, no overlap, no indexer; each query
+    # attends to every complete entry plus its last hca_window = 128 tokens. A query sees an
+    # entry once its block is complete. CSA's indexer trains like DSA's, in the stage of
+    # dsa_stage (its dense warm-up attends to every entry), with dsa_indexer_loss_coeff.
+    csa_compress_rate: int = 4
+    csa_top_k: int = 512
+    csa_indexer_heads: int = 64
+    csa_indexer_dim: int = 128
+    csa_window: int = 128
+    hca_compress_rate: int = 128
+    hca_window: int = 128
 
     # Cross-layer routing from delta-rule layers into the residual stream (Cerruti et al.,
     # "Linear Attention Architectures: Mechanisms, Trade-offs, and Cross-Layer Routing"):
@@ -221,6 +236,19 @@ class ExtConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
+        for name in ("csa_compress_rate", "csa_top_k", "csa_indexer_heads", "csa_indexer_dim",
+                     "csa_window", "hca_compress_rate", "hca_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        for kind in ("csa", "hca"):
+            rate, window = getattr(self, f"{kind}_compress_rate"), getattr(self, f"{kind}_window")
+            if window < rate - 1:
+                raise ConfigError(
+                    f"{kind}_window={window} is smaller than {kind}_compress_rate - 1 = "
+                    f"{rate - 1}: the tokens of a query's incomplete block (up to {rate - 1}, "
+                    f"its own included), in no entry yet, would be out of its reach; raise "
+                    f"{kind}_window or lower {kind}_compress_rate")
         coeff = self.dsa_indexer_loss_coeff
         if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not (
                 0 <= coeff < math.inf):

@@ -4,7 +4,9 @@ Symbols keep Megatron's hybrid-pattern meaning where one exists (``*`` softmax a
 Gated DeltaNet, ``M`` Mamba, ``D`` DSA, ``+`` MLA, ``-`` MLP, ``E`` MoE, ``|`` and ``/``
 separators); symbols of our own must not collide with those. Sparse softmax attention: ``B``
 MoBA (mixture of Block attention), ``S`` NSA (native Sparse attention), ``D`` DSA (DeepSeek
-Sparse Attention).
+Sparse Attention), ``C`` CSA and ``H`` HCA (DeepSeek-V4's Compressed Sparse and Heavily
+compressed attention; the symbols Megatron's DeepSeek-V4 branch gives them, free in
+megatron-core 0.19).
 
 A row names its spec builder as ``"module:function"`` so that this table stays free of imports;
 the builder takes ``(ext_config, transformer_config, **options)`` and returns the ModuleSpec
@@ -52,6 +54,11 @@ MIXERS: tuple[Mixer, ...] = (
     # layer's own (under Transformer Engine not fused into linear_qkv).
     Mixer("D", "dsa", _ATTENTION, "DSA: DeepSeek Sparse Attention (DeepSeek-V3.2, 2025)",
           {"variant": "dsa"}),
+    # Like DSA, their compressor (and CSA's indexer) read the normalised input.
+    Mixer("C", "csa", _ATTENTION, "CSA: Compressed Sparse Attention (DeepSeek-V4, 2026)",
+          {"variant": "csa"}),
+    Mixer("H", "hca", _ATTENTION, "HCA: Heavily Compressed Attention (DeepSeek-V4, 2026)",
+          {"variant": "hca"}),
     Mixer("G", "gated_deltanet", _DELTA, "Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025)",
           {"variant": "gated_deltanet"}, routable=True),
     Mixer("N", "deltanet", _DELTA, "DeltaNet (Yang et al. 2024)", {"variant": "deltanet"},

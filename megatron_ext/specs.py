@@ -85,15 +85,16 @@ def _base_submodules(ext: ExtConfig, config) -> TransformerLayerSubmodules:
 
 def attention_self_spec(ext: ExtConfig, config, variant: str = "attention") -> ModuleSpec:
     """The ``self_attention`` spec of a softmax-attention layer: registry builder of ``*``
-    (variant "attention") and of the sparse layers ("moba", "nsa", "dsa"), which swap in their
-    core."""
+    (variant "attention") and of the sparse layers ("moba", "nsa", "dsa", "csa", "hca"), which
+    swap in their core."""
     spec = _base_submodules(ext, config).self_attention
     if variant != "attention":
         from megatron_ext.mixers.sparse_attention import sparse_attention_spec
 
-        if variant == "dsa" and uses_te(ext):
-            # DSA's indexer reads the normalised input, which TE's norm-fused QKV linear never
-            # gives out: the layer keeps its own input norm (layer_submodules) and a plain QKV.
+        if variant in ("dsa", "csa", "hca") and uses_te(ext):
+            # DSA's indexer and the CSA / HCA compressors read the normalised input, which TE's
+            # norm-fused QKV linear never gives out: the layer keeps its own input norm
+            # (layer_submodules) and a plain QKV.
             spec.submodules.linear_qkv = TEColumnParallelLinear
         return sparse_attention_spec(spec, ext, variant)
     if ext.attention_xsa and (ext.attention_backend == "local" or uses_te(ext)):
@@ -200,14 +201,15 @@ def _prepare(config, ext: ExtConfig) -> list[Mixer]:
     check_pipeline_split(config)
     residual.prepare(config, ext)
     mixers = expand_pattern(ext.pattern, config.num_layers)
-    if any(m.name == "dsa" for m in mixers):
+    if any(m.name in ("dsa", "csa") for m in mixers):  # layers with an indexer
         from megatron_ext.mixers import dsa
 
         dsa.prepare(config, ext)
     elif ext.dsa_stage == "dense_warmup":
         raise ConfigError(
-            f"dsa_stage='dense_warmup' trains only the indexers of DSA layers, but pattern "
-            f"{ext.pattern!r} has no 'D' layer; add one or set dsa_stage='sparse'")
+            f"dsa_stage='dense_warmup' trains only the indexers of DSA and CSA layers, but "
+            f"pattern {ext.pattern!r} has no 'D' or 'C' layer; add one or set "
+            "dsa_stage='sparse'")
     if len({m.name for m in mixers}) > 1:
         # Layers with different parameter sets cannot share stacked checkpoint tensors.
         config.hetereogenous_dist_checkpoint = True

@@ -32,3 +32,11 @@ def megatron_single_process():
         dist.init_process_group("gloo", rank=0, world_size=1)
     harness.init_parallel()
     yield
+
+
+@pytest.fixture
+def unit_scale(monkeypatch):
+    """DSA's indexer-loss gradient scale is process-wide (as Megatron sets it); start from 1."""
+    from megatron_ext.mixers.dsa import IndexerLoss
+
+    monkeypatch.setattr(IndexerLoss, "scale", None)

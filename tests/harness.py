@@ -159,11 +159,58 @@ def saved_bytes(fn, *args, **kwargs):
     return sum(storages.values()), out
 
 
-# Sizes of the sparse attentions (MoBA, NSA, DSA) for the short sequences of these tests (12
-# tokens or more); the papers' defaults need sequences of thousands of tokens.
+# Sizes of the sparse attentions (MoBA, NSA, DSA, CSA, HCA) for the short sequences of these
+# tests (12 tokens or more); the papers' defaults need sequences of thousands of tokens.
 SHORT_SPARSE = dict(moba_block_size=4, moba_top_k=2, nsa_compress_block=4, nsa_compress_stride=2,
                     nsa_select_block=4, nsa_select_top_k=3, nsa_window=8, dsa_top_k=6,
-                    dsa_indexer_heads=4, dsa_indexer_dim=8)
+                    dsa_indexer_heads=4, dsa_indexer_dim=8, csa_compress_rate=4, csa_top_k=3,
+                    csa_indexer_heads=4, csa_indexer_dim=8, csa_window=6, hca_compress_rate=8,
+                    hca_window=8)
+
+
+def sparse_model(ext, position_embedding_type="none", **cfg):
+    """A tiny GPTModel of ``ext``'s pattern (the sparse-layer tests), the same weights each call."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_ext.specs import block_spec
+
+    config = tiny_config(num_layers=len(ext.pattern), **cfg)
+    torch.manual_seed(7)
+    return GPTModel(config, block_spec(config, ext=ext), vocab_size=96, max_sequence_length=48,
+                    position_embedding_type=position_embedding_type)
+
+
+SPARSE_SEQ = 21
+
+
+def sparse_loss(model, seed=3):
+    """The mean LM loss of :func:`sparse_model` on two random sequences of SPARSE_SEQ tokens."""
+    tokens = torch.randint(0, 96, (2, SPARSE_SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    return model(tokens[:, :-1], torch.arange(SPARSE_SEQ).expand(2, -1), None,
+                 labels=tokens[:, 1:]).mean()
+
+
+def named_grads(model):
+    """Each parameter's gradient (a copy), or None."""
+    return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+
+
+def projected_grads(out, inputs):
+    """Gradients of a fixed random projection of ``out``, per input that gets one."""
+    for t in inputs.values():
+        t.grad = None
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    (out * weights).sum().backward()
+    return {name: t.grad for name, t in inputs.items() if t.grad is not None}
+
+
+def assert_same_output_and_grads(out, grads, expected, expected_grads):
+    """fp32 agreement of an op's output and its :func:`projected_grads` with a reference's."""
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-5,
+                                   msg=f"grad of {name}")
 
 
 def tiny_config(**overrides):
@@ -282,7 +329,8 @@ def run_layout(rank, world_size, ckpt_dir, ext, tp=1, pp=1, vpp=None, sequence_p
                save=False, spec="block", perturb=None, config_overrides=None):
     """Build this layout, load (or, for the reference, save) the checkpoint, run one step.
 
-    ``perturb``: before saving, parameters whose name contains this string get N(0, 0.05)
+    ``perturb``: before saving, parameters whose name contains this string (or one of this
+    tuple of strings) get N(0, 0.05)
     noise, so that terms which start at zero (routing projections, pseudo-queries) are
     exercised.
     """
@@ -301,12 +349,13 @@ def save_or_load(chunks, ckpt_dir, save, perturb=None):
     dist checkpoint; every other layout loads them, resharded to its own split."""
     from megatron.core import dist_checkpointing
 
+    perturbed = (perturb,) if isinstance(perturb, str) else perturb or ()
     # Keys inside the checkpoint are global (per-layer numbers), so chunks never collide.
     state = {f"chunk{v}": chunk.sharded_state_dict() for v, chunk in enumerate(chunks)}
     if save:
         for chunk in chunks:
             for name, p in chunk.named_parameters():
-                if perturb is not None and perturb in name:
+                if any(part in name for part in perturbed):
                     with torch.no_grad():
                         p.add_(0.05 * torch.randn_like(p))
         dist_checkpointing.save(state, ckpt_dir)

@@ -16,24 +16,36 @@ DSA selects keys per token, which no block layout describes; its ops (``dsa_sele
 ``dsa_attention``, ``dsa_indexer_loss``) run the reference or, for every other backend, the
 per-token gathered form of selected.py.
 
+DeepSeek-V4's compressed attentions (compressed.py): ``compress_kv`` makes one entry per block
+of tokens; HCA's ``compressed_attention`` (all the entries a query sees, plus a sliding window)
+is a block layout, run like ``softmax_attention``; CSA's ``csa_select``, ``csa_attention`` and
+``csa_indexer_loss`` pick entries per token and run like DSA's ops.
+
 ``exclusive_self_attention`` (XSA) post-processes any attention output.
 """
 import math
 
 import torch
 
+from .compressed import (compress_blocks, compressed_entries, compressed_layout, first_tokens,
+                         window_and_selected, with_entries)
 from .flex import flex_attention_layout
 from .gathered import gathered_attention
 from .layout import (allowed_rule, both, compress, document_rule, interval_layout, moba_chosen,
                      nsa_chosen, selection_layout, window_rule, window_span)
-from .reference import (OP, check_qkv, dsa_attention_reference, dsa_indexer_loss_reference,
-                        dsa_select_reference, exclusive_self_attention, moba_attention_reference,
+from .reference import (OP, check_qkv, compress_kv_reference, compressed_attention_reference,
+                        csa_attention_reference, csa_indexer_loss_reference,
+                        csa_select_reference, dsa_attention_reference,
+                        dsa_indexer_loss_reference, dsa_select_reference,
+                        exclusive_self_attention, moba_attention_reference,
                         nsa_attention_reference, softmax_attention_reference)
 from .selected import indexer_loss, select_keys, selected_attention
 
 __all__ = [
     "BACKENDS", "softmax_attention", "moba_attention", "nsa_attention", "dsa_select",
-    "dsa_attention", "dsa_indexer_loss", "exclusive_self_attention",
+    "dsa_attention", "dsa_indexer_loss", "compressed_entries", "compress_kv",
+    "compressed_attention", "csa_select", "csa_attention", "csa_indexer_loss",
+    "exclusive_self_attention",
 ]
 
 BACKENDS = ("auto", "reference", "gathered", "flex")
@@ -192,6 +204,14 @@ def nsa_attention(q, k, v, gates, k_weights, v_weights, *, compress_block, compr
     return out.to(v.dtype)
 
 
+def _check_selected(selected, q):
+    if (selected.dim() != 3 or tuple(selected.shape[:2]) != tuple(q.shape[:2])
+            or selected.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"{OP}: selected has shape {tuple(selected.shape)} and dtype "
+                         f"{selected.dtype}, expected integer [B, T, K] with B, T = "
+                         f"{q.shape[0]}, {q.shape[1]}")
+
+
 def _dsa_reference(backend: str) -> bool:
     """Whether a DSA op runs its reference (else the per-token gathered form)."""
     if backend not in BACKENDS:
@@ -199,19 +219,22 @@ def _dsa_reference(backend: str) -> bool:
     return backend == "reference"
 
 
-def _check_index(index_q, index_k, index_weights, seq_len: int):
-    """Raise ValueError, with the shapes, unless the indexer's tensors fit each other and T."""
+def _check_index(index_q, index_k, index_weights, seq_len: int, keys: tuple | None = None):
+    """Raise ValueError, with the shapes, unless the indexer's tensors fit each other and T;
+    ``keys``: ``(name, count)`` of index_k's keys when they are not the T tokens (CSA)."""
+    key_name, key_len = keys if keys is not None else ("T", seq_len)
     tensors = (index_q, index_k, index_weights)
     fits = index_q.dim() == 4 and index_q.shape[1] == seq_len
     if fits:
         batch, _, heads, dim = index_q.shape
-        fits = (tuple(index_k.shape) == (batch, seq_len, dim)
+        fits = (tuple(index_k.shape) == (batch, key_len, dim)
                 and tuple(index_weights.shape) == (batch, seq_len, heads))
     if not fits or not all(t.is_floating_point() for t in tensors):
         shapes = ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in
                            zip(("index_q", "index_k", "index_weights"), tensors))
-        raise ValueError(f"{OP}: DSA's indexer takes floating-point index_q [B, T, HI, DI], "
-                         f"index_k [B, T, DI], index_weights [B, T, HI] with T = {seq_len}; "
+        counts = f"T = {seq_len}" + (f", {key_name} = {key_len}" if keys is not None else "")
+        raise ValueError(f"{OP}: the indexer takes floating-point index_q [B, T, HI, DI], "
+                         f"index_k [B, {key_name}, DI], index_weights [B, T, HI] with {counts}; "
                          f"got {shapes}")
 
 
@@ -238,11 +261,7 @@ def dsa_attention(q, k, v, selected, *, sink=None, scale=None, backend="auto"):
     memory O(T K)."""
     check_qkv(OP, q, k, v)
     _check_sink(sink, q)
-    if (selected.dim() != 3 or tuple(selected.shape[:2]) != tuple(q.shape[:2])
-            or selected.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"{OP}: selected has shape {tuple(selected.shape)} and dtype "
-                         f"{selected.dtype}, expected integer [B, T, K] with B, T = "
-                         f"{q.shape[0]}, {q.shape[1]}")
+    _check_selected(selected, q)
     if _dsa_reference(backend):
         return dsa_attention_reference(q, k, v, selected, sink=sink, scale=scale)
     return selected_attention(q, k, v, selected, sink=sink, scale=scale)
@@ -264,3 +283,153 @@ def dsa_indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu
     if _dsa_reference(backend):
         return dsa_indexer_loss_reference(q, k, index_q, index_k, index_weights, **options)
     return indexer_loss(q, k, index_q, index_k, index_weights, **options)
+
+
+# ------------------------------------------------------------------ DeepSeek-V4 CSA and HCA
+def _check_rate(rate, window=None):
+    for name, value in (("rate", rate), ("window", window)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{OP}: {name}={value!r} must be a positive integer")
+
+
+def _check_packed(cu_seqlens, batch: int):
+    if cu_seqlens is not None and batch != 1:
+        raise ValueError(f"{OP}: packed sequences (cu_seqlens) take B == 1; got B = {batch}")
+
+
+def _check_entries(compressed_k, compressed_v, k, num_entries: int | None = None, rate=None):
+    """compressed_k / compressed_v ``[B, N, Hkv, D]`` like k, N = num_entries when given."""
+    expected = (k.shape[0], compressed_k.shape[1], k.shape[2], k.shape[3])
+    if num_entries is not None:
+        expected = expected[:1] + (num_entries,) + expected[2:]
+    for name, tensor in (("compressed_k", compressed_k), ("compressed_v", compressed_v)):
+        if tuple(tensor.shape) != expected or not tensor.is_floating_point():
+            blocks = ("" if num_entries is None else
+                      f", N = {num_entries} (one per complete block of rate={rate} tokens)")
+            raise ValueError(f"{OP}: {name} has shape {tuple(tensor.shape)} and dtype "
+                             f"{tensor.dtype}, expected floating-point [B, N, Hkv, D] = "
+                             f"{list(expected)}{blocks}")
+
+
+def compress_kv(kv, gate, position_bias, *, rate, overlap, cu_seqlens=None, backend="auto"):
+    """DeepSeek-V4's KV compression (DeepSeek-AI, "DeepSeek-V4: Towards Highly Efficient
+    Million-Token Context Intelligence", arXiv 2606.19348, sec. 2.3; see
+    ``compress_kv_reference``): ``kv``, ``gate`` ``[B, T, H, C]`` and ``position_bias``
+    ``[H, rate, C]`` -> one entry per complete block of ``rate`` tokens of each sequence,
+    ``[B, N, H, D]``; ``overlap`` (CSA: C = 2D) mixes each block with the one before it, else
+    (HCA) C = D. Memory linear in T on every backend but "reference"."""
+    _check_rate(rate)
+    batch, seq_len, heads, channels = kv.shape if kv.dim() == 4 else (None,) * 4
+    if (kv.dim() != 4 or gate.shape != kv.shape or not kv.is_floating_point()
+            or not gate.is_floating_point() or (overlap and channels % 2)):
+        raise ValueError(f"{OP}: compress_kv takes floating-point kv and gate of one shape "
+                         f"[B, T, H, C], C even when overlap=True; got kv {tuple(kv.shape)}, "
+                         f"gate {tuple(gate.shape)}")
+    if tuple(position_bias.shape) != (heads, rate, channels):
+        raise ValueError(f"{OP}: position_bias has shape {tuple(position_bias.shape)}, expected "
+                         f"[H, rate, C] = {[heads, rate, channels]}")
+    _check_packed(cu_seqlens, batch)
+    if _dsa_reference(backend):
+        return compress_kv_reference(kv, gate, position_bias, rate=rate, overlap=overlap,
+                                     cu_seqlens=cu_seqlens)
+    entries = compressed_entries(seq_len, rate, cu_seqlens, kv.device)
+    return compress_blocks(kv, gate, position_bias, entries, overlap)
+
+
+def compressed_attention(q, k, v, compressed_k, compressed_v, *, rate, window, sink=None,
+                         scale=None, cu_seqlens=None, backend="auto", layout_blocks=None):
+    """HCA's attention (arXiv 2606.19348, sec. 2.3.2; see ``compressed_attention_reference``),
+    also CSA's dense warm-up: one softmax per query over the last ``window`` tokens of its
+    sequence and every compressed entry (``compressed_k``, ``compressed_v`` ``[B, N, Hkv, D]``
+    from :func:`compress_kv` with this ``rate``) whose block is complete at the query. Sink,
+    scale, packed sequences and backends as in :func:`softmax_attention`."""
+    check_qkv(OP, q, k, v)
+    _check_sink(sink, q)
+    _check_rate(rate, window)
+    _check_packed(cu_seqlens, q.shape[0])
+    seq_len = q.shape[1]
+    if k.shape[1] != seq_len:
+        raise ValueError(f"{OP}: compressed attention is self-attention; k has {k.shape[1]} "
+                         f"tokens, q {seq_len}")
+    entries = compressed_entries(seq_len, rate, cu_seqlens, q.device)
+    _check_entries(compressed_k, compressed_v, k, len(entries), rate)
+    name = _backend(backend, q.device)
+    if name == "reference":
+        return compressed_attention_reference(q, k, v, compressed_k, compressed_v, rate=rate,
+                                              window=window, sink=sink, scale=scale,
+                                              cu_seqlens=cu_seqlens)
+    if len(entries) == 0:  # no complete block yet: the window alone
+        return softmax_attention(q, k, v, window=(window - 1, 0), sink=sink, scale=scale,
+                                 cu_seqlens=cu_seqlens, backend=name,
+                                 layout_blocks=layout_blocks)
+    layout, padded = compressed_layout(entries, seq_len, window, *_blocks(name, layout_blocks))
+    keys, values = with_entries(k, v, compressed_k, compressed_v, padded)
+    return _EXECUTORS[name](q, keys, values, layout, sink=sink, scale=scale)
+
+
+def csa_select(index_q, index_k, index_weights, *, rate, top_k, cu_seqlens=None,
+               backend="auto"):
+    """CSA's selection (arXiv 2606.19348, sec. 2.3.1; see ``csa_select_reference``): per query,
+    the ``top_k`` compressed entries it sees with the highest lightning-indexer score
+    ``sum_j w_tj relu(q_tj . k_i)``, k_i the indexer's own compressed keys. index_q
+    ``[B, T, HI, DI]``, index_k ``[B, N, DI]``, index_weights ``[B, T, HI]`` ->
+    ``[B, T, min(top_k, N)]`` int32 entry indices; a query that sees fewer entries gets all of
+    them, then -1 (top_k is clamped, as DSA's is). No gradient."""
+    _check_rate(rate)
+    _check_packed(cu_seqlens, index_q.shape[0])
+    seq_len = index_q.shape[1]
+    entries = compressed_entries(seq_len, rate, cu_seqlens, index_q.device)
+    _check_index(index_q, index_k, index_weights, seq_len, ("N", len(entries)))
+    if top_k < 1:
+        raise ValueError(f"{OP}: CSA's top_k={top_k} must be >= 1")
+    if _dsa_reference(backend):
+        return csa_select_reference(index_q, index_k, index_weights, rate=rate, top_k=top_k,
+                                    cu_seqlens=cu_seqlens)
+    return select_keys(index_q, index_k, index_weights, top_k=top_k, keys=entries.keys())
+
+
+def csa_attention(q, k, v, compressed_k, compressed_v, selected, *, window, sink=None,
+                  scale=None, cu_seqlens=None, backend="auto"):
+    """CSA's attention (arXiv 2606.19348, sec. 2.3.1; see ``csa_attention_reference``): one
+    softmax per query over the last ``window`` tokens of its sequence and its ``selected
+    [B, T, K]`` compressed entries (:func:`csa_select`; -1 skipped). Memory O(T (window + K)):
+    each chunk of queries gathers its keys, as :func:`dsa_attention` does."""
+    check_qkv(OP, q, k, v)
+    _check_sink(sink, q)
+    _check_rate(None, window)
+    _check_packed(cu_seqlens, q.shape[0])
+    _check_entries(compressed_k, compressed_v, k)
+    _check_selected(selected, q)
+    if _dsa_reference(backend):
+        return csa_attention_reference(q, k, v, compressed_k, compressed_v, selected,
+                                       window=window, sink=sink, scale=scale,
+                                       cu_seqlens=cu_seqlens)
+    chosen = window_and_selected(selected, first_tokens(q.shape[1], cu_seqlens, q.device), window)
+    return selected_attention(q, *with_entries(k, v, compressed_k, compressed_v), chosen,
+                              sink=sink, scale=scale)
+
+
+def csa_indexer_loss(q, compressed_k, index_q, index_k, index_weights, *, rate, selected=None,
+                     cu_seqlens=None, sink=None, scale=None, reduce_heads=None, backend="auto"):
+    """CSA's indexer loss (see ``csa_indexer_loss_reference``): :func:`dsa_indexer_loss` over
+    compressed entries, averaged over the B * T queries (a query that sees no entry adds 0).
+    The target is the main attention of q over the entries' keys ``compressed_k``: over every
+    entry a query sees (``selected=None``, dense warm-up) or over its selected ones."""
+    check_qkv(OP, q, compressed_k, compressed_k)
+    _check_sink(sink, q)
+    _check_rate(rate)
+    _check_packed(cu_seqlens, q.shape[0])
+    seq_len = q.shape[1]
+    entries = compressed_entries(seq_len, rate, cu_seqlens, q.device)
+    _check_index(index_q, index_k, index_weights, seq_len, ("N", len(entries)))
+    if compressed_k.shape[1] != len(entries):
+        raise ValueError(f"{OP}: compressed_k has {compressed_k.shape[1]} entries, expected "
+                         f"N = {len(entries)} (one per complete block of rate={rate} tokens)")
+    options = dict(selected=selected, sink=sink, scale=scale, reduce_heads=reduce_heads)
+    if _dsa_reference(backend):
+        return csa_indexer_loss_reference(q, compressed_k, index_q, index_k, index_weights,
+                                          rate=rate, cu_seqlens=cu_seqlens, **options)
+    if len(entries) == 0:  # no entry for any query
+        return q.new_zeros((), dtype=torch.float32)
+    return indexer_loss(q, compressed_k, index_q, index_k, index_weights, keys=entries.keys(),
+                        **options)

@@ -13,6 +13,10 @@ sees keys ``t - left .. t + right``; -1 means unbounded; causal attention caps r
 
 DSA selects keys per token, not per block: ``selected [B, T, K]`` (int32; the largest tensor
 DSA keeps for backward) lists the keys of each query (-1: none), shared by all heads.
+
+DeepSeek-V4's CSA and HCA attend to compressed entries, one per block of ``rate`` tokens of
+each sequence, besides a sliding window of raw tokens: the entries are extra keys (and values)
+after the T raw ones, entry i visible once its block is complete.
 """
 import math
 
@@ -24,6 +28,9 @@ __all__ = [
     "nsa_attention_reference", "exclusive_self_attention", "chosen_blocks", "causal_mask",
     "lightning_index_scores", "top_k_keys", "selected_mask", "dsa_select_reference",
     "dsa_attention_reference", "indexer_kl", "dsa_indexer_loss_reference",
+    "compress_kv_reference", "compressed_visibility", "compressed_attention_reference",
+    "csa_select_reference", "csa_attention_reference", "csa_indexer_loss_reference",
+    "keys_with_entries",
 ]
 
 OP = "sparse attention"
@@ -295,8 +302,21 @@ def indexer_kl(attention_mass, index_logits, allowed, reduce_heads=None) -> torc
         attention_mass = reduce_heads(attention_mass)
     target = attention_mass / attention_mass.sum(-1, keepdim=True).clamp_min(
         torch.finfo(torch.float32).tiny)
-    log_probs = index_logits.masked_fill(~allowed, float("-inf")).log_softmax(-1)
+    # The most negative float, not -inf: a row with no allowed key (a CSA query before its first
+    # complete block) then has finite log-probabilities, all masked, and a zero gradient.
+    log_probs = index_logits.masked_fill(~allowed, torch.finfo(torch.float32).min).log_softmax(-1)
     return (torch.xlogy(target, target) - target * log_probs.masked_fill(~allowed, 0.0)).sum()
+
+
+def _indexer_loss_reference(q, k, index_q, index_k, index_weights, allowed, sink, scale,
+                            reduce_heads):
+    """Mean over the B * T queries of ``KL(p_t || softmax(I_t))`` over the keys ``allowed``
+    ``[B | 1, T, S]``; p the main attention of q, k (no gradient) summed over heads."""
+    with torch.no_grad():
+        mass = _masked_probs(q, k, allowed[:, None], sink, scale).sum(1)
+    logits = lightning_index_scores(index_q, index_k, index_weights)
+    allowed = allowed.expand_as(logits)
+    return indexer_kl(mass, logits, allowed, reduce_heads) / (q.shape[0] * q.shape[1])
 
 
 def dsa_indexer_loss_reference(q, k, index_q, index_k, index_weights, *, selected=None,
@@ -311,11 +331,135 @@ def dsa_indexer_loss_reference(q, k, index_q, index_k, index_weights, *, selecte
         allowed = causal_mask(q.shape[1], cu_seqlens, q.device)[None]
     else:
         allowed = selected_mask(selected, k.shape[1])
-    with torch.no_grad():
-        mass = _masked_probs(q, k, allowed[:, None], sink, scale).sum(1)
-    logits = lightning_index_scores(index_q, index_k, index_weights)
-    allowed = allowed.expand_as(logits)
-    return indexer_kl(mass, logits, allowed, reduce_heads) / (q.shape[0] * q.shape[1])
+    return _indexer_loss_reference(q, k, index_q, index_k, index_weights, allowed, sink, scale,
+                                   reduce_heads)
+
+
+# ---------------------------------------------------------------- DeepSeek-V4 CSA and HCA
+def _sequences(seq_len: int, cu_seqlens) -> list[tuple[int, int]]:
+    """``(first, end)`` token ranges of the sequences along T (one without ``cu_seqlens``)."""
+    if cu_seqlens is None:
+        return [(0, seq_len)]
+    bounds = [int(b) for b in cu_seqlens]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def compress_kv_reference(kv, gate, position_bias, *, rate, overlap, cu_seqlens=None):
+    """DeepSeek-V4's token-level KV compression (DeepSeek-AI, "DeepSeek-V4: Towards Highly
+    Efficient Million-Token Context Intelligence", arXiv 2606.19348, sec. 2.3.1): one entry per
+    complete block of ``rate`` tokens of each sequence (``cu_seqlens``, B == 1: blocks counted
+    from each sequence's start; the tokens after the last complete block give none).
+
+    kv, gate ``[B, T, H, C]``: per token, the compression's values and its weight logits;
+    position_bias ``[H, rate, C]``: a learned logit per position in the block. Entry i (block i,
+    tokens ``i*rate .. (i+1)*rate - 1`` of its sequence), per head and channel:
+
+    - ``overlap=False`` (HCA, C = D): ``c_i = sum_{j in block i} s_j kv_j`` with
+      ``s = softmax_j(gate_j + bias[j - i*rate])`` over the block's ``rate`` tokens;
+    - ``overlap=True`` (CSA, C = 2D): the entry mixes two adjacent blocks, ``c_i =
+      sum_{j in block i} s^a_j kv^a_j + sum_{j in block i-1} s^b_j kv^b_j`` with ``[s^a; s^b]``
+      one softmax over the 2 * rate slots of ``[gate^a + bias^a; gate^b + bias^b]``. Channels
+      ``[D:]`` are the a series (of the entry's own block), ``[:D]`` the b series (what a block
+      lends to the next block's entry), as in V4's code; the first block of a sequence has no
+      block before it, whose slots are left out.
+
+    The softmax runs over tokens separately for every channel. -> ``[B, N, H, D]``, the entries
+    of all sequences in order, in kv's dtype.
+    """
+    dim = kv.shape[-1] // (2 if overlap else 1)
+    bias = position_bias.float().transpose(0, 1)  # [rate, H, C]
+    entries = []
+    for first, end in _sequences(kv.shape[1], cu_seqlens):
+        for i in range((end - first) // rate):
+            own = slice(first + i * rate, first + (i + 1) * rate)
+            logits = gate[:, own, :, -dim:].float() + bias[..., -dim:]
+            values = kv[:, own, :, -dim:].float()
+            if overlap and i > 0:
+                before = slice(own.start - rate, own.start)
+                logits = torch.cat([gate[:, before, :, :dim].float() + bias[..., :dim], logits], 1)
+                values = torch.cat([kv[:, before, :, :dim].float(), values], 1)
+            entries.append((logits.softmax(1) * values).sum(1))
+    if not entries:
+        return kv.new_zeros(kv.shape[0], 0, kv.shape[2], dim)
+    return torch.stack(entries, dim=1).to(kv.dtype)
+
+
+def compressed_visibility(seq_len: int, rate: int, cu_seqlens=None, device=None) -> torch.Tensor:
+    """``[T, N]`` bool: which compressed entries (:func:`compress_kv_reference`) each query
+    sees. Query t, at position p of its sequence, sees entry i of its own sequence iff the
+    entry's block is complete at t: ``(i + 1) * rate - 1 <= p``, i.e. ``i < (p + 1) // rate``
+    (V4's rule: the last token of a block already sees that block's entry)."""
+    columns = []
+    tokens = torch.arange(seq_len, device=device)[:, None]
+    for first, end in _sequences(seq_len, cu_seqlens):
+        ends = first + (torch.arange((end - first) // rate, device=device) + 1) * rate - 1
+        columns.append((ends[None, :] <= tokens) & (tokens >= first) & (tokens < end))
+    return torch.cat(columns, dim=1)
+
+
+def _window_keys(seq_len: int, window: int, cu_seqlens, device) -> torch.Tensor:
+    """``[T, T]`` bool: the last ``window`` tokens of each query's sequence, its own included."""
+    mask = window_mask(seq_len, seq_len, window=(window - 1, 0), device=device)
+    return mask if cu_seqlens is None else mask & document_mask(cu_seqlens, seq_len)
+
+
+def keys_with_entries(k, v, compressed_k, compressed_v):
+    """Raw keys and values followed by the compressed entries: ``[B, T + N, Hkv, D]`` each."""
+    return (torch.cat([k, compressed_k.to(k.dtype)], dim=1),
+            torch.cat([v, compressed_v.to(v.dtype)], dim=1))
+
+
+def compressed_attention_reference(q, k, v, compressed_k, compressed_v, *, rate, window,
+                                   sink=None, scale=None, cu_seqlens=None):
+    """HCA's attention (arXiv 2606.19348, sec. 2.3.2), also CSA's in its dense warm-up: one
+    softmax (with the sink) per query over the last ``window`` raw tokens of its sequence (its
+    own included; keys k, values v) and every compressed entry it sees
+    (:func:`compressed_visibility`; keys ``compressed_k``, values ``compressed_v``
+    ``[B, N, Hkv, D]``, the same entries, the keys with RoPE where the layer has it)."""
+    check_qkv(OP, q, k, v)
+    seq_len = q.shape[1]
+    mask = torch.cat([_window_keys(seq_len, window, cu_seqlens, q.device),
+                      compressed_visibility(seq_len, rate, cu_seqlens, q.device)], dim=1)
+    return masked_attention(q, *keys_with_entries(k, v, compressed_k, compressed_v), mask,
+                            sink=sink, scale=scale)
+
+
+def csa_select_reference(index_q, index_k, index_weights, *, rate, top_k, cu_seqlens=None):
+    """CSA's selection (arXiv 2606.19348, sec. 2.3.1) ``[B, T, min(top_k, N)]``: each query's
+    ``top_k`` visible compressed entries by the lightning indexer's score over the indexer's
+    own compressed keys ``index_k [B, N, DI]``; all of them, then -1, when it sees fewer."""
+    scores = lightning_index_scores(index_q, index_k, index_weights)
+    allowed = compressed_visibility(index_q.shape[1], rate, cu_seqlens, index_q.device)
+    return top_k_keys(scores.masked_fill(~allowed, float("-inf")), top_k)
+
+
+def csa_attention_reference(q, k, v, compressed_k, compressed_v, selected, *, window, sink=None,
+                            scale=None, cu_seqlens=None):
+    """CSA's attention (arXiv 2606.19348, sec. 2.3.1): as
+    :func:`compressed_attention_reference`, with the entries each query ``selected``
+    ``[B, T, K]`` (-1: none) in place of all it sees."""
+    check_qkv(OP, q, k, v)
+    seq_len = q.shape[1]
+    raw = _window_keys(seq_len, window, cu_seqlens, q.device).expand(q.shape[0], -1, -1)
+    mask = torch.cat([raw, selected_mask(selected, compressed_k.shape[1])], dim=-1)
+    return masked_attention(q, *keys_with_entries(k, v, compressed_k, compressed_v), mask[:, None],
+                            sink=sink, scale=scale)
+
+
+def csa_indexer_loss_reference(q, compressed_k, index_q, index_k, index_weights, *, rate,
+                               selected=None, cu_seqlens=None, sink=None, scale=None,
+                               reduce_heads=None):
+    """CSA's indexer loss: DSA's (:func:`dsa_indexer_loss_reference`) over compressed entries,
+    the target being the main attention of q over the entries' keys ``compressed_k`` alone
+    (as Megatron's CSA prototype does): over every entry each query sees
+    (``selected=None``, dense warm-up) or over its selected ones."""
+    check_qkv(OP, q, compressed_k, compressed_k)
+    if selected is None:
+        allowed = compressed_visibility(q.shape[1], rate, cu_seqlens, q.device)[None]
+    else:
+        allowed = selected_mask(selected, compressed_k.shape[1])
+    return _indexer_loss_reference(q, compressed_k, index_q, index_k, index_weights, allowed,
+                                   sink, scale, reduce_heads)
 
 
 def exclusive_self_attention(out: torch.Tensor, v: torch.Tensor, eps: float = 1e-6):

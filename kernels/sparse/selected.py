@@ -9,19 +9,25 @@ the backward.
 - :func:`indexer_loss`: the indexer's KL loss, chunk by chunk, over the selected keys (gathered)
   or, for the dense warm-up, over every causal key.
 
+Which keys a query may choose is a :class:`Keys`: for DSA the causal ones (:func:`causal_keys`),
+for DeepSeek-V4's CSA the compressed entries whose blocks are complete (compressed.py).
+
 A chunk holds at most ``gathered.MAX_SCORES`` fp32 values. With gradients, each chunk is
 recomputed in the backward pass (activation checkpointing), so that what is kept for backward
 is the inputs and the outputs, linear in T.
 """
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import gathered
 from .gathered import _softmax_with_sink
-from .layout import both, document_rule, window_rule
+from .layout import MaskMod, both, document_rule, window_rule
 from .reference import indexer_kl, lightning_index_scores, top_k_keys
 
-__all__ = ["select_keys", "selected_attention", "indexer_loss"]
+__all__ = ["Keys", "causal_keys", "select_keys", "selected_attention", "indexer_loss"]
 
 
 def _query_chunks(seq_len: int, batch: int, per_query: int):
@@ -31,9 +37,22 @@ def _query_chunks(seq_len: int, batch: int, per_query: int):
     return [(start, min(start + step, seq_len)) for start in range(0, seq_len, step)]
 
 
-def _causal_rule(cu_seqlens, seq_len: int):
+@dataclass(frozen=True)
+class Keys:
+    """Which keys each query may choose: ``rule(b, h, t, s)`` (layout.py's convention), and
+    ``reach(end)``, how many leading keys the queries before ``end`` can see (none of them sees
+    a key after those)."""
+
+    rule: MaskMod
+    reach: Callable[[int], int]
+
+
+def causal_keys(cu_seqlens, seq_len: int) -> Keys:
+    """DSA's keys: the query's own token and those before it, in its sequence of a pack."""
     rule = window_rule(True, None)
-    return rule if cu_seqlens is None else both(rule, document_rule(cu_seqlens, seq_len))
+    if cu_seqlens is not None:
+        rule = both(rule, document_rule(cu_seqlens, seq_len))
+    return Keys(rule, lambda end: end)
 
 
 def _allowed(rule, start: int, end: int, key_len: int, device) -> torch.Tensor:
@@ -73,17 +92,22 @@ def _maybe_checkpoint(fn, *args):
 
 
 @torch.no_grad()
-def select_keys(index_q, index_k, index_weights, *, top_k, cu_seqlens=None) -> torch.Tensor:
-    """Same contract as ``dsa_select_reference``: ``[B, T, min(top_k, T)]``, -1 for no key."""
+def select_keys(index_q, index_k, index_weights, *, top_k, cu_seqlens=None,
+                keys: Keys | None = None) -> torch.Tensor:
+    """Same contract as ``dsa_select_reference``: ``[B, T, min(top_k, S)]``, -1 for no key;
+    ``keys`` (default: :func:`causal_keys`) says which of the S keys of index_k each query
+    may choose."""
     batch, seq_len, index_heads, _ = index_q.shape
     count = min(top_k, index_k.shape[1])
-    rule = _causal_rule(cu_seqlens, seq_len)
+    keys = causal_keys(cu_seqlens, seq_len) if keys is None else keys
     selected = torch.empty(batch, seq_len, count, dtype=torch.int32, device=index_q.device)
-    for start, end in _query_chunks(seq_len, batch, index_heads * seq_len):
-        key_len = max(end, count)  # keys after the chunk's last query are never chosen
+    if count == 0:
+        return selected
+    for start, end in _query_chunks(seq_len, batch, index_heads * index_k.shape[1]):
+        key_len = max(keys.reach(end), count)  # keys beyond the chunk's reach are never chosen
         scores = lightning_index_scores(index_q[:, start:end], index_k[:, :key_len],
                                         index_weights[:, start:end])
-        allowed = _allowed(rule, start, end, key_len, index_q.device)
+        allowed = _allowed(keys.rule, start, end, key_len, index_q.device)
         selected[:, start:end] = top_k_keys(scores.masked_fill(~allowed, float("-inf")), count)
     return selected
 
@@ -109,7 +133,7 @@ def selected_attention(q, k, v, selected, *, sink=None, scale=None) -> torch.Ten
 def _loss_chunk(start, q, k, index_q, index_k, index_weights, selected, rule, sink, scale,
                 reduce_heads):
     """Summed KL of the chunk's queries (``start ..``): over their selected keys, or, with
-    ``selected`` None, over the causal keys among those of k and index_k."""
+    ``selected`` None, over the keys ``rule`` allows among those of k and index_k."""
     if selected is None:
         allowed = _allowed(rule, start, start + q.shape[1], k.shape[1], q.device)
     else:
@@ -122,25 +146,29 @@ def _loss_chunk(start, q, k, index_q, index_k, index_weights, selected, rule, si
 
 
 def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seqlens=None,
-                 sink=None, scale=None, reduce_heads=None) -> torch.Tensor:
-    """Same contract as ``dsa_indexer_loss_reference``."""
+                 sink=None, scale=None, reduce_heads=None, keys: Keys | None = None
+                 ) -> torch.Tensor:
+    """Same contract as ``dsa_indexer_loss_reference``; without ``selected``, over the keys
+    that ``keys`` (default: :func:`causal_keys`) allows."""
     batch, seq_len, heads, dim = q.shape
     q, k = q.detach(), k.detach()
     sink = None if sink is None else sink.detach()
     scale = dim ** -0.5 if scale is None else scale
     index_heads, index_dim = index_q.shape[2:]
-    rule = _causal_rule(cu_seqlens, seq_len)
+    keys = causal_keys(cu_seqlens, seq_len) if keys is None else keys
     if selected is None:
-        per_query = seq_len * (heads + index_heads)
+        per_query = k.shape[1] * (heads + index_heads)
     else:
         per_query = selected.shape[-1] * (heads + k.shape[2] * dim + index_heads + index_dim)
-    total = 0.0
+    total = q.new_zeros((), dtype=torch.float32)
     for start, end in _query_chunks(seq_len, batch, per_query):
-        # The dense warm-up's chunk reads the keys up to its last query; the sparse one gathers.
-        keys = slice(0, end) if selected is None else slice(None)
+        # The dense warm-up's chunk reads the keys within its reach; the sparse one gathers.
+        reach = slice(0, keys.reach(end)) if selected is None else slice(None)
+        if reach.stop == 0:  # no key for any query of the chunk: nothing to learn
+            continue
         chunk_selected = None if selected is None else selected[:, start:end]
         total = total + _maybe_checkpoint(
-            _loss_chunk, start, q[:, start:end], k[:, keys], index_q[:, start:end],
-            index_k[:, keys], index_weights[:, start:end], chunk_selected, rule, sink, scale,
-            reduce_heads)
+            _loss_chunk, start, q[:, start:end], k[:, reach], index_q[:, start:end],
+            index_k[:, reach], index_weights[:, start:end], chunk_selected, keys.rule, sink,
+            scale, reduce_heads)
     return total / (batch * seq_len)

@@ -88,18 +88,26 @@ class IndexerLoss(torch.autograd.Function):
 
 class LightningIndexer(MegatronModule):
     """DSA's indexer, replicated over TP: ``x [s, b, h]`` (the whole sequence) ->
-    ``index_q [b, s, HI, DI]``, ``index_k [b, s, DI]``, ``index_weights [b, s, HI]``."""
+    ``index_q [b, s, HI, DI]``, ``index_k [b, s, DI]``, ``index_weights [b, s, HI]``.
 
-    def __init__(self, config, heads: int, dim: int):
+    A subclass with other keys (CSA's, one per compressed block) overrides :meth:`_build_keys`
+    and :meth:`keys`; ``dim_setting`` names its ExtConfig field of DI, for errors."""
+
+    dim_setting = "dsa_indexer_dim"
+
+    def __init__(self, config, heads: int, dim: int, **key_options):
         super().__init__(config=config)
         self.heads, self.dim = heads, dim
         self.linear_q = self._linear(heads * dim)
-        self.linear_k = self._linear(dim)
-        self.key_norm = torch.nn.LayerNorm(dim, eps=config.layernorm_epsilon,
-                                           dtype=config.params_dtype)
+        self._build_keys(**key_options)
         self.linear_weights = self._linear(heads)
         for p in self.parameters():
             p.average_gradients_across_tp_domain = True
+
+    def _build_keys(self):
+        self.linear_k = self._linear(self.dim)
+        self.key_norm = torch.nn.LayerNorm(self.dim, eps=self.config.layernorm_epsilon,
+                                           dtype=self.config.params_dtype)
 
     def _linear(self, out_size: int) -> torch.nn.Linear:
         layer = torch.nn.Linear(self.config.hidden_size, out_size, bias=False,
@@ -112,22 +120,28 @@ class LightningIndexer(MegatronModule):
         """Megatron's RoPE on the first ``freqs.shape[-1]`` dims of ``x [s, b, h, DI]``."""
         if freqs.shape[-1] > self.dim:
             raise ConfigError(
-                f"dsa_indexer_dim={self.dim} is smaller than the {freqs.shape[-1]} rotary dims "
-                "of the model's RoPE; raise dsa_indexer_dim or lower rotary_percent")
+                f"{self.dim_setting}={self.dim} is smaller than the {freqs.shape[-1]} rotary "
+                f"dims of the model's RoPE; raise {self.dim_setting} or lower rotary_percent")
         if cu_seqlens is None:
             return apply_rotary_pos_emb(x, freqs, config=self.config, cp_group=cp_group)
         return apply_rotary_pos_emb(x.squeeze(1), freqs, config=self.config,
                                     cu_seqlens=cu_seqlens, cp_group=cp_group).unsqueeze(1)
 
+    def keys(self, x, rotary_pos_emb, cu_seqlens, cp_group):
+        """``index_k [b, s, DI]``: one key per token."""
+        s, b, _ = x.shape
+        index_k = self.key_norm(self.linear_k(x)).view(s, b, 1, self.dim)
+        if rotary_pos_emb is not None:
+            index_k = self._rope(index_k, rotary_pos_emb[1], cu_seqlens, cp_group)
+        return index_k.squeeze(2).transpose(0, 1)
+
     def forward(self, x, rotary_pos_emb=None, cu_seqlens=None, cp_group=None):
         s, b, _ = x.shape
         index_q = self.linear_q(x).view(s, b, self.heads, self.dim)
-        index_k = self.key_norm(self.linear_k(x)).view(s, b, 1, self.dim)
         if rotary_pos_emb is not None:
             index_q = self._rope(index_q, rotary_pos_emb[0], cu_seqlens, cp_group)
-            index_k = self._rope(index_k, rotary_pos_emb[1], cu_seqlens, cp_group)
         index_weights = self.linear_weights(x) * (self.heads * self.dim) ** -0.5
-        return (index_q.transpose(0, 1), index_k.squeeze(2).transpose(0, 1),
+        return (index_q.transpose(0, 1), self.keys(x, rotary_pos_emb, cu_seqlens, cp_group),
                 index_weights.transpose(0, 1))
 
 

@@ -1,5 +1,6 @@
-"""Sparse softmax attention layers: MoBA ('B') and NSA ('S'); DSA ('D') lives in
-:mod:`megatron_ext.mixers.dsa` and is built here too.
+"""Sparse softmax attention layers: MoBA ('B') and NSA ('S'); DSA ('D', in
+:mod:`megatron_ext.mixers.dsa`) and DeepSeek-V4's CSA and HCA ('C', 'H', in
+:mod:`megatron_ext.mixers.compressed`) are built here too.
 
 Both are Megatron's SelfAttention (QKV projection, RoPE, QK-norm, output gate, output
 projection, TP over heads, SP) with a core of ours in place of the dense one; every option of
@@ -36,6 +37,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.kernels import sparse
 from megatron_ext.mixers.attention import SoftmaxCoreAttention
+from megatron_ext.mixers.compressed import (CSACoreAttention, CSASelfAttention,
+                                           HCACoreAttention, HCASelfAttention)
 from megatron_ext.mixers.dsa import DSACoreAttention, DSASelfAttention
 
 
@@ -149,7 +152,8 @@ class NSASelfAttention(SelfAttention):
 
 # variant -> (core attention, attention layer)
 _LAYERS = {"moba": (MoBACoreAttention, SelfAttention), "nsa": (NSACoreAttention, NSASelfAttention),
-           "dsa": (DSACoreAttention, DSASelfAttention)}
+           "dsa": (DSACoreAttention, DSASelfAttention),
+           "csa": (CSACoreAttention, CSASelfAttention), "hca": (HCACoreAttention, HCASelfAttention)}
 
 
 def sparse_attention_spec(attention: ModuleSpec, ext: ExtConfig, variant: str) -> ModuleSpec:

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+import harness
 from megatron_ext.kernels import sparse
 from megatron_ext.kernels.sparse import gathered, reference
 
@@ -50,21 +51,7 @@ def _select(x, top_k, cu_seqlens, backend):
                              cu_seqlens=cu_seqlens, backend=backend)
 
 
-def _grads(out, inputs):
-    """Gradients of a fixed random projection of ``out``, per input that gets one."""
-    for t in inputs.values():
-        t.grad = None
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
-    (out * weights).sum().backward()
-    return {name: t.grad for name, t in inputs.items() if t.grad is not None}
-
-
-def _assert_same(out, grads, expected, expected_grads):
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
-    assert grads.keys() == expected_grads.keys()
-    for name in grads:
-        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-5,
-                                   msg=f"grad of {name}")
+_grads, _assert_same = harness.projected_grads, harness.assert_same_output_and_grads
 
 
 @pytest.fixture(params=["one chunk", "many chunks"])

@@ -13,7 +13,8 @@ from megatron_ext.mixers.dsa import IndexerLoss, freeze_all_but_indexers
 
 pytestmark = pytest.mark.usefixtures("megatron_single_process")
 
-SEQ = 21
+SEQ = harness.SPARSE_SEQ
+_model, _loss, _grads = harness.sparse_model, harness.sparse_loss, harness.named_grads
 
 
 def _ext(pattern="D*", **options):
@@ -21,36 +22,8 @@ def _ext(pattern="D*", **options):
                      **dict(harness.SHORT_SPARSE, **options))
 
 
-def _model(ext, position_embedding_type="none", **cfg):
-    from megatron.core.models.gpt import GPTModel
-
-    from megatron_ext.specs import block_spec
-
-    config = harness.tiny_config(num_layers=len(ext.pattern), **cfg)
-    torch.manual_seed(7)
-    return GPTModel(config, block_spec(config, ext=ext), vocab_size=96, max_sequence_length=48,
-                    position_embedding_type=position_embedding_type)
-
-
-def _loss(model, seed=3):
-    tokens = torch.randint(0, 96, (2, SEQ + 1), generator=torch.Generator().manual_seed(seed))
-    return model(tokens[:, :-1], torch.arange(SEQ).expand(2, -1), None,
-                 labels=tokens[:, 1:]).mean()
-
-
 def _is_indexer(name):
     return ".indexer." in name
-
-
-def _grads(model):
-    return {name: None if p.grad is None else p.grad.clone()
-            for name, p in model.named_parameters()}
-
-
-@pytest.fixture
-def unit_scale(monkeypatch):
-    """The indexer loss's gradient scale is process-wide; start each test from 1."""
-    monkeypatch.setattr(IndexerLoss, "scale", None)
 
 
 def test_sparse_stage_each_loss_trains_its_own_parameters(unit_scale):
