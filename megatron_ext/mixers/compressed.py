@@ -98,16 +98,22 @@ class KVCompressor(HeadShardedMixer):
                                no_weight_decay=True)
         self.sharded_parameter("norm_weight", torch.ones(heads, dim), no_weight_decay=True)
 
-    def forward(self, x, cu_seqlens=None, backend="auto"):
+    def forward(self, x, cu_seqlens=None, backend="auto", cp=None):
         """-> the entries ``[b, N, heads, D]`` of the whole sequence, and where they lie
-        (``kernels.sparse.compressed.Entries``)."""
+        (``kernels.sparse.compressed.Entries``). Under context parallelism (``cp``), the
+        projections go from this rank's tokens of every head to every token of this rank's
+        head group (all-to-all), whose entries are returned."""
         projected, _ = self.linear_compress(x)
         kv, gate = _split_compression(projected, self.heads)
-        compressed = sparse.compress_kv(kv, gate, self.position_bias, rate=self.rate,
+        position_bias, norm_weight = self.position_bias, self.norm_weight
+        if cp is not None:
+            kv, gate = cp.sequence_to_heads(kv), cp.sequence_to_heads(gate)
+            position_bias, norm_weight = cp.heads_of_rank(position_bias), cp.heads_of_rank(norm_weight)
+        compressed = sparse.compress_kv(kv, gate, position_bias, rate=self.rate,
                                         overlap=self.overlap, cu_seqlens=cu_seqlens,
                                         backend=backend)
         entries = sparse.compressed_entries(kv.shape[1], self.rate, cu_seqlens, x.device)
-        return _rms_norm(compressed, self.norm_weight, self.config.layernorm_epsilon), entries
+        return _rms_norm(compressed, norm_weight, self.config.layernorm_epsilon), entries
 
 
 class CompressedIndexer(LightningIndexer):
@@ -144,10 +150,12 @@ class HCACoreAttention(SoftmaxCoreAttention):
     entries, which :class:`HCASelfAttention` leaves in ``compressed`` (keys, values)."""
 
     takes_attention_mask = False
+    supports_context_parallel = True
     rate_setting, window_setting = "hca_compress_rate", "hca_window"
 
     def __init__(self, config, layer_number, attn_mask_type, *args, **kwargs):
         super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
+        self.check_heads_split_over_cp(config)
         name = type(self).__name__
         if attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"{name} is causal; got {attn_mask_type}")
@@ -171,11 +179,22 @@ class HCACoreAttention(SoftmaxCoreAttention):
         return value
 
     def _options(self, q, packed_seq_params):
-        return dict(window=self.compressed_window, sink=self.sink(q.device),
+        sink = self.sink(q.device)
+        return dict(window=self.compressed_window,
+                    sink=sink if self.cp is None else self.cp_heads(sink),
                     scale=self.softmax_scale, cu_seqlens=packed_cu_seqlens(packed_seq_params),
                     backend=self.ext.sparse_backend)
 
     def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
+        """Under context parallelism, all-to-all over heads (as MoBA, NSA and DSA): q, k, v go
+        from a sequence split to a head split around the op; the compressor has already
+        produced this rank's head group's entries of the whole sequence."""
+        if self.cp is None:
+            return self.compressed_attend(q, k, v, packed_seq_params)
+        q, k, v = (self.cp.sequence_to_heads(x) for x in (q, k, v))
+        return self.cp.heads_to_sequence(self.compressed_attend(q, k, v, packed_seq_params))
+
+    def compressed_attend(self, q, k, v, packed_seq_params):
         keys, values = self._take("compressed")
         return sparse.compressed_attention(q, k, v, keys, values, rate=self.rate,
                                            **self._options(q, packed_seq_params))
@@ -193,7 +212,10 @@ class CSACoreAttention(HCACoreAttention):
         super().__init__(*args, **kwargs)
         self.index = None
 
-    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
+    def compressed_attend(self, q, k, v, packed_seq_params):
+        """As HCA's, plus the selection and the indexer loss; under context parallelism the
+        indexer ran on the whole sequence on every rank, so each rank's loss (the same) is
+        divided by CP, as DSA's is."""
         keys, values = self._take("compressed")
         index_q, index_k, index_weights = self._take("index")
         ext, options = self.ext, self._options(q, packed_seq_params)
@@ -209,7 +231,10 @@ class CSACoreAttention(HCACoreAttention):
             del options["window"]
             loss = sparse.csa_indexer_loss(
                 q, keys, index_q, index_k, index_weights, rate=self.rate, selected=selected,
-                reduce_heads=self._sum_over_heads if self.tp_size > 1 else None, **options)
+                reduce_heads=self._sum_over_heads if self.tp_size > 1 or self.cp is not None else None,
+                **options)
+            if self.cp is not None:
+                loss = loss / self.cp.size
             out = IndexerLoss.apply(out, ext.dsa_indexer_loss_coeff * loss)
         return out
 
@@ -253,8 +278,13 @@ class HCASelfAttention(SelfAttention):
             rotary = None  # as Megatron's attention skips RoPE on this layer
         if rotary is not None and not isinstance(rotary, tuple):
             rotary = (rotary, rotary)
+        cp = self.core_attention.cp
+        if cp is not None and (cu_seqlens is not None or rotary is not None):
+            raise NotImplementedError(
+                "CSA and HCA layers under context parallelism take neither packed (thd) sequences "
+                "nor RoPE yet (the entries' positions are global; position_embedding_type='none')")
         values, entries = self.compressor(hidden_states, cu_seqlens,
-                                          self.core_attention.ext.sparse_backend)
+                                          self.core_attention.ext.sparse_backend, cp)
         keys = values
         if rotary is not None:  # the keys' RoPE, at each entry's position in its sequence
             keys = apply_rotary_pos_emb(values.transpose(0, 1), rotary[1][entries.positions],
@@ -283,4 +313,7 @@ class CSASelfAttention(HCASelfAttention):
         x = hidden_states.detach()
         if self.config.sequence_parallel and self.world_size > 1:
             x = gather_from_sequence_parallel_region(x, group=self.pg_collection.tp)
+        cp = self.core_attention.cp
+        if cp is not None:  # the indexer, replicated, runs on the whole sequence
+            x = cp.gather_sequence(x.transpose(0, 1)).transpose(0, 1)
         self.core_attention.index = self.indexer(x, rotary, cu_seqlens, self.pg_collection.cp)

@@ -281,11 +281,13 @@ def run_cp_layouts(rank, world_size, ckpt_dir):
 
 # name: (pattern, ExtConfig options, TransformerConfig overrides). Sliding-window attention
 # with a learnable sink; MoBA, NSA and DSA (all-to-all over heads) with a sink, with 8 query and
-# 4 key/value heads (divisible by TP * CP in every layout); each next to a linear mixer.
+# 4 key/value heads (divisible by TP * CP in every layout); CSA and HCA (all-to-all, their own
+# sink); each next to a linear mixer.
 OTHER_MODELS = {
     "window_sink": ("*G*", {}, dict(window_size=(5, 0), softmax_type="learnable")),
     "sparse": ("BGSD", harness.SHORT_SPARSE,
                dict(softmax_type="learnable", num_attention_heads=8, num_query_groups=4)),
+    "compressed": ("CGH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4)),
 }
 
 
