@@ -14,6 +14,10 @@ Ops (``--ops`` takes families, e.g. ``moba``, backends, e.g. ``flex``, or single
     dsa           a DSA layer's sparse stage: dsa_select, dsa_attention and dsa_indexer_loss,
                   ``--dsa`` = top-k, indexer heads, indexer dim (the paper's 2048,64,128);
                   gathered only
+    hca, csa      DeepSeek-V4's layers: compression, then attention over window + entries
+                  (+ CSA's selection and indexer loss); ``--hca`` = rate, window (128,128),
+                  ``--csa`` = rate, top-k, window, indexer heads, indexer dim
+                  (4,512,128,64,128); CSA gathered only
     sdpa          torch SDPA, causal (flash on CUDA)
 
 each with the backends of ``megatron_ext.kernels.sparse``: flex (FlexAttention, compiled; CUDA
@@ -27,7 +31,7 @@ first flex call of each shape compiles (tens of seconds).
     source benchmarks/gpu_setup.sh && python benchmarks/sparse_attention.py    # on the GPU machine
     python benchmarks/sparse_attention.py --device cpu --seq-lens 128,256 --batch-tokens 512 \\
         --heads 2 --head-dim 16 --window 32 --moba-block 32 --moba-top-k 2 --nsa 8,4,16,3,32 \\
-        --dsa 16,2,8
+        --dsa 16,2,8 --hca 16,32 --csa 4,8,32,2,8
 """
 from __future__ import annotations
 
@@ -60,7 +64,10 @@ log = bench.log
 # The inputs of each family (the gradients of all of them are taken).
 INPUTS = {"swa_sink": ["q", "k", "v", "sink"], "causal_sink": ["q", "k", "v", "sink"],
           "moba": ["q", "k", "v"], "nsa": ["q", "k", "v", "gates", "k_weights", "v_weights"],
-          "dsa": ["q", "k", "v", "sink", "index_q", "index_k", "index_weights"]}
+          "dsa": ["q", "k", "v", "sink", "index_q", "index_k", "index_weights"],
+          "hca": ["q", "k", "v", "sink", "kv", "gate", "bias"],
+          "csa": ["q", "k", "v", "sink", "kv2", "gate2", "bias2", "index_q", "index_kv", "index_gate",
+                  "index_bias", "index_weights"]}
 BACKENDS = ["flex", "gathered"]
 
 
@@ -72,10 +79,21 @@ def make_inputs(args, family, batch, seq_len, heads, dim):
 
     compress_block = args.nsa[0]
     _, index_heads, index_dim = args.dsa
+    hca_rate, csa_rate = args.hca[0], args.csa[0]
+    index_heads_csa, index_dim_csa = args.csa[3], args.csa[4]
     inputs = dict(
-        index_q=randn(batch, seq_len, index_heads, index_dim).bfloat16(),
+        kv=randn(batch, seq_len, heads, dim).bfloat16(), gate=randn(batch, seq_len, heads, dim).bfloat16(),
+        bias=torch.zeros(heads, hca_rate, dim, device=device),
+        kv2=randn(batch, seq_len, heads, 2 * dim).bfloat16(),
+        gate2=randn(batch, seq_len, heads, 2 * dim).bfloat16(),
+        bias2=torch.zeros(heads, csa_rate, 2 * dim, device=device),
+        index_kv=randn(batch, seq_len, 1, 2 * index_dim_csa).bfloat16(),
+        index_gate=randn(batch, seq_len, 1, 2 * index_dim_csa).bfloat16(),
+        index_bias=torch.zeros(1, csa_rate, 2 * index_dim_csa, device=device),
+        index_q=randn(batch, seq_len, *((index_heads_csa, index_dim_csa) if family == "csa"
+                                        else (index_heads, index_dim))).bfloat16(),
         index_k=randn(batch, seq_len, index_dim).bfloat16(),
-        index_weights=randn(batch, seq_len, index_heads).bfloat16(),
+        index_weights=randn(batch, seq_len, index_heads_csa if family == "csa" else index_heads).bfloat16(),
         q=randn(batch, seq_len, heads, dim).bfloat16(),
         k=randn(batch, seq_len, heads, dim).bfloat16(),
         v=randn(batch, seq_len, heads, dim).bfloat16(), sink=randn(heads),
@@ -102,6 +120,8 @@ def family_run(family, backend, args):
             select_block=select_block, select_top_k=select_top_k, window=window,
             backend=backend),
         "dsa": lambda x: dsa_layer_op(x, args.dsa[0], backend),
+        "hca": lambda x: hca_layer_op(x, *args.hca, backend),
+        "csa": lambda x: csa_layer_op(x, *args.csa[:3], backend),
     }
     return lambda **x: calls[family](x)
 
@@ -119,14 +139,40 @@ def dsa_layer_op(x, top_k, backend):
     return IndexerLoss.apply(out, loss)
 
 
+def hca_layer_op(x, rate, window, backend):
+    """An HCA layer's attention: the compression of every block of ``rate`` tokens (per head),
+    then one softmax over the window, the entries and the sink."""
+    entries = sparse.compress_kv(x["kv"], x["gate"], x["bias"], rate=rate, overlap=False, backend=backend)
+    return sparse.compressed_attention(x["q"], x["k"], x["v"], entries, entries, rate=rate,
+                                       window=window, sink=x["sink"], backend=backend)
+
+
+def csa_layer_op(x, rate, top_k, window, backend):
+    """A CSA layer's sparse stage: the overlapping compression of values and of the indexer's
+    keys, the selection, the attention over window + selected entries + sink, and the indexer
+    loss attached to the output."""
+    from megatron_ext.mixers.dsa import IndexerLoss
+
+    entries = sparse.compress_kv(x["kv2"], x["gate2"], x["bias2"], rate=rate, overlap=True, backend=backend)
+    index_k = sparse.compress_kv(x["index_kv"], x["index_gate"], x["index_bias"], rate=rate,
+                                 overlap=True, backend=backend)[:, :, 0]
+    index = (x["index_q"], index_k, x["index_weights"])
+    selected = sparse.csa_select(*index, rate=rate, top_k=top_k, backend=backend)
+    out = sparse.csa_attention(x["q"], x["k"], x["v"], entries, entries, selected, window=window,
+                               sink=x["sink"], backend=backend)
+    loss = sparse.csa_indexer_loss(x["q"], entries, *index, rate=rate, selected=selected,
+                                   sink=x["sink"], backend=backend)
+    return IndexerLoss.apply(out, loss)
+
+
 def build_ops(args) -> list:
     device = torch.device(args.device)
     ops = []
     for family in INPUTS:
         for backend in BACKENDS:
             skip = None
-            if backend == "flex" and family == "dsa":
-                skip = "DSA has no FlexAttention form (a per-token selection is no block mask)"
+            if backend == "flex" and family in ("dsa", "csa"):
+                skip = f"{family.upper()} has no FlexAttention form (a per-token selection is no block mask)"
             elif backend == "flex" and device.type != "cuda":
                 skip = "FlexAttention has no backward on the CPU"
             make = lambda *shape, family=family: make_inputs(args, family, *shape)  # noqa: E731
@@ -200,6 +246,9 @@ def parse_args(argv=None):
                         help="also record the GPU time of each kernel of one fwd+bwd call")
     parser.add_argument("--dsa", default="2048,64,128",
                         help="dsa: top-k, indexer heads, indexer dim (the paper's)")
+    parser.add_argument("--hca", default="128,128", help="hca: compression rate, window (V4's)")
+    parser.add_argument("--csa", default="4,512,128,64,128",
+                        help="csa: compression rate, top-k, window, indexer heads, indexer dim (V4's)")
     parser.add_argument("--ops", default="all",
                         help="comma-separated families, backends or ops (default: all)")
     parser.add_argument("--warmup", type=int, help="untimed calls first (default: 2; 1 on CPU)")
@@ -210,9 +259,11 @@ def parse_args(argv=None):
     args.nsa = [int(value) for value in args.nsa.split(",")]
     if len(args.nsa) != 5:
         parser.error("--nsa takes 5 numbers: compress block, stride, select block, top-k, window")
-    args.dsa = [int(value) for value in args.dsa.split(",")]
-    if len(args.dsa) != 3:
-        parser.error("--dsa takes 3 numbers: top-k, indexer heads, indexer dim")
+    for name, count in (("dsa", 3), ("hca", 2), ("csa", 5)):
+        values = [int(value) for value in getattr(args, name).split(",")]
+        if len(values) != count:
+            parser.error(f"--{name} takes {count} numbers (see --help)")
+        setattr(args, name, values)
     return args
 
 
