@@ -28,6 +28,8 @@ the ``2B`` chunk-batched rows above, and every method takes it as ``packed=``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import all_to_all
@@ -92,9 +94,15 @@ class PackedLayout:
                 pieces.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
         return torch.cat(pieces).to(self.cu_seqlens.device)
 
+    @functools.cached_property
     def rank_major_order(self) -> torch.Tensor:
         """Global positions of every rank's local tokens, rank after rank."""
         return torch.cat([self.global_index(rank) for rank in range(self.cp.size)])
+
+    @functools.cached_property
+    def to_global_order(self) -> torch.Tensor:
+        """The permutation that puts rank-major tokens (:attr:`rank_major_order`) in global order."""
+        return torch.argsort(self.rank_major_order)
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``[1, local, ...]`` -> the pieces, ``[1, piece_length, ...]`` each."""
@@ -198,16 +206,15 @@ class ContextParallel:
         send = x.unflatten(2, (self.size, -1)).movedim(2, 0)  # [CP (head group), B, 2L, h, ...]
         received = all_to_all(self.group, send.contiguous())  # [CP (source rank), B, 2L, h, ...]
         if packed is not None:  # B = 1: put the ranks' tokens at their global positions
-            order = packed.rank_major_order()
-            return received.movedim(0, 1).flatten(1, 2)[:, torch.argsort(order)]
+            return received.movedim(0, 1).flatten(1, 2)[:, packed.to_global_order]
         per_rank = received.unflatten(2, (2, -1)).movedim(2, 1)  # [CP, 2, B, L, h, ...]
         return self._global_order(per_rank).movedim(0, 1).flatten(1, 2)
 
     def heads_to_sequence(self, y: torch.Tensor, packed: PackedLayout | None = None) -> torch.Tensor:
         """Inverse of :meth:`sequence_to_heads`: ``[B, T, H / CP, ...]`` -> ``[B, 2L, H, ...]``."""
         if packed is not None:
-            order = packed.rank_major_order()
-            send = y[:, order].unflatten(1, (self.size, -1)).movedim(1, 0)  # [CP (dest), 1, 2L, h]
+            send = y[:, packed.rank_major_order].unflatten(1, (self.size, -1)).movedim(1, 0)
+            # [CP (dest), 1, 2L, h, ...]
         else:
             ordered = y.unflatten(1, (2 * self.size, -1)).movedim(1, 0)  # [2CP, B, L, h, ...]
             send = self._by_rank(ordered).movedim(1, 2).flatten(2, 3)  # [CP (dest), B, 2L, h, ...]
@@ -218,7 +225,7 @@ class ContextParallel:
         """Sequence-sharded ``[B, 2L, ...]`` -> the whole ``[B, T, ...]`` in global order."""
         if packed is not None:  # B = 1
             gathered = _AllGather.apply(x.transpose(0, 1).contiguous(), self.group)  # [CP 2L, 1, ...]
-            return gathered[torch.argsort(packed.rank_major_order())].transpose(0, 1)
+            return gathered[packed.to_global_order].transpose(0, 1)
         ordered = self.gather_chunks(x.unflatten(1, (2, -1)))  # [2CP, B, L, ...]
         return ordered.movedim(0, 1).flatten(1, 2)
 
