@@ -66,6 +66,7 @@ from megatron_ext.kernels import sparse
 from megatron_ext.mixers.attention import SoftmaxCoreAttention
 from megatron_ext.mixers.common import HeadShardedMixer, LinearMixerSubmodules, packed_cu_seqlens
 from megatron_ext.mixers.dsa import DSACoreAttention, IndexerLoss, LightningIndexer
+from megatron_ext.parallel.context import PackedLayout
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,16 +99,16 @@ class KVCompressor(HeadShardedMixer):
                                no_weight_decay=True)
         self.sharded_parameter("norm_weight", torch.ones(heads, dim), no_weight_decay=True)
 
-    def forward(self, x, cu_seqlens=None, backend="auto", cp=None):
+    def forward(self, x, cu_seqlens=None, backend="auto", cp=None, packed=None):
         """-> the entries ``[b, N, heads, D]`` of the whole sequence, and where they lie
-        (``kernels.sparse.compressed.Entries``). Under context parallelism (``cp``), the
-        projections go from this rank's tokens of every head to every token of this rank's
-        head group (all-to-all), whose entries are returned."""
+        (``kernels.sparse.compressed.Entries``). Under context parallelism (``cp``; ``packed``
+        its layout of packed sequences), the projections go from this rank's tokens of every
+        head to every token of this rank's head group (all-to-all), whose entries are returned."""
         projected, _ = self.linear_compress(x)
         kv, gate = _split_compression(projected, self.heads)
         position_bias, norm_weight = self.position_bias, self.norm_weight
         if cp is not None:
-            kv, gate = cp.sequence_to_heads(kv), cp.sequence_to_heads(gate)
+            kv, gate = cp.sequence_to_heads(kv, packed), cp.sequence_to_heads(gate, packed)
             position_bias, norm_weight = cp.heads_of_rank(position_bias), cp.heads_of_rank(norm_weight)
         compressed = sparse.compress_kv(kv, gate, position_bias, rate=self.rate,
                                         overlap=self.overlap, cu_seqlens=cu_seqlens,
@@ -191,8 +192,10 @@ class HCACoreAttention(SoftmaxCoreAttention):
         produced this rank's head group's entries of the whole sequence."""
         if self.cp is None:
             return self.compressed_attend(q, k, v, packed_seq_params)
-        q, k, v = (self.cp.sequence_to_heads(x) for x in (q, k, v))
-        return self.cp.heads_to_sequence(self.compressed_attend(q, k, v, packed_seq_params))
+        cu_seqlens = packed_cu_seqlens(packed_seq_params)
+        packed = None if cu_seqlens is None else PackedLayout(self.cp, cu_seqlens)
+        q, k, v = (self.cp.sequence_to_heads(x, packed) for x in (q, k, v))
+        return self.cp.heads_to_sequence(self.compressed_attend(q, k, v, packed_seq_params), packed)
 
     def compressed_attend(self, q, k, v, packed_seq_params):
         keys, values = self._take("compressed")
@@ -279,23 +282,25 @@ class HCASelfAttention(SelfAttention):
         if rotary is not None and not isinstance(rotary, tuple):
             rotary = (rotary, rotary)
         cp = self.core_attention.cp
-        if cp is not None and (cu_seqlens is not None or rotary is not None):
+        if cp is not None and rotary is not None:
             raise NotImplementedError(
-                "CSA and HCA layers under context parallelism take neither packed (thd) sequences "
-                "nor RoPE yet (the entries' positions are global; position_embedding_type='none')")
+                "CSA and HCA layers under context parallelism take no RoPE yet (the entries' "
+                "positions are global, Megatron's rotary table per rank; "
+                "position_embedding_type='none')")
+        packed = None if cp is None or cu_seqlens is None else PackedLayout(cp, cu_seqlens)
         values, entries = self.compressor(hidden_states, cu_seqlens,
-                                          self.core_attention.ext.sparse_backend, cp)
+                                          self.core_attention.ext.sparse_backend, cp, packed)
         keys = values
         if rotary is not None:  # the keys' RoPE, at each entry's position in its sequence
             keys = apply_rotary_pos_emb(values.transpose(0, 1), rotary[1][entries.positions],
                                         config=self.config, cp_group=self.pg_collection.cp)
             keys = keys.transpose(0, 1)
         self.core_attention.compressed = (keys, values)
-        self._before_attention(hidden_states, rotary, cu_seqlens)
+        self._before_attention(hidden_states, rotary, cu_seqlens, packed)
         return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb,
                                packed_seq_params=packed_seq_params, **kwargs)
 
-    def _before_attention(self, hidden_states, rotary, cu_seqlens):
+    def _before_attention(self, hidden_states, rotary, cu_seqlens, packed):
         """What the core needs besides the entries (CSA: the indexer's outputs)."""
 
 
@@ -309,11 +314,11 @@ class CSASelfAttention(HCASelfAttention):
         self.indexer = CompressedIndexer(config, ext.csa_indexer_heads, ext.csa_indexer_dim,
                                          rate=ext.csa_compress_rate)
 
-    def _before_attention(self, hidden_states, rotary, cu_seqlens):
+    def _before_attention(self, hidden_states, rotary, cu_seqlens, packed):
         x = hidden_states.detach()
         if self.config.sequence_parallel and self.world_size > 1:
             x = gather_from_sequence_parallel_region(x, group=self.pg_collection.tp)
         cp = self.core_attention.cp
         if cp is not None:  # the indexer, replicated, runs on the whole sequence
-            x = cp.gather_sequence(x.transpose(0, 1)).transpose(0, 1)
+            x = cp.gather_sequence(x.transpose(0, 1), packed).transpose(0, 1)
         self.core_attention.index = self.indexer(x, rotary, cu_seqlens, self.pg_collection.cp)

@@ -61,6 +61,7 @@ from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.kernels import sparse
 from megatron_ext.mixers.attention import SoftmaxCoreAttention
 from megatron_ext.mixers.common import packed_cu_seqlens
+from megatron_ext.parallel.context import PackedLayout
 
 
 class IndexerLoss(torch.autograd.Function):
@@ -185,13 +186,12 @@ class DSACoreAttention(SoftmaxCoreAttention):
         ext = self.ext
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
         heads = lambda per_head: per_head  # noqa: E731
+        packed = None
         if self.cp is not None:
-            if cu_seqlens is not None:
-                raise NotImplementedError("DSA under context parallelism does not take packed "
-                                          "(thd) sequences yet")
-            index_q, index_k, index_weights = (self.cp.gather_sequence(t)
+            packed = None if cu_seqlens is None else PackedLayout(self.cp, cu_seqlens)
+            index_q, index_k, index_weights = (self.cp.gather_sequence(t, packed)
                                                for t in (index_q, index_k, index_weights))
-            q, k, v = (self.cp.sequence_to_heads(x) for x in (q, k, v))
+            q, k, v = (self.cp.sequence_to_heads(x, packed) for x in (q, k, v))
             heads = self.cp_heads
         options = dict(sink=heads(self.sink(q.device)), scale=self.softmax_scale,
                        backend=ext.sparse_backend)
@@ -210,7 +210,7 @@ class DSACoreAttention(SoftmaxCoreAttention):
             if self.cp is not None:
                 loss = loss / self.cp.size
             out = IndexerLoss.apply(out, ext.dsa_indexer_loss_coeff * loss)
-        return out if self.cp is None else self.cp.heads_to_sequence(out)
+        return out if self.cp is None else self.cp.heads_to_sequence(out, packed)
 
 
 class DSASelfAttention(SelfAttention):

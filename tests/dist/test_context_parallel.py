@@ -264,8 +264,8 @@ def run_cp_layouts(rank, world_size, ckpt_dir):
         losses = model(tokens[:, index], torch.arange(len(index))[None], None, labels=labels[:, index],
                        packed_seq_params=params)
         results.append(_step_result(model, config, losses.sum() / tokens.shape[1], group))
-        # The two other models on the batch, each with weights of its own.
-        for name, (pattern, ext_options, overrides) in OTHER_MODELS.items():
+        # The other models, each with weights of its own.
+        for name, (pattern, ext_options, overrides, packed) in OTHER_MODELS.items():
             ext = ExtConfig(pattern=pattern, context_parallel_method=method, kernel_backend="chunked",
                             **ext_options)
             (model,), config = harness.build_layout(ext, tp=tp, sequence_parallel=sp, cp=cp,
@@ -274,20 +274,28 @@ def run_cp_layouts(rank, world_size, ckpt_dir):
             if world_size == 1:
                 os.makedirs(model_ckpt, exist_ok=True)
             harness.save_or_load([model], model_ckpt, save=world_size == 1)
-            losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-            results.append(_step_result(model, config, losses.sum() / (harness.BATCH * harness.SEQ), group))
+            if packed:
+                losses = model(tokens[:, index], torch.arange(len(index))[None], None,
+                               labels=labels[:, index], packed_seq_params=params)
+                results.append(_step_result(model, config, losses.sum() / tokens.shape[1], group))
+            else:
+                losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+                results.append(_step_result(model, config, losses.sum() / (harness.BATCH * harness.SEQ),
+                                            group))
     return results
 
 
-# name: (pattern, ExtConfig options, TransformerConfig overrides). Sliding-window attention
-# with a learnable sink; MoBA, NSA and DSA (all-to-all over heads) with a sink, with 8 query and
-# 4 key/value heads (divisible by TP * CP in every layout); CSA and HCA (all-to-all, their own
-# sink); each next to a linear mixer.
+# name: (pattern, ExtConfig options, TransformerConfig overrides, on packed documents rather
+# than the batch). Sliding-window attention with a learnable sink; MoBA, NSA and DSA with a
+# sink and CSA and HCA (all-to-all over heads, so 8 query and 4 key/value heads: divisible by
+# TP * CP in every layout); DSA, CSA and HCA on packed documents (MoBA and NSA take none); each
+# next to a linear mixer.
 OTHER_MODELS = {
-    "window_sink": ("*G*", {}, dict(window_size=(5, 0), softmax_type="learnable")),
+    "window_sink": ("*G*", {}, dict(window_size=(5, 0), softmax_type="learnable"), False),
     "sparse": ("BGSD", harness.SHORT_SPARSE,
-               dict(softmax_type="learnable", num_attention_heads=8, num_query_groups=4)),
-    "compressed": ("CGH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4)),
+               dict(softmax_type="learnable", num_attention_heads=8, num_query_groups=4), False),
+    "compressed": ("CGH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4), False),
+    "sparse_packed": ("DGCH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4), True),
 }
 
 
