@@ -37,9 +37,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.kernels import sparse
 from megatron_ext.mixers.attention import SoftmaxCoreAttention
+from megatron_ext.mixers.common import packed_cu_seqlens
 from megatron_ext.mixers.compressed import (CSACoreAttention, CSASelfAttention,
                                            HCACoreAttention, HCASelfAttention)
 from megatron_ext.mixers.dsa import DSACoreAttention, DSASelfAttention
+from megatron_ext.parallel.context import PackedLayout
 
 
 def _check_blocks(top_k_name: str, top_k: int, block_name: str, block: int, seq_len: int):
@@ -50,8 +52,34 @@ def _check_blocks(top_k_name: str, top_k: int, block_name: str, block: int, seq_
             f"sequence of {seq_len} tokens; lower {top_k_name} or {block_name}")
 
 
+class _DocumentRows:
+    """Packed (thd) sequences as the rows of a zero-padded batch, and back: ``[1, T, ...]`` ->
+    ``[N, L, ...]`` (L the longest sequence) and ``[N, L, ...]`` -> ``[1, T, ...]``. For a
+    causal op this is exact: a row's padding comes after its tokens, so no token sees it."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, device):
+        cu_seqlens = cu_seqlens.to(device=device, dtype=torch.long)
+        starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+        self.tokens, self.longest = int(cu_seqlens[-1]), max(int(lengths.max()), 1)
+        offsets = torch.arange(self.longest, device=device)
+        real = offsets[None, :] < lengths[:, None]
+        # Where each row position reads from; padding reads an appended zero token.
+        self.source = torch.where(real, starts[:, None] + offsets[None, :], self.tokens)
+        self.real = real.flatten().nonzero().squeeze(1)  # the tokens, in order, in the rows
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        flat = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])
+        return flat[self.source]
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        return y.flatten(0, 1)[self.real].unsqueeze(0)
+
+
 class _SparseCore(SoftmaxCoreAttention):
     """A sparse core: causal self-attention over one sequence per batch row.
+
+    Packed (thd) sequences become the rows of a padded batch around the op (exact for a causal
+    op; the padding costs compute when the sequences' lengths differ much).
 
     Context parallelism: all-to-all (Ulysses). The selections look at the whole sequence (MoBA's
     block means, NSA's compressed keys), and are per head or per key/value group, so the core
@@ -70,14 +98,25 @@ class _SparseCore(SoftmaxCoreAttention):
         self.check_heads_split_over_cp(config)
 
     def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            raise NotImplementedError(
-                f"{type(self).__name__} does not take packed (thd) sequences: its blocks are "
-                "counted from the start of each batch row")
-        if self.cp is None:
-            return self.sparse_attend(q, k, v, heads=lambda t: t)
-        q, k, v = (self.cp.sequence_to_heads(x) for x in (q, k, v))
-        return self.cp.heads_to_sequence(self.sparse_attend(q, k, v, heads=self.cp_heads))
+        cu_seqlens = packed_cu_seqlens(packed_seq_params)
+        packed = None if self.cp is None or cu_seqlens is None else PackedLayout(self.cp, cu_seqlens)
+        documents = None if cu_seqlens is None else _DocumentRows(cu_seqlens, q.device)
+
+        def to_rows(x):
+            """``[b, s, heads, ...]`` of this rank -> the op's rows: whole sequences (one per
+            row), this rank's head group under CP."""
+            if self.cp is not None:
+                x = self.cp.sequence_to_heads(x, packed)
+            return x if documents is None else documents.pad(x)
+
+        def from_rows(y):
+            if documents is not None:
+                y = documents.unpad(y)
+            return y if self.cp is None else self.cp.heads_to_sequence(y, packed)
+
+        heads = (lambda t: t) if self.cp is None else self.cp_heads
+        q, k, v = (to_rows(x) for x in (q, k, v))
+        return from_rows(self.sparse_attend(q, k, v, heads=heads, to_rows=to_rows))
 
 
 class MoBACoreAttention(_SparseCore):
@@ -86,7 +125,7 @@ class MoBACoreAttention(_SparseCore):
         if self.window is not None and self.window[1] > 0:
             raise NotImplementedError(f"MoBA is causal; window_size={self.window} looks ahead")
 
-    def sparse_attend(self, q, k, v, heads):
+    def sparse_attend(self, q, k, v, heads, to_rows):
         ext = self.ext
         _check_blocks("moba_top_k", ext.moba_top_k, "moba_block_size", ext.moba_block_size,
                       q.shape[1])
@@ -111,14 +150,12 @@ class NSACoreAttention(_SparseCore):
         self.sharded_parameter("compress_v_weights", mean.clone())
         self.gate_logits = None
 
-    def sparse_attend(self, q, k, v, heads):
+    def sparse_attend(self, q, k, v, heads, to_rows):
         ext = self.ext
         _check_blocks("nsa_select_top_k", ext.nsa_select_top_k, "nsa_select_block",
                       ext.nsa_select_block, q.shape[1])
-        # [s, b, heads * 3] (head-major) -> [b, s, heads, 3]
-        gates = torch.sigmoid(self.gate_logits.float()).transpose(0, 1).unflatten(-1, (-1, 3))
-        if self.cp is not None:  # the gates follow q: whole sequence, this rank's heads
-            gates = self.cp.sequence_to_heads(gates)
+        # [s, b, heads * 3] (head-major) -> [b, s, heads, 3], then laid out as q is
+        gates = to_rows(torch.sigmoid(self.gate_logits.float()).transpose(0, 1).unflatten(-1, (-1, 3)))
         return sparse.nsa_attention(
             q, k, v, gates, heads(self.compress_k_weights), heads(self.compress_v_weights),
             compress_block=ext.nsa_compress_block, compress_stride=ext.nsa_compress_stride,

@@ -99,6 +99,33 @@ def test_packed_sequences_with_window_and_sink_equal_separate_sequences():
     torch.testing.assert_close(packed, torch.cat(pieces), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("pattern", ["B", "S"])
+def test_moba_and_nsa_on_packed_sequences_equal_separate_sequences(pattern):
+    """thd packing: each sequence's blocks count from its own start (the core runs the
+    sequences as the rows of a padded batch); outputs and input gradients."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    attention = _model("sdpa", pattern, ext_options=harness.SHORT_SPARSE,
+                       softmax_type="learnable").decoder.layers[0].self_attention
+    bounds = ((0, 10), (10, 29))
+    cu = torch.tensor([0, 10, 29], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=19, max_seqlen_kv=19)
+    hidden = torch.randn(29, 1, 64, generator=torch.Generator().manual_seed(0))
+    weights = torch.randn(29, 1, 64, generator=torch.Generator().manual_seed(1))
+    runs = []
+    for packed in (True, False):
+        x = hidden.clone().requires_grad_()
+        if packed:
+            out = attention(x, None, packed_seq_params=params)[0]
+        else:
+            out = torch.cat([attention(x[a:b], None)[0] for a, b in bounds])
+        (out * weights).sum().backward()
+        runs.append((out, x.grad))
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-5, atol=1e-6)
+
+
 def test_xsa_core_output_is_orthogonal_to_own_value():
     q, k, v = _qkv()
     out = _core(ext=ExtConfig(attention_xsa=True), window_size=(6, 0))(q, k, v, None)

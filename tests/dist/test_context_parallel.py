@@ -288,14 +288,14 @@ def run_cp_layouts(rank, world_size, ckpt_dir):
 # name: (pattern, ExtConfig options, TransformerConfig overrides, on packed documents rather
 # than the batch). Sliding-window attention with a learnable sink; MoBA, NSA and DSA with a
 # sink and CSA and HCA (all-to-all over heads, so 8 query and 4 key/value heads: divisible by
-# TP * CP in every layout); DSA, CSA and HCA on packed documents (MoBA and NSA take none); each
-# next to a linear mixer.
+# TP * CP in every layout); all five on packed documents; each next to a linear mixer.
 OTHER_MODELS = {
     "window_sink": ("*G*", {}, dict(window_size=(5, 0), softmax_type="learnable"), False),
     "sparse": ("BGSD", harness.SHORT_SPARSE,
                dict(softmax_type="learnable", num_attention_heads=8, num_query_groups=4), False),
     "compressed": ("CGH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4), False),
-    "sparse_packed": ("DGCH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4), True),
+    "sparse_packed": ("BSDGCH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4),
+                      True),
 }
 
 
