@@ -59,16 +59,18 @@ class _AllGather(torch.autograd.Function):
 class PackedLayout:
     """This rank's part of ``thd``-packed sequences under CP (see the module docstring).
 
-    ``cu_seqlens``: the global cumulative document lengths (Megatron's PackedSeqParams).
-    ``local_cu_seqlens`` ``[2D + 1]``: the pieces of the local sequence (document i's two chunks
-    at 2i and 2i + 1), for the ops' ``cu_seqlens``; ``piece_lengths`` ``[2D]``.
+    ``cu_seqlens``: the global cumulative document lengths (Megatron's PackedSeqParams; read
+    once to the host, where the layout is worked out). ``local_cu_seqlens`` ``[2D + 1]`` (on
+    cu_seqlens' device): the pieces of the local sequence (document i's two chunks at 2i and
+    2i + 1), for the ops' ``cu_seqlens``; ``piece_lengths`` ``[2D]`` (host).
     """
 
     def __init__(self, cp: "ContextParallel", cu_seqlens: torch.Tensor, min_chunk: int = 1):
-        cu_seqlens = cu_seqlens.long()
+        self.device = cu_seqlens.device
+        cu_seqlens = cu_seqlens.detach().to("cpu", torch.long)
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         parts = 2 * cp.size
-        bad = [int(n) for n in lengths if n % parts]
+        bad = [n for n in lengths.tolist() if n % parts]
         if bad:
             raise ConfigError(
                 f"packed sequences of lengths {bad} are not divisible by 2 * context_parallel_size"
@@ -83,7 +85,8 @@ class PackedLayout:
                 "context_parallel_size")
         self.cp, self.cu_seqlens, self.chunk = cp, cu_seqlens, chunk
         self.piece_lengths = chunk.repeat_interleave(2)
-        self.local_cu_seqlens = torch.cat([cu_seqlens.new_zeros(1), self.piece_lengths.cumsum(0)])
+        self.local_cu_seqlens = torch.cat([cu_seqlens.new_zeros(1),
+                                           self.piece_lengths.cumsum(0)]).to(self.device)
         self.documents = len(chunk)
 
     def global_index(self, rank: int) -> torch.Tensor:
@@ -92,7 +95,7 @@ class PackedLayout:
         for start, chunk in zip(self.cu_seqlens[:-1].tolist(), self.chunk.tolist()):
             for c in (rank, 2 * self.cp.size - 1 - rank):
                 pieces.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
-        return torch.cat(pieces).to(self.cu_seqlens.device)
+        return torch.cat(pieces).to(self.device)
 
     @functools.cached_property
     def rank_major_order(self) -> torch.Tensor:

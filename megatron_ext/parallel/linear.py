@@ -72,10 +72,11 @@ def check_sequence(cp: ContextParallel | None, local_length: int, cu_seqlens, co
         packed = PackedLayout(cp, cu_seqlens, min_chunk=conv_kernel - 1)
     except ConfigError as error:
         raise ConfigError(f"{mixer}: {error}") from None
-    if int(packed.local_cu_seqlens[-1]) != local_length:
+    expected = int(packed.piece_lengths.sum())
+    if expected != local_length:
         raise ValueError(f"{mixer}: the local sequence has {local_length} tokens, but cu_seqlens "
                          f"{cu_seqlens.tolist()} under context_parallel_size={cp.size} gives "
-                         f"{int(packed.local_cu_seqlens[-1])} (is it Megatron's per-document split?)")
+                         f"{expected} (is it Megatron's per-document split?)")
     return packed
 
 
