@@ -1,4 +1,5 @@
-"""CUDA checks (skipped without a GPU) of the sparse attention ops: compiled FlexAttention and the
+"""CUDA checks (skipped without a GPU) of the sparse attention ops (window and sink, MoBA, NSA,
+HCA's attention over its window and compressed entries): compiled FlexAttention and the
 gathered path, forward and backward, against the dense fp32 reference, at lengths that span
 several 128-token blocks and are multiples of none of the block sizes; and bf16 inputs.
 
@@ -26,7 +27,11 @@ CASES = {
     "nsa+sink": lambda x, **kw: sparse.nsa_attention(
         x["q"], x["k"], x["v"], x["gates"], x["k_weights"], x["v_weights"], sink=x["sink"],
         **NSA, **kw),
+    "hca+sink": lambda x, **kw: sparse.compressed_attention(
+        x["q"], x["k"], x["v"], x["entries_k"], x["entries_v"], rate=HCA_RATE, window=64,
+        sink=x["sink"], **kw),
 }
+HCA_RATE = 32  # HCA's entries: one per complete block of 32 tokens
 
 
 def _inputs(seq, dtype=torch.float32):
@@ -36,6 +41,8 @@ def _inputs(seq, dtype=torch.float32):
     x["gates"] = torch.rand(B, seq, HQ, 3, device="cuda", generator=g)
     x["k_weights"] = torch.rand(HKV, NSA["compress_block"], device="cuda", generator=g)
     x["v_weights"] = torch.rand(HKV, NSA["compress_block"], device="cuda", generator=g)
+    for name in ("entries_k", "entries_v"):
+        x[name] = torch.randn(B, seq // HCA_RATE, HKV, D, device="cuda", generator=g)
     return {name: t.to(dtype).requires_grad_() for name, t in x.items()}
 
 
