@@ -66,7 +66,7 @@ from megatron_ext.kernels import sparse
 from megatron_ext.mixers.attention import SoftmaxCoreAttention
 from megatron_ext.mixers.common import HeadShardedMixer, LinearMixerSubmodules, packed_cu_seqlens
 from megatron_ext.mixers.dsa import DSACoreAttention, IndexerLoss, LightningIndexer
-from megatron_ext.parallel.context import PackedLayout
+from megatron_ext.parallel.context import packed_layout
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -193,7 +193,7 @@ class HCACoreAttention(SoftmaxCoreAttention):
         if self.cp is None:
             return self.compressed_attend(q, k, v, packed_seq_params)
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
-        packed = None if cu_seqlens is None else PackedLayout(self.cp, cu_seqlens)
+        packed = None if cu_seqlens is None else packed_layout(self.cp, cu_seqlens)
         q, k, v = (self.cp.sequence_to_heads(x, packed) for x in (q, k, v))
         return self.cp.heads_to_sequence(self.compressed_attend(q, k, v, packed_seq_params), packed)
 
@@ -287,7 +287,7 @@ class HCASelfAttention(SelfAttention):
                 "CSA and HCA layers under context parallelism take no RoPE yet (the entries' "
                 "positions are global, Megatron's rotary table per rank; "
                 "position_embedding_type='none')")
-        packed = None if cp is None or cu_seqlens is None else PackedLayout(cp, cu_seqlens)
+        packed = None if cp is None or cu_seqlens is None else packed_layout(cp, cu_seqlens)
         values, entries = self.compressor(hidden_states, cu_seqlens,
                                           self.core_attention.ext.sparse_backend, cp, packed)
         keys = values

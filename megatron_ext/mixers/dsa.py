@@ -61,7 +61,7 @@ from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.kernels import sparse
 from megatron_ext.mixers.attention import SoftmaxCoreAttention
 from megatron_ext.mixers.common import packed_cu_seqlens
-from megatron_ext.parallel.context import PackedLayout
+from megatron_ext.parallel.context import packed_layout
 
 
 class IndexerLoss(torch.autograd.Function):
@@ -188,7 +188,7 @@ class DSACoreAttention(SoftmaxCoreAttention):
         heads = lambda per_head: per_head  # noqa: E731
         packed = None
         if self.cp is not None:
-            packed = None if cu_seqlens is None else PackedLayout(self.cp, cu_seqlens)
+            packed = None if cu_seqlens is None else packed_layout(self.cp, cu_seqlens)
             index_q, index_k, index_weights = (self.cp.gather_sequence(t, packed)
                                                for t in (index_q, index_k, index_weights))
             q, k, v = (self.cp.sequence_to_heads(x, packed) for x in (q, k, v))

@@ -41,7 +41,7 @@ from megatron_ext.mixers.common import packed_cu_seqlens
 from megatron_ext.mixers.compressed import (CSACoreAttention, CSASelfAttention,
                                            HCACoreAttention, HCASelfAttention)
 from megatron_ext.mixers.dsa import DSACoreAttention, DSASelfAttention
-from megatron_ext.parallel.context import PackedLayout
+from megatron_ext.parallel.context import packed_layout
 
 
 def _check_blocks(top_k_name: str, top_k: int, block_name: str, block: int, seq_len: int):
@@ -99,7 +99,7 @@ class _SparseCore(SoftmaxCoreAttention):
 
     def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
-        packed = None if self.cp is None or cu_seqlens is None else PackedLayout(self.cp, cu_seqlens)
+        packed = None if self.cp is None or cu_seqlens is None else packed_layout(self.cp, cu_seqlens)
         documents = None if cu_seqlens is None else _DocumentRows(cu_seqlens, q.device)
 
         def to_rows(x):

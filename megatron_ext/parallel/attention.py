@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.parallel.context import ContextParallel, PackedLayout
+from megatron_ext.parallel.context import ContextParallel, packed_layout
 
 
 def gather_keys_values(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -41,7 +41,7 @@ def gather_keys_values(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v:
         query_positions = cp.positions(local_length, device=q.device)
         packed = None
     else:
-        packed = PackedLayout(cp, cu_seqlens)
+        packed = packed_layout(cp, cu_seqlens)
         query_positions = packed.global_index(cp.rank)
     k, v = cp.gather_sequence(k, packed), cp.gather_sequence(v, packed)
     key_positions = torch.arange(k.shape[1], device=q.device)

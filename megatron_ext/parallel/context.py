@@ -77,17 +77,22 @@ class PackedLayout:
                 f" = {parts} (Megatron cuts each document into that many chunks under CP); pad "
                 "each document to a multiple of it")
         chunk = lengths // parts
-        if int(chunk.min()) < min_chunk:
-            raise ConfigError(
-                f"a packed document of {int(lengths[chunk.argmin()])} tokens gives CP chunks of "
-                f"{int(chunk.min())} tokens, fewer than the {min_chunk} this layer needs (its "
-                "convolution reaches that far back); use longer documents or a smaller "
-                "context_parallel_size")
         self.cp, self.cu_seqlens, self.chunk = cp, cu_seqlens, chunk
+        self.check_chunks(min_chunk)
         self.piece_lengths = chunk.repeat_interleave(2)
         self.local_cu_seqlens = torch.cat([cu_seqlens.new_zeros(1),
                                            self.piece_lengths.cumsum(0)]).to(self.device)
         self.documents = len(chunk)
+
+    def check_chunks(self, min_chunk: int) -> None:
+        """ConfigError if a document's CP chunks are shorter than ``min_chunk`` tokens."""
+        if int(self.chunk.min()) < min_chunk:
+            lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+            raise ConfigError(
+                f"a packed document of {int(lengths[self.chunk.argmin()])} tokens gives CP chunks "
+                f"of {int(self.chunk.min())} tokens, fewer than the {min_chunk} this layer needs "
+                "(its convolution reaches that far back); use longer documents or a smaller "
+                "context_parallel_size")
 
     def global_index(self, rank: int) -> torch.Tensor:
         """Global token positions of ``rank``'s local sequence, in its local order."""
@@ -110,6 +115,22 @@ class PackedLayout:
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``[1, local, ...]`` -> the pieces, ``[1, piece_length, ...]`` each."""
         return list(x.split(self.piece_lengths.tolist(), dim=1))
+
+
+_last_layout: tuple = (None, None, None)  # (cu_seqlens, CP size, its PackedLayout)
+
+
+def packed_layout(cp: "ContextParallel", cu_seqlens: torch.Tensor, min_chunk: int = 1) -> PackedLayout:
+    """:class:`PackedLayout` of these packed sequences, worked out once per ``cu_seqlens`` tensor
+    (every layer of a forward passes the same one, and each layout costs a copy to the host),
+    checked for chunks of at least ``min_chunk`` tokens."""
+    global _last_layout
+    tensor, size, layout = _last_layout
+    if tensor is not cu_seqlens or size != cp.size:
+        layout = PackedLayout(cp, cu_seqlens)
+        _last_layout = (cu_seqlens, cp.size, layout)
+    layout.check_chunks(min_chunk)
+    return layout
 
 
 class ContextParallel:

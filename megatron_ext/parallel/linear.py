@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ext.config import ConfigError
-from megatron_ext.parallel.context import ContextParallel, PackedLayout
+from megatron_ext.parallel.context import ContextParallel, PackedLayout, packed_layout
 
 METHODS = ("state_passing", "all_to_all")
 
@@ -69,7 +69,7 @@ def check_sequence(cp: ContextParallel | None, local_length: int, cu_seqlens, co
         if cu_seqlens is None:
             cp.check_local_length(local_length, min_chunk=conv_kernel - 1)
             return None
-        packed = PackedLayout(cp, cu_seqlens, min_chunk=conv_kernel - 1)
+        packed = packed_layout(cp, cu_seqlens, min_chunk=conv_kernel - 1)
     except ConfigError as error:
         raise ConfigError(f"{mixer}: {error}") from None
     expected = int(packed.piece_lengths.sum())
