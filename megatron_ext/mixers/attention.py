@@ -93,20 +93,6 @@ class SoftmaxCoreAttention(HeadShardedMixer):
                 f"attention_dropout={self.dropout_p} is not supported with a sliding window, a "
                 "sink or sparse attention; set attention_dropout=0")
 
-    def check_heads_split_over_cp(self, config) -> None:
-        """For cores whose CP is all-to-all over heads (sparse attention): ConfigError unless the
-        query and key/value heads per TP rank divide by CP."""
-        groups = config.num_query_groups // self.tp_size
-        if self.cp is not None and (self.heads % self.cp.size or groups % self.cp.size):
-            raise ConfigError(
-                f"{type(self).__name__} under context parallelism splits its heads over the CP "
-                f"ranks (all-to-all): {self.heads} query and {groups} key/value heads per "
-                f"tensor-parallel rank must be divisible by context_parallel_size={self.cp.size}")
-
-    def cp_heads(self, per_head: torch.Tensor | None) -> torch.Tensor | None:
-        """This CP rank's head group of a per-head tensor ``[heads, ...]`` (all-to-all CP)."""
-        return None if per_head is None else self.cp.heads_of_rank(per_head)
-
     def sink(self, device) -> torch.Tensor | None:
         """The sink logits of this rank's heads ``[heads]``, or None."""
         if self.fixed_sink is not None:
@@ -145,6 +131,32 @@ class SoftmaxCoreAttention(HeadShardedMixer):
         if packed:
             return out.reshape(out.shape[0], -1)
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+class HeadSplitCoreAttention(SoftmaxCoreAttention):
+    """Base of the sparse cores (MoBA, NSA, DSA, CSA, HCA): causal, no attention_mask, and, under
+    context parallelism, all-to-all over heads: their ops need every token of a sequence, so each
+    rank runs them on the whole sequence for its group of heads (``cp.sequence_to_heads``) and
+    takes that group of every per-head tensor (:meth:`cp_heads`). Needs the query and key/value
+    heads per TP rank divisible by CP."""
+
+    takes_attention_mask = False
+    supports_context_parallel = True
+
+    def __init__(self, config, layer_number, attn_mask_type, *args, **kwargs):
+        super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
+        if attn_mask_type != AttnMaskType.causal:
+            raise NotImplementedError(f"{type(self).__name__} is causal; got {attn_mask_type}")
+        groups = config.num_query_groups // self.tp_size
+        if self.cp is not None and (self.heads % self.cp.size or groups % self.cp.size):
+            raise ConfigError(
+                f"{type(self).__name__} under context parallelism splits its heads over the CP "
+                f"ranks (all-to-all): {self.heads} query and {groups} key/value heads per "
+                f"tensor-parallel rank must be divisible by context_parallel_size={self.cp.size}")
+
+    def cp_heads(self, per_head: torch.Tensor | None) -> torch.Tensor | None:
+        """This CP rank's head group of a per-head tensor ``[heads, ...]``."""
+        return None if per_head is None else self.cp.heads_of_rank(per_head)
 
 
 class SDPACoreAttention(SoftmaxCoreAttention):

@@ -59,11 +59,10 @@ import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_ext.config import ConfigError
 from megatron_ext.kernels import sparse
-from megatron_ext.mixers.attention import SoftmaxCoreAttention
+from megatron_ext.mixers.attention import HeadSplitCoreAttention
 from megatron_ext.mixers.common import HeadShardedMixer, LinearMixerSubmodules, packed_cu_seqlens
 from megatron_ext.mixers.dsa import DSACoreAttention, IndexerLoss, LightningIndexer
 from megatron_ext.parallel.context import packed_layout
@@ -146,20 +145,14 @@ class CompressedIndexer(LightningIndexer):
         return index_k.squeeze(2).transpose(0, 1)
 
 
-class HCACoreAttention(SoftmaxCoreAttention):
+class HCACoreAttention(HeadSplitCoreAttention):
     """HCA's core (and the base of CSA's): attention over the window and the compressed
     entries, which :class:`HCASelfAttention` leaves in ``compressed`` (keys, values)."""
 
-    takes_attention_mask = False
-    supports_context_parallel = True
     rate_setting, window_setting = "hca_compress_rate", "hca_window"
 
     def __init__(self, config, layer_number, attn_mask_type, *args, **kwargs):
         super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
-        self.check_heads_split_over_cp(config)
-        name = type(self).__name__
-        if attn_mask_type != AttnMaskType.causal:
-            raise NotImplementedError(f"{name} is causal; got {attn_mask_type}")
         if self.window is not None:
             raise ConfigError(
                 f"window_size={self.window} applies to '*' and MoBA layers; CSA and HCA layers "

@@ -54,12 +54,11 @@ import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.kernels import sparse
-from megatron_ext.mixers.attention import SoftmaxCoreAttention
+from megatron_ext.mixers.attention import HeadSplitCoreAttention
 from megatron_ext.mixers.common import packed_cu_seqlens
 from megatron_ext.parallel.context import packed_layout
 
@@ -146,19 +145,13 @@ class LightningIndexer(MegatronModule):
                 index_weights.transpose(0, 1))
 
 
-class DSACoreAttention(SoftmaxCoreAttention):
+class DSACoreAttention(HeadSplitCoreAttention):
     """DSA's core: top-k (in the dense warm-up: dense) causal attention, and the indexer loss
     attached to its output, from the indexer outputs :class:`DSASelfAttention` leaves in
     ``index``. Packed (``thd``) sequences select within their own sequence."""
 
-    takes_attention_mask = False
-    supports_context_parallel = True
-
     def __init__(self, config, layer_number, attn_mask_type, *args, **kwargs):
         super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
-        if attn_mask_type != AttnMaskType.causal:
-            raise NotImplementedError(f"DSA is causal; got {attn_mask_type}")
-        self.check_heads_split_over_cp(config)
         if self.window is not None:
             raise ConfigError(
                 f"window_size={self.window} applies to '*' and MoBA layers; DSA picks its own "

@@ -31,12 +31,11 @@ import math
 
 import torch
 from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.kernels import sparse
-from megatron_ext.mixers.attention import SoftmaxCoreAttention
+from megatron_ext.mixers.attention import HeadSplitCoreAttention
 from megatron_ext.mixers.common import packed_cu_seqlens
 from megatron_ext.mixers.compressed import (CSACoreAttention, CSASelfAttention,
                                            HCACoreAttention, HCASelfAttention)
@@ -75,27 +74,15 @@ class _DocumentRows:
         return y.flatten(0, 1)[self.real].unsqueeze(0)
 
 
-class _SparseCore(SoftmaxCoreAttention):
-    """A sparse core: causal self-attention over one sequence per batch row.
+class _SparseCore(HeadSplitCoreAttention):
+    """MoBA's and NSA's core: causal self-attention over one sequence per batch row.
 
     Packed (thd) sequences become the rows of a padded batch around the op (exact for a causal
     op; the padding costs compute when the sequences' lengths differ much).
 
-    Context parallelism: all-to-all (Ulysses). The selections look at the whole sequence (MoBA's
-    block means, NSA's compressed keys), and are per head or per key/value group, so the core
-    trades the sequence split for a split of its heads around the op (``sequence_to_heads`` /
-    ``heads_to_sequence``), runs the op unchanged on the whole sequence, and takes this rank's
-    head group of every per-head tensor (``sparse_attend``'s ``heads``). Needs the query and
-    key/value heads per TP rank divisible by CP."""
-
-    takes_attention_mask = False
-    supports_context_parallel = True
-
-    def __init__(self, config, layer_number, attn_mask_type, *args, **kwargs):
-        super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
-        if attn_mask_type != AttnMaskType.causal:
-            raise NotImplementedError(f"{type(self).__name__} is causal; got {attn_mask_type}")
-        self.check_heads_split_over_cp(config)
+    Context parallelism: all-to-all (Ulysses, see the base class). The selections look at the
+    whole sequence (MoBA's block means, NSA's compressed keys) and are per head or per key/value
+    group; ``sparse_attend`` gets this rank's head group of per-head tensors through ``heads``."""
 
     def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
