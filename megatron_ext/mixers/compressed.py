@@ -64,7 +64,8 @@ from megatron_ext.config import ConfigError
 from megatron_ext.kernels import sparse
 from megatron_ext.mixers.attention import HeadSplitCoreAttention
 from megatron_ext.mixers.common import HeadShardedMixer, LinearMixerSubmodules, packed_cu_seqlens
-from megatron_ext.mixers.dsa import DSACoreAttention, IndexerLoss, LightningIndexer
+from megatron_ext.mixers.dsa import (DSACoreAttention, IndexerLoss, LightningIndexer,
+                                    refuse_core_recompute)
 from megatron_ext.parallel.context import packed_layout
 
 
@@ -252,12 +253,7 @@ class HCASelfAttention(SelfAttention):
 
     def __init__(self, config, submodules, layer_number, *args, **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
-        if self.checkpoint_core_attention:
-            raise ConfigError(
-                "CSA and HCA layers do not take recompute_modules=['core_attn'] (selective "
-                "recompute): Megatron's recompute would call the core without the compressed "
-                "entries, and their ops already recompute their chunks in backward. Drop "
-                "'core_attn' from recompute_modules")
+        refuse_core_recompute(self, "CSA and HCA", "the compressed entries")
         core = self.core_attention
         self.compressor = KVCompressor(config, submodules.linear_qkv, core.rate,
                                        overlap=isinstance(core, CSACoreAttention),

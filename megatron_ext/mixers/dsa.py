@@ -206,6 +206,17 @@ class DSACoreAttention(HeadSplitCoreAttention):
         return out if self.cp is None else self.cp.heads_to_sequence(out, packed)
 
 
+def refuse_core_recompute(layer: SelfAttention, name: str, inputs: str) -> None:
+    """ConfigError for Megatron's selective recompute of the core attention in a layer whose
+    core reads ``inputs`` that the layer computes before it (Megatron's recompute would call
+    the core without them); the sparse ops recompute their chunks in backward anyway."""
+    if layer.checkpoint_core_attention:
+        raise ConfigError(
+            f"{name} layers do not take recompute_modules=['core_attn'] (selective recompute): "
+            f"Megatron's recompute would call the core without {inputs}, and the layer's op "
+            "already recomputes its chunks in backward. Drop 'core_attn' from recompute_modules")
+
+
 class DSASelfAttention(SelfAttention):
     """Megatron's SelfAttention plus DSA's :class:`LightningIndexer`, run on the detached
     input before the attention; its core reads the indexer's outputs as
@@ -213,12 +224,7 @@ class DSASelfAttention(SelfAttention):
 
     def __init__(self, config, submodules, layer_number, *args, **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
-        if self.checkpoint_core_attention:
-            raise ConfigError(
-                "DSA layers do not take recompute_modules=['core_attn'] (selective recompute): "
-                "Megatron's recompute would call the core without the indexer's outputs, and "
-                "DSA's op already recomputes its chunks in backward. Drop 'core_attn' from "
-                "recompute_modules")
+        refuse_core_recompute(self, "DSA", "the indexer's outputs")
         ext = self.core_attention.ext
         self.indexer = LightningIndexer(config, ext.dsa_indexer_heads, ext.dsa_indexer_dim)
 
