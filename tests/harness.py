@@ -5,12 +5,18 @@ literals (schedules, optimizer, grad buffers), ``torch.cuda.current_device()`` f
 RoPE, CUDA streams in DDP, and the CUDA RNG tracker. :func:`use_cpu` redirects those to the CPU
 for the current process. Nothing in the package imports this module.
 
-:func:`spawn` runs a function in N gloo processes and returns what each returned.
+:func:`spawn` runs a function in N gloo processes and returns what each returned. With
+``MEGATRON_EXT_TEST_DIST=nccl`` in the environment it runs them instead on N GPUs of this host
+over NCCL (one GPU per rank, TF32 off, the CUDA RNG tracker): the multi-process tests of
+tests/dist then check the same equalities on GPUs (``python -m pytest tests/dist`` on a machine
+with several GPUs; a world larger than the GPUs skips). Models built by :func:`build_layout`
+move to the rank's GPU and take their inputs there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import traceback
@@ -86,16 +92,35 @@ def use_cpu() -> None:
     _applied = True
 
 
-def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1) -> None:
-    """Megatron process groups on the already-initialised gloo world, and a CPU RNG tracker."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+def dist_backend() -> str:
+    """The backend :func:`spawn` uses: ``gloo`` (CPU) unless MEGATRON_EXT_TEST_DIST says nccl."""
+    backend = os.environ.get("MEGATRON_EXT_TEST_DIST", "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"MEGATRON_EXT_TEST_DIST={backend!r}: use gloo or nccl")
+    return backend
 
-    use_cpu()
+
+def on_gpu() -> bool:
+    """Whether this process runs its ranks' work on a GPU (an NCCL world)."""
+    return dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1) -> None:
+    """Megatron process groups on the already-initialised world, and an RNG tracker: on a CPU a
+    tracker that does not fork, on a GPU Megatron's CUDA tracker."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import (initialize_rng_tracker,
+                                                       model_parallel_cuda_manual_seed)
+
+    if not on_gpu():
+        use_cpu()
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp)
+    if on_gpu():
+        model_parallel_cuda_manual_seed(1234)
+        return
     # The CUDA RNG tracker cannot hold CPU generator states; the inference tracker turns its
     # fork() into a no-op, so dropout (off in our tests) would use the default generator.
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -107,12 +132,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results):
+def _worker(rank, world_size, port, backend, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    use_cpu()
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        # fp32 matmuls in fp32, so that layouts compare at the CPU runs' tolerances
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    else:
+        torch.set_num_threads(1)
+        use_cpu()
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         results[rank] = ("ok", fn(rank, world_size, *args))
     except BaseException:
@@ -124,18 +155,30 @@ def _worker(rank, world_size, port, fn, args, results):
         dist.destroy_process_group()
 
 
+def can_spawn(world_size: int) -> bool:
+    """Whether :func:`spawn` can run this many ranks here (on NCCL: one GPU each)."""
+    return dist_backend() == "gloo" or world_size <= torch.cuda.device_count()
+
+
 def spawn(fn, world_size: int, *args):
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; list of results.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo, or NCCL: see the
+    module docstring); list of results. Skips the test when the GPUs are too few.
 
     ``fn`` must be importable (a module-level function). A failure on any rank raises here with
     that rank's traceback.
     """
+    import pytest
+
+    backend = dist_backend()
+    if not can_spawn(world_size):
+        pytest.skip(f"{world_size} NCCL ranks need {world_size} GPUs; "
+                    f"this host has {torch.cuda.device_count()}")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # children inherit it: keep logs readable
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
         port = _free_port()
-        mp.start_processes(_worker, args=(world_size, port, fn, args, results),
+        mp.start_processes(_worker, args=(world_size, port, backend, fn, args, results),
                            nprocs=world_size, join=True, start_method="spawn")
         out = dict(results)
     errors = [f"rank {r}:\n{msg}" for r, (status, msg) in sorted(out.items()) if status != "ok"]
@@ -243,7 +286,7 @@ def layout_batches():
 
 
 def build_layout(ext, tp=1, pp=1, vpp=None, sequence_parallel=False, spec="block",
-                 config_overrides=None, cp=1):
+                 config_overrides=None, cp=1, position_embedding_type="none"):
     """Model chunks of this rank (one per virtual stage), same seed on every layout.
 
     ``ext`` is the model's ExtConfig; ``spec="block"``: this stage's per-layer specs
@@ -272,11 +315,29 @@ def build_layout(ext, tp=1, pp=1, vpp=None, sequence_parallel=False, spec="block
             layer_spec = ModuleSpec(module=PatternTransformerLayer, params={"ext": ext})
         chunks.append(GPTModel(
             config, layer_spec,
-            vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="none",
+            vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type=position_embedding_type,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             vp_stage=vp))
+    if on_gpu():
+        for chunk in chunks:
+            chunk.cuda()
+            chunk.register_forward_pre_hook(_inputs_to_gpu, with_kwargs=True)
     return chunks, config
+
+
+def _inputs_to_gpu(module, args, kwargs):
+    """Forward pre-hook: the tensors (and packed-sequence bounds) a test built on the CPU go to
+    the model's GPU."""
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            return x.cuda()
+        if type(x).__name__ == "PackedSeqParams":
+            return dataclasses.replace(x, **{f.name: move(getattr(x, f.name))
+                                             for f in dataclasses.fields(x)})
+        return x
+
+    return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
 
 def run_schedule(chunks):
@@ -320,7 +381,7 @@ def global_grads(chunks, config):
             parts = name.split(".")
             if parts[:2] == ["decoder", "layers"]:
                 parts[2] = str(int(parts[2]) + offset)
-            grads[".".join(parts)] = (p.grad.clone(), getattr(p, "partition_dim", None)
+            grads[".".join(parts)] = (p.grad.cpu().clone(), getattr(p, "partition_dim", None)
                                       if getattr(p, "tensor_model_parallel", False) else None)
     return grads
 

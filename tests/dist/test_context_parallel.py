@@ -214,6 +214,7 @@ def _halo_and_kv_gather(cp, world_size):
     return failures
 
 
+@pytest.mark.skipif(harness.dist_backend() == "nccl", reason="op-level checks on CPU tensors (gloo)")
 def test_linear_recurrence_ops_equal_the_full_sequence():
     failures = harness.spawn(ops_on_cp_ranks, 2)
     assert failures == [[]] * 2
@@ -330,6 +331,8 @@ def cp_runs(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("cp1"))
     runs = {}
     for world_size, layouts in LAYOUTS.items():
+        if not harness.can_spawn(world_size):
+            continue
         per_rank = harness.spawn(run_cp_layouts, world_size, ckpt)
         for i, layout in enumerate(layouts):
             for j, batch in enumerate(BATCHES):
@@ -346,6 +349,8 @@ BATCHES = ("batch", "packed", *OTHER_MODELS)
 @pytest.mark.parametrize("layout", [layout for world_size in (2, 4) for layout in LAYOUTS[world_size]],
                          ids=lambda layout: "{}-tp{}-cp{}{}".format(*layout[:3], "-sp" * layout[3]))
 def test_context_parallel_model_equals_one_rank(cp_runs, layout, batch):
+    if (*layout, batch) not in cp_runs:
+        pytest.skip(f"CP x TP = {layout[1] * layout[2]} ranks: more than this host's GPUs")
     harness.assert_same_run(cp_runs[("state_passing", 1, 1, False, batch)], cp_runs[(*layout, batch)])
 
 
