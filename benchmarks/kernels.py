@@ -62,13 +62,16 @@ def log(message: str) -> None:
 @dataclasses.dataclass
 class Op:
     """One op to time: ``make_inputs(B, T, H, D)`` gives the input tensors by name, ``run(**inputs)``
-    the output; ``skip`` says why it cannot run here (then nothing is timed)."""
+    the output; ``skip`` says why it cannot run here (then nothing is timed). ``check()``, if
+    given, runs before each measurement (cache it if it is costly) and returns what the row
+    records as its "check"; with a "failed" reason in it the op is not timed."""
 
     family: str
     backend: str
     make_inputs: Callable[..., dict[str, torch.Tensor]]
     run: Callable[..., torch.Tensor]
     skip: str | None = None
+    check: Callable[[], dict] | None = None
 
     @property
     def name(self) -> str:
@@ -170,6 +173,15 @@ def measure(op: Op, seq_len: int, args) -> dict:
     if op.skip is not None:
         log(f"{op.name} T={seq_len}: skipped: {op.skip}")
         return dict(result, fwd_error=op.skip, fwd_bwd_error=op.skip)
+    if op.check is not None:
+        try:
+            result["check"] = op.check()
+        except Exception as error:  # noqa: BLE001 - a check that cannot run fails
+            result["check"] = {"failed": describe(error)}
+        if "failed" in result["check"]:
+            reason = f"not timed: its check failed: {result['check']['failed']}"
+            log(f"{op.name} T={seq_len}: {reason}")
+            return dict(result, fwd_error=reason, fwd_bwd_error=reason)
     device = torch.device(args.device)
     inputs = None
     try:
@@ -316,25 +328,33 @@ def select_ops(ops: list[Op], spec: str) -> list[Op]:
     return [op for op in ops if {op.family, op.backend, op.name} & wanted]
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    device = torch.device(args.device)
-    ops = select_ops(build_ops(device), args.ops)
-    out = pathlib.Path(args.out)
+def measure_all(ops: list[Op], args, env: dict, out: pathlib.Path) -> dict:
+    """Measure every op at every T of ``args.seq_lens`` and return the record (``env``, the
+    settings and one row per op and T), written to ``out`` after every row. With
+    ``args.resume``, the rows ``out`` already holds are kept and not measured again."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    env = environment(device)
     record = dict(env, settings=vars(args), results=[])
     if args.resume and out.exists():
         record["results"] = json.loads(out.read_text())["results"]
     done = {(r["op"], r["seq_len"]) for r in record["results"]}
     versions = ", ".join(f"{name} {value}" for name, value in env.items() if name != "device")
     log(f"{record['device']}: {versions}; {len(done)} results kept from {out}")
+    started = time.time()
     for seq_len in args.seq_lens:
         for op in ops:
             if (op.name, seq_len) not in done:
                 record["results"].append(measure(op, seq_len, args))
                 out.write_text(json.dumps(record, indent=1))
-    log(f"wrote {out}")
+    log(f"wrote {out} after {time.time() - started:.0f} s")
+    return record
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    ops = select_ops(build_ops(device), args.ops)
+    out = pathlib.Path(args.out)
+    record = measure_all(ops, args, environment(device), out)
     try:
         plot(record, out.with_suffix(".png"))
         log(f"wrote {out.with_suffix('.png')}")

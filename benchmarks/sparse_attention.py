@@ -21,12 +21,20 @@ Ops (``--ops`` takes families, e.g. ``moba``, backends, e.g. ``flex``, or single
     sdpa          torch SDPA, causal (flash on CUDA)
 
 each with the backends of ``megatron_ext.kernels.sparse``: flex (FlexAttention, compiled; CUDA
-only, its CPU form has no backward) and gathered (PyTorch). Shapes: B = batch_tokens / T
-sequences, H heads for q, k and v alike, head dim D; bf16 q, k, v and gates, fp32 sink and
-compression weights, as in the layers. Timing and memory as in ``benchmarks/kernels.py`` (whose
-measurement this script reuses): median of ``--reps`` calls after ``--warmup``, peak allocated
-memory over the timed calls, inputs included; fwd+bwd takes the gradients of every input. The
-first flex call of each shape compiles (tens of seconds).
+only, its CPU form has no backward) and gathered (PyTorch); swa_sink and causal_sink also with
+fla (fla-core's ``parallel_attn`` with ``window_size`` and ``sink_bias``; CUDA only, skipped
+where fla-core does not import). Before an fla op's first timing, fla's op and ours (flex) are
+each compared with the fp32 reference on one sequence of 2 * ``--window`` tokens, output and
+every gradient; the relative errors go to the log and to each fla row's "check", and an fla op
+further off than ``CHECK_TOLERANCE`` (2e-2 relative, or twice ours) is not timed.
+
+Shapes: B = batch_tokens / T sequences, H heads for q, k and v alike, head dim D; bf16 q, k, v
+and gates, fp32 sink and compression weights, as in the layers. Timing and memory as in
+``benchmarks/kernels.py`` (whose measurement this script reuses): median of ``--reps`` calls
+after ``--warmup``, peak allocated memory over the timed calls, inputs included; fwd+bwd takes
+the gradients of every input. The first flex call of each shape compiles (tens of seconds).
+Results are written to ``--out`` after every op and T; with ``--resume`` a run keeps what
+``--out`` holds and measures only the (op, T) rows missing from it.
 
     source benchmarks/gpu_setup.sh && python benchmarks/sparse_attention.py    # on the GPU machine
     python benchmarks/sparse_attention.py --device cpu --seq-lens 128,256 --batch-tokens 512 \\
@@ -36,16 +44,17 @@ first flex call of each shape compiles (tens of seconds).
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import importlib.util
-import json
 import pathlib
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 from megatron_ext.kernels import sparse
+from megatron_ext.kernels.selfcheck import relative_error
 
 
 def _kernel_benchmark():
@@ -69,6 +78,14 @@ INPUTS = {"swa_sink": ["q", "k", "v", "sink"], "causal_sink": ["q", "k", "v", "s
           "csa": ["q", "k", "v", "sink", "kv2", "gate2", "bias2", "index_q", "index_kv", "index_gate",
                   "index_bias", "index_weights"]}
 BACKENDS = ["flex", "gathered"]
+FLA_FAMILIES = ["swa_sink", "causal_sink"]  # what fla-core's parallel_attn runs
+# The largest relative error (output or any gradient) fla's op may have against the fp32
+# reference, or twice our op's where that is larger. bf16 rounding gives a few 1e-3; a sink in
+# log2 units instead of ln gives 0.35 in the sink's gradient, a wrong scale or layout order 1.
+# One key more or less in the window gives 0.13 at a window of 32 but only 0.02 at 512 (T = 2W,
+# measured with the reference): that convention is checked by reading fla's kernel (query i
+# sees keys with i - j < window_size), and the timing would not depend on it.
+CHECK_TOLERANCE = 2e-2
 
 
 def make_inputs(args, family, batch, seq_len, heads, dim):
@@ -105,6 +122,8 @@ def make_inputs(args, family, batch, seq_len, heads, dim):
 
 def family_run(family, backend, args):
     """``run(**inputs) -> output`` of one op."""
+    if backend == "fla":
+        return functools.partial(fla_attention, window_size=args.window if family == "swa_sink" else None)
     compress_block, compress_stride, select_block, select_top_k, window = args.nsa
     calls = {
         "swa_sink": lambda x: sparse.softmax_attention(
@@ -124,6 +143,61 @@ def family_run(family, backend, args):
         "csa": lambda x: csa_layer_op(x, *args.csa[:3], backend),
     }
     return lambda **x: calls[family](x)
+
+
+def fla_attention(q, k, v, sink, window_size):
+    """fla-core's parallel_attn in our conventions: the same layout [B, T, H, D] and scale
+    (D ** -0.5); query i sees keys i - window_size + 1 .. i (ours: window=(window_size - 1, 0)),
+    or every earlier key with None; sink_bias [H] (fp32) adds exp(sink) to the denominator, as
+    our sink does."""
+    from fla.ops.attn import parallel_attn
+
+    return parallel_attn(q, k, v, window_size=window_size, sink_bias=sink)
+
+
+def fla_unavailable(device: torch.device) -> str | None:
+    """Why fla-core's parallel_attn cannot run here, or None. (kernels.backends'
+    fla_unavailable_reason knows fla-core's chunked linear kernels only.)"""
+    try:
+        importlib.import_module("fla.ops.attn")
+    except ImportError as error:
+        return f"fla-core does not import ({error}); install fla-core>=0.6.0"
+    if device.type != "cuda":
+        return f"fla-core's kernels are Triton GPU kernels and need a CUDA device, not {device.type!r}"
+    return None
+
+
+def fla_check(family, args) -> dict:
+    """fla's op and ours (flex; gathered off CUDA), each against the fp32 reference on one
+    sequence of 2 * window tokens (so that the window cuts) with the benchmark's heads and head
+    dim: the relative error (Frobenius) of the output and of each input's gradient (of a fixed
+    random projection of the output). "failed" says which of fla's exceeds the tolerance."""
+    ours = "flex" if torch.device(args.device).type == "cuda" else "gathered"
+    shape = (1, 2 * args.window, args.heads, args.head_dim)
+    inputs = make_inputs(args, family, *shape)
+    projection = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(inputs["q"])
+
+    def output_and_grads(backend):
+        leaves = {name: t.detach().clone().requires_grad_() for name, t in inputs.items()}
+        out = family_run(family, backend, args)(**leaves)
+        grads = torch.autograd.grad(out, list(leaves.values()), projection)
+        return dict(out=out, **dict(zip(leaves, grads)))
+
+    reference = output_and_grads("reference")
+    errors = {backend: {name: relative_error(got, reference[name])
+                        for name, got in output_and_grads(backend).items()}
+              for backend in ("fla", ours)}
+    limits = {name: max(CHECK_TOLERANCE, 2 * error) for name, error in errors[ours].items()}
+    over = [f"{name} {errors['fla'][name]:.1e} > {limits[name]:.1e}"
+            for name in limits if errors["fla"][name] > limits[name]]
+    check = dict(against="fp32 reference", shape=list(shape), relative_errors=errors)
+    if over:
+        check["failed"] = "fla-core's op is off the reference: " + ", ".join(over)
+    shown = "; ".join(f"{backend}: " + ", ".join(f"{name} {error:.1e}" for name, error in by_name.items())
+                      for backend, by_name in errors.items())
+    log(f"{family}/fla: check against the fp32 reference at [B, T, H, D] = {shape}, relative errors "
+        f"{shown}: {'FAILED' if over else 'passed'}")
+    return check
 
 
 def dsa_layer_op(x, top_k, backend):
@@ -167,16 +241,20 @@ def csa_layer_op(x, rate, top_k, window, backend):
 
 def build_ops(args) -> list:
     device = torch.device(args.device)
+    fla_skip = fla_unavailable(device)
     ops = []
     for family in INPUTS:
+        make = lambda *shape, family=family: make_inputs(args, family, *shape)  # noqa: E731
         for backend in BACKENDS:
             skip = None
             if backend == "flex" and family in ("dsa", "csa"):
                 skip = f"{family.upper()} has no FlexAttention form (a per-token selection is no block mask)"
             elif backend == "flex" and device.type != "cuda":
                 skip = "FlexAttention has no backward on the CPU"
-            make = lambda *shape, family=family: make_inputs(args, family, *shape)  # noqa: E731
             ops.append(bench.Op(family, backend, make, family_run(family, backend, args), skip))
+        if family in FLA_FAMILIES:
+            check = functools.cache(functools.partial(fla_check, family, args))
+            ops.append(bench.Op(family, "fla", make, family_run(family, "fla", args), fla_skip, check))
     ops.append(bench.Op("sdpa", "torch", lambda *shape: bench.sdpa_inputs(*shape, device),
                         lambda **x: F.scaled_dot_product_attention(x["q"], x["k"], x["v"],
                                                                    is_causal=True)))
@@ -237,7 +315,7 @@ def parse_args(argv=None):
                         help="B * T, the same for every T")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--window", type=int, default=512, help="swa_sink: tokens in the window")
+    parser.add_argument("--window", type=int, default=512, help="swa_sink: tokens in the window (the fla check runs T = 2 * window)")
     parser.add_argument("--moba-block", type=int, default=512)
     parser.add_argument("--moba-top-k", type=int, default=3)
     parser.add_argument("--nsa", default="32,16,64,16,512",
@@ -255,6 +333,9 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, help="timed calls (default: 10; 3 on CPU)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/results/sparse_attention_h200.json")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the results already in --out and measure only what is missing "
+                             "(to finish a run that was cut short, or to add ops)")
     args = bench.finish_timing_args(parser, parser.parse_args(argv))
     args.nsa = [int(value) for value in args.nsa.split(",")]
     if len(args.nsa) != 5:
@@ -272,15 +353,8 @@ def main(argv=None):
     device = torch.device(args.device)
     ops = bench.select_ops(build_ops(args), args.ops)
     out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    record = dict(bench.environment(device), settings=vars(args), results=[])
-    log(f"{record['device']}, torch {torch.__version__}: {len(ops)} ops x T in {args.seq_lens}")
-    started = time.time()
-    for seq_len in args.seq_lens:
-        for op in ops:
-            record["results"].append(bench.measure(op, seq_len, args))
-            out.write_text(json.dumps(record, indent=1))
-    log(f"wrote {out} after {time.time() - started:.0f} s")
+    log(f"{len(ops)} ops x T in {args.seq_lens}")
+    record = bench.measure_all(ops, args, bench.environment(device), out)
     summary(record)
     plot(record, out.with_suffix(".png"))
     log(f"wrote {out.with_suffix('.png')}")

@@ -89,6 +89,19 @@ def use_cpu() -> None:
     shim = _torch_on_cpu()
     for name in _CUDA_LITERAL_MODULES:
         importlib.import_module(name).torch = shim
+
+    def pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        # Megatron's, whose chunk index is a pinned CUDA tensor: chunks rank and
+        # 2 CP - 1 - rank of 2 CP along seq_dim.
+        size, rank = cp_group.size(), cp_group.rank()
+        index = torch.tensor([rank, 2 * size - 1 - rank], device=pos_emb.device)
+        chunks = pos_emb.unflatten(seq_dim, (2 * size, -1)).index_select(seq_dim, index)
+        return chunks.flatten(seq_dim, seq_dim + 1)
+
+    # RoPE under CP: every module that imported the name.
+    for name in ("rope_utils", "rotary_pos_embedding", "yarn_rotary_pos_embedding"):
+        module = importlib.import_module(f"megatron.core.models.common.embeddings.{name}")
+        module.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
     _applied = True
 
 

@@ -134,6 +134,15 @@ class CompressedIndexer(LightningIndexer):
         self.key_norm = torch.nn.RMSNorm(self.dim, eps=self.config.layernorm_epsilon,
                                          dtype=self.config.params_dtype)
 
+    def _rope(self, x, freqs, cu_seqlens, cp_group):
+        """RoPE on ``x``, which holds whole sequences (under context parallelism too: the indexer
+        runs on the gathered input), with ``freqs`` the table of a sequence's positions: each
+        token at its position in its own sequence, with no CP split."""
+        if cu_seqlens is not None:
+            tokens = torch.arange(x.shape[0], device=x.device)
+            freqs = freqs[tokens - sparse.first_tokens(x.shape[0], cu_seqlens, x.device)]
+        return super()._rope(x, freqs, None, cp_group)
+
     def keys(self, x, rotary_pos_emb, cu_seqlens, cp_group):
         kv, gate = _split_compression(self.linear_compress(x), 1)
         entries = sparse.compress_kv(kv, gate, self.position_bias, rate=self.rate, overlap=True,
@@ -247,9 +256,27 @@ def _cu_seqlens(packed_seq_params):
     return cu_seqlens
 
 
+def _whole_sequence_tables(cp, rotary):
+    """Megatron's rotary tables ``(q, k)`` under context parallelism without packed sequences,
+    ``[2L, 1, 1, dim]`` at this rank's positions, -> those of the whole sequence
+    ``[T, 1, 1, dim]`` in global order (one all-gather per distinct table)."""
+    def whole(table):
+        return cp.gather_sequence(table.transpose(0, 1)).transpose(0, 1)
+
+    q_table, k_table = rotary
+    k_whole = whole(k_table)
+    return (k_whole if q_table is k_table else whole(q_table)), k_whole
+
+
 class HCASelfAttention(SelfAttention):
     """Megatron's SelfAttention plus the :class:`KVCompressor`, run on the layer's normalised
-    input before the attention; the core reads the entries as ``core_attention.compressed``."""
+    input before the attention; the core reads the entries as ``core_attention.compressed``.
+
+    RoPE: Megatron's attention rotates this rank's queries and keys as usual. The compressor's
+    entries and CSA's indexer cover whole sequences, under context parallelism too, so they read
+    the rotary table at positions in the whole sequence; under CP Megatron's table holds only
+    this rank's positions and is all-gathered first, except with packed sequences, for which
+    Megatron passes the table of a whole sequence."""
 
     def __init__(self, config, submodules, layer_number, *args, **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
@@ -271,12 +298,9 @@ class HCASelfAttention(SelfAttention):
         if rotary is not None and not isinstance(rotary, tuple):
             rotary = (rotary, rotary)
         cp = self.core_attention.cp
-        if cp is not None and rotary is not None:
-            raise NotImplementedError(
-                "CSA and HCA layers under context parallelism take no RoPE yet (the entries' "
-                "positions are global, Megatron's rotary table per rank; "
-                "position_embedding_type='none')")
         packed = None if cp is None or cu_seqlens is None else packed_layout(cp, cu_seqlens)
+        if cp is not None and packed is None and rotary is not None:
+            rotary = _whole_sequence_tables(cp, rotary)
         values, entries = self.compressor(hidden_states, cu_seqlens,
                                           self.core_attention.ext.sparse_backend, cp, packed)
         keys = values

@@ -7,8 +7,9 @@
   megatron_ext/parallel/README.md.
 - Model level: a tiny GPTModel with every linear mixer and '*' under CP = 2 (both methods),
   CP = 4, TP = 2 x CP = 2 and TP = 2 x CP = 2 + SP equals CP = 1 in loss and gradients, on a
-  batch and on packed documents; so do a model with sliding-window attention and sinks and one
-  with MoBA, NSA and DSA.
+  batch and on packed documents; so do a model with sliding-window attention and sinks, models
+  with MoBA, NSA, DSA, CSA and HCA, and one with CSA, attention, DSA and HCA under RoPE (on a
+  batch and on packed documents).
 """
 
 import contextlib
@@ -237,9 +238,9 @@ LAYOUTS = {
 def run_cp_layouts(rank, world_size, ckpt_dir):
     """Each layout of this world size: build, load the one-rank weights (the one-rank run saves
     them), one forward-backward on Megatron's CP split of a micro-batch, one on packed
-    documents, one of a model with windowed attention and sinks and one with MoBA, NSA and DSA (four
-    results per layout). The loss is the mean over all tokens, the gradients
-    summed over CP (as Megatron's finalize_model_grads does over its DP x CP group)."""
+    documents, then one of each model of OTHER_MODELS (a result each, in BATCHES' order). The
+    loss is the mean over all tokens, the gradients summed over CP (as Megatron's
+    finalize_model_grads does over its DP x CP group)."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
@@ -266,11 +267,12 @@ def run_cp_layouts(rank, world_size, ckpt_dir):
                        packed_seq_params=params)
         results.append(_step_result(model, config, losses.sum() / tokens.shape[1], group))
         # The other models, each with weights of its own.
-        for name, (pattern, ext_options, overrides, packed) in OTHER_MODELS.items():
+        for name, (pattern, ext_options, overrides, packed, position_embedding) in OTHER_MODELS.items():
             ext = ExtConfig(pattern=pattern, context_parallel_method=method, kernel_backend="chunked",
                             **ext_options)
             (model,), config = harness.build_layout(ext, tp=tp, sequence_parallel=sp, cp=cp,
-                                                    config_overrides=overrides)
+                                                    config_overrides=overrides,
+                                                    position_embedding_type=position_embedding)
             model_ckpt = f"{ckpt_dir}-{name}"
             if world_size == 1:
                 os.makedirs(model_ckpt, exist_ok=True)
@@ -287,16 +289,24 @@ def run_cp_layouts(rank, world_size, ckpt_dir):
 
 
 # name: (pattern, ExtConfig options, TransformerConfig overrides, on packed documents rather
-# than the batch). Sliding-window attention with a learnable sink; MoBA, NSA and DSA with a
-# sink and CSA and HCA (all-to-all over heads, so 8 query and 4 key/value heads: divisible by
-# TP * CP in every layout); all five on packed documents; each next to a linear mixer.
+# than the batch, position_embedding_type). Sliding-window attention with a learnable sink;
+# MoBA, NSA and DSA with a sink and CSA and HCA (all-to-all over heads, so 8 query and 4
+# key/value heads: divisible by TP * CP in every layout); all five on packed documents; each
+# next to a linear mixer. Then CSA, '*', DSA and HCA with RoPE (head dim 8, all rotary: the
+# indexers' dim of 8 covers it), on the batch and on packed documents.
 OTHER_MODELS = {
-    "window_sink": ("*G*", {}, dict(window_size=(5, 0), softmax_type="learnable"), False),
+    "window_sink": ("*G*", {}, dict(window_size=(5, 0), softmax_type="learnable"), False, "none"),
     "sparse": ("BGSD", harness.SHORT_SPARSE,
-               dict(softmax_type="learnable", num_attention_heads=8, num_query_groups=4), False),
-    "compressed": ("CGH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4), False),
+               dict(softmax_type="learnable", num_attention_heads=8, num_query_groups=4), False,
+               "none"),
+    "compressed": ("CGH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4), False,
+                   "none"),
     "sparse_packed": ("BSDGCH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4),
-                      True),
+                      True, "none"),
+    "rope": ("C*DH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4), False,
+             "rope"),
+    "rope_packed": ("C*DH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4),
+                    True, "rope"),
 }
 
 

@@ -1,0 +1,101 @@
+"""benchmarks/sparse_attention.py on the CPU: the fla ops are skipped with the reason, --resume
+measures only the missing (op, T) rows, and the check before an fla op's timing passes a kernel
+with fla-core's documented semantics (fla-core 0.6.0's parallel_attn, written out densely here:
+fla-core itself needs CUDA) and keeps a wrong one from being timed."""
+
+import importlib.util
+import json
+import pathlib
+import sys
+import types
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# The docstring's CPU shapes.
+SMALL = ["--device", "cpu", "--batch-tokens", "512", "--heads", "2", "--head-dim", "16",
+         "--window", "32", "--moba-block", "32", "--moba-top-k", "2", "--nsa", "8,4,16,3,32",
+         "--dsa", "16,2,8", "--hca", "16,32", "--csa", "4,8,32,2,8", "--warmup", "1", "--reps", "1"]
+
+
+@pytest.fixture(scope="module")
+def benchmark():
+    spec = importlib.util.spec_from_file_location("sparse_attention_benchmark",
+                                                  ROOT / "benchmarks" / "sparse_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fla_skipped_on_cpu_and_resume_measures_only_the_missing_rows(benchmark, tmp_path):
+    out = tmp_path / "sparse.json"
+    benchmark.main(SMALL + ["--seq-lens", "128", "--ops", "swa_sink,sdpa", "--out", str(out)])
+    first = json.loads(out.read_text())["results"]
+    assert [r["op"] for r in first] == ["swa_sink/flex", "swa_sink/gathered", "swa_sink/fla", "sdpa/torch"]
+    fla = first[2]
+    assert "fwd_ms" not in fla and "fla-core" in fla["fwd_error"] and "fla-core" in fla["fwd_bwd_error"]
+
+    benchmark.main(SMALL + ["--seq-lens", "128,256", "--ops", "swa_sink/gathered,sdpa", "--out", str(out),
+                            "--resume"])
+    second = json.loads(out.read_text())["results"]
+    assert second[:4] == first  # kept as they were, not measured again
+    assert [(r["op"], r["seq_len"]) for r in second[4:]] == [("swa_sink/gathered", 256), ("sdpa/torch", 256)]
+    assert all(r["fwd_bwd_ms"] > 0 for r in second[4:])
+
+
+def documented_parallel_attn(q, k, v, g=None, scale=None, window_size=None, cu_seqlens=None,
+                             chunk_indices=None, *, sink_bias=None, log2_sink=False):
+    """fla.ops.attn.parallel_attn as its docstring defines it: q, k, v [B, T, H, D], scale
+    D ** -0.5 by default, query i sees keys [i - window_size + 1, i] (all earlier with None),
+    and exp(sink_bias[h]) joins each row's softmax denominator. ``log2_sink``: a wrong kernel,
+    adding 2 ** sink_bias[h] instead (fla's kernels work in base 2)."""
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale
+    positions = torch.arange(q.shape[1])
+    behind = positions[:, None] - positions[None, :]
+    visible = (behind >= 0) & (behind < (window_size or q.shape[1]))
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sink_bias is not None:
+        sink = sink_bias.float() * (torch.log(torch.tensor(2.0)) if log2_sink else 1)
+        sink = sink[None, :, None, None].expand(*scores.shape[:3], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return torch.einsum("bhts,bshd->bthd", probs, v.float()).to(v.dtype)
+
+
+@pytest.fixture
+def fake_fla(benchmark, monkeypatch):
+    """fla.ops.attn.parallel_attn as documented (``fake_fla.log2_sink = True``: a wrong one),
+    with the benchmark's CUDA rule lifted so that its fla ops run on the CPU."""
+    attn = types.ModuleType("fla.ops.attn")
+    attn.log2_sink = False
+    attn.parallel_attn = lambda *a, **kw: documented_parallel_attn(*a, **kw, log2_sink=attn.log2_sink)
+    for name, module in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
+                         ("fla.ops.attn", attn)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(benchmark, "fla_unavailable", lambda device: None)
+    return attn
+
+
+@pytest.mark.parametrize("family", ["swa_sink", "causal_sink"])
+def test_fla_op_is_checked_then_timed(benchmark, fake_fla, family):
+    args = benchmark.parse_args(SMALL + ["--seq-lens", "128"])
+    [op] = benchmark.bench.select_ops(benchmark.build_ops(args), f"{family}/fla")
+    row = benchmark.bench.measure(op, 128, args)
+    check = row["check"]
+    assert "failed" not in check and check["shape"] == [1, 64, 2, 16]
+    assert set(check["relative_errors"]["fla"]) == {"out", "q", "k", "v", "sink"}
+    assert max(check["relative_errors"]["fla"].values()) < 1e-2
+    assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
+
+
+def test_a_wrong_fla_op_is_not_timed(benchmark, fake_fla):
+    fake_fla.log2_sink = True
+    args = benchmark.parse_args(SMALL + ["--seq-lens", "128"])
+    [op] = benchmark.bench.select_ops(benchmark.build_ops(args), "swa_sink/fla")
+    row = benchmark.bench.measure(op, 128, args)
+    assert "sink" in row["check"]["failed"]
+    assert "fwd_ms" not in row and "fwd_bwd_ms" not in row
+    assert row["fwd_error"] == row["fwd_bwd_error"] and "check failed" in row["fwd_error"]
