@@ -137,8 +137,10 @@ _BATCH_KEYS = (("tokens", torch.int64), ("labels", torch.int64),
 
 def _batch_on_this_rank(data_iterator) -> dict[str, torch.Tensor]:
     """The micro-batch: read by tensor-parallel rank 0 (the only one with a data loader) and
-    broadcast to the other ranks of its TP group."""
+    broadcast to the other ranks of its TP group; under context parallelism, this rank's two of
+    the sequence's ``2 * CP`` chunks (Megatron's load-balanced layout, as its ``pretrain_gpt``)."""
     from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
     from megatron.training import get_args
 
     args = get_args()
@@ -152,7 +154,8 @@ def _batch_on_this_rank(data_iterator) -> dict[str, torch.Tensor]:
         for key, _ in _BATCH_KEYS:
             torch.distributed.broadcast(batch[key], parallel_state.get_tensor_model_parallel_src_rank(),
                                         group=parallel_state.get_tensor_model_parallel_group())
-    return batch
+    return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                     cp_group=parallel_state.get_context_parallel_group())
 
 
 def _loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
