@@ -292,10 +292,13 @@ SEQ, BATCH, VOCAB, MICRO_BATCHES = 24, 2, 96, 2
 
 
 def layout_batches():
+    """The micro-batches, on this rank's GPU in an NCCL world (Megatron's CP split indexes them
+    there)."""
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (MICRO_BATCHES, BATCH, SEQ + 1), generator=g)
-    return [dict(tokens=t[:, :-1], labels=t[:, 1:],
-                 position_ids=torch.arange(SEQ).expand(BATCH, SEQ)) for t in tokens]
+    device = "cuda" if on_gpu() else "cpu"
+    return [dict(tokens=t[:, :-1].to(device), labels=t[:, 1:].to(device),
+                 position_ids=torch.arange(SEQ, device=device).expand(BATCH, SEQ)) for t in tokens]
 
 
 def build_layout(ext, tp=1, pp=1, vpp=None, sequence_parallel=False, spec="block",
