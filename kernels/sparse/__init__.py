@@ -7,7 +7,7 @@ Backends, with one signature per op:
                 the key blocks it visits; any device, memory linear in T (gathered.py)
     flex        the same layout as a FlexAttention BlockMask; compiled on CUDA; on the CPU
                 forward only (flex.py)
-"auto" is flex on CUDA and gathered elsewhere. ``layout_blocks=(q_block, kv_block)`` overrides
+"auto" is flex on CUDA (head dims of 16 or more) and gathered elsewhere. ``layout_blocks=(q_block, kv_block)`` overrides
 the layout's block sizes (defaults: 128 x 128 for flex, 64 x 64 for gathered; 16 x 64 for
 NSA's selected branch in gathered, whose queries pick their own blocks); the result does not
 depend on them.
@@ -52,11 +52,20 @@ BACKENDS = ("auto", "reference", "gathered", "flex")
 _EXECUTORS = {"gathered": gathered_attention, "flex": flex_attention_layout}
 
 
-def _backend(backend: str, device: torch.device) -> str:
+# FlexAttention's compiled CUDA kernels take head dims of 16 and more (torch 2.11).
+FLEX_MIN_HEAD_DIM = 16
+
+
+def _backend(backend: str, q: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"{OP}: backend={backend!r} is not one of {list(BACKENDS)}")
+    flex_fits = q.shape[-1] >= FLEX_MIN_HEAD_DIM or q.device.type != "cuda"
     if backend == "auto":
-        return "flex" if device.type == "cuda" else "gathered"
+        return "flex" if q.device.type == "cuda" and flex_fits else "gathered"
+    if backend == "flex" and not flex_fits:
+        raise ValueError(f"{OP}: backend='flex' needs a head dim of at least "
+                         f"{FLEX_MIN_HEAD_DIM} on CUDA (FlexAttention's kernels); got "
+                         f"{q.shape[-1]}: use 'gathered' or 'auto'")
     return backend
 
 
@@ -81,7 +90,7 @@ def softmax_attention(q, k, v, *, causal=True, window=None, sink=None, scale=Non
     (True = may attend). q ``[B, T, Hq, D]``, k, v ``[B, S, Hkv, D]`` -> ``[B, T, Hq, D]``."""
     check_qkv(OP, q, k, v)
     _check_sink(sink, q)
-    name = _backend(backend, q.device)
+    name = _backend(backend, q)
     if name == "reference":
         return softmax_attention_reference(q, k, v, causal=causal, window=window, sink=sink,
                                            scale=scale, cu_seqlens=cu_seqlens, allowed=allowed)
@@ -115,7 +124,7 @@ def moba_attention(q, k, v, *, block_size, top_k, window=None, sink=None, scale=
     if k.shape[1] != seq_len:
         raise ValueError(f"{OP}: MoBA is self-attention; k has {k.shape[1]} tokens, q {seq_len}")
     _check_top_k(top_k, math.ceil(seq_len / block_size), f"MoBA with block_size={block_size}")
-    name = _backend(backend, q.device)
+    name = _backend(backend, q)
     if name == "reference":
         return moba_attention_reference(q, k, v, block_size=block_size, top_k=top_k,
                                         window=window, sink=sink, scale=scale, allowed=allowed)
@@ -160,7 +169,7 @@ def nsa_attention(q, k, v, gates, k_weights, v_weights, *, compress_block, compr
                          "the 2 local blocks are always selected)")
     _check_top_k(select_top_k, math.ceil(seq_len / select_block),
                  f"NSA with select_block={select_block}")
-    name = _backend(backend, q.device)
+    name = _backend(backend, q)
     sizes = dict(compress_block=compress_block, compress_stride=compress_stride,
                  select_block=select_block, select_top_k=select_top_k)
     if name == "reference":
@@ -353,7 +362,7 @@ def compressed_attention(q, k, v, compressed_k, compressed_v, *, rate, window, s
                          f"tokens, q {seq_len}")
     entries = compressed_entries(seq_len, rate, cu_seqlens, q.device)
     _check_entries(compressed_k, compressed_v, k, len(entries), rate)
-    name = _backend(backend, q.device)
+    name = _backend(backend, q)
     if name == "reference":
         return compressed_attention_reference(q, k, v, compressed_k, compressed_v, rate=rate,
                                               window=window, sink=sink, scale=scale,

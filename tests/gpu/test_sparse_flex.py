@@ -78,3 +78,16 @@ def test_bf16_flex_close_to_fp32_reference(case):
         expected = CASES[case]({n: t.float() for n, t in x.items()}, backend="reference")
     err = (out.float() - expected).abs().max().item()
     assert err <= 3 * 2**-8 * x["v"].float().abs().max().item(), err
+
+
+def test_small_head_dim_auto_runs_gathered_and_flex_refuses():
+    """FlexAttention's CUDA kernels need head dims >= 16: at 8, "auto" runs the gathered path
+    (equal to the reference) and an explicit "flex" says why it cannot."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, 40, HQ if i == 0 else HKV, 8, device="cuda", generator=g)
+               for i in range(3))
+    out = sparse.moba_attention(q, k, v, block_size=16, top_k=2, backend="auto")
+    expected = sparse.moba_attention(q, k, v, block_size=16, top_k=2, backend="reference")
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="head dim of at least 16"):
+        sparse.moba_attention(q, k, v, block_size=16, top_k=2, backend="flex")
