@@ -113,6 +113,19 @@ def fla_unavailable_reason(kind: str, device, requires_grad: bool) -> str | None
 # ---------------------------------------------------------------------------- self-check + auto
 _VERDICTS: dict[tuple[str, str], dict] = {}  # (op, device key) -> {"passed": bool, "reason": str}
 
+# The head dims (K and V) our Triton kernels take: tl.dot wants power-of-two tiles of 16 or more.
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def triton_dims_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why our Triton kernels do not take these head dims (K = q's last, V = v's), or None.
+    ``backend="auto"`` then runs chunked; ``backend="triton"`` raises ValueError."""
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
+    if key_dim in TRITON_HEAD_DIMS and value_dim in TRITON_HEAD_DIMS:
+        return None
+    return (f"K = {key_dim}, V = {value_dim}: the Triton kernels take head dims "
+            f"{', '.join(map(str, TRITON_HEAD_DIMS))}")
+
 
 def decay_triton_declined_reason(q: torch.Tensor, g: torch.Tensor | None) -> str | None:
     """Why our decay Triton kernels decline these inputs, or None: on CUDA tensor cores (bf16 or

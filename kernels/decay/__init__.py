@@ -9,8 +9,8 @@ Backends, with one signature and one layout:
     fla         fla-core's chunk_simple_gla / chunk_gla, CUDA only, where
                 kernels.backends.fla_unavailable_reason allows (fla.py)
 "auto" is kernels.backends.auto_backend: triton on CUDA once it has passed its self-check on
-this GPU, for the inputs it takes (kernels.backends.decay_triton_declined_reason), chunked
-otherwise.
+this GPU, for the head dims and inputs it takes (kernels.backends.triton_dims_reason and
+decay_triton_declined_reason), chunked otherwise.
 """
 from .. import backends
 from .chunked import decay_linear_attention_chunked
@@ -80,7 +80,8 @@ def decay_linear_attention(
         fp64 inputs), or None when output_final_state is False.
     """
     name = backends.auto_backend(OP, q.device) if backend == "auto" else backend
-    if backend == "auto" and name == "triton" and backends.decay_triton_declined_reason(q, g):
+    if backend == "auto" and name == "triton" and (
+            backends.triton_dims_reason(q, v) or backends.decay_triton_declined_reason(q, g)):
         name = "chunked"
     if name not in _BACKENDS:
         known = ", ".join(repr(known_name) for known_name in ["auto", *_BACKENDS])

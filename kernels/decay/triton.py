@@ -104,11 +104,10 @@ import triton.language as tl
 from .. import backends
 from .reference import OP, check_inputs
 
-__all__ = ["decay_linear_attention_triton", "LAUNCH", "SUPPORTED_DIMS"]
+__all__ = ["decay_linear_attention_triton", "LAUNCH"]
 
 CHUNK = 64  # tokens per chunk (BT in the kernels)
 SUB_CHUNK = 16  # tokens per sub-chunk of the per-channel decay (BC in the kernels)
-SUPPORTED_DIMS = (16, 32, 64, 128, 256)  # K and V
 LAUNCH = {"num_warps": 4, "num_stages": 2}
 _NO_DECAY, _SCALAR_DECAY, _CHANNEL_DECAY = 0, 1, 2  # the kernels' DECAY
 _RUNTIME_INTS = ["H_K", "H_V"]  # not specialised on: one compiled kernel for every head count
@@ -797,10 +796,9 @@ def _check_supported(q, k, v, g) -> None:
     'triton' cannot run ...", which the self-check reports as a skip) fp64 inputs, tensors off
     CUDA outside Triton's interpreter and what kernels.backends.decay_triton_declined_reason
     names."""
-    for name, dim in (("K", q.shape[-1]), ("V", v.shape[-1])):
-        if dim not in SUPPORTED_DIMS:
-            raise ValueError(f"{OP}: backend 'triton' supports K and V in {list(SUPPORTED_DIMS)} "
-                             f"(powers of two from 16 to 256), got {name} = {dim}")
+    unsupported = backends.triton_dims_reason(q, v)
+    if unsupported:
+        raise ValueError(f"{OP}: backend 'triton' cannot run {unsupported}")
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             _refuse(f"{name} in {tensor.dtype} (float32, bfloat16 and float16 only)")

@@ -8,7 +8,7 @@ Backends, with one signature and one layout:
     fla         fla-core's Triton kernels, CUDA only, where
                 kernels.backends.fla_unavailable_reason allows (fla.py)
 "auto" is kernels.backends.auto_backend: triton on CUDA once it has passed its self-check on
-this GPU, chunked otherwise.
+this GPU, for the head dims it takes (kernels.backends.triton_dims_reason), chunked otherwise.
 """
 from .. import backends
 from .chunked import gated_delta_rule_chunked
@@ -81,6 +81,8 @@ def gated_delta_rule(
         fp64 inputs), or None when output_final_state is False; then the write residual if asked.
     """
     name = backends.auto_backend(OP, q.device) if backend == "auto" else backend
+    if backend == "auto" and name == "triton" and backends.triton_dims_reason(q, v):
+        name = "chunked"
     if name not in _BACKENDS:
         known = ", ".join(repr(known_name) for known_name in ["auto", *_BACKENDS])
         raise ValueError(f"gated_delta_rule: unknown backend {backend!r}; known backends: {known}")

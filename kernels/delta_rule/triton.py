@@ -95,11 +95,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import backends
 from .reference import check_inputs
 
-__all__ = ["SUPPORTED_DIMS", "gated_delta_rule_triton", "triton_unavailable_reason"]
+__all__ = ["gated_delta_rule_triton", "triton_unavailable_reason"]
 
-SUPPORTED_DIMS = (16, 32, 64, 128, 256)
 _C = tl.constexpr(64)    # chunk size
 _SUB = tl.constexpr(16)  # sub-block of the per-channel decay and of the triangular inverse
 _NUM_STAGES = 2
@@ -903,17 +903,16 @@ def gated_delta_rule_triton(
     dtype, the fp32 final state ``[N, Hv, K, V]`` (or None), and with ``return_write_residual``
     the write residual ``[B, T, Hv, V]`` in fp32, all with gradients.
 
-    Raises ValueError for K or V outside SUPPORTED_DIMS (tl.dot wants power-of-two tiles of at
-    least 16), and RuntimeError ("gated_delta_rule: backend 'triton' cannot run ...") off CUDA
+    Raises ValueError for K or V outside kernels.backends.TRITON_HEAD_DIMS (tl.dot wants
+    power-of-two tiles of at least 16), and RuntimeError ("gated_delta_rule: backend 'triton' cannot run ...") off CUDA
     (unless Triton's interpreter is on, TRITON_INTERPRET=1) or for fp64 inputs.
     """
     check_inputs(q, k, v, beta=beta, g=g, erase=erase, write=write, initial_state=initial_state,
                  cu_seqlens=cu_seqlens)
-    key_dim, value_dim = q.shape[-1], v.shape[-1]
-    if key_dim not in SUPPORTED_DIMS or value_dim not in SUPPORTED_DIMS:
-        raise ValueError(
-            f"gated_delta_rule: backend 'triton' supports key and value head dims "
-            f"{', '.join(map(str, SUPPORTED_DIMS))}; got K = {key_dim}, V = {value_dim}")
+    unsupported = backends.triton_dims_reason(q, v)
+    if unsupported:
+        raise ValueError(f"gated_delta_rule: backend 'triton' cannot run {unsupported}")
+    key_dim = q.shape[-1]
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     reason = triton_unavailable_reason(q.device, dtype)
     if reason is not None:

@@ -45,3 +45,28 @@ def test_auto_follows_the_verdict(monkeypatch):
     assert backends.auto_backend("gated_delta_rule", "cuda:0") == "triton"
     assert backends.auto_backend("decay_linear_attention", "cuda:0") == "chunked"
     assert backends.auto_backend("gated_delta_rule", "cpu") == "chunked"
+
+
+def test_auto_runs_chunked_for_head_dims_the_triton_kernels_do_not_take(monkeypatch):
+    """Where "auto" would pick triton (a GPU whose self-check passed), head dims outside
+    TRITON_HEAD_DIMS (Mamba-2's state dim 8, a summary's V + K = 384) run the chunked form
+    instead of raising. Simulated on the CPU by making auto answer triton."""
+    from megatron_ext.kernels import decay_linear_attention, gated_delta_rule
+    from megatron_ext.kernels.decay import decay_linear_attention_reference
+    from megatron_ext.kernels.delta_rule import gated_delta_rule_reference
+
+    monkeypatch.setattr(backends, "auto_backend", lambda op, device: "triton")
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 9, 2, 8, generator=g) for _ in range(2))
+    v = torch.randn(1, 9, 2, 24, generator=g)
+    beta = torch.rand(1, 9, 2, generator=g)
+    decay = -torch.rand(1, 9, 2, generator=g)
+    torch.testing.assert_close(decay_linear_attention(q, k, v, g=decay, backend="auto")[0],
+                               decay_linear_attention_reference(q, k, v, g=decay)[0])
+    torch.testing.assert_close(gated_delta_rule(q, k / k.norm(dim=-1, keepdim=True), v, beta=beta,
+                                                backend="auto")[0],
+                               gated_delta_rule_reference(q, k / k.norm(dim=-1, keepdim=True), v,
+                                                          beta=beta)[0])
+    assert backends.triton_dims_reason(q, v) == ("K = 8, V = 24: the Triton kernels take head dims "
+                                                 "16, 32, 64, 128, 256")
+    assert backends.triton_dims_reason(torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 1, 128)) is None
