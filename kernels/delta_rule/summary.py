@@ -9,9 +9,13 @@ x_t = w_t * v_t) is affine in the state, so a stretch of T tokens entered with s
 Both come from ONE call of the op: the columns of the state evolve independently, each driven by
 its own value column, so entering with ``[0 | I_K]`` while writing the values ``[v | 0]``
 leaves ``[H | M I_K] = [H | M]``. Any backend of the op therefore gives the summary, with its
-own backward; the cost is one run with V + K value channels.
+own backward; the cost is one run with V + K value channels. Where V + K is no head dim our
+Triton kernels take but V and K are (e.g. K = 64, V = 128), the same columns run as two calls,
+``[v]`` from 0 and ``[0]`` from ``I_K``, so that a GPU keeps its Triton kernels.
 """
 import torch
+
+from .. import backends
 
 __all__ = ["gated_delta_rule_summary"]
 
@@ -31,15 +35,21 @@ def gated_delta_rule_summary(k, v, *, beta=None, g=None, erase=None, write=None,
     batch, seq_len, _, key_dim = k.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     sequences = batch if cu_seqlens is None else len(cu_seqlens) - 1
-    values = torch.cat([v, v.new_zeros(batch, seq_len, value_heads, key_dim)], dim=-1)
-    if write is not None:  # the gate of the zero columns is irrelevant
-        write = torch.cat([write, write.new_ones(batch, seq_len, value_heads, key_dim)], dim=-1)
     dtype = torch.promote_types(torch.float32, v.dtype)
-    entering = torch.cat([
-        torch.zeros(sequences, value_heads, key_dim, value_dim, dtype=dtype, device=v.device),
-        torch.eye(key_dim, dtype=dtype, device=v.device).expand(sequences, value_heads, key_dim, key_dim),
-    ], dim=-1)
-    _, final = gated_delta_rule(k, k, values, beta=beta, g=g, erase=erase, write=write,
+
+    def final_state(values, write, entering):
+        return gated_delta_rule(k, k, values, beta=beta, g=g, erase=erase, write=write,
                                 initial_state=entering, output_final_state=True,
-                                cu_seqlens=cu_seqlens, backend=backend)
+                                cu_seqlens=cu_seqlens, backend=backend)[1]
+
+    zeros = v.new_zeros(batch, seq_len, value_heads, key_dim)
+    ones = None if write is None else write.new_ones(batch, seq_len, value_heads, key_dim)  # any gate
+    zero_start = torch.zeros(sequences, value_heads, key_dim, value_dim, dtype=dtype, device=v.device)
+    identity = torch.eye(key_dim, dtype=dtype, device=v.device).expand(sequences, value_heads,
+                                                                      key_dim, key_dim)
+    values = torch.cat([v, zeros], dim=-1)
+    if backends.triton_dims_reason(k, values) and not backends.triton_dims_reason(k, v):
+        return final_state(zeros, ones, identity), final_state(v, write, zero_start)
+    write = None if write is None else torch.cat([write, ones], dim=-1)
+    final = final_state(values, write, torch.cat([zero_start, identity], dim=-1))
     return final[..., value_dim:], final[..., :value_dim]

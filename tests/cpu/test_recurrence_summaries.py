@@ -27,10 +27,13 @@ def _delta_rule_transition_by_steps(k, beta, g, erase):
     return product
 
 
+@pytest.mark.parametrize("dims", [(8, 12), (16, 32)], ids=["one_call", "two_calls"])
 @pytest.mark.parametrize("case", DELTA_RULE_CASES)
 @pytest.mark.parametrize("backend", ["reference", "chunked"])
-def test_delta_rule_summary_composes_the_token_steps(case, backend):
-    inputs = delta_rule_inputs(case, seq_len=11, with_initial_state=False)
+def test_delta_rule_summary_composes_the_token_steps(case, backend, dims):
+    """Also where V + K = 48 is no Triton head dim but K = 16 and V = 32 are: two op calls."""
+    inputs = delta_rule_inputs(case, seq_len=11, with_initial_state=False, key_dim=dims[0],
+                               value_dim=dims[1])
     gates = {n: inputs.get(n) for n in ("beta", "g", "erase", "write")}
     transition, state = gated_delta_rule_summary(inputs["k"], inputs["v"], **gates, backend=backend)
     expected = _delta_rule_transition_by_steps(inputs["k"], gates["beta"], gates["g"], gates["erase"])
