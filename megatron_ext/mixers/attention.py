@@ -31,6 +31,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
@@ -204,8 +205,10 @@ class SDPACoreAttention(SoftmaxCoreAttention):
         cu_seqlens = None
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu_seqlens = packed_seq_params.cu_seqlens_q
-        k, v, allowed = gather_keys_values(self.cp, q, k, v, cu_seqlens, self.window)
         sink = self.sink(q.device)
+        if cu_seqlens is None and self.window is None and sink is None:
+            return self._attend_chunks_causally(q, k, v)
+        k, v, allowed = gather_keys_values(self.cp, q, k, v, cu_seqlens, self.window)
         if self.window is not None or sink is not None:  # the mask carries the window
             return sparse.softmax_attention(q, k, v, causal=False, sink=sink, scale=self.softmax_scale,
                                             allowed=allowed[None, None], backend=self.ext.sparse_backend)
@@ -216,6 +219,27 @@ class SDPACoreAttention(SoftmaxCoreAttention):
                 q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=self.softmax_scale,
                 enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(1, 2)
+
+    def _attend_chunks_causally(self, q, k, v):
+        """Plain causal attention under CP: each of this rank's two chunks (L tokens, global
+        chunk c) attends to the gathered keys 0 .. (c + 1) L - 1 with a causal mask aligned to
+        the lower right, which SDPA runs in its flash / memory-efficient kernels. No ``[2L, T]``
+        mask, and no work on the keys after a chunk (half of a full ``2L x T`` product)."""
+        length = self.cp.check_local_length(q.shape[1])
+        k, v = self.cp.gather_sequence(k), self.cp.gather_sequence(v)
+        dropout_p = self.dropout_p if self.training else 0.0
+        outputs = []
+        with self._dropout_rng(dropout_p):
+            for half, chunk in enumerate(self.cp.chunks):
+                end = (chunk + 1) * length
+                q_chunk, k_seen, v_seen = (x.transpose(1, 2) for x in (
+                    q[:, half * length:(half + 1) * length], k[:, :end], v[:, :end]))
+                out = F.scaled_dot_product_attention(
+                    q_chunk, k_seen, v_seen, attn_mask=causal_lower_right(length, end),
+                    dropout_p=dropout_p, scale=self.softmax_scale,
+                    enable_gqa=q_chunk.shape[1] != k_seen.shape[1])
+                outputs.append(out.transpose(1, 2))
+        return torch.cat(outputs, dim=1)
 
     @staticmethod
     def _allowed_mask(q, k, attention_mask, mask_type, packed_seq_params):

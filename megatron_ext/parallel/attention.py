@@ -3,7 +3,10 @@
 Each rank keeps its queries (Megatron's load-balanced chunks r and 2CP-1-r), gathers the keys
 and values of the whole sequence in global order, and masks with the global positions: query
 at position p may see key position j iff ``j <= p``. Backward is the all-gather's:
-a reduce-scatter of dK and dV.
+a reduce-scatter of dK and dV. (Plain causal attention skips the mask: the SDPA core runs each
+local chunk against the keys up to its end with a lower-right causal mask, see
+``SDPACoreAttention._attend_chunks_causally``; packed sequences, windows and sinks take the mask
+built here.)
 
 Why an all-gather for this mixer (rather than all-to-all or a ring):
 
