@@ -10,6 +10,9 @@
   batch and on packed documents; so do a model with sliding-window attention and sinks, models
   with MoBA, NSA, DSA, CSA and HCA, and one with CSA, attention, DSA and HCA under RoPE (on a
   batch and on packed documents).
+- Sparse mixers' volumes: the bytes one layer of MoBA, NSA, DSA, CSA or HCA (and DSA's and
+  CSA's dense warm-up) moves under CP = 2 with RoPE, forward and backward, by kind, equal the
+  README's formulas.
 """
 
 import contextlib
@@ -369,3 +372,108 @@ def test_state_passing_equals_all_to_all(cp_runs, batch):
     harness.assert_same_run(cp_runs[("all_to_all", 1, 2, False, batch)],
                             cp_runs[("state_passing", 1, 2, False, batch)],
                             atol=1e-6)
+
+
+# ------------------------------------------------------------------ sparse mixers' volumes
+@contextlib.contextmanager
+def counted_all_reduce():
+    """Count the all-reduces over groups of more than one rank: the bytes a rank receives in a
+    ring all-reduce (a reduce-scatter, then an all-gather) of an N-byte tensor, 2 (CP-1)/CP N."""
+    counts = {"all_reduce": 0}
+    original = dist.all_reduce
+
+    def call(tensor, *args, **kwargs):
+        group = kwargs.get("group", args[1] if len(args) > 1 else None) or dist.group.WORLD
+        size = group.size()
+        counts["all_reduce"] += 2 * tensor.numel() * tensor.element_size() * (size - 1) // size
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = call
+    try:
+        yield counts
+    finally:
+        dist.all_reduce = original
+
+
+# name: (pattern symbol, ExtConfig options): each a GPTModel of that one layer under RoPE.
+SPARSE_LAYERS = {"moba": ("B", {}), "nsa": ("S", {}), "dsa": ("D", {}), "csa": ("C", {}),
+                 "hca": ("H", {}), "dsa_warmup": ("D", dict(dsa_stage="dense_warmup")),
+                 "csa_warmup": ("C", dict(dsa_stage="dense_warmup"))}
+
+
+def _sparse_layer_volumes(symbol, ext, config, batch, seq_len, rotary_dims, cp):
+    """README formulas: bytes a rank receives in one sparse layer's forward and its backward,
+    by kind (``all_reduce`` as counted by :func:`counted_all_reduce`)."""
+    share = lambda nbytes: nbytes * (cp - 1) // cp  # noqa: E731  (CP-1)/CP of a whole tensor
+    hq, hkv, d, hidden = (config.num_attention_heads, config.num_query_groups, config.kv_channels,
+                          config.hidden_size)
+    e, fp32, local = config.params_dtype.itemsize, 4, seq_len // cp
+    all_to_all = share(batch * local * (2 * hq + 2 * hkv) * d * e)  # q, k, v and the output
+    gathered = gathered_back = target = 0
+    if symbol == "S":  # NSA's three branch gates per query head, fp32
+        all_to_all += share(batch * local * 3 * hq * fp32)
+    if symbol == "D":  # the indexer's outputs q_I, k_I, w; backward: reduce-scatter
+        hi, di = ext.dsa_indexer_heads, ext.dsa_indexer_dim
+        gathered = gathered_back = share(batch * seq_len * (hi * di + di + hi) * e)
+    if symbol in "CH":  # the compressor's values and gate logits, C channels each per kv head
+        channels = 2 * d if symbol == "C" else d
+        all_to_all += share(batch * local * hkv * 2 * channels * e)
+        gathered += share(seq_len * rotary_dims * fp32)  # Megatron's rotary table (no grad)
+    if symbol == "C":  # the indexer's (detached) input, the layer's normalised hidden state
+        gathered += share(batch * seq_len * hidden * e)
+    if symbol in "DC":  # the indexer loss's target: attention mass over S keys per query, fp32
+        entries = seq_len if symbol == "D" else seq_len // ext.csa_compress_rate
+        top_k = ext.dsa_top_k if symbol == "D" else ext.csa_top_k
+        # Dense warm-up: every key a query chunk reaches; here one chunk of queries, all keys.
+        keys = entries if ext.dsa_stage == "dense_warmup" else min(top_k, entries)
+        target = 2 * share(batch * seq_len * keys * fp32)
+    forward = dict(all_gather=gathered, reduce_scatter=0, all_to_all=all_to_all, all_reduce=target)
+    # Backward: the reverse all-to-alls, the reduce-scatter of the gathers that carry gradients,
+    # and the target's all-reduce again (the loss's chunks are recomputed in backward). In the
+    # dense warm-up only the indexers train: q, k and v get no gradient, the output still does.
+    if ext.dsa_stage == "dense_warmup":
+        all_to_all = share(batch * local * hq * d * e)
+    backward = dict(all_gather=0, reduce_scatter=gathered_back, all_to_all=all_to_all,
+                    all_reduce=target)
+    return forward, backward
+
+
+def sparse_layer_bytes(rank, world_size):
+    """Bytes counted in one forward and one backward of a GPTModel of one sparse layer (MoBA,
+    NSA, DSA, CSA, HCA, and DSA's and CSA's dense warm-up, all but the indexers frozen) under CP
+    with RoPE, and the README's volumes of that layer: equal counts of the whole model show
+    that the embedding, RoPE table, MLP and output layer add no CP collective."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_ext.config import ExtConfig
+    from megatron_ext.mixers.dsa import freeze_all_but_indexers
+
+    results = {}
+    for name, (symbol, options) in SPARSE_LAYERS.items():
+        ext = ExtConfig(pattern=symbol, **{**harness.SHORT_SPARSE, **options})
+        (model,), config = harness.build_layout(
+            ext, cp=world_size, position_embedding_type="rope",
+            config_overrides=dict(num_attention_heads=8, num_query_groups=4))
+        if ext.dsa_stage == "dense_warmup":  # as the entry points do
+            freeze_all_but_indexers(model)
+        batch = get_batch_on_this_cp_rank(harness.layout_batches()[0], is_hybrid_cp=False,
+                                          cp_group=ps.get_context_parallel_group())
+        with counted_bytes() as forward, counted_all_reduce() as reduced:
+            losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        forward.update(reduced)
+        with counted_bytes() as backward, counted_all_reduce() as reduced:
+            losses.sum().backward()
+        backward.update(reduced)
+        rotary_dims = 2 * model.rotary_pos_emb.inv_freq.numel()
+        expected = _sparse_layer_volumes(symbol, ext, config, harness.BATCH, harness.SEQ,
+                                         rotary_dims, world_size)
+        results[name] = ((forward, backward), expected)
+    return results
+
+
+@pytest.mark.skipif(harness.dist_backend() == "nccl", reason="counts a CPU run (gloo)")
+def test_sparse_mixer_volumes_equal_the_readme():
+    for results in harness.spawn(sparse_layer_bytes, 2):
+        for name, (counted, expected) in results.items():
+            assert counted == expected, (name, counted, expected)
