@@ -5,7 +5,8 @@ mHC projection GEMM reads bf16, see below); each backward is written out by hand
 alive between forward and backward is chosen, not every intermediate:
 
 - :func:`sinkhorn`: only its input; the iterations are recomputed in backward and
-  differentiated step by step in reverse (the recompute-in-backward of mHC section 4.3).
+  differentiated step by step in reverse (the recompute-in-backward of mHC section 4.3). On
+  CUDA they run in two Triton kernels, one launch each way (:mod:`.triton_sinkhorn`).
 - :func:`mhc_pre` (projection, coefficients with Sinkhorn, and the pre-mix of one sublayer, in
   one op so that a sublayer costs two autograd calls each way), :func:`rms_project`,
   :func:`stream_mix`, :func:`stream_update`: the n-stream tensor in its own dtype, never an
@@ -18,7 +19,8 @@ alive between forward and backward is chosen, not every intermediate:
 On CUDA the forward and backward bodies can be compiled with ``torch.compile``
 (:func:`use_compile`): they are small elementwise and reduction chains whose cost in eager mode
 is mostly kernel launches. If compiling fails, the eager bodies are used and the reason is
-logged once.
+logged once. The Sinkhorn iterations are never part of a compiled body (see the Sinkhorn
+section): compiled, they would be unrolled into one kernel per normalisation.
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ import torch
 from . import reference
 from .reference import EPS
 
-__all__ = ["use_compile", "compile_enabled", "sinkhorn", "mhc_pre", "rms_project", "stream_mix",
-           "stream_update", "depth_attention"]
+__all__ = ["use_compile", "compile_enabled", "use_triton_sinkhorn", "sinkhorn", "mhc_pre",
+           "rms_project", "stream_mix", "stream_update", "depth_attention"]
 
 _log = logging.getLogger(__name__)
 _compile_enabled = False
@@ -95,18 +97,106 @@ def _sinkhorn_vjp(logits: torch.Tensor, grad: torch.Tensor, iters: int, eps: flo
 _sinkhorn_forward = _body(reference.sinkhorn)
 _sinkhorn_backward = _body(_sinkhorn_vjp)
 
+# Where Triton runs (CUDA), the iterations run in two Triton kernels of ours, forward and
+# backward, one launch each for all 2 iters - 1 normalisations of a block of tokens
+# (triton_sinkhorn.py); elsewhere (the CPU, no Triton, n outside 2..8) in the PyTorch bodies
+# above. Compiled, those bodies cost one kernel per normalisation, ~40 forward at 20 iterations.
+#
+# The kernels are launched between compiled bodies, never inside one. In mhc_pre the Sinkhorn
+# is the forward's last step and the backward's first, so the forward body returns the logits
+# of H_res and the backward recomputes them from the kept mixes (one addcmul) before its body:
+# one extra eager launch per backward, and no compiled graph ever holds a user-defined Triton
+# kernel. We chose this over registering the kernels for Dynamo (torch.library.triton_op with
+# wrap_triton, which Inductor would launch from its graph) because it is the robust option:
+# it depends on nothing in Dynamo's and Inductor's handling of user kernels, which could be
+# checked on a GPU only (wrap_triton refuses the kernels of Triton's CPU interpreter, on which
+# our tests run everything else), and where a compiler failure would send every body to eager
+# mode (_body's fallback). It also keeps one code path on every device: only the Sinkhorn step
+# itself differs.
+_triton_sinkhorn_enabled = True
+_TRITON_DEVICE_TYPES = {"cuda"}  # tests add "cpu" under Triton's interpreter
+
+
+def use_triton_sinkhorn(enabled: bool) -> None:
+    """Run the Sinkhorn iterations of CUDA tensors in the Triton kernels (the default) or in
+    the PyTorch bodies (for comparisons)."""
+    global _triton_sinkhorn_enabled
+    _triton_sinkhorn_enabled = enabled
+
+
+@functools.cache
+def _triton_kernels():
+    """The module of the Triton Sinkhorn kernels, or None (logged once) if it does not import."""
+    try:
+        from . import triton_sinkhorn
+    except Exception as error:  # no Triton here, or a broken one: the PyTorch bodies compute it
+        _log.warning("the Triton Sinkhorn kernels do not import (%s: %s); the iterations run in "
+                     "PyTorch", type(error).__name__, error)
+        return None
+    return triton_sinkhorn
+
+
+def _triton_sinkhorn_for(logits: torch.Tensor):
+    """The Triton kernels' module if they run ``logits [..., n, n]``, else None."""
+    if not _triton_sinkhorn_enabled or logits.device.type not in _TRITON_DEVICE_TYPES:
+        return None
+    kernels = _triton_kernels()
+    n = logits.shape[-1]
+    if kernels is None or not kernels.MIN_N <= n <= kernels.MAX_N:
+        return None
+    return kernels if _triton_sinkhorn_checked(logits.device, n) else None
+
+
+@functools.cache
+def _triton_sinkhorn_checked(device: torch.device, n: int) -> bool:
+    """Whether the Triton kernels, on their first use on ``device`` at this n, give the PyTorch
+    bodies' results (forward and backward, fp32, 20 iterations, 45 tokens of random logits):
+    the kernels are only used once they have computed the right thing on this GPU and Triton
+    (as the linear-recurrence kernels' self-check, kernels.backends). A failure or error is
+    logged once and the PyTorch bodies run instead."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = 3 * torch.randn(45, n, n, device=device, generator=generator)
+    grad = torch.randn(45, n, n, device=device, generator=generator)
+    try:
+        kernels = _triton_kernels()
+        got = kernels.sinkhorn_forward(logits, 20, EPS), kernels.sinkhorn_backward(logits, grad, 20, EPS)
+        expected = reference.sinkhorn(logits, 20, EPS), _sinkhorn_vjp(logits, grad, 20, EPS)
+        for value, want in zip(got, expected):
+            torch.testing.assert_close(value, want, rtol=1e-4, atol=1e-5)
+    except Exception as error:
+        _log.warning("the Triton Sinkhorn kernels failed their check on %s at n = %d (%s: %s); "
+                     "the iterations run in PyTorch", device, n, type(error).__name__, error)
+        return False
+    return True
+
+
+def _sinkhorn_values(logits, iters, eps):
+    """:func:`reference.sinkhorn` (fp32) on this device's path."""
+    kernels = _triton_sinkhorn_for(logits)
+    if kernels is not None:
+        return kernels.sinkhorn_forward(logits, iters, eps)
+    return _sinkhorn_forward(logits, iters, eps)
+
+
+def _sinkhorn_gradient(logits, grad, iters, eps):
+    """:func:`_sinkhorn_vjp` (fp32) on this device's path."""
+    kernels = _triton_sinkhorn_for(logits)
+    if kernels is not None:
+        return kernels.sinkhorn_backward(logits, grad, iters, eps)
+    return _sinkhorn_backward(logits.float(), grad.float(), iters, eps)
+
 
 class _Sinkhorn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, iters, eps):
         ctx.iters, ctx.eps = iters, eps
         ctx.save_for_backward(logits)
-        return _sinkhorn_forward(logits, iters, eps)
+        return _sinkhorn_values(logits, iters, eps)
 
     @staticmethod
     def backward(ctx, grad):
         (logits,) = ctx.saved_tensors
-        dlogits = _sinkhorn_backward(logits.float(), grad.float(), ctx.iters, ctx.eps)
+        dlogits = _sinkhorn_gradient(logits, grad, ctx.iters, ctx.eps)
         return dlogits.to(logits.dtype), None, None
 
 
@@ -148,33 +238,42 @@ def _stream_mix_vjp(streams, weights, grad):
     return dstreams, (streams.float() * g).sum(-1).to(weights.dtype)
 
 
-def _coefficients_vjp(mixes, bias, gate, grad_pre, grad_post, grad_res, n, iters, eps):
-    """Gradients of :func:`reference.mhc_coefficients` for (mixes, bias, gate), plus H_pre."""
+def _coefficients_vjp(mixes, bias, gate, grad_pre, grad_post, dres, n, eps):
+    """Gradients of :func:`reference.mhc_coefficient_logits` for (mixes, bias, gate), given
+    those of H_pre, H_post and of the logits of H_res (``dres``, from the Sinkhorn's
+    backward), plus H_pre."""
     mixes, bias, gate = mixes.float(), bias.float(), gate.float()
     scale = torch.cat([gate[0].expand(n), gate[1].expand(n), gate[2].expand(n * n)])
-    z = mixes * scale + bias
+    z = mixes[..., :2 * n] * scale[:2 * n] + bias[:2 * n]
     pre = torch.sigmoid(z[..., :n])
     post = torch.sigmoid(z[..., n:2 * n])
-    dres = _sinkhorn_vjp(z[..., 2 * n:].unflatten(-1, (n, n)), grad_res.float(), iters, eps)
     dz = torch.cat([grad_pre.float() * pre * (1 - pre), 2 * grad_post.float() * post * (1 - post),
-                    dres.flatten(-2)], dim=-1)
+                    dres.float().flatten(-2)], dim=-1)
     per_column = (dz * mixes).flatten(0, -2).sum(0)
     dgate = torch.stack([per_column[:n].sum(), per_column[n:2 * n].sum(), per_column[2 * n:].sum()])
     return dz * scale, dz.flatten(0, -2).sum(0), dgate, pre + eps
 
 
-def _mhc_pre_forward_body(streams, weight, bias, gate, iters, eps):
+# The mHC pre op around its Sinkhorn (which runs between the two compiled bodies, see above):
+# the forward body ends with the logits of H_res, the backward body starts from their gradient.
+def _mhc_pre_forward_body(streams, weight, bias, gate, eps):
     n = streams.shape[-2]
     mixes = _rms_project_forward_body(streams.flatten(-2), weight, eps)
-    pre, post, res = reference.mhc_coefficients(mixes, bias, gate, n, iters, eps)
-    return _stream_mix_forward_body(streams, pre), post, res, mixes
+    pre, post, res_logits = reference.mhc_coefficient_logits(mixes, bias, gate, n, eps)
+    return _stream_mix_forward_body(streams, pre), post, res_logits, mixes
 
 
-def _mhc_pre_vjp(streams, weight, bias, gate, mixes, grad_u, grad_post, grad_res, iters, eps):
+def _res_logits(mixes, bias, gate, n):
+    """The logits of H_res again from the kept mixes, as :func:`reference.mhc_coefficient_logits`
+    (in one launch: an addcmul, which may fuse the multiply-add the forward body rounds twice)."""
+    return torch.addcmul(bias[2 * n:], mixes[..., 2 * n:], gate[2]).unflatten(-1, (n, n))
+
+
+def _mhc_pre_vjp(streams, weight, bias, gate, mixes, grad_u, grad_post, dres, eps):
     n = streams.shape[-2]
     dpre = (streams.float() * grad_u.float()[..., None, :]).sum(-1)
-    dmixes, dbias, dgate, pre = _coefficients_vjp(mixes, bias, gate, dpre, grad_post, grad_res,
-                                                  n, iters, eps)
+    dmixes, dbias, dgate, pre = _coefficients_vjp(mixes, bias, gate, dpre, grad_post, dres, n,
+                                                  eps)
     dflat, dweight = _rms_project_vjp(streams.flatten(-2), weight, dmixes, eps)
     dstreams = pre[..., :, None] * grad_u.float()[..., None, :] + dflat.float().unflatten(-1, (
         n, streams.shape[-1]))
@@ -224,15 +323,18 @@ def _kept(ctx):
 class _MHCPre(torch.autograd.Function):
     @staticmethod
     def forward(ctx, streams, weight, bias, gate, iters, eps, recompute_input):
-        u, post, res, mixes = _mhc_pre_forward(streams, weight, bias, gate, iters, eps)
+        u, post, res_logits, mixes = _mhc_pre_forward(streams, weight, bias, gate, eps)
         ctx.config = (iters, eps)
         _keep(ctx, streams, recompute_input, weight, bias, gate, mixes)
-        return u, post, res
+        return u, post, _sinkhorn_values(res_logits, iters, eps)
 
     @staticmethod
     def backward(ctx, grad_u, grad_post, grad_res):
-        streams, *params = _kept(ctx)
-        grads = _mhc_pre_backward(streams, *params, grad_u, grad_post, grad_res, *ctx.config)
+        streams, weight, bias, gate, mixes = _kept(ctx)
+        iters, eps = ctx.config
+        logits = _res_logits(mixes, bias, gate, streams.shape[-2])
+        dres = _sinkhorn_gradient(logits, grad_res, iters, eps)
+        grads = _mhc_pre_backward(streams, weight, bias, gate, mixes, grad_u, grad_post, dres, eps)
         return (*grads, None, None, None)
 
 

@@ -24,8 +24,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["EPS", "sinkhorn", "rms_project", "mhc_coefficients", "stream_mix", "stream_update",
-           "depth_attention"]
+__all__ = ["EPS", "sinkhorn", "rms_project", "mhc_coefficients", "mhc_coefficient_logits",
+           "stream_mix", "stream_update", "depth_attention"]
 
 # The epsilon of every mHC normalisation (RMSNorm, H_pre offset, Sinkhorn), as in DeepSeek-V4.
 EPS = 1e-6
@@ -56,11 +56,19 @@ def mhc_coefficients(mixes: torch.Tensor, bias: torch.Tensor, gate: torch.Tensor
                      iters: int = 20, eps: float = EPS):
     """``(H_pre [..., n], H_post [..., n], H_res [..., n, n])`` from ``mixes [..., (2 + n) n]``,
     the static ``bias [(2 + n) n]`` and the three gating factors ``gate [3]`` (fp32)."""
+    pre, post, res = mhc_coefficient_logits(mixes, bias, gate, n, eps)
+    return pre, post, sinkhorn(res, iters, eps)
+
+
+def mhc_coefficient_logits(mixes: torch.Tensor, bias: torch.Tensor, gate: torch.Tensor, n: int,
+                           eps: float = EPS):
+    """:func:`mhc_coefficients` before its Sinkhorn: ``(H_pre, H_post, logits of H_res
+    [..., n, n])``."""
     mixes, bias, gate = mixes.float(), bias.float(), gate.float()
     pre = torch.sigmoid(mixes[..., :n] * gate[0] + bias[:n]) + eps
     post = 2 * torch.sigmoid(mixes[..., n:2 * n] * gate[1] + bias[n:2 * n])
     res = (mixes[..., 2 * n:] * gate[2] + bias[2 * n:]).unflatten(-1, (n, n))
-    return pre, post, sinkhorn(res, iters, eps)
+    return pre, post, res
 
 
 def stream_mix(streams: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

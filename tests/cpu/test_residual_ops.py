@@ -105,3 +105,66 @@ def test_depth_attention_keeps_references_and_scalars():
                                   [packed.unflatten(-1, (5, 64))])
     per_token_scalars = 3 * 8 * 2 * 5 * 4  # logits, inverse RMS, weights (fp32)
     assert kept == packed.nbytes + query.nbytes + per_token_scalars
+
+
+def test_compiled_mhc_pre_bodies_hold_no_sinkhorn_iterations(monkeypatch):
+    """The Sinkhorn runs between mhc_pre's compiled bodies (on CUDA in one Triton kernel each
+    way, elsewhere in bodies of its own): the graphs Dynamo captures for the mHC bodies are the
+    same for 1 and 20 iterations. Dynamo only (a backend that records the graphs), no Inductor."""
+    captured = {}
+    compile_ = torch.compile
+
+    def recording_compile(fn, **kwargs):
+        def backend(graph_module, example_inputs):
+            captured.setdefault(fn.__name__, []).append(len(graph_module.graph.nodes))
+            return graph_module.forward
+        return compile_(fn, backend=backend, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    monkeypatch.setattr(efficient, "_compiled", {})
+    was_compiled = efficient.compile_enabled()
+    efficient.use_compile(True)
+    sizes = {}
+    try:
+        for iters in (1, 20):
+            torch._dynamo.reset()
+            efficient._compiled.clear()
+            torch.manual_seed(0)
+            width = (2 + N) * N
+            streams, weight = _leaf(3, 5, N, H), _leaf(width, N * H, scale=0.1)
+            u, post, res = efficient.mhc_pre(streams, weight, _leaf(width), _leaf(3), iters)
+            (u.sum() + post.sum() + (res * torch.randn_like(res)).sum()).backward()
+            sizes[iters] = dict(captured)
+            captured.clear()
+        assert efficient.compile_enabled()
+    finally:
+        efficient.use_compile(was_compiled)
+        torch._dynamo.reset()
+    for body in ("_mhc_pre_forward_body", "_mhc_pre_vjp"):
+        assert sizes[1][body] == sizes[20][body], sizes
+    # On the CPU the iterations are compiled on their own: their graphs grow with them.
+    assert sizes[20]["sinkhorn"][0] > sizes[1]["sinkhorn"][0] + 100, sizes
+
+
+def test_triton_sinkhorn_that_fails_its_check_is_not_used(monkeypatch, caplog):
+    """Kernels that import but compute the wrong thing on this device (a miscompile) are caught
+    by the first-use check and the PyTorch iterations run instead: simulated on the CPU with a
+    stand-in module whose forward is off by 1%."""
+    import types
+
+    from megatron_ext.kernels.residual import efficient, reference
+
+    wrong = types.SimpleNamespace(
+        MIN_N=2, MAX_N=8,
+        sinkhorn_forward=lambda logits, iters, eps: 1.01 * reference.sinkhorn(logits.float(), iters, eps),
+        sinkhorn_backward=lambda logits, grad, iters, eps: efficient._sinkhorn_vjp(
+            logits.float(), grad.float(), iters, eps))
+    monkeypatch.setattr(efficient, "_triton_kernels", lambda: wrong)
+    monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
+    efficient._triton_sinkhorn_checked.cache_clear()
+    logits = torch.randn(7, 4, 4, requires_grad=True)
+    with caplog.at_level("WARNING"):
+        out = efficient.sinkhorn(logits, 20)
+    efficient._triton_sinkhorn_checked.cache_clear()
+    torch.testing.assert_close(out, reference.sinkhorn(logits.detach(), 20))
+    assert "failed their check" in caplog.text
