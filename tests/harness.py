@@ -2,8 +2,8 @@
 
 megatron-core 0.19 hard-codes CUDA in a few places that a CPU test reaches: ``device="cuda"``
 literals (schedules, optimizer, grad buffers), ``torch.cuda.current_device()`` for buffers and
-RoPE, CUDA streams in DDP, and the CUDA RNG tracker. :func:`use_cpu` redirects those to the CPU
-for the current process. Nothing in the package imports this module.
+RoPE, the CUDA index of RoPE's per-CP-rank slice, CUDA streams in DDP, and the CUDA RNG tracker.
+:func:`use_cpu` redirects those to the CPU for the current process. Nothing in the package imports this module.
 
 :func:`spawn` runs a function in N gloo processes and returns what each returned. With
 ``MEGATRON_EXT_TEST_DIST=nccl`` in the environment it runs them instead on N GPUs of this host
