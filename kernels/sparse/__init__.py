@@ -33,18 +33,20 @@ from .flex import flex_attention_layout
 from .gathered import gathered_attention
 from .layout import (allowed_rule, both, compress, document_rule, interval_layout, moba_chosen,
                      nsa_chosen, selection_layout, window_rule, window_span)
-from .reference import (OP, check_qkv, compress_kv_reference, compressed_attention_reference,
+from .reference import (OP, _masked_probs, causal_mask, check_qkv, compress_kv_reference,
+                        compressed_attention_reference, compressed_visibility,
                         csa_attention_reference, csa_indexer_loss_reference,
                         csa_select_reference, dsa_attention_reference,
                         dsa_indexer_loss_reference, dsa_select_reference,
-                        exclusive_self_attention, moba_attention_reference,
-                        nsa_attention_reference, softmax_attention_reference)
-from .selected import indexer_loss, select_keys, selected_attention
+                        exclusive_self_attention, indexer_kl, lightning_index_scores,
+                        moba_attention_reference, nsa_attention_reference, selected_mask,
+                        softmax_attention_reference)
+from .selected import QueryShares, indexer_loss, select_keys, selected_attention
 
 __all__ = [
     "BACKENDS", "softmax_attention", "moba_attention", "nsa_attention", "dsa_select",
     "dsa_attention", "dsa_indexer_loss", "compressed_entries", "compress_kv",
-    "compressed_attention", "csa_select", "csa_attention", "csa_indexer_loss",
+    "compressed_attention", "csa_select", "csa_attention", "csa_indexer_loss", "QueryShares",
     "exclusive_self_attention",
 ]
 
@@ -228,23 +230,49 @@ def _dsa_reference(backend: str) -> bool:
     return backend == "reference"
 
 
-def _check_index(index_q, index_k, index_weights, seq_len: int, keys: tuple | None = None):
+def _check_index(index_q, index_k, index_weights, seq_len: int, keys: tuple | None = None,
+                 shares: QueryShares | None = None):
     """Raise ValueError, with the shapes, unless the indexer's tensors fit each other and T;
-    ``keys``: ``(name, count)`` of index_k's keys when they are not the T tokens (CSA)."""
+    ``keys``: ``(name, count)`` of index_k's keys when they are not the T tokens (CSA);
+    ``shares``: index_q and index_weights hold this process's n queries only."""
     key_name, key_len = keys if keys is not None else ("T", seq_len)
+    query_name, queries = ("T", seq_len) if shares is None else ("n", shares.positions.shape[1])
     tensors = (index_q, index_k, index_weights)
-    fits = index_q.dim() == 4 and index_q.shape[1] == seq_len
+    fits = index_q.dim() == 4 and index_q.shape[1] == queries
     if fits:
         batch, _, heads, dim = index_q.shape
         fits = (tuple(index_k.shape) == (batch, key_len, dim)
-                and tuple(index_weights.shape) == (batch, seq_len, heads))
+                and tuple(index_weights.shape) == (batch, queries, heads))
     if not fits or not all(t.is_floating_point() for t in tensors):
         shapes = ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in
                            zip(("index_q", "index_k", "index_weights"), tensors))
         counts = f"T = {seq_len}" + (f", {key_name} = {key_len}" if keys is not None else "")
-        raise ValueError(f"{OP}: the indexer takes floating-point index_q [B, T, HI, DI], "
-                         f"index_k [B, {key_name}, DI], index_weights [B, T, HI] with {counts}; "
-                         f"got {shapes}")
+        if shares is not None:
+            counts += f", n = {queries} (this process's share of the queries)"
+        raise ValueError(f"{OP}: the indexer takes floating-point index_q [B, {query_name}, HI, "
+                         f"DI], index_k [B, {key_name}, DI], index_weights [B, {query_name}, HI]"
+                         f" with {counts}; got {shapes}")
+
+
+def _check_shares(shares: QueryShares | None, seq_len: int):
+    if shares is not None and (shares.positions.dim() != 2
+                               or shares.positions.numel() != seq_len):
+        raise ValueError(f"{OP}: shares.positions has shape {tuple(shares.positions.shape)}; "
+                         f"expected [R, n] holding each of the T = {seq_len} queries once")
+
+
+def _reference_share(q, k, index_q, index_k, index_weights, allowed, sink, scale, reduce_heads,
+                     shares: QueryShares):
+    """The reference loss's share of this process (:class:`QueryShares`): the target of every
+    query over allowed ``[B | 1, T, S]``, reduce-scattered by query rows, and the KL of this
+    process's queries."""
+    positions = shares.positions.to(q.device)
+    with torch.no_grad():
+        mass = _masked_probs(q, k, allowed[:, None], sink, scale).sum(1)  # [B, T, S]
+        mass = shares.reduce_scatter(mass[:, positions].movedim(1, 0))
+    logits = lightning_index_scores(index_q, index_k, index_weights)
+    allowed = allowed[:, positions[shares.rank]].expand_as(logits)
+    return indexer_kl(mass, logits, allowed, reduce_heads) / (q.shape[0] * q.shape[1])
 
 
 def dsa_select(index_q, index_k, index_weights, *, top_k, cu_seqlens=None, backend="auto"):
@@ -277,21 +305,37 @@ def dsa_attention(q, k, v, selected, *, sink=None, scale=None, backend="auto"):
 
 
 def dsa_indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seqlens=None,
-                     sink=None, scale=None, reduce_heads=None, backend="auto"):
+                     sink=None, scale=None, reduce_heads=None, shares=None, backend="auto"):
     """The indexer's training loss (arXiv 2512.02556, sec. 2.1), averaged over the B * T
     queries: ``KL(p_t || softmax(I_t))``, p the main attention of q, k (with sink and scale; no
     gradient reaches q, k or the sink) summed over the heads and L1-normalised, I the indexer's
     scores. ``selected=None`` (dense warm-up): over every causal key; else over the selected
     keys only (sparse training). ``reduce_heads``: sums a ``[B, T', S']`` tensor over the query
-    heads of other processes (tensor parallelism) and returns the sum."""
+    heads of other processes (tensor parallelism) and returns the sum.
+
+    ``shares`` (:class:`QueryShares`; context parallelism, each process with the whole
+    sequence of its own heads in q, k and selected): this process's share of the loss, over its
+    queries ``shares.mine``, whose rows alone index_q and index_weights hold
+    ``[B, n, ...]``; the target is reduce-scattered from every process's heads (and summed by
+    ``reduce_heads`` too, if given). The shares sum to the loss, still divided by B * T."""
     check_qkv(OP, q, k, k)
     _check_sink(sink, q)
-    _check_index(index_q, index_k, index_weights, q.shape[1])
-    options = dict(selected=selected, cu_seqlens=cu_seqlens, sink=sink, scale=scale,
-                   reduce_heads=reduce_heads)
+    _check_shares(shares, q.shape[1])
+    _check_index(index_q, index_k, index_weights, q.shape[1], shares=shares)
     if _dsa_reference(backend):
-        return dsa_indexer_loss_reference(q, k, index_q, index_k, index_weights, **options)
-    return indexer_loss(q, k, index_q, index_k, index_weights, **options)
+        if shares is not None:
+            if selected is None:
+                allowed = causal_mask(q.shape[1], cu_seqlens, q.device)[None]
+            else:
+                allowed = selected_mask(selected, k.shape[1])
+            return _reference_share(q, k, index_q, index_k, index_weights, allowed, sink, scale,
+                                    reduce_heads, shares)
+        return dsa_indexer_loss_reference(q, k, index_q, index_k, index_weights,
+                                          selected=selected, cu_seqlens=cu_seqlens, sink=sink,
+                                          scale=scale, reduce_heads=reduce_heads)
+    return indexer_loss(q, k, index_q, index_k, index_weights, selected=selected,
+                        cu_seqlens=cu_seqlens, sink=sink, scale=scale, reduce_heads=reduce_heads,
+                        shares=shares)
 
 
 # ------------------------------------------------------------------ DeepSeek-V4 CSA and HCA
@@ -419,26 +463,36 @@ def csa_attention(q, k, v, compressed_k, compressed_v, selected, *, window, sink
 
 
 def csa_indexer_loss(q, compressed_k, index_q, index_k, index_weights, *, rate, selected=None,
-                     cu_seqlens=None, sink=None, scale=None, reduce_heads=None, backend="auto"):
+                     cu_seqlens=None, sink=None, scale=None, reduce_heads=None, shares=None,
+                     backend="auto"):
     """CSA's indexer loss (see ``csa_indexer_loss_reference``): :func:`dsa_indexer_loss` over
     compressed entries, averaged over the B * T queries (a query that sees no entry adds 0).
     The target is the main attention of q over the entries' keys ``compressed_k``: over every
-    entry a query sees (``selected=None``, dense warm-up) or over its selected ones."""
+    entry a query sees (``selected=None``, dense warm-up) or over its selected ones.
+    ``reduce_heads`` and ``shares`` as in :func:`dsa_indexer_loss`."""
     check_qkv(OP, q, compressed_k, compressed_k)
     _check_sink(sink, q)
     _check_rate(rate)
     _check_packed(cu_seqlens, q.shape[0])
     seq_len = q.shape[1]
+    _check_shares(shares, seq_len)
     entries = compressed_entries(seq_len, rate, cu_seqlens, q.device)
-    _check_index(index_q, index_k, index_weights, seq_len, ("N", len(entries)))
+    _check_index(index_q, index_k, index_weights, seq_len, ("N", len(entries)), shares)
     if compressed_k.shape[1] != len(entries):
         raise ValueError(f"{OP}: compressed_k has {compressed_k.shape[1]} entries, expected "
                          f"N = {len(entries)} (one per complete block of rate={rate} tokens)")
     options = dict(selected=selected, sink=sink, scale=scale, reduce_heads=reduce_heads)
     if _dsa_reference(backend):
+        if shares is not None:
+            if selected is None:
+                allowed = compressed_visibility(seq_len, rate, cu_seqlens, q.device)[None]
+            else:
+                allowed = selected_mask(selected, compressed_k.shape[1])
+            return _reference_share(q, compressed_k, index_q, index_k, index_weights, allowed,
+                                    sink, scale, reduce_heads, shares)
         return csa_indexer_loss_reference(q, compressed_k, index_q, index_k, index_weights,
                                           rate=rate, cu_seqlens=cu_seqlens, **options)
     if len(entries) == 0:  # no entry for any query
         return q.new_zeros((), dtype=torch.float32)
     return indexer_loss(q, compressed_k, index_q, index_k, index_weights, keys=entries.keys(),
-                        **options)
+                        shares=shares, **options)

@@ -7,14 +7,16 @@ the backward.
 - :func:`selected_attention`: a chunk gathers its queries' K keys and values
   (``[B, c, K, Hkv, D]``) and takes one softmax over them: memory O(T K), not O(T^2).
 - :func:`indexer_loss`: the indexer's KL loss, chunk by chunk, over the selected keys (gathered)
-  or, for the dense warm-up, over every causal key.
+  or, for the dense warm-up, over every causal key; with :class:`QueryShares`, one process's
+  share of it (context parallelism: the target reduce-scattered by query rows).
 
 Which keys a query may choose is a :class:`Keys`: for DSA the causal ones (:func:`causal_keys`),
 for DeepSeek-V4's CSA the compressed entries whose blocks are complete (compressed.py).
 
 A chunk holds at most ``gathered.MAX_SCORES`` fp32 values. With gradients, each chunk is
 recomputed in the backward pass (activation checkpointing), so that what is kept for backward
-is the inputs and the outputs, linear in T.
+is the inputs and the outputs, linear in T (and, in the sparse loss whose target is reduced over
+processes, that target, ``[B, T, K]`` or its share, so that backward repeats no collective).
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -27,7 +29,8 @@ from .gathered import _softmax_with_sink
 from .layout import MaskMod, both, document_rule, window_rule
 from .reference import indexer_kl, lightning_index_scores, top_k_keys
 
-__all__ = ["Keys", "causal_keys", "select_keys", "selected_attention", "indexer_loss"]
+__all__ = ["Keys", "QueryShares", "causal_keys", "select_keys", "selected_attention",
+           "indexer_loss"]
 
 
 def _query_chunks(seq_len: int, batch: int, per_query: int):
@@ -130,45 +133,123 @@ def selected_attention(q, k, v, selected, *, sink=None, scale=None) -> torch.Ten
     return torch.cat(outputs, dim=1).to(v.dtype)
 
 
-def _loss_chunk(start, q, k, index_q, index_k, index_weights, selected, rule, sink, scale,
-                reduce_heads):
-    """Summed KL of the chunk's queries (``start ..``): over their selected keys, or, with
-    ``selected`` None, over the keys ``rule`` allows among those of k and index_k."""
+@dataclass(frozen=True)
+class QueryShares:
+    """The indexer loss's queries split among R processes that hold the whole sequence, each
+    for its own group of the heads (context parallelism by all-to-all over heads), so that the
+    loss's target, the attention summed over every head, is reduce-scattered by query rows
+    rather than all-reduced: each process gets the summed target of its own share of the
+    queries only and computes the loss of those.
+
+    ``positions [R, n]``: the positions in the sequence of each process's n queries, the same
+    on every process; ``rank``: this process's row. ``reduce_scatter(x [R, B, c, S])`` ->
+    ``[B, c, S]``: the sum over the processes of their ``x[rank]`` (no gradient)."""
+
+    positions: torch.Tensor
+    rank: int
+    reduce_scatter: Callable[[torch.Tensor], torch.Tensor]
+
+    @property
+    def mine(self) -> torch.Tensor:
+        """``[n]``: the positions of this process's queries."""
+        return self.positions[self.rank]
+
+
+def _chunk_target(q, k, queries, selected, rule, sink, scale, shares, reduce_heads):
+    """The loss target of a chunk, without gradient: the main attention's mass over the keys,
+    summed over the heads of every process, ``[B, c, S]`` for this process's ``c`` queries of
+    the chunk. ``queries [R, c]``: the chunk's queries of every process (R = 1 without
+    ``shares``); keys: the selected ones, else those of k that ``rule`` allows."""
+    rows = queries.flatten()
     if selected is None:
-        allowed = _allowed(rule, start, start + q.shape[1], k.shape[1], q.device)
+        allowed = rule(0, 0, rows[:, None], torch.arange(k.shape[1], device=q.device))[None]
     else:
-        allowed = selected >= 0
-        k, index_k = _gather(k, selected), _gather(index_k, selected)
+        chosen = selected[:, rows]
+        allowed, k = chosen >= 0, _gather(k, chosen)
     with torch.no_grad():
-        mass = _probs(q, k, allowed, sink, scale).sum((2, 3))  # [B, c, S]
+        mass = _probs(q[:, rows], k, allowed, sink, scale).sum((2, 3))  # [B, R c, S]
+        if shares is not None:  # each process's rows: the sum over the processes' heads
+            mass = shares.reduce_scatter(mass.unflatten(1, queries.shape).movedim(1, 0))
+        if reduce_heads is not None:
+            mass = reduce_heads(mass)
+    return mass
+
+
+def _chunk_kl(target, positions, index_q, index_k, index_weights, selected, rule):
+    """Summed KL of the queries at ``positions [c]`` (``index_q``, ``index_weights``: theirs)
+    to their ``target``: over their selected keys, or, with ``selected`` None, over the keys
+    ``rule`` allows among those of index_k."""
+    if selected is None:
+        keys = torch.arange(index_k.shape[1], device=index_k.device)
+        allowed = rule(0, 0, positions[:, None], keys)[None]
+    else:
+        allowed, index_k = selected >= 0, _gather(index_k, selected)
     logits = lightning_index_scores(index_q, index_k, index_weights)
-    return indexer_kl(mass, logits, allowed.expand_as(logits), reduce_heads)
+    return indexer_kl(target, logits, allowed.expand_as(logits))
+
+
+def _loss_chunk(q, k, queries, selected, rule, sink, scale, shares, reduce_heads, index_q,
+                index_k, index_weights):
+    """:func:`_chunk_target` then :func:`_chunk_kl`: the chunk's loss from its inputs (the
+    target recomputed, with its collectives, when checkpointing reruns it in backward)."""
+    target = _chunk_target(q, k, queries, selected, rule, sink, scale, shares, reduce_heads)
+    mine = queries[0 if shares is None else shares.rank]
+    chosen = None if selected is None else selected[:, mine]
+    return _chunk_kl(target, mine, index_q, index_k, index_weights, chosen, rule)
 
 
 def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seqlens=None,
-                 sink=None, scale=None, reduce_heads=None, keys: Keys | None = None
-                 ) -> torch.Tensor:
+                 sink=None, scale=None, reduce_heads=None, keys: Keys | None = None,
+                 shares: QueryShares | None = None) -> torch.Tensor:
     """Same contract as ``dsa_indexer_loss_reference``; without ``selected``, over the keys
-    that ``keys`` (default: :func:`causal_keys`) allows."""
+    that ``keys`` (default: :func:`causal_keys`) allows.
+
+    With ``shares`` (q, k, selected: the whole sequence, for this process's heads), this
+    process's share of that loss (the shares sum to it): index_q and index_weights are those of
+    its queries, ``shares.mine``, and the target of those is reduce-scattered from every
+    process's heads (then summed by ``reduce_heads`` too, if given).
+
+    The sparse stage keeps each chunk's target for backward when it was reduced over
+    processes (``shares`` or ``reduce_heads``), so that backward repeats no collective: it
+    costs ``[B, n, K]`` fp32, a fraction of ``selected``. The dense warm-up's target, over up
+    to every key, is recomputed in backward with the chunk, and with it its collectives."""
     batch, seq_len, heads, dim = q.shape
     q, k = q.detach(), k.detach()
     sink = None if sink is None else sink.detach()
     scale = dim ** -0.5 if scale is None else scale
     index_heads, index_dim = index_q.shape[2:]
     keys = causal_keys(cu_seqlens, seq_len) if keys is None else keys
-    if selected is None:
-        per_query = k.shape[1] * (heads + index_heads)
+    if shares is None:
+        positions = torch.arange(seq_len, device=q.device)[None]
     else:
-        per_query = selected.shape[-1] * (heads + k.shape[2] * dim + index_heads + index_dim)
+        positions = shares.positions.to(q.device)
+        shares = QueryShares(positions, shares.rank, shares.reduce_scatter)
+    processes, count = positions.shape
+    if selected is None:
+        per_query = k.shape[1] * (processes * heads + index_heads)
+    else:
+        per_query = selected.shape[-1] * (processes * (heads + k.shape[2] * dim)
+                                          + index_heads + index_dim)
+    hold = selected is not None and (shares is not None or reduce_heads is not None)
+    if selected is None:  # on the host, once: the last query of each column of positions
+        last = positions.amax(0).tolist()
     total = q.new_zeros((), dtype=torch.float32)
-    for start, end in _query_chunks(seq_len, batch, per_query):
+    for start, end in _query_chunks(count, batch, per_query):
+        queries = positions[:, start:end]
         # The dense warm-up's chunk reads the keys within its reach; the sparse one gathers.
-        reach = slice(0, keys.reach(end)) if selected is None else slice(None)
+        reach = slice(None)
+        if selected is None:
+            reach = slice(0, keys.reach(max(last[start:end]) + 1))
         if reach.stop == 0:  # no key for any query of the chunk: nothing to learn
             continue
-        chunk_selected = None if selected is None else selected[:, start:end]
-        total = total + _maybe_checkpoint(
-            _loss_chunk, start, q[:, start:end], k[:, reach], index_q[:, start:end],
-            index_k[:, reach], index_weights[:, start:end], chunk_selected, keys.rule, sink,
-            scale, reduce_heads)
+        own = (index_q[:, start:end], index_k[:, reach], index_weights[:, start:end])
+        if hold:
+            target = _chunk_target(q, k, queries, selected, keys.rule, sink, scale, shares,
+                                   reduce_heads)
+            mine = queries[0 if shares is None else shares.rank]
+            total = total + _maybe_checkpoint(_chunk_kl, target, mine, own[0], own[1], own[2],
+                                              selected[:, mine], keys.rule)
+        else:
+            total = total + _maybe_checkpoint(_loss_chunk, q, k[:, reach], queries, selected,
+                                              keys.rule, sink, scale, shares, reduce_heads, *own)
     return total / (batch * seq_len)

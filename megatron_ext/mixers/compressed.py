@@ -50,7 +50,8 @@ position biases and norm weights are sharded over the key/value heads, so each r
 exactly the heads it attends with, with no communication beyond the SP gather that any
 column-parallel projection does. The sink is sharded over the query heads. CSA's indexer is
 replicated like DSA's and for the same reason (every rank must pick the same entries; its loss
-target is all-reduced over the ranks' heads).
+target is all-reduced over the ranks' heads; under context parallelism each CP rank computes
+the loss of its own tokens, whose target is reduce-scattered from the CP ranks' heads).
 """
 
 from __future__ import annotations
@@ -212,7 +213,9 @@ class CSACoreAttention(HCACoreAttention):
     leaves in ``index``."""
 
     rate_setting, window_setting = "csa_compress_rate", "csa_window"
-    _sum_over_heads = DSACoreAttention._sum_over_heads  # the loss target over all TP ranks' heads
+    # The loss target over all TP ranks' heads, and under CP each rank's share of the loss.
+    _sum_over_heads = DSACoreAttention._sum_over_heads
+    _indexer_loss_options = DSACoreAttention._indexer_loss_options
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -220,8 +223,9 @@ class CSACoreAttention(HCACoreAttention):
 
     def compressed_attend(self, q, k, v, packed_seq_params):
         """As HCA's, plus the selection and the indexer loss; under context parallelism the
-        indexer ran on the whole sequence on every rank, so each rank's loss (the same) is
-        divided by CP, as DSA's is."""
+        indexer ran on the whole sequence on every rank, and each rank computes the loss of its
+        own tokens (their rows of index_q and index_weights), as DSA's do: the ranks' losses
+        sum to the whole one."""
         keys, values = self._take("compressed")
         index_q, index_k, index_weights = self._take("index")
         ext, options = self.ext, self._options(q, packed_seq_params)
@@ -235,12 +239,17 @@ class CSACoreAttention(HCACoreAttention):
             out = sparse.compressed_attention(q, k, v, keys, values, rate=self.rate, **options)
         if index_q.requires_grad and ext.dsa_indexer_loss_coeff > 0:
             del options["window"]
+            cu_seqlens = options["cu_seqlens"]
+            packed = None
+            if self.cp is not None and cu_seqlens is not None:
+                packed = packed_layout(self.cp, cu_seqlens)
+            shared = self._indexer_loss_options(q.shape[1], packed, q.device)
+            if shared["shares"] is not None:  # this rank's queries
+                mine = shared["shares"].mine.to(q.device)
+                index_q, index_weights = index_q[:, mine], index_weights[:, mine]
             loss = sparse.csa_indexer_loss(
                 q, keys, index_q, index_k, index_weights, rate=self.rate, selected=selected,
-                reduce_heads=self._sum_over_heads if self.tp_size > 1 or self.cp is not None else None,
-                **options)
-            if self.cp is not None:
-                loss = loss / self.cp.size
+                **shared, **options)
             out = IndexerLoss.apply(out, ext.dsa_indexer_loss_coeff * loss)
         return out
 

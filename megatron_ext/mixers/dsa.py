@@ -43,9 +43,10 @@ choose the same keys, and splitting the indexer heads would cost an all-reduce o
 (``HI * DI + DI + HI`` output columns). Each rank runs it on the whole sequence (gathered
 under SP). The one thing it needs from the other ranks is its loss's target, the main
 attention summed over all heads, which is all-reduced over TP by chunks of queries. Every rank
-then computes the same loss and the same indexer gradients; the parameters also carry
-Megatron's ``average_gradients_across_tp_domain``, so finalize_model_grads keeps the replicas
-equal.
+then computes the same loss and the same indexer gradients (under context parallelism, the TP
+ranks of one CP rank: the same share of the loss, see :meth:`DSACoreAttention.attend`); the
+parameters also carry Megatron's ``average_gradients_across_tp_domain``, so
+finalize_model_grads keeps the replicas equal.
 """
 
 from __future__ import annotations
@@ -159,31 +160,41 @@ class DSACoreAttention(HeadSplitCoreAttention):
         self.index = None
 
     def _sum_over_heads(self, mass: torch.Tensor) -> torch.Tensor:
-        """The loss target summed over the heads of every TP rank (and CP rank, under CP)."""
-        if self.tp_size > 1:
-            torch.distributed.all_reduce(mass, group=self.tp_group)
-        if self.cp is not None:
-            torch.distributed.all_reduce(mass, group=self.cp.group)
+        """The loss target summed over the heads of every TP rank (under CP, the query shares'
+        reduce-scatter has already summed it over the CP ranks' head groups)."""
+        torch.distributed.all_reduce(mass, group=self.tp_group)
         return mass
+
+    def _indexer_loss_options(self, seq_len: int, packed, device) -> dict:
+        """``reduce_heads`` and ``shares`` of the indexer loss: the target summed over the TP
+        ranks' heads; under CP, each rank's loss over its own tokens only, whose target, summed
+        over the CP ranks' head groups, a reduce-scatter brings it (``cp.query_shares``)."""
+        return dict(reduce_heads=self._sum_over_heads if self.tp_size > 1 else None,
+                    shares=None if self.cp is None else self.cp.query_shares(seq_len, packed,
+                                                                             device))
 
     def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
         """Under context parallelism (all-to-all, as MoBA and NSA): the indexer's outputs are
         all-gathered (every rank selects for the whole sequence, the same keys), q, k and v go
-        from a sequence split to a head split, and each rank's indexer loss, the same on every
-        rank, is divided by CP (its gradient reaches the local indexer outputs summed over
-        the ranks by the gather's backward)."""
+        from a sequence split to a head split, and each rank computes the indexer loss of its
+        own tokens (the ranks' losses sum to the whole one), from its local index_q and
+        index_weights and the gathered index_k. Only index_k's gather carries a gradient
+        (summed over the ranks by its reduce-scatter); index_q and index_weights are gathered
+        detached, for the selection alone."""
         if self.index is None:
             raise RuntimeError("DSACoreAttention runs inside DSASelfAttention, which computes "
                                "the indexer's outputs first")
         (index_q, index_k, index_weights), self.index = self.index, None
+        loss_q, loss_weights = index_q, index_weights  # the queries of this rank's loss
         ext = self.ext
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
         heads = lambda per_head: per_head  # noqa: E731
         packed = None
         if self.cp is not None:
             packed = None if cu_seqlens is None else packed_layout(self.cp, cu_seqlens)
-            index_q, index_k, index_weights = (self.cp.gather_sequence(t, packed)
-                                               for t in (index_q, index_k, index_weights))
+            index_q, index_weights = (self.cp.gather_sequence(t.detach(), packed)
+                                      for t in (index_q, index_weights))
+            index_k = self.cp.gather_sequence(index_k, packed)
             q, k, v = (self.cp.sequence_to_heads(x, packed) for x in (q, k, v))
             heads = self.cp_heads
         options = dict(sink=heads(self.sink(q.device)), scale=self.softmax_scale,
@@ -195,13 +206,10 @@ class DSACoreAttention(HeadSplitCoreAttention):
             out = sparse.dsa_attention(q, k, v, selected, **options)
         else:
             out = sparse.softmax_attention(q, k, v, cu_seqlens=cu_seqlens, **options)
-        if index_q.requires_grad and ext.dsa_indexer_loss_coeff > 0:
+        if loss_q.requires_grad and ext.dsa_indexer_loss_coeff > 0:
             loss = sparse.dsa_indexer_loss(
-                q, k, index_q, index_k, index_weights, selected=selected, cu_seqlens=cu_seqlens,
-                reduce_heads=self._sum_over_heads if self.tp_size > 1 or self.cp is not None else None,
-                **options)
-            if self.cp is not None:
-                loss = loss / self.cp.size
+                q, k, loss_q, index_k, loss_weights, selected=selected, cu_seqlens=cu_seqlens,
+                **self._indexer_loss_options(q.shape[1], packed, q.device), **options)
             out = IndexerLoss.apply(out, ext.dsa_indexer_loss_coeff * loss)
         return out if self.cp is None else self.cp.heads_to_sequence(out, packed)
 

@@ -16,6 +16,9 @@ each differentiable:
   "DeepSpeed Ulysses", 2023); the backward of one is the other.
 - :meth:`ContextParallel.gather_sequence`: the all-gather of a whole sequence-sharded tensor
   (keys and values of softmax attention), in global token order.
+- :meth:`ContextParallel.reduce_scatter`: a reduce-scatter without gradient (the DSA and CSA
+  indexer loss's target, summed over the ranks' heads, each rank getting that of its own
+  tokens: :meth:`ContextParallel.query_shares`).
 
 Packed sequences (``qkv_format='thd'``, one batch row): Megatron splits each document on its
 own (``get_batch_on_this_cp_rank`` with ``cu_seqlens``: Transformer Engine's
@@ -253,11 +256,39 @@ class ContextParallel:
         ordered = self.gather_chunks(x.unflatten(1, (2, -1)))  # [2CP, B, L, ...]
         return ordered.movedim(0, 1).flatten(1, 2)
 
-    def positions(self, local_length: int, device=None) -> torch.Tensor:
-        """Global token positions of the local sequence ``[2L]``."""
+    def positions(self, local_length: int, device=None, rank: int | None = None) -> torch.Tensor:
+        """Global token positions of the local sequence ``[2L]`` (of ``rank``'s, default this
+        rank's)."""
         chunk = local_length // 2
+        chunks = self.chunks if rank is None else (rank, 2 * self.size - 1 - rank)
         return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
-                          for c in self.chunks])
+                          for c in chunks])
+
+    def rank_positions(self, seq_len: int, packed: PackedLayout | None = None,
+                       device=None) -> torch.Tensor:
+        """``[CP, T / CP]``: the global positions of every rank's local tokens, in local order,
+        rank after rank (row r: rank r's :meth:`positions`)."""
+        if packed is not None:
+            return packed.rank_major_order.view(self.size, -1)
+        return torch.stack([self.positions(seq_len // self.size, device, rank)
+                            for rank in range(self.size)])
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """``[CP, ...]`` on every rank -> ``[...]``: the sum over the ranks of their
+        ``x[rank]`` (one reduce-scatter; no gradient)."""
+        out = x.new_empty(x.shape[1:])
+        dist.reduce_scatter_tensor(out, x.detach().flatten(0, 1).contiguous(), group=self.group)
+        return out
+
+    def query_shares(self, seq_len: int, packed: PackedLayout | None = None, device=None):
+        """The indexer loss's :class:`~megatron_ext.kernels.sparse.QueryShares` of a sequence
+        held whole by every rank for its head group: each rank's share is its own local tokens
+        (those of Megatron's load-balanced layout, so the ranks' shares of a causal loss cost
+        alike), whose summed target reaches it by :meth:`reduce_scatter`."""
+        from megatron_ext.kernels.sparse import QueryShares
+
+        return QueryShares(self.rank_positions(seq_len, packed, device), self.rank,
+                           self.reduce_scatter)
 
     def heads_of_rank(self, per_head: torch.Tensor) -> torch.Tensor:
         """This rank's head group of a per-head constant ``[H, ...]`` (all-to-all CP)."""

@@ -2,7 +2,8 @@
 over every complete entry plus a window (block layout: gathered, and FlexAttention forward),
 CSA's indexer selection over entries, its attention over the selected entries plus a window,
 and its indexer loss, against the dense fp32 references, forward and backward; the visibility
-rule, causality, packed sequences, grouped heads, closed forms.
+rule, causality, packed sequences, grouped heads, closed forms; the indexer loss split into
+query shares (context parallelism's), as DSA's is (test_dsa.py).
 
 The length (37) is a multiple of no block size (CSA rate 4: 9 entries; HCA rate 8: 4 entries,
 5 trailing tokens in none); ``MAX_SCORES = 256`` and 4 x 4 layout blocks cut the work into many
@@ -299,6 +300,36 @@ def test_csa_indexer_loss_matches_reference(packed, stage, chunks):
     assert set(results[1]) == {"index_q", "index_k", "index_weights"}
     assert all(torch.isfinite(g).all() for g in results[3].values())
     _assert_same(results[2], results[3], results[0], results[1])
+
+
+@pytest.mark.parametrize("backend", ["reference", "gathered"])
+@pytest.mark.parametrize("stage", ["dense_warmup", "sparse"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_csa_indexer_loss_shares_sum_to_the_loss(packed, stage, backend, chunks):
+    """Context parallelism's split of the loss (test_dsa.assert_shares_sum_to_the_loss): two
+    processes with half of the heads each (of q, the entries' keys and the sink), each the
+    loss of half of the queries; the first 36 tokens, whose entries are those of T's."""
+    from test_dsa import assert_shares_sum_to_the_loss
+
+    seq_len = 36
+    cu_seqlens = torch.tensor([0, 11, 30, seq_len]) if packed else None
+    inputs = _inputs(CSA_RATE, CU_SEQLENS if packed else None)
+    assert _entries(CSA_RATE, CU_SEQLENS if packed else None) == len(
+        sparse.compressed_entries(seq_len, CSA_RATE, cu_seqlens))
+    x = {name: (t[:, :seq_len] if name in ("q", "index_q", "index_weights") else t)
+         .detach().requires_grad_() for name, t in inputs.items()}
+    selected = None
+    if stage == "sparse":
+        selected = sparse.csa_select(x["index_q"], x["index_k"], x["index_weights"],
+                                     rate=CSA_RATE, top_k=TOP_K, cu_seqlens=cu_seqlens)
+
+    def loss_of(t, shares):
+        return sparse.csa_indexer_loss(t["q"], t["compressed_k"], t["index_q"], t["index_k"],
+                                       t["index_weights"], rate=CSA_RATE, selected=selected,
+                                       cu_seqlens=cu_seqlens, sink=t["sink"], shares=shares,
+                                       backend=backend)
+
+    assert_shares_sum_to_the_loss(loss_of, x, ("q", "compressed_k", "sink"), seq_len)
 
 
 # ------------------------------------------------------------------------------ closed forms

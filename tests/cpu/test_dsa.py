@@ -1,7 +1,8 @@
 """DSA ops (megatron_ext.kernels.sparse): the lightning indexer's top-k selection, the attention
 over the selected keys and the indexer's KL loss, gathered by chunks of queries against the
 dense fp32 reference, forward and backward; causality, packed sequences, grouped heads, a
-top-k that covers every key, a hand-computed loss, ties.
+top-k that covers every key, a hand-computed loss, ties; the indexer loss split into query
+shares (context parallelism's), by processes that each hold some of the heads (threads here).
 
 The length (37) is a multiple of no chunk size: the default chunks hold the whole sequence,
 ``MAX_SCORES = 256`` cuts it into chunks of one to a few queries. fp32 throughout; both paths
@@ -9,6 +10,7 @@ sum the same products in a different order and agree to ~1e-6 (1e-4 relative / 1
 still catches a wrong key, an error of order 1e-1).
 """
 import math
+import threading
 
 import pytest
 import torch
@@ -152,6 +154,92 @@ def test_top_k_covering_every_key_is_causal_attention(case, backend):
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
 
 
+def run_processes(processes: int, work):
+    """``work(rank, reduce_scatter)`` in ``processes`` threads that stand for processes, whose
+    ``reduce_scatter(x [R, ...])`` returns the sum over the processes of their ``x[rank]``
+    (``sparse.QueryShares``' contract); what each returned."""
+    barrier = threading.Barrier(processes)
+    sent, results, errors = [None] * processes, [None] * processes, []
+
+    def reduce_scatter(rank):
+        def call(x):
+            sent[rank] = x
+            barrier.wait()
+            out = sum(sent[r][rank] for r in range(processes))
+            barrier.wait()
+            return out
+        return call
+
+    def run(rank):
+        try:
+            results[rank] = work(rank, reduce_scatter(rank))
+        except BaseException as error:  # noqa: BLE001  (re-raised below)
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(processes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def assert_shares_sum_to_the_loss(loss_of, inputs, head_inputs, seq_len, seed=3):
+    """Two processes, each with half of the heads (of ``head_inputs``: the sink and q, k or the
+    entries' keys, split by key/value group) and every token, each the loss of half of the
+    queries, in no order (``sparse.QueryShares``): their losses and indexer gradients sum to
+    ``loss_of(inputs, None)``, the one-process loss of every head. ``loss_of(tensors,
+    shares)`` takes the process's tensors (index_q and index_weights: its queries' rows)."""
+    processes = 2
+    indexer = [inputs[name] for name in ("index_q", "index_k", "index_weights")]
+    expected = loss_of(inputs, None)
+    expected_grads = torch.autograd.grad(expected, indexer)
+    positions = torch.randperm(seq_len, generator=torch.Generator().manual_seed(seed))
+    positions = positions.view(processes, -1)
+
+    def work(rank, reduce_scatter):
+        mine = positions[rank]
+        tensors = dict(inputs, index_q=inputs["index_q"][:, mine],
+                       index_weights=inputs["index_weights"][:, mine])
+        for name in head_inputs:  # the head dim: 0 of the sink, 2 of the others
+            dim = 0 if inputs[name].dim() == 1 else 2
+            tensors[name] = inputs[name].chunk(processes, dim)[rank]
+        loss = loss_of(tensors, sparse.QueryShares(positions, rank, reduce_scatter))
+        return loss.detach(), torch.autograd.grad(loss, indexer)
+
+    results = run_processes(processes, work)
+    torch.testing.assert_close(sum(loss for loss, _ in results), expected.detach(), rtol=1e-5,
+                               atol=1e-6)
+    for i, name in enumerate(("index_q", "index_k", "index_weights")):
+        torch.testing.assert_close(sum(grads[i] for _, grads in results), expected_grads[i],
+                                   rtol=1e-4, atol=1e-5, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("backend", ["reference", "gathered"])
+@pytest.mark.parametrize("stage", ["dense_warmup", "sparse"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_indexer_loss_shares_sum_to_the_loss(packed, stage, backend, chunks):
+    """Context parallelism's split of the loss: :func:`assert_shares_sum_to_the_loss`, with a
+    sink, over the first 36 tokens (two shares of 18)."""
+    seq_len = 36
+    rows = 1 if packed else B
+    cu_seqlens = torch.tensor([0, 11, 30, seq_len]) if packed else None
+    x = {name: (t if name == "sink" else t[:rows, :seq_len]).detach().requires_grad_()
+         for name, t in _inputs().items()}
+    selected = _select(x, TOP_K, cu_seqlens, "reference") if stage == "sparse" else None
+
+    def loss_of(t, shares):
+        return sparse.dsa_indexer_loss(t["q"], t["k"], t["index_q"], t["index_k"],
+                                       t["index_weights"], selected=selected,
+                                       cu_seqlens=cu_seqlens, sink=t["sink"], shares=shares,
+                                       backend=backend)
+
+    assert_shares_sum_to_the_loss(loss_of, x, ("q", "k", "sink"), seq_len)
+
+
 def test_indexer_loss_by_hand():
     """Two tokens, one head each: query 0 sees only itself (KL 0); query 1 has main
     probabilities p = softmax(q1 k_s / sqrt(2)) and indexer scores I_s = w relu(iq . ik_s)."""
@@ -204,3 +292,11 @@ def test_bad_arguments_fail_clearly():
     with pytest.raises(ValueError, match="backend='triton' is not one of"):
         sparse.dsa_indexer_loss(x["q"], x["k"], x["index_q"], x["index_k"],
                                 x["index_weights"], backend="triton")
+    shares = sparse.QueryShares(torch.arange(36).view(2, 18), 0, lambda mass: mass[0])
+    with pytest.raises(ValueError, match=r"shares.positions has shape \(2, 18\)"):
+        sparse.dsa_indexer_loss(x["q"], x["k"], x["index_q"], x["index_k"],
+                                x["index_weights"], shares=shares)
+    shares = sparse.QueryShares(torch.arange(T).view(1, T), 0, lambda mass: mass[0])
+    with pytest.raises(ValueError, match=r"index_q \[B, n, HI, DI\].*n = 37"):
+        sparse.dsa_indexer_loss(x["q"], x["k"], x["index_q"][:, :5], x["index_k"],
+                                x["index_weights"][:, :5], shares=shares)

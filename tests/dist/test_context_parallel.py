@@ -377,8 +377,9 @@ def test_state_passing_equals_all_to_all(cp_runs, batch):
 # ------------------------------------------------------------------ sparse mixers' volumes
 @contextlib.contextmanager
 def counted_all_reduce():
-    """Count the all-reduces over groups of more than one rank: the bytes a rank receives in a
-    ring all-reduce (a reduce-scatter, then an all-gather) of an N-byte tensor, 2 (CP-1)/CP N."""
+    """Count the all-reduces (none is expected of these layers under CP alone): the bytes a
+    rank receives in a ring all-reduce (a reduce-scatter, then an all-gather) of an N-byte
+    tensor, 2 (CP-1)/CP N."""
     counts = {"all_reduce": 0}
     original = dist.all_reduce
 
@@ -412,29 +413,34 @@ def _sparse_layer_volumes(symbol, ext, config, batch, seq_len, rotary_dims, cp):
     gathered = gathered_back = target = 0
     if symbol == "S":  # NSA's three branch gates per query head, fp32
         all_to_all += share(batch * local * 3 * hq * fp32)
-    if symbol == "D":  # the indexer's outputs q_I, k_I, w; backward: reduce-scatter
-        hi, di = ext.dsa_indexer_heads, ext.dsa_indexer_dim
-        gathered = gathered_back = share(batch * seq_len * (hi * di + di + hi) * e)
+    if symbol == "D":  # the indexer's outputs q_I, k_I, w; backward: reduce-scatter of k_I's
+        hi, di = ext.dsa_indexer_heads, ext.dsa_indexer_dim  # (q_I, w: the rank's own rows)
+        gathered = share(batch * seq_len * (hi * di + di + hi) * e)
+        gathered_back = share(batch * seq_len * di * e)
     if symbol in "CH":  # the compressor's values and gate logits, C channels each per kv head
         channels = 2 * d if symbol == "C" else d
         all_to_all += share(batch * local * hkv * 2 * channels * e)
         gathered += share(seq_len * rotary_dims * fp32)  # Megatron's rotary table (no grad)
     if symbol == "C":  # the indexer's (detached) input, the layer's normalised hidden state
         gathered += share(batch * seq_len * hidden * e)
-    if symbol in "DC":  # the indexer loss's target: attention mass over S keys per query, fp32
+    if symbol in "DC":  # the indexer loss's target: attention mass over S keys per query, fp32,
+        # reduce-scattered by query rows (each rank gets its own tokens'): no all-reduce
         entries = seq_len if symbol == "D" else seq_len // ext.csa_compress_rate
         top_k = ext.dsa_top_k if symbol == "D" else ext.csa_top_k
         # Dense warm-up: every key a query chunk reaches; here one chunk of queries, all keys.
         keys = entries if ext.dsa_stage == "dense_warmup" else min(top_k, entries)
-        target = 2 * share(batch * seq_len * keys * fp32)
-    forward = dict(all_gather=gathered, reduce_scatter=0, all_to_all=all_to_all, all_reduce=target)
-    # Backward: the reverse all-to-alls, the reduce-scatter of the gathers that carry gradients,
-    # and the target's all-reduce again (the loss's chunks are recomputed in backward). In the
-    # dense warm-up only the indexers train: q, k and v get no gradient, the output still does.
+        target = share(batch * seq_len * keys * fp32)
+    forward = dict(all_gather=gathered, reduce_scatter=target, all_to_all=all_to_all,
+                   all_reduce=0)
+    # Backward: the reverse all-to-alls and the reduce-scatter of the gathers that carry
+    # gradients; the sparse stage keeps the target for backward, the dense warm-up recomputes
+    # it with the loss's chunks, and its reduce-scatter. In the dense warm-up only the indexers
+    # train: q, k and v get no gradient, the output still does.
     if ext.dsa_stage == "dense_warmup":
         all_to_all = share(batch * local * hq * d * e)
+        gathered_back += target
     backward = dict(all_gather=0, reduce_scatter=gathered_back, all_to_all=all_to_all,
-                    all_reduce=target)
+                    all_reduce=0)
     return forward, backward
 
 
