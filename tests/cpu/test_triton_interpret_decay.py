@@ -68,17 +68,22 @@ def _check_bounds_on_the_interpreter() -> None:
     """Fail any load or store of a kernel that leaves the tensors passed to its launch. The
     interpreter reads and writes host memory directly, so an access past a tensor's end, which
     faults on a GPU (an illegal memory access) or corrupts a neighbouring buffer, would otherwise
-    pass unnoticed. Lanes masked off are not checked: they access nothing on a GPU either."""
+    pass unnoticed. Lanes masked off are not checked: they access nothing on a GPU either. A
+    tensor's extent runs from its first to its last element, so strided views count too."""
     from triton.runtime import interpreter
 
     launch = {"kernel": None, "extents": []}  # the running kernel's tensors: (first byte, end)
     run_grid = interpreter.GridExecutor.__call__
     load, store = interpreter.InterpreterBuilder.create_masked_load, interpreter.InterpreterBuilder.create_masked_store
 
+    def extent(tensor):
+        last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+        end = tensor.data_ptr() + (last + 1) * tensor.element_size() if tensor.numel() else tensor.data_ptr()
+        return tensor.data_ptr(), end
+
     def run_grid_recording_extents(self, *args, **kwargs):
         tensors = [arg for arg in (*args, *kwargs.values()) if isinstance(arg, torch.Tensor)]
-        launch.update(kernel=self.fn.__name__, extents=[
-            (tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()) for tensor in tensors])
+        launch.update(kernel=self.fn.__name__, extents=[extent(tensor) for tensor in tensors])
         run_grid(self, *args, **kwargs)
 
     def check(ptrs, mask, access):

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -26,54 +25,12 @@ GPU_MODULE = pathlib.Path(__file__).resolve().parents[1] / "gpu" / "test_triton_
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 
 
-def _check_bounds_on_the_interpreter() -> None:
-    """Fail any load or store of a kernel that leaves the memory of the tensors passed to its
-    launch, as test_triton_interpret_decay.py does, with a strided view's extent from its first
-    to its last element (there a tensor is numel() elements from its data pointer)."""
-    from triton.runtime import interpreter
-
-    launch = {"kernel": None, "extents": []}
-    run_grid = interpreter.GridExecutor.__call__
-    load, store = interpreter.InterpreterBuilder.create_masked_load, interpreter.InterpreterBuilder.create_masked_store
-
-    def extent(tensor):
-        last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-        end = tensor.data_ptr() + (last + 1) * tensor.element_size() if tensor.numel() else tensor.data_ptr()
-        return tensor.data_ptr(), end
-
-    def run_grid_recording_extents(self, *args, **kwargs):
-        tensors = [arg for arg in (*args, *kwargs.values()) if isinstance(arg, torch.Tensor)]
-        launch.update(kernel=self.fn.__name__, extents=[extent(tensor) for tensor in tensors])
-        run_grid(self, *args, **kwargs)
-
-    def check(ptrs, mask, access):
-        addresses = ptrs.data[np.broadcast_to(mask.data.astype(bool), ptrs.data.shape)]
-        size = ptrs.get_element_ty().primitive_bitwidth // 8
-        inside = np.zeros(addresses.shape, dtype=bool)
-        for start, end in launch["extents"]:
-            inside |= (addresses >= start) & (addresses + size <= end)
-        if not inside.all():
-            raise IndexError(f"{launch['kernel']}: {access} of {(~inside).sum()} elements outside the tensors of "
-                             "the launch")
-
-    def checked_load(self, ptrs, mask, *rest):
-        check(ptrs, mask, "load")
-        return load(self, ptrs, mask, *rest)
-
-    def checked_store(self, ptrs, value, mask, *rest):
-        check(ptrs, mask, "store")
-        return store(self, ptrs, value, mask, *rest)
-
-    interpreter.GridExecutor.__call__ = run_grid_recording_extents
-    interpreter.InterpreterBuilder.create_masked_load = checked_load
-    interpreter.InterpreterBuilder.create_masked_store = checked_store
-
-
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     torch.set_num_threads(1)
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    from test_triton_interpret_decay import _fix_interpreter_for_numpy_2_4
+    from test_triton_interpret_decay import (_check_bounds_on_the_interpreter,
+                                             _fix_interpreter_for_numpy_2_4)
 
     _fix_interpreter_for_numpy_2_4()
     _check_bounds_on_the_interpreter()
