@@ -7,10 +7,10 @@ Backends, with one signature per op:
                 the key blocks it visits; any device, memory linear in T (gathered.py)
     flex        the same layout as a FlexAttention BlockMask; compiled on CUDA; on the CPU
                 forward only (flex.py)
-"auto" is flex on CUDA (head dims of 16 or more) and gathered elsewhere. ``layout_blocks=(q_block, kv_block)`` overrides
-the layout's block sizes (defaults: 128 x 128 for flex, 64 x 64 for gathered; 16 x 64 for
-NSA's selected branch in gathered, whose queries pick their own blocks); the result does not
-depend on them.
+"auto" is flex on CUDA (head dims of 16 or more) and gathered elsewhere.
+``layout_blocks=(q_block, kv_block)`` overrides the layout's block sizes (defaults: 128 x 128
+for flex, 64 x 64 for gathered; 16 x 64 for NSA's selected branch in gathered, whose queries
+pick their own blocks); the result does not depend on them.
 
 DSA selects keys per token, which no block layout describes; its ops (``dsa_select``,
 ``dsa_attention``, ``dsa_indexer_loss``) run the reference or, for every other backend, the

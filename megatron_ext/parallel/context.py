@@ -101,7 +101,7 @@ class PackedLayout:
         """Global token positions of ``rank``'s local sequence, in its local order."""
         pieces = []
         for start, chunk in zip(self.cu_seqlens[:-1].tolist(), self.chunk.tolist()):
-            for c in (rank, 2 * self.cp.size - 1 - rank):
+            for c in self.cp.chunks_of(rank):
                 pieces.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
         return torch.cat(pieces).to(self.device)
 
@@ -148,7 +148,11 @@ class ContextParallel:
         self.group = group
         self.size = group.size()
         self.rank = group.rank()
-        self.chunks = (self.rank, 2 * self.size - 1 - self.rank)
+        self.chunks = self.chunks_of(self.rank)
+
+    def chunks_of(self, rank: int) -> tuple[int, int]:
+        """The global chunks ``rank`` holds: ``rank`` and ``2 CP - 1 - rank``."""
+        return rank, 2 * self.size - 1 - rank
 
     @classmethod
     def of(cls, config, pg_collection) -> "ContextParallel | None":
@@ -260,7 +264,7 @@ class ContextParallel:
         """Global token positions of the local sequence ``[2L]`` (of ``rank``'s, default this
         rank's)."""
         chunk = local_length // 2
-        chunks = self.chunks if rank is None else (rank, 2 * self.size - 1 - rank)
+        chunks = self.chunks_of(self.rank if rank is None else rank)
         return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
                           for c in chunks])
 
