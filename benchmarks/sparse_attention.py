@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import importlib.util
 import pathlib
 import sys
@@ -54,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.kernels import sparse
+from megatron_ext.kernels.backends import fla_unavailable_reason
 from megatron_ext.kernels.selfcheck import relative_error
 
 
@@ -156,15 +156,8 @@ def fla_attention(q, k, v, sink, window_size):
 
 
 def fla_unavailable(device: torch.device) -> str | None:
-    """Why fla-core's parallel_attn cannot run here, or None. (kernels.backends'
-    fla_unavailable_reason knows fla-core's chunked linear kernels only.)"""
-    try:
-        importlib.import_module("fla.ops.attn")
-    except ImportError as error:
-        return f"fla-core does not import ({error}); install fla-core>=0.6.0"
-    if device.type != "cuda":
-        return f"fla-core's kernels are Triton GPU kernels and need a CUDA device, not {device.type!r}"
-    return None
+    """Why fla-core's parallel_attn cannot run here, or None (kernels.backends' rules)."""
+    return fla_unavailable_reason("attn", device, requires_grad=True)
 
 
 def fla_check(family, args) -> dict:

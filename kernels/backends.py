@@ -52,6 +52,7 @@ FLA_KINDS = {
     "simple_gla": "chunk_simple_gla with a per-token decay g [B, T, H] (Mamba-2 SSD)",
     "simple_gla_gamma": "chunk_simple_gla with a constant decay g_gamma [H] (RetNet, Lightning)",
     "gla": "chunk_gla",
+    "attn": "parallel_attn (softmax attention with a window and a sink; benchmarks only)",
 }
 
 # fla-core 0.6.0 refuses the backward of these on Hopper with 3.4.0 <= Triton < 3.7.1: their

@@ -175,7 +175,8 @@ def test_refused_calls_are_reported(kind):
         gated_delta_rule(**inputs, backend="fla")
 
 
-DECAY_KINDS = [kind for kind in fla_adapter.FLA_KINDS if kind not in DELTA_KINDS and kind != "linear"]
+DECAY_KINDS = [kind for kind in fla_adapter.FLA_KINDS
+               if kind not in DELTA_KINDS and kind not in ("linear", "attn")]
 
 
 def decay_inputs(kind):
