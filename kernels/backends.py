@@ -15,12 +15,18 @@ case the doctor checks (grouped heads, an initial state, T = 97 across a chunk b
 sequences), with fp32 and bf16 inputs, forward and backward, against the fp32 reference. Its
 verdict is kept per process and on disk, per (GPU, compute capability, torch, Triton,
 megatron-ext version and a hash of the kernels' and the check's source), in ``$MEGATRON_EXT_CACHE_DIR/selfcheck.json`` (default
-``~/.cache/megatron-ext``), so each machine image pays for it once (the first check compiles the
-kernels: tens of seconds). A backend that fails is not used and never silently: the failing
+``~/.cache/megatron-ext``), so each machine image pays for it once. Most of that first check is
+Triton compiling the kernels of every case, so the cases run in parallel child processes; and
+one process at a time checks (a lock next to the cache file): the other ranks of a node wait for
+its verdict instead of compiling the same kernels alongside it. On a 2 x H200 host, with the
+checks of two ops run one case after another in one child each and competing with other jobs,
+this took over five minutes. A backend that fails is not used and never silently: the failing
 cases are logged. ``megatron-ext doctor`` shows every check in full.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import functools
 import json
 import logging
@@ -30,6 +36,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -195,30 +202,73 @@ def _write_cache(path: pathlib.Path, key: str, op: str, verdict: dict) -> None:
 
 
 SELFCHECK_TIMEOUT_S = 900
+SELFCHECK_WORKERS = 8  # child processes at a time, at most one per CPU core
 
 
 def _run_selfcheck(op: str, device: torch.device) -> dict:
-    """Run the Triton checks of ``op`` in a child process (``python -m
-    megatron_ext.kernels.selfcheck``): a kernel that faults (an illegal memory access) leaves its
-    CUDA context unusable, and it must be the child's, not the training's."""
-    command = [sys.executable, "-m", "megatron_ext.kernels.selfcheck", op, "triton", str(device)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=SELFCHECK_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return {"passed": False, "reason": f"the self-check took over {SELFCHECK_TIMEOUT_S} s"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-        return {"passed": False, "reason": f"the self-check exited with status {done.returncode}: {tail}"}
-    failures = json.loads(lines[-1])["failures"]
+    """Run the Triton checks of ``op`` in child processes (``python -m
+    megatron_ext.kernels.selfcheck OP triton DEVICE CASE DTYPE``), one per case and dtype, several
+    at a time: each compiles its case's kernels on a core of its own. Children, not this process:
+    a kernel that faults (an illegal memory access) leaves its CUDA context unusable, and it must
+    be a child's, not the training's."""
+    from .selfcheck import DTYPES, OPS
+
+    jobs = [(case.name, str(dtype).removeprefix("torch.")) for case in OPS[op].cases for dtype in DTYPES]
+
+    def check(job):
+        command = [sys.executable, "-m", "megatron_ext.kernels.selfcheck", op, "triton", str(device), *job]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=SELFCHECK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return [f"{'/'.join(job)}: the check took over {SELFCHECK_TIMEOUT_S} s"]
+        lines = done.stdout.strip().splitlines()
+        if done.returncode != 0 or not lines:
+            tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+            return [f"{'/'.join(job)}: the check exited with status {done.returncode}: {tail}"]
+        return json.loads(lines[-1])["failures"]
+
+    workers = max(1, min(len(jobs), SELFCHECK_WORKERS, os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        failures = [failure for found in pool.map(check, jobs) for failure in found]
     if failures:
         return {"passed": False, "reason": "; ".join(failures)}
     return {"passed": True, "reason": "every case within tolerance, forward and backward"}
 
 
+@contextlib.contextmanager
+def _selfcheck_lock(path: pathlib.Path):
+    """Hold an exclusive lock on ``path`` + ".lock" (flock), or nothing where locking is not
+    possible (a read-only cache directory, a file system without flock): then processes may
+    check side by side, which costs time, not correctness."""
+    import fcntl
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_name(path.name + ".lock"), "w")
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                logger.warning("megatron-ext: waiting for another process's Triton self-check "
+                               "(lock %s)", handle.name)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            yield
+            return
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def triton_verdict(op: str, device) -> dict:
     """The self-check verdict of the Triton backend of ``op`` on this CUDA ``device``: from this
-    process's memory, else the disk cache, else by running the check (and caching it)."""
+    process's memory, else the disk cache, else by running the check (and caching it); one
+    process of a machine at a time runs it, the others then read its verdict."""
     device = torch.device(device)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -231,10 +281,16 @@ def triton_verdict(op: str, device) -> dict:
         path = selfcheck_cache_path()
         verdict = _read_cache(path).get(key, {}).get(op)
         if verdict is None:
-            logger.warning("megatron-ext: checking the Triton kernels of %s on %s against the "
-                           "reference (once per machine; cached in %s)", op, key, path)
-            verdict = _run_selfcheck(op, device)
-            _write_cache(path, key, op, verdict)
+            with _selfcheck_lock(path):
+                verdict = _read_cache(path).get(key, {}).get(op)  # another process's, meanwhile
+                if verdict is None:
+                    logger.warning("megatron-ext: checking the Triton kernels of %s on %s against "
+                                   "the reference (once per machine; cached in %s)", op, key, path)
+                    start = time.perf_counter()
+                    verdict = _run_selfcheck(op, device)
+                    logger.warning("megatron-ext: the self-check of %s took %.0f s", op,
+                                   time.perf_counter() - start)
+                    _write_cache(path, key, op, verdict)
         if not verdict["passed"]:
             logger.warning("megatron-ext: the Triton kernels of %s failed their self-check on %s "
                            "and are not used (backend='auto' runs the chunked PyTorch form): %s",
@@ -243,9 +299,11 @@ def triton_verdict(op: str, device) -> dict:
     return verdict
 
 
-def auto_backend(op: str, device) -> str:
-    """The backend ``backend="auto"`` runs for ``op`` (an op name of selfcheck.OPS) on ``device``."""
+def auto_backend(op: str, device, declined: str | None = None) -> str:
+    """The backend ``backend="auto"`` runs for ``op`` (an op name of selfcheck.OPS) on ``device``.
+    ``declined``: why our Triton kernels would not take this call anyway (its head dims, its
+    inputs' form); then chunked, without running the self-check for a backend it cannot use."""
     device = torch.device(device)
-    if device.type == "cuda" and triton_verdict(op, device)["passed"]:
+    if device.type == "cuda" and declined is None and triton_verdict(op, device)["passed"]:
         return "triton"
     return "chunked"

@@ -472,24 +472,30 @@ def _checks(device: torch.device, backends: list[str] | None):
                     yield check_backend(op.name, case.name, backend, device, dtype)
 
 
-def failures(op: str, backend: str, device) -> list[str]:
+def failures(op: str, backend: str, device, case: str | None = None,
+             dtype: str | None = None) -> list[str]:
     """Every case of ``op`` (fp32 and bf16) that ``backend`` does not pass on ``device``, as
-    ``"case/dtype: why"``; empty when all pass."""
-    found = []
-    for case in OPS[op].cases:
-        for dtype in DTYPES:
-            result = check_backend(op, case.name, backend, device, dtype)
+    ``"case/dtype: why"``; empty when all pass. ``case`` and ``dtype`` (e.g. "kda", "bfloat16")
+    check that one case or dtype only."""
+    found, checked = [], 0
+    for the_case in OPS[op].cases:
+        for the_dtype in DTYPES:
+            if case not in (None, the_case.name) or dtype not in (None, str(the_dtype).removeprefix("torch.")):
+                continue
+            checked += 1
+            result = check_backend(op, the_case.name, backend, device, the_dtype)
             if result.status != "pass":
-                found.append(f"{case.name}/{result.dtype}: "
+                found.append(f"{the_case.name}/{result.dtype}: "
                              f"{result.skipped_reason or result.note or 'failed'}")
+    if not checked:
+        raise ValueError(f"{op}: no case {case!r} in dtype {dtype!r}")
     return found
 
 
 if __name__ == "__main__":
-    # kernels/backends.py runs this in a child process: python -m ... OP BACKEND DEVICE; the last
-    # stdout line is {"failures": [...]}.
+    # kernels/backends.py runs this in child processes: python -m ... OP BACKEND DEVICE [CASE
+    # DTYPE]; the last stdout line is {"failures": [...]}.
     import json
     import sys
 
-    op_name, backend_name, device_name = sys.argv[1:4]
-    print(json.dumps({"failures": failures(op_name, backend_name, device_name)}), flush=True)
+    print(json.dumps({"failures": failures(*sys.argv[1:6])}), flush=True)

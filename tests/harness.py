@@ -10,13 +10,16 @@ RoPE, the CUDA index of RoPE's per-CP-rank slice, CUDA streams in DDP, and the C
 over NCCL (one GPU per rank, TF32 off, the CUDA RNG tracker): the multi-process tests of
 tests/dist then check the same equalities on GPUs (``python -m pytest tests/dist`` on a machine
 with several GPUs; a world larger than the GPUs skips). Models built by :func:`build_layout`
-move to the rank's GPU and take their inputs there.
+move to the rank's GPU and take their inputs there. ``MEGATRON_EXT_TEST_STACKS_AFTER=S`` makes
+every rank print the stacks of its threads to stderr every S seconds (pytest ``-s`` shows them):
+where a hung rank waits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import os
 import socket
 import traceback
@@ -148,6 +151,9 @@ def _free_port() -> int:
 def _worker(rank, world_size, port, backend, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    stacks_after = float(os.environ.get("MEGATRON_EXT_TEST_STACKS_AFTER", 0))
+    if stacks_after > 0:
+        faulthandler.dump_traceback_later(stacks_after, repeat=True)
     if backend == "nccl":
         torch.cuda.set_device(rank)
         # fp32 matmuls in fp32, so that layouts compare at the CPU runs' tolerances

@@ -79,10 +79,11 @@ def decay_linear_attention(
         o ``[B, T, Hv, V]`` in v's dtype, and the final state ``[N, Hv, K, V]`` in fp32 (fp64 for
         fp64 inputs), or None when output_final_state is False.
     """
-    name = backends.auto_backend(OP, q.device) if backend == "auto" else backend
-    if backend == "auto" and name == "triton" and (
-            backends.triton_dims_reason(q, v) or backends.decay_triton_declined_reason(q, g)):
-        name = "chunked"
+    if backend == "auto":
+        declined = backends.triton_dims_reason(q, v) or backends.decay_triton_declined_reason(q, g)
+        name = backends.auto_backend(OP, q.device, declined)
+    else:
+        name = backend
     if name not in _BACKENDS:
         known = ", ".join(repr(known_name) for known_name in ["auto", *_BACKENDS])
         raise ValueError(f"{OP}: unknown backend {backend!r}; known backends: {known}")

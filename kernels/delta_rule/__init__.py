@@ -80,9 +80,10 @@ def gated_delta_rule(
         o ``[B, T, Hv, V]`` in v's dtype, and the final state ``[N, Hv, K, V]`` in fp32 (fp64 for
         fp64 inputs), or None when output_final_state is False; then the write residual if asked.
     """
-    name = backends.auto_backend(OP, q.device) if backend == "auto" else backend
-    if backend == "auto" and name == "triton" and backends.triton_dims_reason(q, v):
-        name = "chunked"
+    if backend == "auto":
+        name = backends.auto_backend(OP, q.device, backends.triton_dims_reason(q, v))
+    else:
+        name = backend
     if name not in _BACKENDS:
         known = ", ".join(repr(known_name) for known_name in ["auto", *_BACKENDS])
         raise ValueError(f"gated_delta_rule: unknown backend {backend!r}; known backends: {known}")

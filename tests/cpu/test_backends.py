@@ -13,7 +13,12 @@ def test_selfcheck_child_reports_failures_off_cuda():
     case is a failure with the reason."""
     verdict = backends._run_selfcheck("decay_linear_attention", torch.device("cpu"))
     assert not verdict["passed"] and "CUDA devices" in verdict["reason"]
-    assert "per_channel_packed/bfloat16" in verdict["reason"]
+    # one child per case and dtype, every one reported
+    from megatron_ext.kernels.selfcheck import DTYPES, OPS
+
+    for case in OPS["decay_linear_attention"].cases:
+        for dtype in DTYPES:
+            assert f"{case.name}/{str(dtype).removeprefix('torch.')}:" in verdict["reason"]
 
 
 def test_verdict_is_cached_in_memory_and_on_disk(tmp_path, monkeypatch):
@@ -41,10 +46,50 @@ def test_verdict_is_cached_in_memory_and_on_disk(tmp_path, monkeypatch):
 
 def test_auto_follows_the_verdict(monkeypatch):
     verdicts = {"gated_delta_rule": True, "decay_linear_attention": False}
-    monkeypatch.setattr(backends, "triton_verdict", lambda op, device: {"passed": verdicts[op]})
+    asked = []
+
+    def verdict(op, device):
+        asked.append(op)
+        return {"passed": verdicts[op]}
+
+    monkeypatch.setattr(backends, "triton_verdict", verdict)
     assert backends.auto_backend("gated_delta_rule", "cuda:0") == "triton"
     assert backends.auto_backend("decay_linear_attention", "cuda:0") == "chunked"
     assert backends.auto_backend("gated_delta_rule", "cpu") == "chunked"
+    # a call the kernels decline never runs (or waits for) the self-check
+    assert backends.auto_backend("gated_delta_rule", "cuda:0", declined="K = 8") == "chunked"
+    assert asked == ["gated_delta_rule", "decay_linear_attention"]
+
+
+def test_one_process_at_a_time_runs_the_selfcheck(tmp_path, monkeypatch):
+    """Two processes (here threads, each with its own open lock file, which flock keeps apart as
+    it does processes) asking at once: one runs the check, the other waits and reads its verdict."""
+    import threading
+    import time
+
+    monkeypatch.setenv("MEGATRON_EXT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(backends, "_VERDICTS", {})
+    monkeypatch.setattr(backends, "_device_key", lambda device: "fake GPU | versions")
+    runs = []
+
+    def slow_check(op, device):
+        runs.append(op)
+        time.sleep(0.5)
+        return {"passed": True, "reason": "measured"}
+
+    monkeypatch.setattr(backends, "_run_selfcheck", slow_check)
+    verdicts = []
+
+    def ask():
+        verdicts.append(backends.triton_verdict("gated_delta_rule", "cuda:0"))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert runs == ["gated_delta_rule"]
+    assert verdicts == [{"passed": True, "reason": "measured"}] * 2
 
 
 def test_auto_runs_chunked_for_head_dims_the_triton_kernels_do_not_take(monkeypatch):
@@ -55,7 +100,9 @@ def test_auto_runs_chunked_for_head_dims_the_triton_kernels_do_not_take(monkeypa
     from megatron_ext.kernels.decay import decay_linear_attention_reference
     from megatron_ext.kernels.delta_rule import gated_delta_rule_reference
 
-    monkeypatch.setattr(backends, "auto_backend", lambda op, device: "triton")
+    # auto as on such a GPU: triton unless the op says why the kernels would not take the call
+    monkeypatch.setattr(backends, "auto_backend",
+                        lambda op, device, declined=None: "chunked" if declined else "triton")
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 9, 2, 8, generator=g) for _ in range(2))
     v = torch.randn(1, 9, 2, 24, generator=g)
