@@ -210,7 +210,7 @@ def measure(op: Op, seq_len: int, args) -> dict:
             result["fwd_bwd_ms"], result["fwd_bwd_peak_gib"] = time_ms(
                 forward_backward, warmup=args.warmup, reps=args.reps, device=device)
             if args.profile and device.type == "cuda":
-                result["fwd_bwd_kernel_ms"] = kernel_times(forward_backward)
+                result["fwd_bwd_profile"] = kernel_times(forward_backward)
         except Exception as error:  # noqa: BLE001
             result["fwd_bwd_error"] = describe(error)
             log(f"{op.name} T={seq_len}: forward+backward failed: {result['fwd_bwd_error']}")
@@ -223,16 +223,30 @@ def measure(op: Op, seq_len: int, args) -> dict:
     return result
 
 
-def kernel_times(fn, top: int = 12) -> dict[str, float]:
-    """GPU time per kernel (ms, summed over its launches) of one call of ``fn``, the ``top``
-    longest, from torch.profiler: where an op's time goes."""
+def kernel_times(fn, top: int = 12) -> dict[str, dict[str, float]]:
+    """Where one call of ``fn`` spends its time, from torch.profiler: ``kernels``, GPU ms per
+    kernel (summed over its launches), and ``host``, the host's own ms per op, the ``top`` of
+    each; and ``wall_ms`` of the profiled call. The timings above include any time the GPU waits
+    for the host (each timed call starts on an idle GPU), so a wall time well above the kernels'
+    sum points at the host."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
-    return {e.key[:120]: e.self_device_time_total / 1e3 for e in events[:top] if e.self_device_time_total > 0}
+    wall_ms = (time.perf_counter() - start) * 1e3
+    events = prof.key_averages()
+    # the GPU's own events only: every host op also carries its kernels' device time
+    on_gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.self_device_time_total, reverse=True)
+    on_host = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+                     key=lambda e: e.self_cpu_time_total, reverse=True)
+    return dict(kernels={e.key[:120]: e.self_device_time_total / 1e3 for e in on_gpu[:top]
+                         if e.self_device_time_total > 0},
+                kernels_total_ms=sum(e.self_device_time_total for e in on_gpu) / 1e3,
+                host={e.key[:120]: e.self_cpu_time_total / 1e3 for e in on_host[:top]},
+                wall_ms=wall_ms)
 
 
 def environment(device: torch.device) -> dict:
@@ -297,7 +311,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/results/kernels_h200.json")
     parser.add_argument("--profile", action="store_true",
-                        help="also record the GPU time of each kernel of one fwd+bwd call")
+                        help="also profile one fwd+bwd call: GPU time per kernel, host time "
+                             "per op")
     parser.add_argument("--resume", action="store_true",
                         help="keep the results already in --out and measure only what is missing "
                              "(to finish a run that was cut short, or to add ops)")

@@ -314,7 +314,8 @@ def parse_args(argv=None):
     parser.add_argument("--nsa", default="32,16,64,16,512",
                         help="compress block, stride, select block, top-k, window")
     parser.add_argument("--profile", action="store_true",
-                        help="also record the GPU time of each kernel of one fwd+bwd call")
+                        help="also profile one fwd+bwd call: GPU time per kernel, host time "
+                             "per op")
     parser.add_argument("--dsa", default="2048,64,128",
                         help="dsa: top-k, indexer heads, indexer dim (the paper's)")
     parser.add_argument("--hca", default="128,128", help="hca: compression rate, window (V4's)")
