@@ -1,5 +1,5 @@
 """The Sinkhorn projection of mHC in Triton: one kernel for the forward and one for the backward,
-each running every iteration of a block of tokens' n x n matrices in registers.
+each running every iteration of a block of tokens' n x n matrices in one program.
 
 mHC (Xie et al. 2025, "mHC: Manifold-Constrained Hyper-Connections", DeepSeek-AI, arXiv
 2512.24880) projects the per-token residual mixing matrix H_res towards the doubly stochastic
@@ -21,10 +21,15 @@ Backward (``_backward_kernel``), the vector-Jacobian product of :func:`.efficien
 for a normalisation ``M' = M / d`` with ``d = sum_axis M + eps``, ``dM = (dM' - sum_axis(dM' *
 M')) / d``; walking the steps in reverse from the output gradient, then through the softmax,
 ``dlogits = S * (dM_0 - sum_-1(dM_0 * S))`` with ``S = softmax(logits, -1)``. Step k needs its
-input M_{k-1}, which the kernel recomputes from M_0 for every k (the iterates are not stored,
-neither in memory nor in registers, where 2 iters n^2 floats per token would not fit):
-about ``(2 iters - 1)^2 / 2`` normalisations per token, 780 at 20 iterations (741 recomputed,
-39 differentiated), all in registers.
+input M_{k-1} and its output M_k. The kernel first runs the 2 iters - 1 steps forward, storing
+each step's input M_0 .. M_{2 iters - 2} in a scratch buffer ``[2 iters - 1, T, n, n]`` fp32
+(allocated per call by :func:`sinkhorn_backward`: 2 iters - 1 matrices per token, 20 MB at
+T = 8192, n = 4, 20 iterations), then walks back reading each input again (one step ahead) and
+carrying the output from the step before; ``d`` is recomputed from the input. Per token that
+is 2 (2 iters - 1) = 78 passes over the matrix at 20 iterations (39 normalisations forward, 39
+VJP steps, one division of the matrix each), and 2 iters - 1 matrices written and read back.
+Each program reads back only the part of the buffer that it wrote (tokens are its second
+dimension, so a program's block of one step is contiguous).
 
 Numerics: fp32 throughout (the logits are read in their dtype and widened); the divisions are
 IEEE round-to-nearest (``tl.math.div_rn``, as PyTorch divides; Triton's ``/`` would be the
@@ -51,8 +56,16 @@ from .reference import EPS
 __all__ = ["sinkhorn_forward", "sinkhorn_backward", "MIN_N", "MAX_N"]
 
 MIN_N, MAX_N = 2, 8
-_ELEMENTS_PER_PROGRAM = 512  # BLOCK * NP * NP: 32 tokens at n = 4, 4 fp32 per thread (4 warps)
-_NUM_WARPS = 4
+# One warp a program, BLOCK * NP * NP = 128 entries, 4 fp32 per thread: 8 tokens at n = 4 (1024
+# programs at 8192 tokens), 32 at n = 2, 2 at n = 5 .. 8. Each step is a serial chain of sums and
+# divisions; how many chains run at once is set by the fp32 per thread, not the program size
+# (8192 tokens at n = 4 are 1024 warps either way, and at n <= 4 each thread runs the same code
+# as in 4-warp programs of 4x the tokens). Smaller programs spread more evenly over the SMs, and
+# at n >= 5 (8 x 8 tiles) one warp keeps every sum inside the warp, where 4 warps of 8 tokens
+# split each matrix's rows between warps and each column sum took shared memory and a barrier
+# (10 barriers in the backward compiled for sm_90, 1 with one warp).
+_ELEMENTS_PER_PROGRAM = 128
+_NUM_WARPS = 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,11 +121,10 @@ def _iterate(m, steps, eps):
 
 
 @triton.jit
-def _normalise_vjp(m, g, AXIS: tl.constexpr, eps):
-    """The gradient at ``m`` of ``m' = m / d``, ``d = sum_AXIS m + eps``, given ``g`` at m':
-    ``(g - sum_AXIS(g * m')) / d``."""
+def _normalise_vjp(m, out, g, AXIS: tl.constexpr, eps):
+    """The gradient at ``m`` of ``out = m / d``, ``d = sum_AXIS m + eps``, given ``g`` at out:
+    ``(g - sum_AXIS(g * out)) / d``."""
     d = tl.sum(m, AXIS, keep_dims=True) + eps
-    out = _divide(m, d)
     return _divide(g - tl.sum(g * out, AXIS, keep_dims=True), d)
 
 
@@ -132,24 +144,46 @@ def _forward_kernel(logits, out, T, stride_t, steps, eps,
 
 
 @triton.jit
-def _backward_kernel(logits, grad, dlogits, T, stride_t, stride_g, steps, eps,
+def _backward_kernel(logits, grad, dlogits, scratch, T, stride_t, stride_g, steps, eps,
                      N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
     """dlogits = the gradient of sinkhorn at logits given ``grad`` at its output, for BLOCK
-    tokens: the normalisation steps in reverse, each one's input recomputed from M_0."""
+    tokens: the steps run forward once, the input M_{k-1} of step k (k = 1 .. steps) stored in
+    ``scratch[k - 1]`` (``scratch [steps, T, N, N]`` fp32), then walked in reverse, reading the
+    inputs back."""
     tok, within, inside, entry, in_cols = _tile(T, N, NP, BLOCK)
     x = tl.load(logits + tok * stride_t + within, mask=inside, other=0.0).to(tl.float32)
     soft = _softmax_rows(x, entry, in_cols, N, NP)
-    m0 = tl.where(entry, soft + eps, 0.0)
-    g = tl.load(grad + tok * stride_g + within, mask=inside, other=0.0).to(tl.float32)
-    for r in range(steps):
-        k = steps - 1 - r  # the step walked back (from 0); its input is M_0 after k steps
-        m = _iterate(m0, k, eps)
+    m = tl.where(entry, soft + eps, 0.0)
+    # scratch[k] is ``at``, a scalar pointer moved a step at a time (no int32 product k T N N);
+    # this tile of it is ``at + here``.
+    here = tok * (N * N) + within
+    at = scratch
+    for k in range(steps):  # M_k, the input of step k + 1, into scratch[k]
+        tl.store(at + here, m, mask=inside)
+        at += T * (N * N)
         if k % 2 == 0:
-            g = _normalise_vjp(m, g, 1, eps)
+            m = _normalise(m, 1, eps)
         else:
-            g = _normalise_vjp(m, g, 2, eps)
+            m = _normalise(m, 2, eps)
+    # Each thread reads back only what it stored itself (the same tile, the same layout); the
+    # barrier makes the whole program's stores visible in any case.
+    tl.debug_barrier()
+    g = tl.load(grad + tok * stride_g + within, mask=inside, other=0.0).to(tl.float32)
+    out = m  # the output of the step walked back: M_steps first, then the input loaded before
+    at -= T * (N * N)
+    following = tl.load(at + here, mask=inside, other=0.0)  # M_{steps-1}
+    for r in range(steps):
+        k = steps - 1 - r  # step k + 1 walked back; its input M_k was loaded one step ahead
+        m = following
+        at -= T * (N * N)  # scratch[k - 1]: M_{k-1}, for the next step (none after k = 0)
+        following = tl.load(at + here, mask=inside & (k > 0), other=0.0)
+        if k % 2 == 0:
+            g = _normalise_vjp(m, out, g, 1, eps)
+        else:
+            g = _normalise_vjp(m, out, g, 2, eps)
         if NP != N:  # padded entries: their divisors are eps alone, keep them at exactly 0
             g = tl.where(entry, g, 0.0)
+        out = m
     dx = soft * (g - tl.sum(g * soft, 2, keep_dims=True))
     tl.store(dlogits + tok * (N * N) + within, dx, mask=inside)
 
@@ -205,13 +239,16 @@ def sinkhorn_forward(logits: torch.Tensor, iters: int = 20, eps: float = EPS) ->
 def sinkhorn_backward(logits: torch.Tensor, grad: torch.Tensor, iters: int = 20,
                       eps: float = EPS) -> torch.Tensor:
     """The gradient of :func:`.reference.sinkhorn` at ``logits`` given ``grad`` at its output
-    (both ``[..., n, n]``), fp32, in one kernel that recomputes the iterations."""
+    (both ``[..., n, n]``), fp32, in one kernel that reruns the iterations, keeping them in a
+    temporary fp32 buffer of ``2 iters - 1`` matrices per token."""
     n = _check(logits)
     if grad.shape != logits.shape:
         raise ValueError(f"triton sinkhorn: grad {tuple(grad.shape)} and logits "
                          f"{tuple(logits.shape)} differ in shape")
     x, g = _tokens(logits, n), _tokens(grad, n)
+    steps = _steps(iters)
     dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    _launch(_backward_kernel, x, n, x, g, dx, x.shape[0], x.stride(0), g.stride(0), _steps(iters),
+    scratch = torch.empty((steps, *x.shape), dtype=torch.float32, device=x.device)  # M_0 .. M_{steps-1}
+    _launch(_backward_kernel, x, n, x, g, dx, scratch, x.shape[0], x.stride(0), g.stride(0), steps,
             float(eps))
     return dx.view(logits.shape)

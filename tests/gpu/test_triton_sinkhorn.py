@@ -7,13 +7,14 @@ also runs them on the CPU under Triton's interpreter.
 
 ``check_case`` compares the kernels' forward with ``reference.sinkhorn`` and their backward with
 autograd through it and with ``efficient._sinkhorn_vjp`` (the PyTorch replay the backward
-kernel recomputes), all three in fp32 on the CPU, on the same logits and output gradient. Cases:
-n = 4 (mHC's default) and n = 2, 3, 5, 8 (3 and 5 padded to a power of two inside the kernels),
-20 iterations and 1 (the softmax and one column pass), token counts that are not multiples of
-a program's block of tokens (32 at n = 4, 128 at n = 2, 8 at n = 8) or smaller than one block,
-none at all, strongly peaked logits (standard deviation 30: rows that are nearly one-hot, often
-two in the same column), a strided view (the H_res columns of mHC's mixes, 24 floats a token)
-and bf16 logits (read and widened to fp32).
+kernel runs, keeping the iterates in a scratch buffer as that keeps them in a list), all three
+in fp32 on the CPU, on the same logits and output gradient. Cases: n = 4 (mHC's default) and
+every other n of 2 .. 8 (3, 5, 6 and 7 padded to a power of two inside the kernels), 20
+iterations, 7, 2 (the first row pass walked back) and 1 (the softmax and one column pass),
+token counts that are not multiples of a program's block of tokens (8 at n = 4, 32 at n = 2,
+2 at n = 5 .. 8) or smaller than one block, none at all, strongly peaked logits (standard
+deviation 30: rows that are nearly one-hot, often two in the same column), a strided view (the
+H_res columns of mHC's mixes, 24 floats a token) and bf16 logits (read and widened to fp32).
 
 Tolerances: rtol 1e-5, atol 1e-6, fp32 rounding. Values and gradients are at most ~1 in
 magnitude; the kernels add n numbers in another order than PyTorch, and on a GPU their ``tl.exp``
@@ -70,6 +71,16 @@ CASES = [
     Case(shape=(1,), scale=5.0),
     Case(shape=(0,)),
     Case(scale=5.0, dtype=torch.bfloat16),
+    # Each n of 2 .. 8 at 1, 2 and 20 iterations between them.
+    Case(n=2, iters=2, shape=(45,), scale=3.0),
+    Case(n=3, iters=1, shape=(21,), scale=2.0),
+    Case(n=4, iters=2, shape=(3, 7), scale=5.0),
+    Case(n=5, iters=20, shape=(9,), scale=30.0),
+    Case(n=6, iters=2, shape=(7,), scale=3.0),
+    Case(n=6, iters=20, shape=(5,), scale=5.0),
+    Case(n=7, iters=1, shape=(5,), scale=2.0),
+    Case(n=7, iters=20, shape=(11,), scale=5.0),
+    Case(n=8, iters=2, shape=(3,), scale=5.0),
 ]
 
 
