@@ -3,8 +3,10 @@
     reference   plain autograd PyTorch, fp32: the definitions (reference.py)
     efficient   the same values through autograd Functions that keep little for backward and
                 recompute the Sinkhorn iterations; optionally torch.compile'd (efficient.py)
-    triton_sinkhorn  the Sinkhorn iterations in two Triton kernels, forward and backward, which
-                ``efficient`` runs on CUDA (triton_sinkhorn.py; imported there on first use)
+    triton_sinkhorn  the Sinkhorn iterations in two Triton kernels, forward and backward
+    triton_mhc  mHC's pre op and stream update fused in Triton kernels, forward and backward;
+                ``efficient`` runs both Triton modules on CUDA after a first-use check
+                (imported there on first use)
 
 The model code (megatron_ext.residual) uses ``efficient``; tests compare it with ``reference``.
 """

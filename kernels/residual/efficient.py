@@ -5,8 +5,7 @@ mHC projection GEMM reads bf16, see below); each backward is written out by hand
 alive between forward and backward is chosen, not every intermediate:
 
 - :func:`sinkhorn`: only its input; the iterations are recomputed in backward and
-  differentiated step by step in reverse (the recompute-in-backward of mHC section 4.3). On
-  CUDA they run in two Triton kernels, one launch each way (:mod:`.triton_sinkhorn`).
+  differentiated step by step in reverse (the recompute-in-backward of mHC section 4.3).
 - :func:`mhc_pre` (projection, coefficients with Sinkhorn, and the pre-mix of one sublayer, in
   one op so that a sublayer costs two autograd calls each way), :func:`rms_project`,
   :func:`stream_mix`, :func:`stream_update`: the n-stream tensor in its own dtype, never an
@@ -16,15 +15,24 @@ alive between forward and backward is chosen, not every intermediate:
 - :func:`depth_attention`: references to its sources plus per-token fp32 scalars (inverse
   RMS, logits, weights), as the Attention Residuals paper describes for training.
 
-On CUDA the forward and backward bodies can be compiled with ``torch.compile``
-(:func:`use_compile`): they are small elementwise and reduction chains whose cost in eager mode
-is mostly kernel launches. If compiling fails, the eager bodies are used and the reason is
-logged once. The Sinkhorn iterations are never part of a compiled body (see the Sinkhorn
-section): compiled, they would be unrolled into one kernel per normalisation.
+What runs where. The forward and backward of each op are PyTorch bodies (the ``_*_body`` and
+``_*_vjp`` functions below). On CUDA (where Triton runs; :func:`use_triton`, on by default)
+three of them run in Triton kernels of ours instead, each launched eagerly from its autograd
+Function: the Sinkhorn iterations (two kernels, :mod:`.triton_sinkhorn`) and the two mHC
+stream ops, :func:`mhc_pre` and :func:`stream_update` (four fused kernels, forward and
+backward, :mod:`.triton_mhc`). Kernels are used on a device only after passing a first-use
+check there (small random inputs against the PyTorch bodies); where they cannot run (the CPU,
+no Triton, a failed check, sizes or dtypes they do not take) the PyTorch bodies do. Those bodies,
+and the ops without kernels (rms_project, stream_mix, depth_attention), can be compiled with
+``torch.compile`` on CUDA (:func:`use_compile`): they are small elementwise and reduction chains
+whose cost in eager mode is mostly kernel launches. If compiling fails, the eager bodies are
+used and the reason is logged once. The Sinkhorn iterations are never part of a compiled body
+(see the Sinkhorn section): compiled, they would be unrolled into one kernel per normalisation.
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 from typing import Callable, Sequence
 
@@ -33,7 +41,7 @@ import torch
 from . import reference
 from .reference import EPS
 
-__all__ = ["use_compile", "compile_enabled", "use_triton_sinkhorn", "sinkhorn", "mhc_pre",
+__all__ = ["use_compile", "compile_enabled", "use_triton", "sinkhorn", "mhc_pre",
            "rms_project", "stream_mix", "stream_update", "depth_attention"]
 
 _log = logging.getLogger(__name__)
@@ -76,6 +84,70 @@ def _body(fn: Callable, dynamic: bool | None = None) -> Callable:
     return call
 
 
+# ----------------------------------------------------------------------------- Triton kernels
+# Where Triton runs (CUDA), the Sinkhorn iterations and mhc_pre / stream_update run in Triton
+# kernels of ours (triton_sinkhorn.py, triton_mhc.py) in place of the PyTorch bodies; the rest
+# of each op (saving for backward, recompute_input, the glue between kernels) is the same on
+# every device. The kernels are launched from the autograd Functions between compiled bodies,
+# never inside one (see the Sinkhorn section for why).
+_triton_enabled = True
+_TRITON_DEVICE_TYPES = {"cuda"}  # tests add "cpu" under Triton's interpreter
+
+
+def use_triton(enabled: bool) -> None:
+    """Run the Sinkhorn iterations and the mHC ops (mhc_pre, stream_update) of CUDA tensors in
+    our Triton kernels (the default) or in the PyTorch bodies (for comparisons)."""
+    global _triton_enabled
+    _triton_enabled = enabled
+
+
+def _triton_runs(tensor: torch.Tensor) -> bool:
+    """Whether the Triton kernels are on and run tensors on ``tensor``'s device type."""
+    return _triton_enabled and tensor.device.type in _TRITON_DEVICE_TYPES
+
+
+def _import_kernels(module: str, label: str):
+    """Our Triton kernel module ``module``, or None (logged) if it does not import."""
+    try:
+        return importlib.import_module(f".{module}", __package__)
+    except Exception as error:  # no Triton here, or a broken one: the PyTorch bodies compute it
+        _log.warning("the Triton %s kernels do not import (%s: %s); the PyTorch bodies run "
+                     "instead", label, type(error).__name__, error)
+        return None
+
+
+@functools.cache
+def _triton_kernels():
+    """The module of the Triton Sinkhorn kernels, or None (logged once)."""
+    return _import_kernels("triton_sinkhorn", "Sinkhorn")
+
+
+@functools.cache
+def _triton_mhc_kernels():
+    """The module of the Triton mHC kernels, or None (logged once)."""
+    return _import_kernels("triton_mhc", "mHC")
+
+
+@functools.cache
+def _triton_checked(label: str, check: Callable[..., None], device: torch.device, *key) -> bool:
+    """Whether the Triton ``label`` kernels pass ``check(device, *key)``: a function that runs
+    them on small random inputs and raises unless they give the PyTorch bodies' results. Run
+    once per key, on the kernels' first use on ``device`` (at ``key``: n, and what else makes a
+    different compiled kernel), so that they are only used once they have computed the right
+    thing on this GPU and Triton (as the linear-recurrence kernels' self-check,
+    kernels.backends). A failure or error is logged once and the PyTorch bodies run instead.
+    The check runs without autocast (which would change the bodies' dtypes) and autograd."""
+    try:
+        with torch.autocast(device.type, enabled=False), torch.no_grad():
+            check(device, *key)
+    except Exception as error:
+        _log.warning("the Triton %s kernels failed their check on %s at n = %s (%s: %s); the "
+                     "PyTorch bodies run instead", label, device, ", ".join(map(str, key)),
+                     type(error).__name__, error)
+        return False
+    return True
+
+
 # ---------------------------------------------------------------------------------- Sinkhorn
 def _sinkhorn_vjp(logits: torch.Tensor, grad: torch.Tensor, iters: int, eps: float):
     """Gradient of :func:`reference.sinkhorn` at ``logits``: replay the iterations, keeping each
@@ -99,46 +171,24 @@ _sinkhorn_backward = _body(_sinkhorn_vjp)
 
 # Where Triton runs (CUDA), the iterations run in two Triton kernels of ours, forward and
 # backward, one launch each for all 2 iters - 1 normalisations of a block of tokens
-# (triton_sinkhorn.py); elsewhere (the CPU, no Triton, n outside 2..8) in the PyTorch bodies
-# above. Compiled, those bodies cost one kernel per normalisation, ~40 forward at 20 iterations.
+# (triton_sinkhorn.py); elsewhere (the CPU, no Triton, n outside 2..8, a failed first-use
+# check) in the PyTorch bodies above. Compiled, those bodies cost one kernel per normalisation,
+# ~40 forward at 20 iterations.
 #
 # The kernels are launched between compiled bodies, never inside one. In mhc_pre the Sinkhorn
-# is the forward's last step and the backward's first, so the forward body returns the logits
-# of H_res and the backward recomputes them from the kept mixes (one addcmul) before its body:
-# one extra eager launch per backward, and no compiled graph ever holds a user-defined Triton
-# kernel. We chose this over registering the kernels for Dynamo (torch.library.triton_op with
-# wrap_triton, which Inductor would launch from its graph) because it is the robust option:
-# it depends on nothing in Dynamo's and Inductor's handling of user kernels, which could be
-# checked on a GPU only (wrap_triton refuses the kernels of Triton's CPU interpreter, on which
-# our tests run everything else), and where a compiler failure would send every body to eager
-# mode (_body's fallback). It also keeps one code path on every device: only the Sinkhorn step
-# itself differs.
-_triton_sinkhorn_enabled = True
-_TRITON_DEVICE_TYPES = {"cuda"}  # tests add "cpu" under Triton's interpreter
-
-
-def use_triton_sinkhorn(enabled: bool) -> None:
-    """Run the Sinkhorn iterations of CUDA tensors in the Triton kernels (the default) or in
-    the PyTorch bodies (for comparisons)."""
-    global _triton_sinkhorn_enabled
-    _triton_sinkhorn_enabled = enabled
-
-
-@functools.cache
-def _triton_kernels():
-    """The module of the Triton Sinkhorn kernels, or None (logged once) if it does not import."""
-    try:
-        from . import triton_sinkhorn
-    except Exception as error:  # no Triton here, or a broken one: the PyTorch bodies compute it
-        _log.warning("the Triton Sinkhorn kernels do not import (%s: %s); the iterations run in "
-                     "PyTorch", type(error).__name__, error)
-        return None
-    return triton_sinkhorn
-
-
+# is the forward's last step and the backward's first, so the forward body (or kernel) returns
+# the logits of H_res and the backward recomputes them from the kept mixes (one addcmul) before
+# its body (or kernel): one extra eager launch per backward, and no compiled graph ever holds a
+# user-defined Triton kernel. We chose this over registering the kernels for Dynamo
+# (torch.library.triton_op with wrap_triton, which Inductor would launch from its graph)
+# because it is the robust option: it depends on nothing in Dynamo's and Inductor's handling of
+# user kernels, which could be checked on a GPU only (wrap_triton refuses the kernels of
+# Triton's CPU interpreter, on which our tests run everything else), and where a compiler
+# failure would send every body to eager mode (_body's fallback). It also keeps one code path
+# on every device: only the steps that run in kernels differ.
 def _triton_sinkhorn_for(logits: torch.Tensor):
     """The Triton kernels' module if they run ``logits [..., n, n]``, else None."""
-    if not _triton_sinkhorn_enabled or logits.device.type not in _TRITON_DEVICE_TYPES:
+    if not _triton_runs(logits):
         return None
     kernels = _triton_kernels()
     n = logits.shape[-1]
@@ -147,27 +197,23 @@ def _triton_sinkhorn_for(logits: torch.Tensor):
     return kernels if _triton_sinkhorn_checked(logits.device, n) else None
 
 
-@functools.cache
-def _triton_sinkhorn_checked(device: torch.device, n: int) -> bool:
-    """Whether the Triton kernels, on their first use on ``device`` at this n, give the PyTorch
-    bodies' results (forward and backward, fp32, 20 iterations, 45 tokens of random logits):
-    the kernels are only used once they have computed the right thing on this GPU and Triton
-    (as the linear-recurrence kernels' self-check, kernels.backends). A failure or error is
-    logged once and the PyTorch bodies run instead."""
+def _check_triton_sinkhorn(device: torch.device, n: int) -> None:
+    """The Sinkhorn kernels' first-use check: forward and backward, fp32, 20 iterations, 45
+    tokens of random logits, against the PyTorch bodies; raises on a mismatch."""
     generator = torch.Generator(device=device).manual_seed(0)
     logits = 3 * torch.randn(45, n, n, device=device, generator=generator)
     grad = torch.randn(45, n, n, device=device, generator=generator)
-    try:
-        kernels = _triton_kernels()
-        got = kernels.sinkhorn_forward(logits, 20, EPS), kernels.sinkhorn_backward(logits, grad, 20, EPS)
-        expected = reference.sinkhorn(logits, 20, EPS), _sinkhorn_vjp(logits, grad, 20, EPS)
-        for value, want in zip(got, expected):
-            torch.testing.assert_close(value, want, rtol=1e-4, atol=1e-5)
-    except Exception as error:
-        _log.warning("the Triton Sinkhorn kernels failed their check on %s at n = %d (%s: %s); "
-                     "the iterations run in PyTorch", device, n, type(error).__name__, error)
-        return False
-    return True
+    kernels = _triton_kernels()
+    got = (kernels.sinkhorn_forward(logits, 20, EPS),
+           kernels.sinkhorn_backward(logits, grad, 20, EPS))
+    expected = reference.sinkhorn(logits, 20, EPS), _sinkhorn_vjp(logits, grad, 20, EPS)
+    for value, want in zip(got, expected):
+        torch.testing.assert_close(value, want, rtol=1e-4, atol=1e-5)
+
+
+def _triton_sinkhorn_checked(device: torch.device, n: int) -> bool:
+    """Whether the Sinkhorn kernels passed their first-use check on ``device`` at this n."""
+    return _triton_checked("Sinkhorn", _check_triton_sinkhorn, device, n)
 
 
 def _sinkhorn_values(logits, iters, eps):
@@ -306,6 +352,78 @@ _stream_update_forward = _body(_stream_update_forward_body)
 _stream_update_backward = _body(_stream_update_vjp)
 
 
+# Where Triton runs, mhc_pre and stream_update run in fused Triton kernels instead of the bodies
+# above, forward and backward (triton_mhc.py: each reads the stream tensor once or twice in its
+# own dtype, where the bodies make several passes, some over fp32 copies); the Sinkhorn between
+# mhc_pre's forward and backward stays in its own kernels. Not where the kernels do not take
+# the sizes (n outside 2..8, h not a multiple of 16, streams not fp32/bf16/fp16, coefficients
+# broadcast over tokens) or failed their first-use check at (device, n, streams' dtype).
+def _triton_mhc_for(streams: torch.Tensor):
+    """The Triton mHC kernels' module if they run ``streams [..., n, h]``, else None."""
+    if not _triton_runs(streams):
+        return None
+    kernels = _triton_mhc_kernels()
+    if kernels is None or kernels.unsupported_reason(streams) is not None:
+        return None
+    n = streams.shape[-2]
+    return kernels if _triton_mhc_checked(streams.device, n, streams.dtype) else None
+
+
+def _triton_update_for(streams, y, post, res):
+    """:func:`_triton_mhc_for` for stream_update, whose kernels do not broadcast."""
+    lead, (n, h) = streams.shape[:-2], streams.shape[-2:]
+    if (y.shape, post.shape, res.shape) != (lead + (h,), lead + (n,), lead + (n, n)):
+        return None
+    return _triton_mhc_for(streams)
+
+
+# Tolerances of the first-use check, as rtol and as atol relative to each output's largest
+# value: fp32 rounding (with room for a GPU's approximate exp and rsqrt) in fp32. In bf16 and
+# fp16 the results, and the GEMMs' results inside, are rounded to the streams' dtype after sums
+# in another order than PyTorch's, so a kernel and a body may differ by a unit in the last
+# place of an intermediate: 2^-5. A miscompile or a slip is off by the values themselves.
+_MHC_CHECK_TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 2 ** -5, torch.float16: 2 ** -5}
+
+
+def _check_triton_mhc(device: torch.device, n: int, dtype: torch.dtype) -> None:
+    """The mHC kernels' first-use check: the four launchers of triton_mhc against the PyTorch
+    bodies (eager) on 37 tokens, h = 144 (several chunks of columns, a partial one at n <= 4),
+    random streams and gradients in ``dtype`` and fp32 parameters and coefficients; raises on
+    a mismatch (rtol and atol relative to each output's largest value,
+    ``_MHC_CHECK_TOLERANCES``)."""
+    kernels = _triton_mhc_kernels()
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, scale=1.0, dtype=torch.float32):
+        return (scale * torch.randn(*shape, device=device, generator=generator)).to(dtype)
+
+    tokens, h, width = 37, 144, (2 + n) * n
+    streams, y = randn(tokens, n, h, dtype=dtype), randn(tokens, h, dtype=dtype)
+    grad_u, grad = randn(tokens, h, dtype=dtype), randn(tokens, n, h, dtype=dtype)
+    weight, bias, gate = randn(width, n * h, scale=0.1), randn(width), randn(3, scale=0.5)
+    grad_post, dres = randn(tokens, n), randn(tokens, n, n)
+    post, res = randn(tokens, n), randn(tokens, n, n)
+    forward = _mhc_pre_forward_body(streams, weight, bias, gate, EPS)
+    mixes = forward[3]
+    pre_grads = (streams, weight, bias, gate, mixes, grad_u, grad_post, dres, EPS)
+    pairs = [(kernels.pre_forward(streams, weight, bias, gate, EPS), forward),
+             (kernels.pre_backward(*pre_grads), _mhc_pre_vjp(*pre_grads)),
+             ((kernels.update_forward(streams, y, post, res),),
+              (_stream_update_forward_body(streams, y, post, res),)),
+             (kernels.update_backward(streams, y, post, res, grad),
+              _stream_update_vjp(streams, y, post, res, grad))]
+    tolerance = _MHC_CHECK_TOLERANCES[dtype]
+    for got, expected in pairs:
+        for value, want in zip(got, expected, strict=True):
+            torch.testing.assert_close(value, want, rtol=tolerance,
+                                       atol=tolerance * max(1.0, want.abs().max().item()))
+
+
+def _triton_mhc_checked(device: torch.device, n: int, dtype: torch.dtype) -> bool:
+    """Whether the mHC kernels passed their first-use check on ``device`` at this n and dtype."""
+    return _triton_checked("mHC", _check_triton_mhc, device, n, dtype)
+
+
 def _keep(ctx, x, recompute_input, *others):
     """Save ``others`` and ``x``, or only ``others`` when ``x`` can be recomputed in backward."""
     ctx.recompute_input = recompute_input
@@ -323,7 +441,9 @@ def _kept(ctx):
 class _MHCPre(torch.autograd.Function):
     @staticmethod
     def forward(ctx, streams, weight, bias, gate, iters, eps, recompute_input):
-        u, post, res_logits, mixes = _mhc_pre_forward(streams, weight, bias, gate, eps)
+        kernels = _triton_mhc_for(streams)
+        forward = kernels.pre_forward if kernels is not None else _mhc_pre_forward
+        u, post, res_logits, mixes = forward(streams, weight, bias, gate, eps)
         ctx.config = (iters, eps)
         _keep(ctx, streams, recompute_input, weight, bias, gate, mixes)
         return u, post, _sinkhorn_values(res_logits, iters, eps)
@@ -334,7 +454,9 @@ class _MHCPre(torch.autograd.Function):
         iters, eps = ctx.config
         logits = _res_logits(mixes, bias, gate, streams.shape[-2])
         dres = _sinkhorn_gradient(logits, grad_res, iters, eps)
-        grads = _mhc_pre_backward(streams, weight, bias, gate, mixes, grad_u, grad_post, dres, eps)
+        kernels = _triton_mhc_for(streams)
+        backward = kernels.pre_backward if kernels is not None else _mhc_pre_backward
+        grads = backward(streams, weight, bias, gate, mixes, grad_u, grad_post, dres, eps)
         return (*grads, None, None, None)
 
 
@@ -367,12 +489,16 @@ class _StreamUpdate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, streams, y, post, res, recompute_input):
         _keep(ctx, streams, recompute_input, y, post, res)
-        return _stream_update_forward(streams, y, post, res)
+        kernels = _triton_update_for(streams, y, post, res)
+        forward = kernels.update_forward if kernels is not None else _stream_update_forward
+        return forward(streams, y, post, res)
 
     @staticmethod
     def backward(ctx, grad):
         streams, y, post, res = _kept(ctx)
-        return (*_stream_update_backward(streams, y, post, res, grad), None)
+        kernels = _triton_update_for(streams, y, post, res)
+        backward = kernels.update_backward if kernels is not None else _stream_update_backward
+        return (*backward(streams, y, post, res, grad), None)
 
 
 def mhc_pre(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gate: torch.Tensor,

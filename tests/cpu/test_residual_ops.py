@@ -161,10 +161,10 @@ def test_triton_sinkhorn_that_fails_its_check_is_not_used(monkeypatch, caplog):
             logits.float(), grad.float(), iters, eps))
     monkeypatch.setattr(efficient, "_triton_kernels", lambda: wrong)
     monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
-    efficient._triton_sinkhorn_checked.cache_clear()
+    efficient._triton_checked.cache_clear()
     logits = torch.randn(7, 4, 4, requires_grad=True)
     with caplog.at_level("WARNING"):
         out = efficient.sinkhorn(logits, 20)
-    efficient._triton_sinkhorn_checked.cache_clear()
+    efficient._triton_checked.cache_clear()
     torch.testing.assert_close(out, reference.sinkhorn(logits.detach(), 20))
     assert "failed their check" in caplog.text

@@ -1,0 +1,492 @@
+"""The two stream ops of mHC in Triton, forward and backward: the pre op (RMS-normalised
+projection onto the mixes, the coefficients, and the pre-mix of the streams into the sublayer's
+input) and the stream update after the sublayer.
+
+mHC (Xie et al. 2025, "mHC: Manifold-Constrained Hyper-Connections", DeepSeek-AI, arXiv
+2512.24880) keeps n residual streams ``X [T, n, h]`` (definitions in :mod:`.reference`). The
+kernels compute exactly the PyTorch bodies of :mod:`.efficient` (to fp32 rounding), each in one
+kernel over blocks of ``BLOCK_T`` tokens, which reads the stream tensor ``[T, n h]`` in its own
+dtype once or twice and makes no fp32 copy of it:
+
+    pre_forward      = efficient._mhc_pre_forward_body -> (u, H_post, logits of H_res, mixes).
+                       Pass 1 over x = vec X: sum(x^2) and the GEMM x @ W^T (tl.dot, fp32
+                       accumulation); then r = rsqrt(mean(x^2) + eps), mixes = r (x @ W^T) and
+                       the coefficients as reference.mhc_coefficient_logits; pass 2 over x:
+                       u = sum_m H_pre[m] X[m].              Reads X twice, writes u.
+    pre_backward     = efficient._mhc_pre_vjp (given dres, the gradient of the H_res logits from
+                       the Sinkhorn's backward). Pass 1 over X and du: dH_pre[m] = <X[m], du>
+                       and sum(x^2); the coefficient backward (as efficient._coefficients_vjp)
+                       giving dmixes; pass 2 over X and du: dX = r (dmixes @ W) - (r^2 / D)
+                       (dmixes . mixes) x + H_pre[m] du.     Reads X twice, writes dX.
+                       Outside the kernel: dW = (r dmixes)^T x in one torch matmul (cuBLAS; a
+                       third read of X), and the bias and gate gradients as one sum over tokens
+                       of a [T, (2 + n) n + 3] fp32 tensor the kernel writes.
+    update_forward   = efficient._stream_update_forward_body: out[j] = H_post[j] y + sum_m
+                       H_res[m, j] X[m].                     Reads X and y, writes out.
+    update_backward  = efficient._stream_update_vjp: dX[m] = sum_j H_res[m, j] g[j], dy = sum_j
+                       H_post[j] g[j], and per token dH_post[j] = <g[j], y>, dH_res[m, j] =
+                       <X[m], g[j]>, reduced over h in the kernel.  Reads X, g and y, writes dX
+                       and dy.
+
+(The Sinkhorn iterations between the pre op's forward logits and its backward run in the
+kernels of :mod:`.triton_sinkhorn`.) Everything else, per token, is [BLOCK_T, (2 + n) n] or
+[BLOCK_T, n, n] tiles in registers, and reads of W (a few hundred KB, from L2).
+
+Numerics, as the bodies: every sum and product in fp32 after reading its operands in their
+dtype; results written in the dtype of the tensor they are the value or gradient of (u, dX in
+the streams' dtype; the coefficients, mixes and their gradients fp32). The GEMMs run in the
+streams' dtype as in the bodies: with bf16 (fp16) streams, the operands of x @ W^T and of
+(r dmixes) @ W are rounded to bf16 (W cast in the kernel), accumulated in fp32 and the GEMM
+results rounded to bf16 once, as PyTorch's bf16 matmul returns them; so are the dX of the
+projection before H_pre du is added, as in efficient._rms_project_vjp. With fp32 streams the
+dots run in full fp32 (``input_precision="ieee"``, not TF32), as kernels/delta_rule/triton.py
+does. The backward uses the mixes kept from the forward where efficient._rms_project_vjp
+recomputes them (the same GEMM). Sums run in another order than PyTorch's (per chunk of h, then
+over chunks; the bias and gate gradients per token, then over tokens), and on a GPU
+multiply-adds may fuse, so results equal the bodies to fp32 rounding, not bitwise.
+
+Launch configuration (fixed, no autotuning): ``BLOCK_T = 16`` tokens a program (the smallest
+tile tl.dot takes), the columns of one stream in chunks of ``BLOCK_H = 128 / NP`` (32 at n = 4,
+16 at n = 8), so that an n-stream tile [BLOCK_T, NP, BLOCK_H] is 2048 values; 8 warps, 2
+pipeline stages. NP is n rounded up to a power of two and MP = (2 + n) n rounded up to one (at
+least 16, for tl.dot); the padding is masked (loads give 0, stores are skipped). Grids:
+[cdiv(T, BLOCK_T)], and [cdiv(T, BLOCK_T), cdiv(h, BLOCK_H)] for the elementwise
+update_forward. Chosen from ptxas's report for sm_90 (compiled without a GPU, not timed): at
+n = 4 no spills, <= 128 registers a thread and <= 25 KB of shared memory in every kernel, fp32
+or bf16; at n = 2 .. 8 at most 8 bytes of spills and 74 KB of shared memory (n = 8); 4096-value
+tiles, or 4 warps, took all 255 registers. T is not specialised on (one compiled kernel for
+every token count, which the first-use check in :mod:`.efficient` therefore covers).
+
+Constraints: 2 <= n <= 8, h a multiple of 16, streams in fp32, bf16 or fp16, every tensor of
+the op with the streams' leading (token) dimensions, no broadcasting; inputs ``[..., n, h]`` are
+read as ``[T, n, h]`` (copied where not contiguous). Anything else raises a ValueError naming
+the constraint (:func:`unsupported_reason`); efficient.py then runs the PyTorch bodies. CUDA
+tensors, or CPU tensors under Triton's interpreter (TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["pre_forward", "pre_backward", "update_forward", "update_backward",
+           "unsupported_reason", "MIN_N", "MAX_N", "H_MULTIPLE"]
+
+MIN_N, MAX_N = 2, 8
+H_MULTIPLE = 16
+BLOCK_T = 16
+_TILE = 128  # NP * BLOCK_H: columns of all streams in one step
+_LAUNCH = dict(num_warps=8, num_stages=2)
+_DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers (inlined into the kernels)
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _dot(a, b, acc, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b with fp32 accumulation, the operands in DOT (fp32 without TF32 where IEEE)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a.to(DOT), b.to(DOT), acc)
+
+
+@triton.jit
+def _in_dtype(x, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """fp32 ``x`` rounded to the streams' dtype DOT (as a PyTorch op in that dtype returns it)."""
+    if IEEE:
+        return x
+    else:
+        return x.to(DOT).to(tl.float32)
+
+
+@triton.jit
+def _divide(x, y):
+    """``x / y`` rounded to nearest (as PyTorch divides), ``y`` broadcast to ``x``'s shape."""
+    x, y = tl.broadcast(x, y)
+    return tl.math.div_rn(x, y)
+
+
+@triton.jit
+def _tokens(T, BLOCK_T: tl.constexpr):
+    """This program's tokens (int64) and which of them exist."""
+    tok = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    return tok, tok < T
+
+
+@triton.jit
+def _column_scale(gate, cols, N: tl.constexpr):
+    """The gating factor of each mix column: gate[0] for H_pre, gate[1] for H_post, gate[2] for
+    the H_res logits."""
+    g0 = tl.load(gate).to(tl.float32)
+    g1 = tl.load(gate + 1).to(tl.float32)
+    g2 = tl.load(gate + 2).to(tl.float32)
+    return tl.where(cols < N, g0, tl.where(cols < 2 * N, g1, g2))
+
+
+@triton.jit
+def _pre_by_stream(pre_cols, cols, N: tl.constexpr, NP: tl.constexpr):
+    """The H_pre columns of a [BLOCK_T, MP] tile as [BLOCK_T, NP] (0 for padded streams): an
+    exact selection (one term of each sum is not zero)."""
+    ns = tl.arange(0, NP)
+    pick = (cols[None, None, :] == ns[None, :, None]) & (ns[None, :, None] < N)
+    return tl.sum(tl.where(pick, pre_cols[:, None, :], 0.0), 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["T"])
+def _pre_forward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, u_ptr, post_ptr, res_ptr, mixes_ptr,
+                        T, H, eps, N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr,
+                        MP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                        DOT: tl.constexpr, IEEE: tl.constexpr):
+    """u, H_post, H_res logits and mixes of BLOCK_T tokens; x [T, N, H], W [M, N H]."""
+    tok, live = _tokens(T, BLOCK_T)
+    hs = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, MP)
+    in_m = cols < M
+    x_rows = x_ptr + tok[:, None] * N * H  # [BLOCK_T, 1]
+    w_rows = w_ptr + cols[None, :] * N * H  # [1, MP]: W's rows, as W^T's columns
+
+    # Pass 1: sum(x^2) and x @ W^T, one stream's chunk of columns at a time.
+    acc = tl.zeros([BLOCK_T, MP], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for c0 in range(0, H, BLOCK_H):
+        c = c0 + hs
+        in_h = c < H
+        for m in tl.static_range(N):
+            xm = tl.load(x_rows + m * H + c[None, :], mask=live[:, None] & in_h[None, :], other=0.0)
+            xf = xm.to(tl.float32)
+            sumsq += tl.sum(xf * xf, 1)
+            wt = tl.load(w_rows + (m * H + c)[:, None], mask=in_h[:, None] & in_m[None, :],
+                         other=0.0)  # [BLOCK_H, MP], loaded transposed
+            acc = _dot(xm, wt, acc, DOT, IEEE)
+    r = tl.math.rsqrt(_divide(sumsq, (N * H).to(tl.float32)) + eps)
+    mixes = _in_dtype(acc, DOT, IEEE) * r[:, None]
+
+    # The coefficients (reference.mhc_coefficient_logits).
+    scale = _column_scale(gate_ptr, cols, N)
+    bias = tl.load(bias_ptr + cols, mask=in_m, other=0.0).to(tl.float32)
+    z = mixes * scale[None, :] + bias[None, :]
+    s = tl.sigmoid(z)
+    is_post = (cols >= N) & (cols < 2 * N)
+    is_res = (cols >= 2 * N) & in_m
+    live_m = live[:, None] & in_m[None, :]
+    tl.store(mixes_ptr + tok[:, None] * M + cols[None, :], mixes, mask=live_m)
+    tl.store(post_ptr + tok[:, None] * N + (cols - N)[None, :], 2 * s,
+             mask=live[:, None] & is_post[None, :])
+    tl.store(res_ptr + tok[:, None] * (N * N) + (cols - 2 * N)[None, :], z,
+             mask=live[:, None] & is_res[None, :])
+    pre = _pre_by_stream(s + eps, cols, N, NP)  # [BLOCK_T, NP]
+
+    # Pass 2: u = sum_m H_pre[m] X[m].
+    ns = tl.arange(0, NP)
+    for c0 in range(0, H, BLOCK_H):
+        c = c0 + hs
+        in_h = c < H
+        x = tl.load(x_rows[:, :, None] + ns[None, :, None] * H + c[None, None, :],
+                    mask=live[:, None, None] & (ns < N)[None, :, None] & in_h[None, None, :],
+                    other=0.0).to(tl.float32)
+        u = tl.sum(pre[:, :, None] * x, 1)
+        tl.store(u_ptr + tok[:, None] * H + c[None, :], u.to(u_ptr.dtype.element_ty),
+                 mask=live[:, None] & in_h[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, du_ptr, dpost_ptr, dres_ptr,
+                         dx_ptr, grad_r_ptr, partial_ptr, T, H, eps, N: tl.constexpr,
+                         NP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, DOT: tl.constexpr,
+                         IEEE: tl.constexpr):
+    """dX of BLOCK_T tokens, with r dmixes (``grad_r [T, M]``, for dW) and ``partial [T, M + 3]``:
+    dz (the gradient of the pre-activations, whose sum over tokens is the bias gradient) and the
+    three per-token sums of dz * mixes (whose sums over tokens are the gate gradient)."""
+    tok, live = _tokens(T, BLOCK_T)
+    hs = tl.arange(0, BLOCK_H)
+    ns = tl.arange(0, NP)
+    in_n = ns < N
+    cols = tl.arange(0, MP)
+    in_m = cols < M
+    x_rows = x_ptr + tok[:, None] * N * H
+
+    # Pass 1: dH_pre[m] = <X[m], du> and sum(x^2).
+    dpre = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for c0 in range(0, H, BLOCK_H):
+        c = c0 + hs
+        in_h = c < H
+        x = tl.load(x_rows[:, :, None] + ns[None, :, None] * H + c[None, None, :],
+                    mask=live[:, None, None] & in_n[None, :, None] & in_h[None, None, :],
+                    other=0.0).to(tl.float32)
+        du = tl.load(du_ptr + tok[:, None] * H + c[None, :], mask=live[:, None] & in_h[None, :],
+                     other=0.0).to(tl.float32)
+        sumsq += tl.sum(tl.sum(x * x, 2), 1)
+        dpre += tl.sum(x * du[:, None, :], 2)
+    r = tl.math.rsqrt(_divide(sumsq, (N * H).to(tl.float32)) + eps)
+
+    # The coefficients' backward (efficient._coefficients_vjp), one column per mix.
+    live_m = live[:, None] & in_m[None, :]
+    is_pre = cols < N
+    is_post = (cols >= N) & (cols < 2 * N)
+    is_res = (cols >= 2 * N) & in_m
+    mixes = tl.load(mixes_ptr + tok[:, None] * M + cols[None, :], mask=live_m,
+                    other=0.0).to(tl.float32)
+    scale = _column_scale(gate_ptr, cols, N)
+    bias = tl.load(bias_ptr + cols, mask=in_m, other=0.0).to(tl.float32)
+    s = tl.sigmoid(mixes * scale[None, :] + bias[None, :])
+    dpre_cols = tl.sum(tl.where(cols[None, None, :] == ns[None, :, None], dpre[:, :, None], 0.0), 1)
+    dpost = tl.load(dpost_ptr + tok[:, None] * N + (cols - N)[None, :],
+                    mask=live[:, None] & is_post[None, :], other=0.0).to(tl.float32)
+    dres = tl.load(dres_ptr + tok[:, None] * (N * N) + (cols - 2 * N)[None, :],
+                   mask=live[:, None] & is_res[None, :], other=0.0).to(tl.float32)
+    dz = tl.where(is_pre[None, :], dpre_cols * s * (1 - s),
+                  tl.where(is_post[None, :], 2 * dpost * s * (1 - s), dres))
+    dmixes = dz * scale[None, :]
+    grad_r = dmixes * r[:, None]
+    along = tl.sum(dmixes * mixes, 1)  # dmixes . mixes
+    coef = _divide(r * r, (N * H).to(tl.float32)) * along
+    dzm = dz * mixes
+    tl.store(grad_r_ptr + tok[:, None] * M + cols[None, :], grad_r, mask=live_m)
+    part = partial_ptr + tok * (M + 3)
+    tl.store(part[:, None] + cols[None, :], dz, mask=live_m)
+    tl.store(part + M, tl.sum(tl.where(is_pre[None, :], dzm, 0.0), 1), mask=live)
+    tl.store(part + M + 1, tl.sum(tl.where(is_post[None, :], dzm, 0.0), 1), mask=live)
+    tl.store(part + M + 2, tl.sum(tl.where(is_res[None, :], dzm, 0.0), 1), mask=live)
+    pre = _pre_by_stream(s + eps, cols, N, NP)
+
+    # Pass 2: dX[m] = [(r dmixes) @ W[:, m] - coef x[m]] (the projection's part, rounded to x's
+    # dtype as _rms_project_vjp returns it) + H_pre[m] du.
+    for c0 in range(0, H, BLOCK_H):
+        c = c0 + hs
+        in_h = c < H
+        live_h = live[:, None] & in_h[None, :]
+        du = tl.load(du_ptr + tok[:, None] * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
+        for m in tl.static_range(N):
+            w = tl.load(w_ptr + cols[:, None] * N * H + (m * H + c)[None, :],
+                        mask=in_m[:, None] & in_h[None, :], other=0.0)  # [MP, BLOCK_H]
+            projected = _dot(grad_r, w, tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32), DOT, IEEE)
+            xm = tl.load(x_rows + m * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
+            dflat = _in_dtype(_in_dtype(projected, DOT, IEEE) - coef[:, None] * xm, DOT, IEEE)
+            pre_m = tl.sum(tl.where(ns[None, :] == m, pre, 0.0), 1)
+            dxm = pre_m[:, None] * du + dflat
+            tl.store(dx_ptr + tok[:, None] * N * H + m * H + c[None, :],
+                     dxm.to(dx_ptr.dtype.element_ty), mask=live_h)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _update_forward_kernel(x_ptr, y_ptr, post_ptr, res_ptr, out_ptr, T, H, N: tl.constexpr,
+                           NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[j] = H_post[j] y + sum_m H_res[m, j] X[m] on BLOCK_T tokens and BLOCK_H columns."""
+    tok, live = _tokens(T, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_h = c < H
+    ns = tl.arange(0, NP)
+    in_n = ns < N
+    live_h = live[:, None] & in_h[None, :]
+    live_n = live[:, None] & in_n[None, :]
+    mixed = tl.zeros([BLOCK_T, NP, BLOCK_H], dtype=tl.float32)
+    for m in tl.static_range(N):
+        xm = tl.load(x_ptr + tok[:, None] * N * H + m * H + c[None, :], mask=live_h,
+                     other=0.0).to(tl.float32)
+        res_m = tl.load(res_ptr + tok[:, None] * (N * N) + m * N + ns[None, :], mask=live_n,
+                        other=0.0).to(tl.float32)  # H_res[m, :]
+        mixed += res_m[:, :, None] * xm[:, None, :]
+    post = tl.load(post_ptr + tok[:, None] * N + ns[None, :], mask=live_n, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + tok[:, None] * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
+    out = post[:, :, None] * y[:, None, :] + mixed
+    tl.store(out_ptr + tok[:, None, None] * N * H + ns[None, :, None] * H + c[None, None, :],
+             out.to(out_ptr.dtype.element_ty), mask=live_n[:, :, None] & in_h[None, None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _update_backward_kernel(x_ptr, y_ptr, post_ptr, res_ptr, g_ptr, dx_ptr, dy_ptr, dpost_ptr,
+                            dres_ptr, T, H, N: tl.constexpr, NP: tl.constexpr,
+                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """dX, dy, dH_post, dH_res of BLOCK_T tokens given g = dout, the last two summed over h."""
+    tok, live = _tokens(T, BLOCK_T)
+    hs = tl.arange(0, BLOCK_H)
+    ns = tl.arange(0, NP)
+    in_n = ns < N
+    live_n = live[:, None] & in_n[None, :]
+    post = tl.load(post_ptr + tok[:, None] * N + ns[None, :], mask=live_n, other=0.0).to(tl.float32)
+    dpost = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+    dres = tl.zeros([BLOCK_T, NP, NP], dtype=tl.float32)  # [token, m, j]
+    for c0 in range(0, H, BLOCK_H):
+        c = c0 + hs
+        in_h = c < H
+        live_h = live[:, None] & in_h[None, :]
+        g = tl.load(g_ptr + tok[:, None, None] * N * H + ns[None, :, None] * H + c[None, None, :],
+                    mask=live_n[:, :, None] & in_h[None, None, :], other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + tok[:, None] * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
+        dy = tl.sum(post[:, :, None] * g, 1)
+        tl.store(dy_ptr + tok[:, None] * H + c[None, :], dy.to(dy_ptr.dtype.element_ty),
+                 mask=live_h)
+        dpost += tl.sum(g * y[:, None, :], 2)
+        for m in tl.static_range(N):
+            xm = tl.load(x_ptr + tok[:, None] * N * H + m * H + c[None, :], mask=live_h,
+                         other=0.0).to(tl.float32)
+            res_m = tl.load(res_ptr + tok[:, None] * (N * N) + m * N + ns[None, :], mask=live_n,
+                            other=0.0).to(tl.float32)  # H_res[m, :]
+            dxm = tl.sum(res_m[:, :, None] * g, 1)
+            tl.store(dx_ptr + tok[:, None] * N * H + m * H + c[None, :],
+                     dxm.to(dx_ptr.dtype.element_ty), mask=live_h)
+            dres_m = tl.sum(xm[:, None, :] * g, 2)  # [token, j]
+            dres += tl.where(ns[None, :, None] == m, dres_m[:, None, :], 0.0)
+    tl.store(dpost_ptr + tok[:, None] * N + ns[None, :], dpost.to(dpost_ptr.dtype.element_ty),
+             mask=live_n)
+    tl.store(dres_ptr + tok[:, None, None] * (N * N) + ns[None, :, None] * N + ns[None, None, :],
+             dres.to(dres_ptr.dtype.element_ty), mask=live_n[:, :, None] & in_n[None, None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+def unsupported_reason(streams: torch.Tensor) -> str | None:
+    """Why the kernels cannot run ``streams [..., n, h]``, or None if they can."""
+    if streams.dim() < 2:
+        return f"triton mhc: needs streams [..., n, h], got shape {tuple(streams.shape)}"
+    n, h = streams.shape[-2:]
+    if not MIN_N <= n <= MAX_N:
+        return f"triton mhc: needs {MIN_N} <= n <= {MAX_N} streams, got n = {n}"
+    if h == 0 or h % H_MULTIPLE:
+        return f"triton mhc: needs a hidden size h that is a multiple of {H_MULTIPLE}, got h = {h}"
+    if streams.dtype not in _DOT_DTYPES:
+        return f"triton mhc: needs fp32, bf16 or fp16 streams, got {streams.dtype}"
+    return None
+
+
+def _streams(streams: torch.Tensor):
+    """``(x [T, n, h] contiguous, n, h, the leading shape)``, or a ValueError."""
+    reason = unsupported_reason(streams)
+    if reason is not None:
+        raise ValueError(reason)
+    n, h = streams.shape[-2:]
+    return streams.reshape(-1, n, h).contiguous(), n, h, streams.shape[:-2]
+
+
+def _tokens_of(name: str, tensor: torch.Tensor, lead, tail) -> torch.Tensor:
+    """``tensor [*lead, *tail]`` as contiguous ``[T, *tail]``, or a ValueError."""
+    if tuple(tensor.shape) != (*lead, *tail):
+        raise ValueError(f"triton mhc: {name} must have shape {(*lead, *tail)} (no broadcasting), "
+                         f"got {tuple(tensor.shape)}")
+    return tensor.reshape(-1, *tail).contiguous()
+
+
+def _padded(n: int):
+    """``(NP, M, MP, BLOCK_H)`` for n streams."""
+    padded = triton.next_power_of_2(n)
+    width = (2 + n) * n
+    return padded, width, max(16, triton.next_power_of_2(width)), _TILE // padded
+
+
+def _on(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _parameters(weight, bias, gate, n: int, h: int):
+    width = (2 + n) * n
+    weight = _tokens_of("weight", weight, (width,), (n * h,))
+    return weight, _tokens_of("bias", bias, (), (width,)), _tokens_of("gate", gate, (), (3,))
+
+
+def _dot_flags(dtype: torch.dtype) -> dict:
+    return dict(DOT=_DOT_DTYPES[dtype], IEEE=dtype == torch.float32)
+
+
+def pre_forward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                gate: torch.Tensor, eps: float):
+    """:func:`.efficient._mhc_pre_forward_body`: ``(u [..., h] in the streams' dtype, H_post
+    [..., n], H_res logits [..., n, n], mixes [..., (2 + n) n])``, the last three fp32."""
+    x, n, h, lead = _streams(streams)
+    weight, bias, gate = _parameters(weight, bias, gate, n, h)
+    padded, width, width_padded, block_h = _padded(n)
+    tokens = x.shape[0]
+    u = torch.empty((tokens, h), dtype=x.dtype, device=x.device)
+    post = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
+    res = torch.empty((tokens, n, n), dtype=torch.float32, device=x.device)
+    mixes = torch.empty((tokens, width), dtype=torch.float32, device=x.device)
+    if tokens:
+        with _on(x.device):
+            _pre_forward_kernel[(triton.cdiv(tokens, BLOCK_T),)](
+                x, weight, bias, gate, u, post, res, mixes, tokens, h, float(eps), N=n, NP=padded,
+                M=width, MP=width_padded, BLOCK_T=BLOCK_T, BLOCK_H=block_h, **_LAUNCH,
+                **_dot_flags(x.dtype))
+    return (u.view(*lead, h), post.view(*lead, n), res.view(*lead, n, n),
+            mixes.view(*lead, width))
+
+
+def pre_backward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                 gate: torch.Tensor, mixes: torch.Tensor, grad_u: torch.Tensor,
+                 grad_post: torch.Tensor, dres: torch.Tensor, eps: float):
+    """:func:`.efficient._mhc_pre_vjp`: ``(dstreams, dweight, dbias, dgate)`` in the dtypes of
+    streams, weight, bias and gate, given the gradients of u, H_post and the H_res logits."""
+    x, n, h, lead = _streams(streams)
+    weight, bias, gate = _parameters(weight, bias, gate, n, h)
+    padded, width, width_padded, block_h = _padded(n)
+    mixes = _tokens_of("mixes", mixes, lead, (width,))
+    grad_u = _tokens_of("grad_u", grad_u, lead, (h,))
+    grad_post = _tokens_of("grad_post", grad_post, lead, (n,))
+    dres = _tokens_of("dres", dres, lead, (n, n))
+    tokens = x.shape[0]
+    dx = torch.empty_like(x)
+    grad_r = torch.empty((tokens, width), dtype=torch.float32, device=x.device)
+    partial = torch.empty((tokens, width + 3), dtype=torch.float32, device=x.device)
+    if tokens:
+        with _on(x.device):
+            _pre_backward_kernel[(triton.cdiv(tokens, BLOCK_T),)](
+                x, weight, bias, gate, mixes, grad_u, grad_post, dres, dx, grad_r, partial, tokens,
+                h, float(eps), N=n, NP=padded, M=width, MP=width_padded, BLOCK_T=BLOCK_T,
+                BLOCK_H=block_h, **_LAUNCH, **_dot_flags(x.dtype))
+    # As efficient._rms_project_vjp: dW = (r dmixes)^T x, the GEMM in x's dtype.
+    dweight = (grad_r.t().to(x.dtype) @ x.view(tokens, n * h)).to(weight.dtype)
+    sums = partial.sum(0)
+    return (dx.view(*lead, n, h), dweight, sums[:width].to(bias.dtype),
+            sums[width:].to(gate.dtype))
+
+
+def update_forward(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
+                   res: torch.Tensor) -> torch.Tensor:
+    """:func:`.efficient._stream_update_forward_body`: ``out[j] = post[j] y + sum_m res[m, j]
+    X[m]`` in the streams' dtype."""
+    x, n, h, lead = _streams(streams)
+    y = _tokens_of("y", y, lead, (h,))
+    post = _tokens_of("post", post, lead, (n,))
+    res = _tokens_of("res", res, lead, (n, n))
+    padded, _, _, block_h = _padded(n)
+    tokens = x.shape[0]
+    out = torch.empty_like(x)
+    if tokens:
+        with _on(x.device):
+            _update_forward_kernel[(triton.cdiv(tokens, BLOCK_T), triton.cdiv(h, block_h))](
+                x, y, post, res, out, tokens, h, N=n, NP=padded, BLOCK_T=BLOCK_T, BLOCK_H=block_h,
+                **_LAUNCH)
+    return out.view(*lead, n, h)
+
+
+def update_backward(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
+                    res: torch.Tensor, grad: torch.Tensor):
+    """:func:`.efficient._stream_update_vjp`: ``(dstreams, dy, dpost, dres)`` in the dtypes of
+    streams, y, post and res, given ``grad`` at the output."""
+    x, n, h, lead = _streams(streams)
+    y_shape, post_shape, res_shape = y.shape, post.shape, res.shape
+    y = _tokens_of("y", y, lead, (h,))
+    post = _tokens_of("post", post, lead, (n,))
+    res = _tokens_of("res", res, lead, (n, n))
+    grad = _tokens_of("grad", grad, lead, (n, h))
+    padded, _, _, block_h = _padded(n)
+    tokens = x.shape[0]
+    dx, dy = torch.empty_like(x), torch.empty_like(y)
+    dpost, dres = torch.empty_like(post), torch.empty_like(res)
+    if tokens:
+        with _on(x.device):
+            _update_backward_kernel[(triton.cdiv(tokens, BLOCK_T),)](
+                x, y, post, res, grad, dx, dy, dpost, dres, tokens, h, N=n, NP=padded,
+                BLOCK_T=BLOCK_T, BLOCK_H=block_h, **_LAUNCH)
+    return dx.view(*lead, n, h), dy.view(y_shape), dpost.view(post_shape), dres.view(res_shape)
