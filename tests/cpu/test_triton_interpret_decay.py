@@ -6,23 +6,18 @@ the module is imported), so the checks run in a subprocess: this file run as a s
 loads tests/gpu/test_triton_decay.py and runs its ``check_case`` on ``interpret_cases``, small
 fp32 cases (and two fp16 ones) of every decay form, packed sequences and grouped heads, with
 that module's tolerances, every load and store checked to stay inside the tensors passed to its
-kernel (``_check_bounds_on_the_interpreter``). bf16 is not among them: the interpreter's tl.dot
+kernel (triton_interpreter.py's bounds checker). bf16 is not among them: the interpreter's tl.dot
 multiplies bf16 inputs as raw 16-bit integers and it truncates fp32 to bf16 where the GPU rounds
 to nearest (Triton 3.6), so bf16 is checked on the GPU only. ~25 s on two cores.
 """
-import importlib.util
 import os
-import pathlib
-import subprocess
-import sys
 import time
 
-import numpy as np
 import pytest
 import torch
 
-GPU_MODULE = pathlib.Path(__file__).resolve().parents[1] / "gpu" / "test_triton_decay.py"
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+import triton_interpreter
+from triton_interpreter import needs_triton
 
 
 def interpret_cases(Case) -> list:
@@ -48,77 +43,11 @@ def interpret_cases(Case) -> list:
     ]
 
 
-def _fix_interpreter_for_numpy_2_4() -> None:
-    """Triton 3.6's interpreter turns a scalar into a Python int with int() of a 1-element
-    array, which numpy >= 2.4 refuses, so a loop over a runtime number of chunks fails there
-    (triton-lang/triton issue #9171, closed upstream). Take the element explicitly;
-    the same value as before, for the interpreter only."""
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patch_tensor_with_index(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patch_tensor_with_index
-
-
-def _check_bounds_on_the_interpreter() -> None:
-    """Fail any load or store of a kernel that leaves the tensors passed to its launch. The
-    interpreter reads and writes host memory directly, so an access past a tensor's end, which
-    faults on a GPU (an illegal memory access) or corrupts a neighbouring buffer, would otherwise
-    pass unnoticed. Lanes masked off are not checked: they access nothing on a GPU either. A
-    tensor's extent runs from its first to its last element, so strided views count too."""
-    from triton.runtime import interpreter
-
-    launch = {"kernel": None, "extents": []}  # the running kernel's tensors: (first byte, end)
-    run_grid = interpreter.GridExecutor.__call__
-    load, store = interpreter.InterpreterBuilder.create_masked_load, interpreter.InterpreterBuilder.create_masked_store
-
-    def extent(tensor):
-        last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-        end = tensor.data_ptr() + (last + 1) * tensor.element_size() if tensor.numel() else tensor.data_ptr()
-        return tensor.data_ptr(), end
-
-    def run_grid_recording_extents(self, *args, **kwargs):
-        tensors = [arg for arg in (*args, *kwargs.values()) if isinstance(arg, torch.Tensor)]
-        launch.update(kernel=self.fn.__name__, extents=[extent(tensor) for tensor in tensors])
-        run_grid(self, *args, **kwargs)
-
-    def check(ptrs, mask, access):
-        addresses = ptrs.data[np.broadcast_to(mask.data.astype(bool), ptrs.data.shape)]
-        size = ptrs.get_element_ty().primitive_bitwidth // 8
-        inside = np.zeros(addresses.shape, dtype=bool)
-        for start, end in launch["extents"]:
-            inside |= (addresses >= start) & (addresses + size <= end)
-        if not inside.all():
-            raise IndexError(f"{launch['kernel']}: {access} of {(~inside).sum()} elements outside the tensors of "
-                             "the launch")
-
-    def checked_load(self, ptrs, mask, *rest):
-        check(ptrs, mask, "load")
-        return load(self, ptrs, mask, *rest)
-
-    def checked_store(self, ptrs, value, mask, *rest):
-        check(ptrs, mask, "store")
-        return store(self, ptrs, value, mask, *rest)
-
-    interpreter.GridExecutor.__call__ = run_grid_recording_extents
-    interpreter.InterpreterBuilder.create_masked_load = checked_load
-    interpreter.InterpreterBuilder.create_masked_store = checked_store
-
-
 def main() -> None:
     """Run INTERPRET_CASES with the GPU module's check_case on the CPU (TRITON_INTERPRET=1), every
     memory access checked to stay inside the tensors of its launch."""
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    torch.set_num_threads(1)
-    _fix_interpreter_for_numpy_2_4()
-    _check_bounds_on_the_interpreter()
-    spec = importlib.util.spec_from_file_location("triton_decay_checks", GPU_MODULE)
-    checks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(checks)
+    triton_interpreter.setup()
+    checks = triton_interpreter.gpu_checks("test_triton_decay")
     cases = interpret_cases(checks.Case)
     for case in cases:
         start = time.perf_counter()
@@ -130,10 +59,7 @@ def main() -> None:
 
 @needs_triton
 def test_kernels_on_the_interpreter():
-    environment = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, __file__], env=environment, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and "interpreter cases passed" in done.stdout, (done.stdout + done.stderr)[-6000:]
+    triton_interpreter.run_as_script(__file__)
 
 
 @needs_triton

@@ -5,30 +5,25 @@ check. Skipped where Triton is not installed.
 
 The interpreter is chosen when the kernels are defined (TRITON_INTERPRET=1 must be set before
 the module is imported), so the checks run in a subprocess: this file run as a script, which
-loads tests/gpu/test_triton_mhc.py and runs its ``check_launchers`` on ``INTERPRET_CASES`` (n =
+loads tests/gpu/test_triton_mhc.py and runs its ``check_launchers`` on ``interpret_cases`` (n =
 2, 3, 4 and 8, 37 tokens, not a multiple of the 16 of a program, h not a multiple of the chunk
 of columns, tokens as [3, 13], a strided view, no tokens, fp16; that module's tolerances, 1e-5
 of the largest magnitude in fp32), every load and store checked to stay inside the tensors of
-its launch (the shared checker of test_triton_interpret_decay.py), and then its ``check_ops``:
+its launch (the bounds checker of triton_interpreter.py), and then its ``check_ops``:
 efficient.mhc_pre and stream_update with the kernels running CPU tensors against the same ops
 with them off, with and without recompute_input (the op bodies stay eager here). bf16 is not
 run: the interpreter's tl.dot multiplies bf16 inputs as raw 16-bit integers (see
 test_triton_interpret_decay.py); fp16 runs the same reduced-precision code path. ~10 s on two
 cores.
 """
-import importlib.util
-import os
-import pathlib
-import subprocess
-import sys
 import time
 import types
 
 import pytest
 import torch
 
-GPU_MODULE = pathlib.Path(__file__).resolve().parents[1] / "gpu" / "test_triton_mhc.py"
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+import triton_interpreter
+from triton_interpreter import needs_triton
 
 
 def interpret_cases(Case) -> list:
@@ -45,17 +40,8 @@ def interpret_cases(Case) -> list:
 
 
 def main() -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    torch.set_num_threads(1)
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    from test_triton_interpret_decay import (_check_bounds_on_the_interpreter,
-                                             _fix_interpreter_for_numpy_2_4)
-
-    _fix_interpreter_for_numpy_2_4()
-    _check_bounds_on_the_interpreter()
-    spec = importlib.util.spec_from_file_location("triton_mhc_checks", GPU_MODULE)
-    checks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(checks)
+    triton_interpreter.setup()
+    checks = triton_interpreter.gpu_checks("test_triton_mhc")
     cases = interpret_cases(checks.Case)
     for case in cases:
         start = time.perf_counter()
@@ -75,10 +61,7 @@ def main() -> None:
 
 @needs_triton
 def test_kernels_on_the_interpreter():
-    environment = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, __file__], env=environment, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and "interpreter cases passed" in done.stdout, (done.stdout + done.stderr)[-6000:]
+    triton_interpreter.run_as_script(__file__)
 
 
 @needs_triton

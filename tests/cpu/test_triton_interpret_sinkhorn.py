@@ -13,18 +13,13 @@ is caught), and then its ``check_ops``: efficient.sinkhorn and efficient.mhc_pre
 reference with the kernels running CPU tensors (on a real CPU run the PyTorch iterations run
 instead; the op bodies stay eager here). ~15 s on two cores.
 """
-import importlib.util
-import os
-import pathlib
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-GPU_MODULE = pathlib.Path(__file__).resolve().parents[1] / "gpu" / "test_triton_sinkhorn.py"
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+import triton_interpreter
+from triton_interpreter import needs_triton
 
 
 def check_scratch() -> None:
@@ -59,17 +54,8 @@ def check_scratch() -> None:
 
 
 def main() -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    torch.set_num_threads(1)
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    from test_triton_interpret_decay import (_check_bounds_on_the_interpreter,
-                                             _fix_interpreter_for_numpy_2_4)
-
-    _fix_interpreter_for_numpy_2_4()
-    _check_bounds_on_the_interpreter()
-    spec = importlib.util.spec_from_file_location("triton_sinkhorn_checks", GPU_MODULE)
-    checks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(checks)
+    triton_interpreter.setup()
+    checks = triton_interpreter.gpu_checks("test_triton_sinkhorn")
     for case in checks.CASES:
         start = time.perf_counter()
         errors = checks.check_case(case, "cpu")
@@ -90,10 +76,7 @@ def main() -> None:
 
 @needs_triton
 def test_kernels_on_the_interpreter():
-    environment = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, __file__], env=environment, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and "interpreter cases passed" in done.stdout, (done.stdout + done.stderr)[-6000:]
+    triton_interpreter.run_as_script(__file__)
 
 
 @needs_triton

@@ -1,0 +1,108 @@
+"""Test support for running our Triton kernels on Triton's CPU interpreter (as tests/harness.py
+is for megatron-core on a CPU).
+
+The interpreter is chosen when a kernel is defined (TRITON_INTERPRET=1 must be set before the
+kernel's module is imported). So each tests/cpu/test_triton_interpret_*.py runs itself as a
+script in a subprocess with TRITON_INTERPRET=1 (:func:`run_as_script`, its pytest test); the
+script calls :func:`setup` (one CPU thread, the numpy fix, the bounds checker) and runs the
+checks of its GPU test module, loaded by :func:`gpu_checks`.
+"""
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+GPU_TESTS = pathlib.Path(__file__).resolve().parents[1] / "gpu"
+
+
+def run_as_script(path: str) -> None:
+    """Run the test file ``path`` as a script under the interpreter; it must print "interpreter
+    cases passed" and exit 0 (its output, shortened, is the failure message otherwise)."""
+    environment = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, path], env=environment, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "interpreter cases passed" in done.stdout, (done.stdout + done.stderr)[-6000:]
+
+
+def setup() -> None:
+    """In the script: check that the interpreter is on, use one CPU thread, and patch the
+    interpreter (:func:`_fix_for_numpy_2_4`, :func:`_check_bounds`)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    torch.set_num_threads(1)
+    _fix_for_numpy_2_4()
+    _check_bounds()
+
+
+def gpu_checks(name: str):
+    """The GPU test module ``tests/gpu/<name>.py``, loaded by path (its checks take a device)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_checks", GPU_TESTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fix_for_numpy_2_4() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with int() of a 1-element
+    array, which numpy >= 2.4 refuses, so a loop over a runtime number of chunks fails there
+    (triton-lang/triton issue #9171, closed upstream). Take the element explicitly;
+    the same value as before, for the interpreter only."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_with_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_tensor_with_index
+
+
+def _check_bounds() -> None:
+    """Fail any load or store of a kernel that leaves the tensors passed to its launch. The
+    interpreter reads and writes host memory directly, so an access past a tensor's end, which
+    faults on a GPU (an illegal memory access) or corrupts a neighbouring buffer, would otherwise
+    pass unnoticed. Lanes masked off are not checked: they access nothing on a GPU either. A
+    tensor's extent runs from its first to its last element, so strided views count too."""
+    from triton.runtime import interpreter
+
+    launch = {"kernel": None, "extents": []}  # the running kernel's tensors: (first byte, end)
+    run_grid = interpreter.GridExecutor.__call__
+    load, store = interpreter.InterpreterBuilder.create_masked_load, interpreter.InterpreterBuilder.create_masked_store
+
+    def extent(tensor):
+        last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+        end = tensor.data_ptr() + (last + 1) * tensor.element_size() if tensor.numel() else tensor.data_ptr()
+        return tensor.data_ptr(), end
+
+    def run_grid_recording_extents(self, *args, **kwargs):
+        tensors = [arg for arg in (*args, *kwargs.values()) if isinstance(arg, torch.Tensor)]
+        launch.update(kernel=self.fn.__name__, extents=[extent(tensor) for tensor in tensors])
+        run_grid(self, *args, **kwargs)
+
+    def check(ptrs, mask, access):
+        addresses = ptrs.data[np.broadcast_to(mask.data.astype(bool), ptrs.data.shape)]
+        size = ptrs.get_element_ty().primitive_bitwidth // 8
+        inside = np.zeros(addresses.shape, dtype=bool)
+        for start, end in launch["extents"]:
+            inside |= (addresses >= start) & (addresses + size <= end)
+        if not inside.all():
+            raise IndexError(f"{launch['kernel']}: {access} of {(~inside).sum()} elements outside the tensors of "
+                             "the launch")
+
+    def checked_load(self, ptrs, mask, *rest):
+        check(ptrs, mask, "load")
+        return load(self, ptrs, mask, *rest)
+
+    def checked_store(self, ptrs, value, mask, *rest):
+        check(ptrs, mask, "store")
+        return store(self, ptrs, value, mask, *rest)
+
+    interpreter.GridExecutor.__call__ = run_grid_recording_extents
+    interpreter.InterpreterBuilder.create_masked_load = checked_load
+    interpreter.InterpreterBuilder.create_masked_store = checked_store
