@@ -3,6 +3,7 @@ machine key in memory and on disk, a failing verdict keeps auto on the chunked p
 is the chunked path off CUDA."""
 import json
 
+import pytest
 import torch
 
 from megatron_ext.kernels import backends
@@ -21,10 +22,15 @@ def test_selfcheck_child_reports_failures_off_cuda():
             assert f"{case.name}/{str(dtype).removeprefix('torch.')}:" in verdict["reason"]
 
 
-def test_verdict_is_cached_in_memory_and_on_disk(tmp_path, monkeypatch):
+@pytest.fixture
+def fresh_machine(tmp_path, monkeypatch):
+    """A GPU key with no verdict yet, in memory or in a cache directory of its own."""
     monkeypatch.setenv("MEGATRON_EXT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(backends, "_VERDICTS", {})
     monkeypatch.setattr(backends, "_device_key", lambda device: "fake GPU | versions")
+
+
+def test_verdict_is_cached_in_memory_and_on_disk(tmp_path, monkeypatch, fresh_machine):
     runs = []
 
     def fake_check(op, device):
@@ -61,15 +67,12 @@ def test_auto_follows_the_verdict(monkeypatch):
     assert asked == ["gated_delta_rule", "decay_linear_attention"]
 
 
-def test_one_process_at_a_time_runs_the_selfcheck(tmp_path, monkeypatch):
+def test_one_process_at_a_time_runs_the_selfcheck(monkeypatch, fresh_machine):
     """Two processes (here threads, each with its own open lock file, which flock keeps apart as
     it does processes) asking at once: one runs the check, the other waits and reads its verdict."""
     import threading
     import time
 
-    monkeypatch.setenv("MEGATRON_EXT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(backends, "_VERDICTS", {})
-    monkeypatch.setattr(backends, "_device_key", lambda device: "fake GPU | versions")
     runs = []
 
     def slow_check(op, device):
