@@ -4,9 +4,10 @@
     efficient   the same values through autograd Functions that keep little for backward and
                 recompute the Sinkhorn iterations; optionally torch.compile'd (efficient.py)
     triton_sinkhorn  the Sinkhorn iterations in two Triton kernels, forward and backward
-    triton_mhc  mHC's pre op and stream update fused in Triton kernels, forward and backward;
-                ``efficient`` runs both Triton modules on CUDA after a first-use check
-                (imported there on first use)
+    triton_mhc  mHC's pre op and stream update fused in Triton kernels, forward and backward
+    triton_depth  Attention Residuals' depth attention in one Triton kernel each way for all
+                source groups of a call; ``efficient`` runs the three Triton modules on CUDA
+                after a first-use check (imported there on first use)
 
 The model code (megatron_ext.residual) uses ``efficient``; tests compare it with ``reference``.
 """

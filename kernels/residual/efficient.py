@@ -17,13 +17,14 @@ alive between forward and backward is chosen, not every intermediate:
 
 What runs where. The forward and backward of each op are PyTorch bodies (the ``_*_body`` and
 ``_*_vjp`` functions below). On CUDA (where Triton runs; :func:`use_triton`, on by default)
-three of them run in Triton kernels of ours instead, each launched eagerly from its autograd
-Function: the Sinkhorn iterations (two kernels, :mod:`.triton_sinkhorn`) and the two mHC
+four of them run in Triton kernels of ours instead, each launched eagerly from its autograd
+Function: the Sinkhorn iterations (two kernels, :mod:`.triton_sinkhorn`), the two mHC
 stream ops, :func:`mhc_pre` and :func:`stream_update` (four fused kernels, forward and
-backward, :mod:`.triton_mhc`). Kernels are used on a device only after passing a first-use
+backward, :mod:`.triton_mhc`), and :func:`depth_attention` (one kernel each way for all
+source groups of a call, :mod:`.triton_depth`). Kernels are used on a device only after passing a first-use
 check there (small random inputs against the PyTorch bodies); where they cannot run (the CPU,
 no Triton, a failed check, sizes or dtypes they do not take) the PyTorch bodies do. Those bodies,
-and the ops without kernels (rms_project, stream_mix, depth_attention), can be compiled with
+and the ops without kernels (rms_project, stream_mix), can be compiled with
 ``torch.compile`` on CUDA (:func:`use_compile`): they are small elementwise and reduction chains
 whose cost in eager mode is mostly kernel launches. If compiling fails, the eager bodies are
 used and the reason is logged once. The Sinkhorn iterations are never part of a compiled body
@@ -85,18 +86,19 @@ def _body(fn: Callable, dynamic: bool | None = None) -> Callable:
 
 
 # ----------------------------------------------------------------------------- Triton kernels
-# Where Triton runs (CUDA), the Sinkhorn iterations and mhc_pre / stream_update run in Triton
-# kernels of ours (triton_sinkhorn.py, triton_mhc.py) in place of the PyTorch bodies; the rest
-# of each op (saving for backward, recompute_input, the glue between kernels) is the same on
-# every device. The kernels are launched from the autograd Functions between compiled bodies,
+# Where Triton runs (CUDA), the Sinkhorn iterations, mhc_pre / stream_update and depth_attention
+# run in Triton kernels of ours (triton_sinkhorn.py, triton_mhc.py, triton_depth.py) in place of
+# the PyTorch bodies; the rest of each op (saving for backward, recompute_input, the glue
+# between kernels) is the same on every device. The kernels are launched from the autograd Functions between compiled bodies,
 # never inside one (see the Sinkhorn section for why).
 _triton_enabled = True
 _TRITON_DEVICE_TYPES = {"cuda"}  # tests add "cpu" under Triton's interpreter
 
 
 def use_triton(enabled: bool) -> None:
-    """Run the Sinkhorn iterations and the mHC ops (mhc_pre, stream_update) of CUDA tensors in
-    our Triton kernels (the default) or in the PyTorch bodies (for comparisons)."""
+    """Run the Sinkhorn iterations, the mHC ops (mhc_pre, stream_update) and depth_attention of
+    CUDA tensors in our Triton kernels (the default) or in the PyTorch bodies (for
+    comparisons)."""
     global _triton_enabled
     _triton_enabled = enabled
 
@@ -377,12 +379,13 @@ def _triton_update_for(streams, y, post, res):
     return _triton_mhc_for(streams)
 
 
-# Tolerances of the first-use check, as rtol and as atol relative to each output's largest
-# value: fp32 rounding (with room for a GPU's approximate exp and rsqrt) in fp32. In bf16 and
-# fp16 the results, and the GEMMs' results inside, are rounded to the streams' dtype after sums
+# Tolerances of the first-use checks of the mHC and depth-attention kernels, as rtol and as
+# atol relative to each output's largest value: fp32 rounding (with room for a GPU's
+# approximate exp and rsqrt) in fp32. In bf16 and fp16 the results, and the GEMMs' results
+# inside, are rounded to the streams' dtype after sums
 # in another order than PyTorch's, so a kernel and a body may differ by a unit in the last
 # place of an intermediate: 2^-5. A miscompile or a slip is off by the values themselves.
-_MHC_CHECK_TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 2 ** -5, torch.float16: 2 ** -5}
+_CHECK_TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 2 ** -5, torch.float16: 2 ** -5}
 
 
 def _check_triton_mhc(device: torch.device, n: int, dtype: torch.dtype) -> None:
@@ -390,7 +393,7 @@ def _check_triton_mhc(device: torch.device, n: int, dtype: torch.dtype) -> None:
     bodies (eager) on 37 tokens, h = 144 (several chunks of columns, a partial one at n <= 4),
     random streams and gradients in ``dtype`` and fp32 parameters and coefficients; raises on
     a mismatch (rtol and atol relative to each output's largest value,
-    ``_MHC_CHECK_TOLERANCES``)."""
+    ``_CHECK_TOLERANCES``)."""
     kernels = _triton_mhc_kernels()
     generator = torch.Generator(device=device).manual_seed(0)
 
@@ -412,7 +415,7 @@ def _check_triton_mhc(device: torch.device, n: int, dtype: torch.dtype) -> None:
               (_stream_update_forward_body(streams, y, post, res),)),
              (kernels.update_backward(streams, y, post, res, grad),
               _stream_update_vjp(streams, y, post, res, grad))]
-    tolerance = _MHC_CHECK_TOLERANCES[dtype]
+    tolerance = _CHECK_TOLERANCES[dtype]
     for got, expected in pairs:
         for value, want in zip(got, expected, strict=True):
             torch.testing.assert_close(value, want, rtol=tolerance,
@@ -533,8 +536,9 @@ def stream_update(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, re
 
 # -------------------------------------------------------------------------- depth attention
 # The sources come in groups (a view into the packed state, the layer's own outputs), and their
-# number and the group sizes change from layer to layer; the compiled bodies therefore work on
-# one group at a time with dynamic shapes, and the few glue ops between them run eagerly.
+# number and the group sizes change from layer to layer; the compiled bodies (the PyTorch path,
+# where the Triton kernels below do not run) therefore work on one group at a time with dynamic
+# shapes, and the few glue ops between them run eagerly.
 #
 # z_k = r_k (v_k . q), r_k = rsqrt(mean(v_k^2) + eps), out = sum_k alpha_k v_k, alpha = softmax(z):
 # dz = alpha (dalpha - sum_k alpha_k dalpha_k) with dalpha_k = g . v_k;
@@ -572,33 +576,158 @@ def _split(x, groups):
     return [part.contiguous() for part in x.split([v.shape[-2] for v in groups], dim=-1)]
 
 
+def _depth_forward(query, groups, eps):
+    """The PyTorch path of the forward over ``groups`` (tensors ``[..., k_i, h]``):
+    ``(out in the groups' dtype, z, r, alpha [..., K] fp32)``."""
+    q = query.float()
+    z, r = (torch.cat(parts, -1) for parts in zip(*(_group_logits_body(v, q, eps)
+                                                     for v in groups)))
+    alpha = torch.softmax(z, dim=-1)
+    out = sum(_group_sum_body(a, v) for a, v in zip(_split(alpha, groups), groups))
+    return out.to(groups[0].dtype), z, r, alpha
+
+
+def _depth_backward(query, groups, grad, z, r, alpha):
+    """The PyTorch path of the backward: ``(dquery, [dv of each group])``."""
+    q, g = query.float(), grad.float()
+    dalpha = torch.cat([_group_dalpha_body(v, g) for v in groups], -1)
+    dz = alpha * (dalpha - (alpha * dalpha).sum(-1, keepdim=True))
+    dgroups, dquery = [], 0
+    for v, *parts in zip(groups, *(_split(x, groups) for x in (alpha, dz, z, r))):
+        dv, dq = _group_vjp_body(v, g, q, *parts)
+        dgroups.append(dv)
+        dquery = dquery + dq
+    return dquery.to(query.dtype), dgroups
+
+
+# Where Triton runs, the forward and backward each run in one Triton kernel for all groups of a
+# call (triton_depth.py: the sources read in place through up to four group pointers, twice per
+# pass, no glue ops, no fp32 copies), instead of a compiled body per group plus cat, split,
+# softmax and contiguous copies. Not where the kernels do not take the call (more than four
+# groups or 64 sources, h not a multiple of 16, groups of different dtypes or leading shapes,
+# sources not fp32/bf16/fp16) or failed their first-use check at (device, dtype, number of
+# groups, K rounded up to a power of two: what makes a different compiled kernel).
+#
+# A group may be a pair ``(tensor [..., S, h], k)``: the first k slots of ``tensor`` are the
+# sources, and the gradient is returned for the whole tensor (zeros in its last S - k slots,
+# written by the backward kernel) instead of autograd's backward of the slice
+# ``tensor[..., :k, :]``, which allocates a zero tensor of the whole shape, copies into it and
+# adds it to the tensor's other gradients (block AttnRes passes its packed input so).
+@functools.cache
+def _triton_depth_kernels():
+    """The module of the Triton depth-attention kernels, or None (logged once)."""
+    return _import_kernels("triton_depth", "depth-attention")
+
+
+def _triton_depth_for(query, pairs):
+    """The Triton depth-attention kernels' module if they run this call, else None."""
+    first = pairs[0][0]
+    if not _triton_runs(first):
+        return None
+    kernels = _triton_depth_kernels()
+    if kernels is None or kernels.unsupported_reason(query, pairs) is not None:
+        return None
+    padded = kernels.padded_sources(sum(count for _, count in pairs))
+    return kernels if _triton_depth_checked(first.device, first.dtype, len(pairs),
+                                            padded) else None
+
+
+def _check_triton_depth(device: torch.device, dtype: torch.dtype, groups: int,
+                        padded: int) -> None:
+    """The depth-attention kernels' first-use check: forward and backward on 37 tokens, h = 144
+    (a partial chunk of columns), ``groups`` groups of ``padded`` sources in all (K = KP, the
+    first group a ``(tensor, k)`` pair with a spare slot, the others strided views),
+    random sources and gradient in ``dtype`` and an fp32 query, against the PyTorch path (eager);
+    raises on a mismatch (``_CHECK_TOLERANCES``, relative to each output's largest value)."""
+    kernels = _triton_depth_kernels()
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, dtype=dtype):
+        return torch.randn(*shape, device=device, generator=generator).to(dtype)
+
+    tokens, h = 37, 144
+    sizes = [padded // groups + (i < padded % groups) for i in range(groups)]
+    pairs = [(randn(tokens, sizes[0] + 1, h), sizes[0])]
+    pairs += [(randn(tokens, size + 1, h)[:, 1:], size) for size in sizes[1:]]
+    query, grad = randn(h, dtype=torch.float32), randn(tokens, h)
+    views = _source_views(pairs)
+    forward = kernels.forward(query, pairs, EPS)
+    expected = _depth_forward(query, views, EPS)
+    dquery, dgroups = kernels.backward(query, pairs, grad, *forward[1:], EPS)
+    want_dquery, want_dviews = _depth_backward(query, views, grad, *expected[1:])
+    pairs_of = [(forward, expected), ((dquery, *dgroups),
+                                      (want_dquery, *_whole_gradients(pairs, want_dviews)))]
+    tolerance = _CHECK_TOLERANCES[dtype]
+    for got, want_all in pairs_of:
+        for value, want in zip(got, want_all, strict=True):
+            torch.testing.assert_close(value, want, rtol=tolerance,
+                                       atol=tolerance * max(1.0, want.abs().max().item()))
+
+
+def _triton_depth_checked(device: torch.device, dtype: torch.dtype, groups: int,
+                          padded: int) -> bool:
+    """Whether the depth-attention kernels passed their first-use check on ``device`` at this
+    dtype, number of groups and padded number of sources."""
+    return _triton_checked("depth-attention", _check_triton_depth, device, dtype, groups, padded)
+
+
+def _as_pairs(sources) -> list:
+    """Each group as ``(tensor, k)``: a tensor ``[..., k, h]`` is ``(tensor, k)``."""
+    return [(group, group.shape[-2]) if isinstance(group, torch.Tensor) else tuple(group)
+            for group in sources]
+
+
+def _source_views(pairs) -> list:
+    """The groups' sources ``[..., k, h]`` (a slice of a pair's tensor where k < S)."""
+    return [tensor if count == tensor.shape[-2] else tensor[..., :count, :]
+            for tensor, count in pairs]
+
+
+def _whole_gradients(pairs, dviews) -> list:
+    """The gradients of the groups' tensors from those of their sources (zeros in the slots a
+    pair leaves out)."""
+    grads = []
+    for (tensor, count), dv in zip(pairs, dviews):
+        if count != tensor.shape[-2]:
+            whole = dv.new_zeros(tensor.shape)
+            whole[..., :count, :] = dv
+            dv = whole
+        grads.append(dv)
+    return grads
+
+
 class _DepthAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, eps, *groups):
-        q = query.float()
-        z, r = (torch.cat(parts, -1) for parts in zip(*(_group_logits_body(v, q, eps)
-                                                         for v in groups)))
-        alpha = torch.softmax(z, dim=-1)
-        out = sum(_group_sum_body(a, v) for a, v in zip(_split(alpha, groups), groups))
-        ctx.save_for_backward(query, z, r, alpha, *groups)
-        return out.to(groups[0].dtype)
+    def forward(ctx, query, eps, counts, *tensors):
+        pairs = list(zip(tensors, counts))
+        kernels = _triton_depth_for(query, pairs)
+        if kernels is not None:
+            out, z, r, alpha = kernels.forward(query, pairs, eps)
+        else:
+            out, z, r, alpha = _depth_forward(query, _source_views(pairs), eps)
+        ctx.eps, ctx.counts = eps, counts
+        ctx.save_for_backward(query, z, r, alpha, *tensors)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        query, z, r, alpha, *groups = ctx.saved_tensors
-        q, g = query.float(), grad.float()
-        dalpha = torch.cat([_group_dalpha_body(v, g) for v in groups], -1)
-        dz = alpha * (dalpha - (alpha * dalpha).sum(-1, keepdim=True))
-        dgroups, dquery = [], 0
-        for v, *parts in zip(groups, *(_split(x, groups) for x in (alpha, dz, z, r))):
-            dv, dq = _group_vjp_body(v, g, q, *parts)
-            dgroups.append(dv)
-            dquery = dquery + dq
-        return (dquery.to(query.dtype), None, *dgroups)
+        query, z, r, alpha, *tensors = ctx.saved_tensors
+        pairs = list(zip(tensors, ctx.counts))
+        kernels = _triton_depth_for(query, pairs)
+        if kernels is not None:
+            dquery, dgroups = kernels.backward(query, pairs, grad, z, r, alpha, ctx.eps)
+        else:
+            dquery, dviews = _depth_backward(query, _source_views(pairs), grad, z, r, alpha)
+            dgroups = _whole_gradients(pairs, dviews)
+        return (dquery, None, None, *dgroups)
 
 
-def depth_attention(query: torch.Tensor, sources: Sequence[torch.Tensor],
-                    eps: float = EPS) -> torch.Tensor:
+def depth_attention(query: torch.Tensor, sources: Sequence, eps: float = EPS) -> torch.Tensor:
     """:func:`reference.depth_attention` over ``sources``, a list of ``[..., k_i, h]`` groups
-    (views into a packed state need no copy), keeping only references and per-token scalars."""
-    return _DepthAttention.apply(query, eps, *sources)
+    (views into a packed state need no copy), keeping only references and per-token scalars.
+    A group may also be a pair ``(tensor [..., S, h], k)``: the sources ``tensor[..., :k, :]``,
+    with the gradient of the whole tensor (zeros in its last S - k slots) returned directly
+    rather than through autograd's backward of the slice."""
+    pairs = _as_pairs(sources)
+    tensors, counts = zip(*pairs)
+    return _DepthAttention.apply(query, eps, tuple(counts), *tensors)

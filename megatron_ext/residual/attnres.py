@@ -23,7 +23,10 @@ sublayer start from the uniform average of its sources.
 Blocks may span pipeline stages: the partial sum travels in the packed state, so no block size
 is tied to the stage split. The sources are views into the packed input plus this layer's own
 outputs; :func:`megatron_ext.kernels.residual.efficient.depth_attention` keeps only references
-and per-token scalars for backward.
+and per-token scalars for backward. The completed blocks are passed as the packed input with
+their slot count, ``(packed [s, b, 1 + k, h], k)``, rather than as a slice of it: the op returns
+the gradient of the whole packed input (zeros in the partial's slot), which spares autograd the
+slice's backward (a zero tensor of the packed state, a copy and an add) at every use.
 """
 from __future__ import annotations
 
@@ -45,14 +48,16 @@ class DepthQuery(torch.nn.Module):
         self.weight = replicated_parameter(config, torch.zeros(config.hidden_size))
         self.norm_weight = replicated_parameter(config, torch.ones(config.hidden_size))
 
-    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        """Attention over ``sources`` (``[s, b, k_i, h]`` groups) -> ``[s, b, h]``."""
+    def forward(self, sources: list) -> torch.Tensor:
+        """Attention over ``sources`` (``[s, b, k_i, h]`` groups, or ``(packed, k)`` pairs:
+        the first k slots of ``packed [s, b, S, h]``) -> ``[s, b, h]``."""
         return ops.depth_attention(self.weight * self.norm_weight, sources, self.eps)
 
 
 @dataclass
 class _State:
-    sources: list[torch.Tensor] = field(default_factory=list)  # [s, b, k_i, h] groups
+    # [s, b, k_i, h] groups, or (packed [s, b, S, h], k): its first k slots
+    sources: list = field(default_factory=list)
     partial: torch.Tensor | None = None  # block: the current block's sum [s, b, h]
     sublayer: int = 0
 
@@ -82,10 +87,10 @@ class AttentionResiduals(ResidualScheme):
         sources = hidden_states.unflatten(-1, (slots, self.hidden_size))
         if self.block_layers is None:
             return _State(sources=[sources])
-        completed = [sources[..., :-1, :]] if slots > 1 else []
+        completed = [(sources, slots - 1)] if slots > 1 else []
         return _State(sources=completed, partial=sources[..., -1, :])
 
-    def _all_sources(self, state: _State) -> list[torch.Tensor]:
+    def _all_sources(self, state: _State) -> list:
         if state.partial is None:
             return state.sources
         return state.sources + [state.partial.unsqueeze(-2)]
@@ -109,4 +114,12 @@ class AttentionResiduals(ResidualScheme):
         sources = self._all_sources(state)
         if self.last:
             return self.output(sources)
-        return torch.cat([s.flatten(-2) for s in sources], dim=-1)
+        return torch.cat([_slots(s).flatten(-2) for s in sources], dim=-1)
+
+
+def _slots(group) -> torch.Tensor:
+    """A source group as ``[s, b, k, h]``: a ``(packed, k)`` pair as its first k slots."""
+    if isinstance(group, torch.Tensor):
+        return group
+    packed, count = group
+    return packed[..., :count, :]

@@ -98,6 +98,21 @@ def test_stream_ops_keep_the_stream_in_its_dtype_or_nothing():
     assert dropped == y.nbytes + small
 
 
+def test_depth_attention_takes_a_packed_tensor_and_a_slot_count():
+    """A group ``(packed [..., S, h], k)`` is the sources ``packed[..., :k, :]``; its gradient
+    comes for the whole tensor, zeros in the slots left out (as autograd's slice would give)."""
+    packed, extra, query = _leaf(3, 5, 4 * H), _leaf(3, 5, H), _leaf(H)
+
+    def pairs(q, p, e):
+        return efficient.depth_attention(q, [(p.unflatten(-1, (4, H)), 3), e.unsqueeze(-2)])
+
+    def sliced(q, p, e):
+        return reference.depth_attention(q, [p.unflatten(-1, (4, H))[..., :3, :],
+                                             e.unsqueeze(-2)])
+
+    _same_values_and_grads(lambda: (query, packed, extra), pairs, sliced)
+
+
 def test_depth_attention_keeps_references_and_scalars():
     packed = torch.randn(8, 2, 5 * 64, requires_grad=True)
     query = torch.randn(64, requires_grad=True)

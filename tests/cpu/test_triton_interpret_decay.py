@@ -11,7 +11,6 @@ multiplies bf16 inputs as raw 16-bit integers and it truncates fp32 to bf16 wher
 to nearest (Triton 3.6), so bf16 is checked on the GPU only. ~25 s on two cores.
 """
 import os
-import time
 
 import pytest
 import torch
@@ -49,11 +48,7 @@ def main() -> None:
     triton_interpreter.setup()
     checks = triton_interpreter.gpu_checks("test_triton_decay")
     cases = interpret_cases(checks.Case)
-    for case in cases:
-        start = time.perf_counter()
-        errors = checks.check_case(case, "cpu")
-        worst = max(errors, key=errors.get)
-        print(f"{case}: ok, worst {worst} {errors[worst]:.1e} ({time.perf_counter() - start:.1f} s)", flush=True)
+    triton_interpreter.run_cases(cases, checks.check_case)
     print(f"all {len(cases)} interpreter cases passed")
 
 

@@ -16,7 +16,6 @@ run: the interpreter's tl.dot multiplies bf16 inputs as raw 16-bit integers (see
 test_triton_interpret_decay.py); fp16 runs the same reduced-precision code path. ~10 s on two
 cores.
 """
-import time
 import types
 
 import pytest
@@ -43,19 +42,8 @@ def main() -> None:
     triton_interpreter.setup()
     checks = triton_interpreter.gpu_checks("test_triton_mhc")
     cases = interpret_cases(checks.Case)
-    for case in cases:
-        start = time.perf_counter()
-        errors = checks.check_launchers(case, "cpu")
-        worst = max(errors, key=errors.get)
-        seconds = time.perf_counter() - start
-        print(f"{case}: ok, worst {worst} {errors[worst]:.1e} ({seconds:.1f} s)", flush=True)
-    from megatron_ext.kernels.residual import efficient
-
-    start = time.perf_counter()
-    efficient._TRITON_DEVICE_TYPES.add("cpu")  # the interpreter runs CPU tensors
-    launches = checks.check_ops("cpu")
-    print(f"efficient.mhc_pre and stream_update: ok, {launches} kernel launches "
-          f"({time.perf_counter() - start:.1f} s)", flush=True)
+    triton_interpreter.run_cases(cases, checks.check_launchers)
+    triton_interpreter.run_ops(checks, "efficient.mhc_pre and stream_update")
     print(f"all {len(cases)} interpreter cases passed")
 
 

@@ -56,21 +56,11 @@ def check_scratch() -> None:
 def main() -> None:
     triton_interpreter.setup()
     checks = triton_interpreter.gpu_checks("test_triton_sinkhorn")
-    for case in checks.CASES:
-        start = time.perf_counter()
-        errors = checks.check_case(case, "cpu")
-        print(f"{case}: ok, largest differences forward {errors['forward']:.1e}, backward "
-              f"{errors['backward']:.1e} ({time.perf_counter() - start:.1f} s)", flush=True)
+    triton_interpreter.run_cases(checks.CASES, checks.check_case)
     start = time.perf_counter()
     check_scratch()
     print(f"backward scratch buffer: ok ({time.perf_counter() - start:.1f} s)", flush=True)
-    from megatron_ext.kernels.residual import efficient
-
-    start = time.perf_counter()
-    efficient._TRITON_DEVICE_TYPES.add("cpu")  # the interpreter runs CPU tensors
-    launches = checks.check_ops("cpu")
-    print(f"efficient.sinkhorn and mhc_pre: ok, {launches} kernel launches "
-          f"({time.perf_counter() - start:.1f} s)", flush=True)
+    triton_interpreter.run_ops(checks, "efficient.sinkhorn and mhc_pre")
     print(f"all {len(checks.CASES)} interpreter cases passed")
 
 

@@ -5,13 +5,15 @@ The interpreter is chosen when a kernel is defined (TRITON_INTERPRET=1 must be s
 kernel's module is imported). So each tests/cpu/test_triton_interpret_*.py runs itself as a
 script in a subprocess with TRITON_INTERPRET=1 (:func:`run_as_script`, its pytest test); the
 script calls :func:`setup` (one CPU thread, the numpy fix, the bounds checker) and runs the
-checks of its GPU test module, loaded by :func:`gpu_checks`.
+checks of its GPU test module, loaded by :func:`gpu_checks`, with :func:`run_cases` and
+:func:`run_ops`.
 """
 import importlib.util
 import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -40,12 +42,37 @@ def setup() -> None:
 
 
 def gpu_checks(name: str):
-    """The GPU test module ``tests/gpu/<name>.py``, loaded by path (its checks take a device)."""
+    """The GPU test module ``tests/gpu/<name>.py``, loaded by path (its checks take a device;
+    tests/gpu goes on sys.path, for the imports between its modules)."""
+    if str(GPU_TESTS) not in sys.path:
+        sys.path.insert(0, str(GPU_TESTS))
     spec = importlib.util.spec_from_file_location(f"{name}_checks", GPU_TESTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
+
+
+def run_cases(cases, check) -> None:
+    """``check(case, "cpu")`` for each case, printing the largest of the differences it returns
+    (a dict: what -> difference)."""
+    for case in cases:
+        start = time.perf_counter()
+        errors = check(case, "cpu")
+        worst = max(errors, key=errors.get)
+        print(f"{case}: ok, worst {worst} {errors[worst]:.1e} ({time.perf_counter() - start:.1f} s)",
+              flush=True)
+
+
+def run_ops(checks, what: str) -> None:
+    """``checks.check_ops("cpu")`` (the ops of kernels.residual.efficient with their Triton
+    kernels running CPU tensors, here under the interpreter), printing its launch count."""
+    from megatron_ext.kernels.residual import efficient
+
+    start = time.perf_counter()
+    efficient._TRITON_DEVICE_TYPES.add("cpu")
+    launches = checks.check_ops("cpu")
+    print(f"{what}: ok, {launches} kernel launches ({time.perf_counter() - start:.1f} s)", flush=True)
 
 def _fix_for_numpy_2_4() -> None:
     """Triton 3.6's interpreter turns a scalar into a Python int with int() of a 1-element

@@ -98,7 +98,7 @@ def _inputs(case: Case, device):
         post=randn(*lead, n), res=torch.softmax(randn(*lead, n, n), -2))
 
 
-def _compare(actual, expected, tolerance, what) -> float:
+def compare(actual, expected, tolerance, what) -> float:
     """Assert ``actual`` equals ``expected`` (dtype and shape too) at rtol ``tolerance`` and atol
     ``tolerance`` times expected's largest magnitude; returns the largest difference relative
     to that magnitude."""
@@ -137,7 +137,7 @@ def check_launchers(case: Case, device) -> dict[str, float]:
     errors = {}
     for launcher, (got, expected, names) in runs.items():
         assert len(got) == len(expected) == len(names), launcher
-        errors[launcher] = max(_compare(value, want, tolerance, f"{case} {launcher} {name}")
+        errors[launcher] = max(compare(value, want, tolerance, f"{case} {launcher} {name}")
                                for value, want, name in zip(got, expected, names))
         for value, want, name in zip(got, expected, names):
             if want.dtype in HALF_DTYPES and want.numel():

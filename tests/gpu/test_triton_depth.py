@@ -1,0 +1,195 @@
+"""The fused Triton kernels of depth attention (kernels/residual/triton_depth.py) against the
+PyTorch path they replace (efficient._depth_forward / _depth_backward), forward and backward,
+and efficient.depth_attention with them in place, on CUDA (skipped without a GPU).
+
+``check_launchers`` and ``check_ops`` are the checks; tests/cpu/test_triton_interpret_depth.py
+also runs them on the CPU under Triton's interpreter (small fp32 and fp16 cases).
+
+``check_launchers`` runs triton_depth.forward / backward and the PyTorch path (eager) on the same
+device and inputs: the sources as groups of given sizes, the first a ``(packed, k)`` pair whose
+packed tensor has a spare slot (its gradient: zeros there), the others strided views into a
+packed tensor (``packed[..., 1:, :]``) or, with ``separate``, the last one a tensor of its own;
+sources and the output gradient in the case's dtype, the query fp32. Cases on CUDA: h = 1024,
+T = 8192 + 37 (a partial block of tokens), block AttnRes's groups (2 + 1 sources) and full
+AttnRes's (40 + 1), fp32 and bf16; tokens as [3, 13].
+
+Tolerances, rtol and atol relative to each output's largest magnitude: fp32 1e-5 (sums in
+another order, the GPU's exp and rsqrt; a slip is 1e-2 or more); bf16 / fp16 2^-6 (out and dv
+rounded to the dtype from fp32 values that differ in their last bits).
+
+``check_ops`` runs efficient.depth_attention with the kernels in place (their launches counted)
+and with them off (the PyTorch path), groups as the model passes them (block: a pair plus the
+partial sum; full: the packed input plus outputs), and compares values and autograd gradients
+at the tolerances of tests/cpu/test_residual_ops.py in fp32 (2^-6 in bf16).
+"""
+import contextlib
+import dataclasses
+import zlib
+
+import pytest
+import torch
+
+from megatron_ext.kernels.residual import efficient
+from test_triton_mhc import compare  # the same comparison (tests/gpu is on sys.path)
+
+pytestmark = pytest.mark.gpu
+
+EPS = 1e-6
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -6}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    sizes: tuple[int, ...] = (2, 1)  # sources per group
+    shape: tuple[int, ...] = (8192 + 37,)  # the token dimensions before [k, h]
+    h: int = 1024
+    dtype: torch.dtype = torch.float32
+    separate: bool = True  # the last group a tensor of its own (else a view as the others)
+
+    def __str__(self) -> str:
+        parts = ["k" + "+".join(map(str, self.sizes)), "x".join(map(str, self.shape)),
+                 f"h{self.h}", str(self.dtype)[6:]]
+        return "-".join(parts + ["views"] * (not self.separate))
+
+
+CASES = [
+    Case(),
+    Case(dtype=torch.bfloat16),
+    Case(sizes=(40, 1)),
+    Case(sizes=(40, 1), dtype=torch.bfloat16),
+    Case(sizes=(3, 2, 4, 1), shape=(3, 13), h=272, separate=False),
+]
+
+
+def _inputs(case: Case, device):
+    generator = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
+
+    def randn(*shape, dtype=case.dtype):
+        return torch.randn(*shape, generator=generator).to(dtype).to(device)
+
+    lead, h = case.shape, case.h
+    groups = [(randn(*lead, case.sizes[0] + 1, h), case.sizes[0])]
+    for i, size in enumerate(case.sizes[1:]):
+        if case.separate and i == len(case.sizes) - 2:
+            groups.append(randn(*lead, size, h))
+        else:
+            groups.append(randn(*lead, size + 1, h)[..., 1:, :])
+    return randn(h, dtype=torch.float32), groups, randn(*lead, h)
+
+
+def check_launchers(case: Case, device) -> dict[str, float]:
+    """forward and backward against the PyTorch path on ``device``; returns the largest
+    differences (relative to each output's largest magnitude) of each."""
+    from megatron_ext.kernels.residual import triton_depth
+
+    query, groups, grad = _inputs(case, device)
+    pairs = efficient._as_pairs(groups)
+    views = efficient._source_views(pairs)
+    got = triton_depth.forward(query, groups, EPS)
+    expected = efficient._depth_forward(query, views, EPS)
+    dquery, dgroups = triton_depth.backward(query, groups, grad, *expected[1:], EPS)
+    want_dquery, want_dviews = efficient._depth_backward(query, views, grad, *expected[1:])
+    want_dgroups = efficient._whole_gradients(pairs, want_dviews)
+    tolerance = TOLERANCES[case.dtype]
+    errors = {"forward": max(compare(a, b, tolerance, f"{case} forward {name}")
+                             for a, b, name in zip(got, expected, ("out", "z", "r", "alpha"),
+                                                   strict=True))}
+    errors["backward"] = compare(dquery, want_dquery, tolerance, f"{case} dquery")
+    for i, (a, b) in enumerate(zip(dgroups, want_dgroups, strict=True)):
+        errors["backward"] = max(errors["backward"],
+                                 compare(a, b, tolerance, f"{case} dgroup {i}"))
+    # The spare slot of the pair's tensor gets a gradient of exactly zero.
+    assert (dgroups[0][..., case.sizes[0]:, :] == 0).all()
+    return errors
+
+
+@contextlib.contextmanager
+def _triton(enabled: bool):
+    was = efficient._triton_enabled
+    efficient.use_triton(enabled)
+    try:
+        yield
+    finally:
+        efficient.use_triton(was)
+
+
+def check_ops(device, dtype=torch.float32, h: int = 48, sizes=(1, 2, 6, 41)) -> int:
+    """efficient.depth_attention on ``device`` with the kernels in place (asserted by counting
+    their launches) against it with them off, for K = each of ``sizes``; returns the launches."""
+    from megatron_ext.kernels.residual import triton_depth
+
+    originals = {name: getattr(triton_depth, name) for name in ("forward", "backward")}
+    launches = []
+
+    def counted(name):
+        return lambda *args: launches.append(name) or originals[name](*args)
+
+    generator = torch.Generator().manual_seed(0)
+
+    def leaf(*shape, dtype=dtype):
+        return torch.randn(*shape, generator=generator).to(dtype).to(device).requires_grad_()
+
+    if dtype == torch.float32:
+        rtol, grad_rtol, atol = 1e-5, 1e-4, 1e-5
+    else:
+        rtol = grad_rtol = atol = TOLERANCES[dtype]
+    lead = (3, 5)
+    calls = []
+    for k in sizes:
+        query = leaf(h, dtype=torch.float32)
+        if k == 1:  # the first sublayer: the embedding only
+            calls.append((f"K={k}", (query, leaf(*lead, h)),
+                          lambda q, p: [p.unflatten(-1, (1, h))]))
+        elif k % 2:  # full: the packed input and the layer's first output
+            calls.append((f"K={k} full", (query, leaf(*lead, (k - 1) * h), leaf(*lead, h)),
+                          lambda q, p, e, k=k: [p.unflatten(-1, (k - 1, h)), e.unsqueeze(-2)]))
+        else:  # block: the completed blocks as (packed, k - 1) and the updated partial sum
+            calls.append((f"K={k} block", (query, leaf(*lead, k * h), leaf(*lead, h)),
+                          lambda q, p, e, k=k: [(p.unflatten(-1, (k, h)), k - 1),
+                                                (p.unflatten(-1, (k, h))[..., -1, :] + e)
+                                                .unsqueeze(-2)]))
+    # The kernels' first-use checks at these keys (not counted below), which they must pass.
+    with _triton(True), torch.no_grad():
+        for _, inputs, groups_of in calls:
+            efficient.depth_attention(inputs[0], groups_of(*inputs), EPS)
+    for name in originals:
+        setattr(triton_depth, name, counted(name))
+    try:
+        for label, inputs, groups_of in calls:
+            results = []
+            for enabled in (True, False):
+                with _triton(enabled):
+                    out = efficient.depth_attention(inputs[0], groups_of(*inputs), EPS)
+                    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+                    grads = torch.autograd.grad(out, inputs, grad.to(out.dtype).to(device))
+                    results.append((out, grads))
+            (out_fast, grads_fast), (out_slow, grads_slow) = results
+            for what, fast, slow, tolerance in (("value", (out_fast,), (out_slow,), rtol),
+                                                ("gradient", grads_fast, grads_slow, grad_rtol)):
+                for i, (a, b) in enumerate(zip(fast, slow, strict=True)):
+                    scale = max(1.0, b.abs().max().item())
+                    torch.testing.assert_close(a, b, rtol=tolerance, atol=atol * scale,
+                                               msg=lambda m: f"{label} {what} {i}: {m}")
+    finally:
+        for name, original in originals.items():
+            setattr(triton_depth, name, original)
+    assert launches == ["forward", "backward"] * len(calls), launches
+    return len(launches)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_launchers_equal_the_pytorch_path(case):
+    check_launchers(case, "cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("groups, padded", [(1, 1), (2, 4), (2, 64), (4, 8)])
+def test_first_use_check_passes(dtype, groups, padded):
+    efficient._triton_checked.cache_clear()
+    device = torch.empty(0, device="cuda").device  # cuda:0, as the ops see it
+    assert efficient._triton_depth_checked(device, dtype, groups, padded)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_ops_run_the_kernels_and_equal_the_pytorch_path(dtype):
+    check_ops("cuda", dtype, h=1024)
