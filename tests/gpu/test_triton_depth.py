@@ -22,7 +22,6 @@ and with them off (the PyTorch path), groups as the model passes them (block: a 
 partial sum; full: the packed input plus outputs), and compares values and autograd gradients
 at the tolerances of tests/cpu/test_residual_ops.py in fp32 (2^-6 in bf16).
 """
-import contextlib
 import dataclasses
 import zlib
 
@@ -30,7 +29,7 @@ import pytest
 import torch
 
 from megatron_ext.kernels.residual import efficient
-from test_triton_mhc import compare  # the same comparison (tests/gpu is on sys.path)
+from test_triton_mhc import compare, triton_kernels  # tests/gpu is on sys.path
 
 pytestmark = pytest.mark.gpu
 
@@ -103,16 +102,6 @@ def check_launchers(case: Case, device) -> dict[str, float]:
     return errors
 
 
-@contextlib.contextmanager
-def _triton(enabled: bool):
-    was = efficient._triton_enabled
-    efficient.use_triton(enabled)
-    try:
-        yield
-    finally:
-        efficient.use_triton(was)
-
-
 def check_ops(device, dtype=torch.float32, h: int = 48, sizes=(1, 2, 6, 41)) -> int:
     """efficient.depth_attention on ``device`` with the kernels in place (asserted by counting
     their launches) against it with them off, for K = each of ``sizes``; returns the launches."""
@@ -149,7 +138,7 @@ def check_ops(device, dtype=torch.float32, h: int = 48, sizes=(1, 2, 6, 41)) -> 
                                                 (p.unflatten(-1, (k, h))[..., -1, :] + e)
                                                 .unsqueeze(-2)]))
     # The kernels' first-use checks at these keys (not counted below), which they must pass.
-    with _triton(True), torch.no_grad():
+    with triton_kernels(True), torch.no_grad():
         for _, inputs, groups_of in calls:
             efficient.depth_attention(inputs[0], groups_of(*inputs), EPS)
     for name in originals:
@@ -158,7 +147,7 @@ def check_ops(device, dtype=torch.float32, h: int = 48, sizes=(1, 2, 6, 41)) -> 
         for label, inputs, groups_of in calls:
             results = []
             for enabled in (True, False):
-                with _triton(enabled):
+                with triton_kernels(enabled):
                     out = efficient.depth_attention(inputs[0], groups_of(*inputs), EPS)
                     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
                     grads = torch.autograd.grad(out, inputs, grad.to(out.dtype).to(device))

@@ -148,7 +148,8 @@ def check_launchers(case: Case, device) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _triton(enabled: bool):
+def triton_kernels(enabled: bool):
+    """efficient's Triton kernels on or off inside the block."""
     was = efficient._triton_enabled
     efficient.use_triton(enabled)
     try:
@@ -160,7 +161,7 @@ def _triton(enabled: bool):
 def _values_and_grads(op, inputs, enabled: bool):
     """``op``'s outputs and the gradients of a random projection of them with respect to the
     inputs that require them, forward and backward with the Triton kernels on or off."""
-    with _triton(enabled):
+    with triton_kernels(enabled):
         out = op(*inputs)
         out = out if isinstance(out, tuple) else (out,)
         generator = torch.Generator().manual_seed(2)
@@ -233,7 +234,7 @@ def check_ops(device, dtype=torch.float32, compiled: bool = False, h: int = 48) 
         # What is kept for backward is as without the kernels: with recompute_input, no streams.
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
-                                                      lambda t: t), _triton(True):
+                                                      lambda t: t), triton_kernels(True):
             stream_update(True)(streams, y, post, res)
         assert sorted(saved) == sorted([y.numel(), post.numel(), res.numel()]), saved
         if compiled:
