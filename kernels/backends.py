@@ -227,7 +227,8 @@ def _run_selfcheck(op: str, device: torch.device) -> dict:
             return [f"{'/'.join(job)}: the check exited with status {done.returncode}: {tail}"]
         return json.loads(lines[-1])["failures"]
 
-    workers = max(1, min(len(jobs), SELFCHECK_WORKERS, os.cpu_count() or 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = max(1, min(len(jobs), SELFCHECK_WORKERS, cores or 1))  # the cores this job may use
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         failures = [failure for found in pool.map(check, jobs) for failure in found]
     if failures:
