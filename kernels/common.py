@@ -5,11 +5,40 @@ Every family takes q, k ``[B, T, Hk, K]`` and v ``[B, T, Hv, V]`` with Hv a mult
 head i serves v heads ``i * Hv/Hk ... (i + 1) * Hv/Hk - 1``), optional ``cu_seqlens [N + 1]`` for
 sequences packed along T (B == 1), and an fp32 state ``[N, Hv, K, V]`` per sequence. The family's
 own arguments (gates, decays) are checked by the family; ``op`` names it in every message.
+
+Where the sequences lie is read on the host once per layout, not once per call
+(:func:`sequence_bounds`): reading a GPU's cu_seqlens waits for the GPU, and a model passes the
+same cu_seqlens tensor to every layer of a step.
 """
+import collections
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["fail", "check_shared_inputs", "upcast_qkv", "sequence_spans", "to_chunks", "from_chunks"]
+__all__ = ["fail", "check_shared_inputs", "sequence_bounds", "upcast_qkv", "sequence_spans",
+           "to_chunks", "from_chunks"]
+
+_BOUNDS_CACHE_SIZE = 8
+_bounds_read: collections.OrderedDict = collections.OrderedDict()  # id -> (tensor, version, bounds)
+
+
+def sequence_bounds(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int) -> tuple[int, ...]:
+    """The sequences' first tokens and the end along the flattened ``B * T`` tokens: B rows of T
+    tokens, or ``cu_seqlens`` as a tuple of ints. A cu_seqlens tensor is read (for a GPU's, a
+    device-to-host copy that waits for the GPU) once, then remembered for the last few tensors
+    seen, by identity and version (an in-place change is read again); the remembered tensors
+    are held, so that their identities are not reused."""
+    if cu_seqlens is None:
+        return tuple(range(0, batch * seq_len + 1, seq_len)) if seq_len else (0,) * (batch + 1)
+    seen = _bounds_read.get(id(cu_seqlens))
+    if seen is not None and seen[0] is cu_seqlens and seen[1] == cu_seqlens._version:
+        _bounds_read.move_to_end(id(cu_seqlens))
+        return seen[2]
+    bounds = tuple(cu_seqlens.tolist())
+    _bounds_read[id(cu_seqlens)] = (cu_seqlens, cu_seqlens._version, bounds)
+    while len(_bounds_read) > _BOUNDS_CACHE_SIZE:
+        _bounds_read.popitem(last=False)
+    return bounds
 
 
 def fail(op: str, name: str, tensor: torch.Tensor, expected: str) -> None:
@@ -39,10 +68,10 @@ def check_shared_inputs(op: str, q, k, v, *, initial_state, cu_seqlens) -> None:
             fail(op, "cu_seqlens", cu_seqlens, "a 1-D integer tensor [N + 1] of sequence boundaries")
         if batch != 1:
             fail(op, "q", q, "B == 1 when cu_seqlens is given (sequences packed along T)")
-        bounds = cu_seqlens.tolist()
+        bounds = sequence_bounds(cu_seqlens, batch, seq_len)
         if bounds[0] != 0 or bounds[-1] != seq_len or any(a > b for a, b in zip(bounds, bounds[1:])):
             raise ValueError(
-                f"{op}: cu_seqlens = {bounds} must start at 0, never decrease and end at T = {seq_len}"
+                f"{op}: cu_seqlens = {list(bounds)} must start at 0, never decrease and end at T = {seq_len}"
             )
         num_states = len(bounds) - 1
     if initial_state is not None:
@@ -69,7 +98,7 @@ def sequence_spans(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int) ->
     ``initial_state`` and ``final_state`` rows."""
     if cu_seqlens is None:
         return [(row, 0, seq_len) for row in range(batch)]
-    bounds = cu_seqlens.tolist()
+    bounds = sequence_bounds(cu_seqlens, batch, seq_len)
     return [(0, start, end) for start, end in zip(bounds, bounds[1:])]
 
 

@@ -94,6 +94,7 @@ through strides, to stay clear of the wrong results seen with transposed MMA res
 backward kernels on Hopper with Triton 3.4 to 3.7.0 (fla-core issue #640).
 """
 import contextlib
+import functools
 import itertools
 from typing import NamedTuple
 
@@ -102,6 +103,7 @@ import triton
 import triton.language as tl
 
 from .. import backends
+from ..common import sequence_bounds
 from .reference import OP, check_inputs
 
 __all__ = ["decay_linear_attention_triton", "LAUNCH"]
@@ -568,10 +570,13 @@ class _Layout(NamedTuple):
     num_chunks: int
 
 
-def _layout(cu_seqlens, batch: int, seq_len: int, device) -> _Layout:
+@functools.lru_cache(maxsize=32)
+def _layout(bounds: tuple[int, ...], device: torch.device) -> _Layout:
     """Chunks of CHUNK tokens from each sequence's start (a sequence's last chunk may be short;
-    an empty sequence has none): B rows of T tokens, or the packed sequences of cu_seqlens."""
-    bounds = cu_seqlens.tolist() if cu_seqlens is not None else [row * seq_len for row in range(batch + 1)]
+    an empty sequence has none) for the sequences of ``bounds`` (B rows of T tokens or packed
+    sequences, :func:`..common.sequence_bounds`). Built once per layout and device and then
+    shared by every call (read-only): no host-to-device copy per call."""
+    bounds = list(bounds)
     counts = [-(-(end - start) // CHUNK) for start, end in zip(bounds, bounds[1:])]
     offsets = list(itertools.accumulate(counts, initial=0))[:-1]
     chunk_seq = [n for n, count in enumerate(counts) for _ in range(count)]
@@ -832,7 +837,7 @@ def decay_linear_attention_triton(
         decay = _CHANNEL_DECAY if g.dim() == 4 else _SCALAR_DECAY
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     problem = _Problem(batch, seq_len, key_heads, value_heads, key_dim, value_dim, dtype, decay,
-                       _layout(cu_seqlens, batch, seq_len, q.device))
+                       _layout(sequence_bounds(cu_seqlens, batch, seq_len), q.device))
     scale = key_dim**-0.5 if scale is None else float(scale)
     # Triton launches on the current CUDA device; the backward runs on the inputs' device anyway.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():

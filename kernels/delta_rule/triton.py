@@ -89,6 +89,7 @@ report similar failures). That fixed the per-channel form, but the form without 
 gave dk 0.46 off in bf16 (masking by tl.where alone did not keep the compiler from the failing
 code), so it is gone: without a decay, _bwd_qkg runs the per-head form on a zero decay.
 """
+import functools
 import os
 
 import torch
@@ -96,6 +97,7 @@ import triton
 import triton.language as tl
 
 from .. import backends
+from ..common import sequence_bounds
 from .reference import check_inputs
 
 __all__ = ["gated_delta_rule_triton", "triton_unavailable_reason"]
@@ -697,13 +699,13 @@ def triton_unavailable_reason(device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _chunk_tables(cu_seqlens, batch: int, seq_len: int, device):
+@functools.lru_cache(maxsize=32)
+def _chunk_tables(bounds: tuple[int, ...], device: torch.device):
     """(chunk bounds int32 [NC, 2] = (first token, one past the last), each sequence's first chunk
-    int32 [N + 1]), over the tokens flattened to [B * T]."""
-    if cu_seqlens is None:
-        bounds = torch.arange(batch + 1, dtype=torch.int64) * seq_len
-    else:
-        bounds = cu_seqlens.detach().to("cpu", torch.int64)
+    int32 [N + 1]) for the sequences of ``bounds`` (:func:`..common.sequence_bounds`), over the
+    tokens flattened to [B * T]. Built once per layout and device and then shared by every call
+    (read-only): no host-to-device copy, and no wait for the GPU, per call."""
+    bounds = torch.tensor(bounds, dtype=torch.int64)
     counts = (bounds[1:] - bounds[:-1] + _C.value - 1) // _C.value
     seq_chunks = torch.zeros(len(counts) + 1, dtype=torch.int64)
     seq_chunks[1:] = counts.cumsum(0)
@@ -729,7 +731,8 @@ class _Config:
         self.want_residual = want_residual
         self.store_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         self.flags = dict(DOT=_DOT_DTYPES[self.store_dtype], IEEE=self.store_dtype == torch.float32)
-        self.bounds, self.seq_chunks = _chunk_tables(cu_seqlens, self.batch, self.seq_len, q.device)
+        self.bounds, self.seq_chunks = _chunk_tables(
+            sequence_bounds(cu_seqlens, self.batch, self.seq_len), q.device)
         self.num_chunks = self.bounds.shape[0]
         self.num_states = self.seq_chunks.shape[0] - 1
         key_dim, value_dim = self.key_dim, self.value_dim

@@ -285,3 +285,28 @@ def test_write_residual_is_the_unpredicted_part_of_the_value():
     k_per_value_head = k.repeat_interleave(2, dim=2)  # 2 key heads serve 4 value heads
     state = torch.einsum("bthk,bthv->bhkv", k_per_value_head, residual)
     torch.testing.assert_close(final_state, state)
+
+
+def test_sequence_bounds_are_read_once_per_tensor(monkeypatch):
+    """A cu_seqlens tensor is read on the host once (for a GPU's, a copy that waits for the GPU),
+    however many layers pass it; an in-place change is read again; B rows of T need no read."""
+    from megatron_ext.kernels import common
+
+    reads = []
+    original = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        reads.append(self)
+        return original(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    cu_seqlens = torch.tensor([0, 5, 5, 22])
+    assert common.sequence_bounds(cu_seqlens, 1, 22) == (0, 5, 5, 22)
+    assert common.sequence_bounds(cu_seqlens, 1, 22) == (0, 5, 5, 22)
+    assert len(reads) == 1
+    cu_seqlens[1] = 4
+    assert common.sequence_bounds(cu_seqlens, 1, 22) == (0, 4, 5, 22)
+    assert len(reads) == 2
+    assert common.sequence_bounds(None, 3, 7) == (0, 7, 14, 21)
+    assert common.sequence_bounds(None, 2, 0) == (0, 0, 0)
+    assert len(reads) == 2
