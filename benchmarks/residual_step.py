@@ -99,7 +99,8 @@ def measure(args, variant, runtime):
         log(f"{variant}: window {windows[-1]:.1f} ms/step")
     result = dict(variant=variant, ext=settings.ext.to_dict(), params=n_params,
                   ms_per_step=statistics.median(windows), ms_per_step_windows=windows,
-                  loss_after=loss, residual_ops_compiled=efficient.compile_enabled())
+                  loss_after=loss, residual_ops_compiled=efficient.compile_enabled(),
+                  residual_triton_kernels=efficient.triton_enabled())
     if runtime.cuda:
         peak_gib = torch.cuda.max_memory_allocated() / 2**30
         from torch.profiler import ProfilerActivity, profile
@@ -220,7 +221,9 @@ def main():
     p.add_argument("--position-embedding", default="rope")
     p.add_argument("--block-layers", type=int, default=4,
                    help="layers per block of attnres_block (20 layers: 5 blocks + embedding)")
-    p.add_argument("--residual-backend", default="auto", choices=("auto", "eager", "compile"))
+    p.add_argument("--residual-backend", default="auto", choices=("auto", "eager", "compile"),
+                   help="ExtConfig.residual_backend: auto runs our Triton kernels of the residual "
+                        "ops on CUDA, compile the compiled PyTorch bodies only")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="steps per timed window")
     p.add_argument("--windows", type=int, default=3, help="timed windows; the median counts")

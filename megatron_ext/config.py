@@ -148,8 +148,10 @@ class ExtConfig:
     mhc_recompute: bool = False
     # Block Attention Residuals: transformer layers (two sublayers each) per block.
     attnres_block_layers: int = 4
-    # How the residual-stream ops run: "auto" (torch.compile on CUDA when Triton is installed,
-    # eager PyTorch otherwise), "eager" or "compile".
+    # How the residual-stream ops (mHC, Attention Residuals) run: "auto" (on CUDA with Triton,
+    # our Triton kernels where they pass their first-use check and torch.compile'd PyTorch for
+    # the rest; eager PyTorch elsewhere), "compile" (compiled PyTorch only) or "eager" (eager
+    # PyTorch only): the last two to compare with, or to rule our kernels out.
     residual_backend: str = "auto"
 
     # ------------------------------------------------------------------ construction

@@ -21,9 +21,10 @@ four of them run in Triton kernels of ours instead, each launched eagerly from i
 Function: the Sinkhorn iterations (two kernels, :mod:`.triton_sinkhorn`), the two mHC
 stream ops, :func:`mhc_pre` and :func:`stream_update` (four fused kernels, forward and
 backward, :mod:`.triton_mhc`), and :func:`depth_attention` (one kernel each way for all
-source groups of a call, :mod:`.triton_depth`). Kernels are used on a device only after passing a first-use
-check there (small random inputs against the PyTorch bodies); where they cannot run (the CPU,
-no Triton, a failed check, sizes or dtypes they do not take) the PyTorch bodies do. Those bodies,
+source groups of a call, :mod:`.triton_depth`). Kernels are used on a device only after passing
+a first-use check there (small random inputs against the PyTorch bodies); where they cannot run
+(the CPU, no Triton, a failed check, sizes or dtypes they do not take) the PyTorch bodies do.
+Those bodies,
 and the ops without kernels (rms_project, stream_mix), can be compiled with
 ``torch.compile`` on CUDA (:func:`use_compile`): they are small elementwise and reduction chains
 whose cost in eager mode is mostly kernel launches. If compiling fails, the eager bodies are
@@ -42,8 +43,8 @@ import torch
 from . import reference
 from .reference import EPS
 
-__all__ = ["use_compile", "compile_enabled", "use_triton", "sinkhorn", "mhc_pre",
-           "rms_project", "stream_mix", "stream_update", "depth_attention"]
+__all__ = ["use_compile", "compile_enabled", "use_triton", "triton_enabled", "sinkhorn",
+           "mhc_pre", "rms_project", "stream_mix", "stream_update", "depth_attention"]
 
 _log = logging.getLogger(__name__)
 _compile_enabled = False
@@ -89,8 +90,8 @@ def _body(fn: Callable, dynamic: bool | None = None) -> Callable:
 # Where Triton runs (CUDA), the Sinkhorn iterations, mhc_pre / stream_update and depth_attention
 # run in Triton kernels of ours (triton_sinkhorn.py, triton_mhc.py, triton_depth.py) in place of
 # the PyTorch bodies; the rest of each op (saving for backward, recompute_input, the glue
-# between kernels) is the same on every device. The kernels are launched from the autograd Functions between compiled bodies,
-# never inside one (see the Sinkhorn section for why).
+# between kernels) is the same on every device. The kernels are launched from the autograd
+# Functions between compiled bodies, never inside one (see the Sinkhorn section for why).
 _triton_enabled = True
 _TRITON_DEVICE_TYPES = {"cuda"}  # tests add "cpu" under Triton's interpreter
 
@@ -101,6 +102,12 @@ def use_triton(enabled: bool) -> None:
     comparisons)."""
     global _triton_enabled
     _triton_enabled = enabled
+
+
+def triton_enabled() -> bool:
+    """Whether :func:`use_triton` has the Triton kernels on (each still runs only where it
+    passed its first-use check)."""
+    return _triton_enabled
 
 
 def _triton_runs(tensor: torch.Tensor) -> bool:

@@ -85,6 +85,7 @@ def prepare(config, ext: ExtConfig) -> None:
         config.variable_seq_lengths = True
     efficient.use_compile(ext.residual_backend == "compile" or (
         ext.residual_backend == "auto" and _cuda_with_triton()))
+    efficient.use_triton(ext.residual_backend == "auto")
 
 
 def _cuda_with_triton() -> bool:

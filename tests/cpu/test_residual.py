@@ -295,6 +295,23 @@ def test_model_configs_a_scheme_cannot_carry_are_refused(overrides, match):
         residual.prepare(_config(**overrides), ExtConfig(residual="mhc"))
 
 
+@pytest.mark.parametrize(("backend", "compiled", "kernels"), [
+    ("eager", False, False), ("compile", True, False), ("auto", False, True)])
+def test_residual_backend_picks_how_the_ops_run(backend, compiled, kernels):
+    """eager and compile run the PyTorch bodies only; auto lets our Triton kernels run (on
+    CUDA, where each passes its check) and compiles the bodies on CUDA with Triton (not here)."""
+    from megatron_ext import residual
+    from megatron_ext.kernels.residual import efficient
+
+    was = efficient.compile_enabled(), efficient.triton_enabled()
+    try:
+        residual.prepare(_config(), ExtConfig(residual="mhc", residual_backend=backend))
+        assert (efficient.compile_enabled(), efficient.triton_enabled()) == (compiled, kernels)
+    finally:
+        efficient.use_compile(was[0])
+        efficient.use_triton(was[1])
+
+
 def test_pipeline_config_gets_shape_exchange():
     from megatron_ext import residual
 
