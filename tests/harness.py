@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import faulthandler
+import importlib.util
 import os
+import pathlib
 import socket
 import traceback
 import types
@@ -106,6 +108,14 @@ def use_cpu() -> None:
         module = importlib.import_module(f"megatron.core.models.common.embeddings.{name}")
         module.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
     _applied = True
+
+
+def load_script(path: pathlib.Path, name: str) -> types.ModuleType:
+    """The Python file ``path`` (a benchmark script, not in a package) as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def dist_backend() -> str:

@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_mhc import _on
+from .triton_common import block_tokens, divide, launch_device
 
 __all__ = ["forward", "backward", "unsupported_reason", "MAX_GROUPS", "MAX_SOURCES",
            "H_MULTIPLE", "padded_sources"]
@@ -84,13 +84,6 @@ _RUNTIME = ["T", "K"] + [f"{name}{i}" for i in range(MAX_GROUPS) for name in ("t
 # ---------------------------------------------------------------------------------------------
 # Helpers (inlined into the kernels)
 # ---------------------------------------------------------------------------------------------
-
-@triton.jit
-def _divide(x, y):
-    """``x / y`` rounded to nearest (as PyTorch divides), ``y`` broadcast to ``x``'s shape."""
-    x, y = tl.broadcast(x, y)
-    return tl.math.div_rn(x, y)
-
 
 @triton.jit
 def _column(tile, ks, index):
@@ -115,7 +108,7 @@ def _group_logits(v_ptr, t_stride, s_stride, count, offset, q_ptr, tok, live, ks
             q = tl.load(q_ptr + c, mask=in_h, other=0.0).to(tl.float32)
             sumsq += tl.sum(v * v, 1)
             dot += tl.sum(v * q[None, :], 1)
-        rk = tl.math.rsqrt(_divide(sumsq, H.to(tl.float32)) + eps)
+        rk = tl.math.rsqrt(divide(sumsq, H.to(tl.float32)) + eps)
         pick = ks[None, :] == offset + k
         z = tl.where(pick, (dot * rk)[:, None], z)
         r = tl.where(pick, rk[:, None], r)
@@ -173,13 +166,6 @@ def _group_vjp(v_ptr, t_stride, s_stride, count, slots, d_ptr, offset, g, q, alp
     return dq
 
 
-@triton.jit
-def _tokens(T, BLOCK_T: tl.constexpr):
-    """This program's tokens (int64) and which of them exist."""
-    tok = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    return tok, tok < T
-
-
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +177,7 @@ def _forward_kernel(q_ptr, out_ptr, z_ptr, r_ptr, alpha_ptr,
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """out, z, r, alpha of BLOCK_T tokens over the NG groups (vi [T, ki, H] at token stride ti,
     slot stride si; ni, the slots of a group's gradient, unused here)."""
-    tok, live = _tokens(T, BLOCK_T)
+    tok, live = block_tokens(T, BLOCK_T)
     ks = tl.arange(0, KP)
     in_k = ks < K
 
@@ -212,7 +198,7 @@ def _forward_kernel(q_ptr, out_ptr, z_ptr, r_ptr, alpha_ptr,
     # The softmax over the K sources.
     masked = tl.where(in_k[None, :], z, float("-inf"))
     e = tl.exp(masked - tl.max(masked, 1)[:, None])
-    alpha = _divide(e, tl.sum(e, 1)[:, None])
+    alpha = divide(e, tl.sum(e, 1)[:, None])
     live_k = live[:, None] & in_k[None, :]
     at = tok[:, None] * K + ks[None, :]
     tl.store(z_ptr + at, z, mask=live_k)
@@ -243,7 +229,7 @@ def _backward_kernel(q_ptr, g_ptr, z_ptr, r_ptr, alpha_ptr, dq_ptr,
                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """dv of every source of BLOCK_T tokens into di [T, ni, H] (contiguous), and this block's
     partial sum of dq (dq_ptr [cdiv(T, BLOCK_T), H]), given g = dout [T, H]."""
-    tok, live = _tokens(T, BLOCK_T)
+    tok, live = block_tokens(T, BLOCK_T)
     ks = tl.arange(0, KP)
     live_k = live[:, None] & (ks < K)[None, :]
     at = tok[:, None] * K + ks[None, :]
@@ -265,7 +251,7 @@ def _backward_kernel(q_ptr, g_ptr, z_ptr, r_ptr, alpha_ptr, dq_ptr,
                                BLOCK_T, BLOCK_H)
     dz = alpha * (dalpha - tl.sum(alpha * dalpha, 1)[:, None])
     along = dz * r
-    coef = _divide(along * z * r, H.to(tl.float32))
+    coef = divide(along * z * r, H.to(tl.float32))
 
     # Pass 2: dv_k and dq.
     hs = tl.arange(0, BLOCK_H)
@@ -380,7 +366,7 @@ def forward(query: torch.Tensor, groups: Sequence, eps: float):
     z, r, alpha = (torch.empty((tokens, total), dtype=torch.float32, device=first.device)
                    for _ in range(3))
     if tokens:
-        with _on(first.device):
+        with launch_device(first.device):
             _forward_kernel[(triton.cdiv(tokens, BLOCK_T),)](
                 query, out, z, r, alpha, *_group_arguments(pairs), tokens, total, h, float(eps),
                 NG=len(pairs), KP=padded_sources(total), BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
@@ -412,7 +398,7 @@ def backward(query: torch.Tensor, groups: Sequence, grad: torch.Tensor, z: torch
     blocks = triton.cdiv(tokens, BLOCK_T)
     partial = torch.empty((blocks, h), dtype=torch.float32, device=first.device)
     if tokens:
-        with _on(first.device):
+        with launch_device(first.device):
             _backward_kernel[(blocks,)](
                 query, grad, z, r, alpha, partial, *_group_arguments(pairs, grads), tokens,
                 total, h, NG=len(pairs), KP=padded_sources(total), BLOCK_T=BLOCK_T,

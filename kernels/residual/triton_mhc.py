@@ -65,11 +65,11 @@ tensors, or CPU tensors under Triton's interpreter (TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from .triton_common import block_tokens, divide, launch_device
 
 __all__ = ["pre_forward", "pre_backward", "update_forward", "update_backward",
            "unsupported_reason", "MIN_N", "MAX_N", "H_MULTIPLE"]
@@ -105,20 +105,6 @@ def _in_dtype(x, DOT: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _divide(x, y):
-    """``x / y`` rounded to nearest (as PyTorch divides), ``y`` broadcast to ``x``'s shape."""
-    x, y = tl.broadcast(x, y)
-    return tl.math.div_rn(x, y)
-
-
-@triton.jit
-def _tokens(T, BLOCK_T: tl.constexpr):
-    """This program's tokens (int64) and which of them exist."""
-    tok = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    return tok, tok < T
-
-
-@triton.jit
 def _column_scale(gate, cols, N: tl.constexpr):
     """The gating factor of each mix column: gate[0] for H_pre, gate[1] for H_post, gate[2] for
     the H_res logits."""
@@ -147,7 +133,7 @@ def _pre_forward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, u_ptr, post_ptr, res_p
                         MP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                         DOT: tl.constexpr, IEEE: tl.constexpr):
     """u, H_post, H_res logits and mixes of BLOCK_T tokens; x [T, N, H], W [M, N H]."""
-    tok, live = _tokens(T, BLOCK_T)
+    tok, live = block_tokens(T, BLOCK_T)
     hs = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, MP)
     in_m = cols < M
@@ -167,7 +153,7 @@ def _pre_forward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, u_ptr, post_ptr, res_p
             wt = tl.load(w_rows + (m * H + c)[:, None], mask=in_h[:, None] & in_m[None, :],
                          other=0.0)  # [BLOCK_H, MP], loaded transposed
             acc = _dot(xm, wt, acc, DOT, IEEE)
-    r = tl.math.rsqrt(_divide(sumsq, (N * H).to(tl.float32)) + eps)
+    r = tl.math.rsqrt(divide(sumsq, (N * H).to(tl.float32)) + eps)
     mixes = _in_dtype(acc, DOT, IEEE) * r[:, None]
 
     # The coefficients (reference.mhc_coefficient_logits).
@@ -207,7 +193,7 @@ def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, du_ptr, dp
     """dX of BLOCK_T tokens, with r dmixes (``grad_r [T, M]``, for dW) and ``partial [T, M + 3]``:
     dz (the gradient of the pre-activations, whose sum over tokens is the bias gradient) and the
     three per-token sums of dz * mixes (whose sums over tokens are the gate gradient)."""
-    tok, live = _tokens(T, BLOCK_T)
+    tok, live = block_tokens(T, BLOCK_T)
     hs = tl.arange(0, BLOCK_H)
     ns = tl.arange(0, NP)
     in_n = ns < N
@@ -228,7 +214,7 @@ def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, du_ptr, dp
                      other=0.0).to(tl.float32)
         sumsq += tl.sum(tl.sum(x * x, 2), 1)
         dpre += tl.sum(x * du[:, None, :], 2)
-    r = tl.math.rsqrt(_divide(sumsq, (N * H).to(tl.float32)) + eps)
+    r = tl.math.rsqrt(divide(sumsq, (N * H).to(tl.float32)) + eps)
 
     # The coefficients' backward (efficient._coefficients_vjp), one column per mix.
     live_m = live[:, None] & in_m[None, :]
@@ -250,7 +236,7 @@ def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, du_ptr, dp
     dmixes = dz * scale[None, :]
     grad_r = dmixes * r[:, None]
     along = tl.sum(dmixes * mixes, 1)  # dmixes . mixes
-    coef = _divide(r * r, (N * H).to(tl.float32)) * along
+    coef = divide(r * r, (N * H).to(tl.float32)) * along
     dzm = dz * mixes
     tl.store(grad_r_ptr + tok[:, None] * M + cols[None, :], grad_r, mask=live_m)
     part = partial_ptr + tok * (M + 3)
@@ -283,7 +269,7 @@ def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, du_ptr, dp
 def _update_forward_kernel(x_ptr, y_ptr, post_ptr, res_ptr, out_ptr, T, H, N: tl.constexpr,
                            NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[j] = H_post[j] y + sum_m H_res[m, j] X[m] on BLOCK_T tokens and BLOCK_H columns."""
-    tok, live = _tokens(T, BLOCK_T)
+    tok, live = block_tokens(T, BLOCK_T)
     c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_h = c < H
     ns = tl.arange(0, NP)
@@ -309,7 +295,7 @@ def _update_backward_kernel(x_ptr, y_ptr, post_ptr, res_ptr, g_ptr, dx_ptr, dy_p
                             dres_ptr, T, H, N: tl.constexpr, NP: tl.constexpr,
                             BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """dX, dy, dH_post, dH_res of BLOCK_T tokens given g = dout, the last two summed over h."""
-    tok, live = _tokens(T, BLOCK_T)
+    tok, live = block_tokens(T, BLOCK_T)
     hs = tl.arange(0, BLOCK_H)
     ns = tl.arange(0, NP)
     in_n = ns < N
@@ -386,10 +372,6 @@ def _padded(n: int):
     return padded, width, max(16, triton.next_power_of_2(width)), _TILE // padded
 
 
-def _on(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def _parameters(weight, bias, gate, n: int, h: int):
     width = (2 + n) * n
     weight = _tokens_of("weight", weight, (width,), (n * h,))
@@ -413,7 +395,7 @@ def pre_forward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     res = torch.empty((tokens, n, n), dtype=torch.float32, device=x.device)
     mixes = torch.empty((tokens, width), dtype=torch.float32, device=x.device)
     if tokens:
-        with _on(x.device):
+        with launch_device(x.device):
             _pre_forward_kernel[(triton.cdiv(tokens, BLOCK_T),)](
                 x, weight, bias, gate, u, post, res, mixes, tokens, h, float(eps), N=n, NP=padded,
                 M=width, MP=width_padded, BLOCK_T=BLOCK_T, BLOCK_H=block_h, **_LAUNCH,
@@ -439,7 +421,7 @@ def pre_backward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     grad_r = torch.empty((tokens, width), dtype=torch.float32, device=x.device)
     partial = torch.empty((tokens, width + 3), dtype=torch.float32, device=x.device)
     if tokens:
-        with _on(x.device):
+        with launch_device(x.device):
             _pre_backward_kernel[(triton.cdiv(tokens, BLOCK_T),)](
                 x, weight, bias, gate, mixes, grad_u, grad_post, dres, dx, grad_r, partial, tokens,
                 h, float(eps), N=n, NP=padded, M=width, MP=width_padded, BLOCK_T=BLOCK_T,
@@ -463,7 +445,7 @@ def update_forward(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
     tokens = x.shape[0]
     out = torch.empty_like(x)
     if tokens:
-        with _on(x.device):
+        with launch_device(x.device):
             _update_forward_kernel[(triton.cdiv(tokens, BLOCK_T), triton.cdiv(h, block_h))](
                 x, y, post, res, out, tokens, h, N=n, NP=padded, BLOCK_T=BLOCK_T, BLOCK_H=block_h,
                 **_LAUNCH)
@@ -485,7 +467,7 @@ def update_backward(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
     dx, dy = torch.empty_like(x), torch.empty_like(y)
     dpost, dres = torch.empty_like(post), torch.empty_like(res)
     if tokens:
-        with _on(x.device):
+        with launch_device(x.device):
             _update_backward_kernel[(triton.cdiv(tokens, BLOCK_T),)](
                 x, y, post, res, grad, dx, dy, dpost, dres, tokens, h, N=n, NP=padded,
                 BLOCK_T=BLOCK_T, BLOCK_H=block_h, **_LAUNCH)

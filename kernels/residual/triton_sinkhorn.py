@@ -45,13 +45,12 @@ CUDA tensors (or CPU tensors under Triton's interpreter, TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from .reference import EPS
+from .triton_common import divide, launch_device
 
 __all__ = ["sinkhorn_forward", "sinkhorn_backward", "MIN_N", "MAX_N"]
 
@@ -73,13 +72,6 @@ _NUM_WARPS = 1
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _divide(x, y):
-    """``x / y`` rounded to nearest, ``y`` broadcast to ``x``'s shape."""
-    x, y = tl.broadcast(x, y)
-    return tl.math.div_rn(x, y)
-
-
-@triton.jit
 def _tile(T, N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
     """This program's block of tokens as a [BLOCK, NP, NP] tile: the token indices [BLOCK, 1, 1],
     the offsets of the entries inside a contiguous N x N matrix [1, NP, NP], the mask of real
@@ -97,7 +89,7 @@ def _softmax_rows(x, entry, in_cols, N: tl.constexpr, NP: tl.constexpr):
     if NP != N:
         x = tl.where(in_cols, x, float("-inf"))  # padded rows keep their 0s: no -inf - -inf
     e = tl.exp(x - tl.max(x, 2, keep_dims=True))
-    soft = _divide(e, tl.sum(e, 2, keep_dims=True))
+    soft = divide(e, tl.sum(e, 2, keep_dims=True))
     if NP != N:
         soft = tl.where(entry, soft, 0.0)
     return soft
@@ -106,7 +98,7 @@ def _softmax_rows(x, entry, in_cols, N: tl.constexpr, NP: tl.constexpr):
 @triton.jit
 def _normalise(m, AXIS: tl.constexpr, eps):
     """``m / (sum_AXIS m + eps)``: AXIS 1 normalises columns (PyTorch's -2), 2 rows (-1)."""
-    return _divide(m, tl.sum(m, AXIS, keep_dims=True) + eps)
+    return divide(m, tl.sum(m, AXIS, keep_dims=True) + eps)
 
 
 @triton.jit
@@ -125,7 +117,7 @@ def _normalise_vjp(m, out, g, AXIS: tl.constexpr, eps):
     """The gradient at ``m`` of ``out = m / d``, ``d = sum_AXIS m + eps``, given ``g`` at out:
     ``(g - sum_AXIS(g * out)) / d``."""
     d = tl.sum(m, AXIS, keep_dims=True) + eps
-    return _divide(g - tl.sum(g * out, AXIS, keep_dims=True), d)
+    return divide(g - tl.sum(g * out, AXIS, keep_dims=True), d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,7 +208,7 @@ def _launch(kernel, x: torch.Tensor, n: int, *args) -> None:
     tokens = x.shape[0]
     if tokens == 0:
         return
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    with launch_device(x.device):
         kernel[(triton.cdiv(tokens, block),)](*args, N=n, NP=padded, BLOCK=block,
                                               num_warps=_NUM_WARPS)
 

@@ -3,7 +3,6 @@ measures only the missing (op, T) rows, and the check before an fla op's timing 
 with fla-core's documented semantics (fla-core 0.6.0's parallel_attn, written out densely here:
 fla-core itself needs CUDA) and keeps a wrong one from being timed."""
 
-import importlib.util
 import json
 import pathlib
 import sys
@@ -11,6 +10,8 @@ import types
 
 import pytest
 import torch
+
+import harness
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The docstring's CPU shapes.
@@ -21,11 +22,8 @@ SMALL = ["--device", "cpu", "--batch-tokens", "512", "--heads", "2", "--head-dim
 
 @pytest.fixture(scope="module")
 def benchmark():
-    spec = importlib.util.spec_from_file_location("sparse_attention_benchmark",
-                                                  ROOT / "benchmarks" / "sparse_attention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return harness.load_script(ROOT / "benchmarks" / "sparse_attention.py",
+                               "sparse_attention_benchmark")
 
 
 def test_fla_skipped_on_cpu_and_resume_measures_only_the_missing_rows(benchmark, tmp_path):

@@ -4,13 +4,13 @@ Megatron's own argument parser and validator (as ``megatron-ext pretrain`` runs 
 sizes asked for; a run (fake commands printing Megatron's log lines) is summarised, and a failed
 split is recorded while the next one still runs."""
 
-import importlib.util
 import json
 import pathlib
 import sys
 
 import pytest
 
+import harness
 from megatron_ext import cli
 from megatron_ext.launch import presets
 from megatron_ext.pretrain import megatron_argv
@@ -20,11 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("parallel_splits",
-                                                  ROOT / "benchmarks" / "parallel_splits.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return harness.load_script(ROOT / "benchmarks" / "parallel_splits.py", "parallel_splits")
 
 
 @pytest.mark.parametrize("text, gpus, sizes", [

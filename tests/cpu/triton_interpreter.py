@@ -8,6 +8,7 @@ script calls :func:`setup` (one CPU thread, the numpy fix, the bounds checker) a
 checks of its GPU test module, loaded by :func:`gpu_checks`, with :func:`run_cases` and
 :func:`run_ops`.
 """
+import importlib
 import importlib.util
 import os
 import pathlib
@@ -42,14 +43,11 @@ def setup() -> None:
 
 
 def gpu_checks(name: str):
-    """The GPU test module ``tests/gpu/<name>.py``, loaded by path (its checks take a device;
-    tests/gpu goes on sys.path, for the imports between its modules)."""
+    """The GPU test module ``tests/gpu/<name>.py`` (its checks take a device), imported with
+    tests/gpu on sys.path, as pytest imports it there."""
     if str(GPU_TESTS) not in sys.path:
         sys.path.insert(0, str(GPU_TESTS))
-    spec = importlib.util.spec_from_file_location(f"{name}_checks", GPU_TESTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(name)
 
 
 
