@@ -199,11 +199,14 @@ def measure(op: Op, seq_len: int, args) -> dict:
         result["fwd_error"] = result["fwd_bwd_error"] = describe(error)
         log(f"{op.name} T={seq_len}: forward failed: {result['fwd_error']}")
     else:
-        leaves = {name: t.requires_grad_() for name, t in inputs.items()}
+        # Every input is a leaf that takes a gradient, except RetNet's and Lightning's constant
+        # per-head decays (decay_constant): fixed in the models, and fla-core has no gradient for them.
+        leaves = {name: t.requires_grad_(not (op.family == "decay_constant" and name == "g"))
+                  for name, t in inputs.items()}
 
         def forward_backward():
             o = op.run(**leaves)
-            torch.autograd.grad(o, list(leaves.values()), torch.ones_like(o))
+            torch.autograd.grad(o, [t for t in leaves.values() if t.requires_grad], torch.ones_like(o))
 
         try:
             log(f"{op.name} T={seq_len}: forward+backward")

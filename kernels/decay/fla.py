@@ -16,7 +16,8 @@ cu_seqlens as int64 on the device and on the host, q, k and v in one dtype and o
 
 Whether fla-core may run at all is ``kernels.backends.fla_unavailable_reason``'s business; the
 adapter refuses with its reason (``"decay_linear_attention: backend 'fla' cannot run ..."``)
-rather than fall back to another backend.
+rather than fall back to another backend. It also refuses a constant decay that requires grad:
+fla-core takes g_gamma as a constant and would leave it without a gradient.
 """
 import torch
 
@@ -43,6 +44,11 @@ def decay_linear_attention_fla(
     kind = decay_fla_kind(g)
     requires_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, initial_state))
+    if kind == "simple_gla_gamma" and torch.is_grad_enabled() and g.requires_grad:
+        raise RuntimeError(f"{OP}: backend 'fla' cannot run {kind} with a decay that requires grad: "
+                           f"{FLA_KINDS[kind]} takes it as a constant and gives it no gradient "
+                           "(RetNet's and Lightning's decays are fixed: pass g without requires_grad, "
+                           "or use backend 'triton' or 'chunked')")
     reason = fla_unavailable_reason(kind, q.device, requires_grad)
     if reason is not None:
         raise RuntimeError(f"{OP}: backend 'fla' cannot run {kind}: {reason}")

@@ -107,6 +107,18 @@ def test_decay_op_with_fla_backend_on_cpu_says_why():
         decay_linear_attention(q, k, v, g=-torch.rand(1, 5, 2, 4), backend="fla")
 
 
+def test_fla_refuses_a_constant_decay_that_requires_grad():
+    """fla-core takes RetNet's g_gamma as a constant: a decay that wants a gradient is refused
+    (not left silently without one); the same decay without requires_grad gets past this rule."""
+    q = k = torch.randn(1, 5, 2, 4)
+    v = torch.randn(1, 5, 2, 3)
+    decay = torch.log(1 - 2.0 ** (-5 - torch.arange(2.0)))
+    with pytest.raises(RuntimeError, match=r"cannot run simple_gla_gamma with a decay that requires grad"):
+        decay_linear_attention(q, k, v, g=decay.clone().requires_grad_(), backend="fla")
+    with pytest.raises(RuntimeError, match=r"cannot run simple_gla_gamma: .*(not installed|CUDA device)"):
+        decay_linear_attention(q, k, v, g=decay, backend="fla")
+
+
 def test_op_with_fla_backend_on_cpu_says_why():
     q = k = torch.randn(1, 5, 2, 4)
     v = torch.randn(1, 5, 2, 3)
