@@ -10,18 +10,21 @@ refuses the backward of its gated kernels, and where it runs, our Triton kernels
 cases. It serves a call asked for by name (``backend="fla"``), where
 :func:`fla_unavailable_reason` allows it.
 
-The self-check (``megatron_ext.kernels.selfcheck``) runs the Triton backend of an op on every
-case the doctor checks (grouped heads, an initial state, T = 97 across a chunk border, packed
-sequences), with fp32 and bf16 inputs, forward and backward, against the fp32 reference. Its
-verdict is kept per process and on disk, per (GPU, compute capability, torch, Triton,
-megatron-ext version and a hash of the kernels' and the check's source), in ``$MEGATRON_EXT_CACHE_DIR/selfcheck.json`` (default
-``~/.cache/megatron-ext``), so each machine image pays for it once. Most of that first check is
-Triton compiling the kernels of every case, so the cases run in parallel child processes; and
-one process at a time checks (a lock next to the cache file): the other ranks of a node wait for
-its verdict instead of compiling the same kernels alongside it. On a 2 x H200 host, with the
-checks of two ops run one case after another in one child each and competing with other jobs,
-this took over five minutes. A backend that fails is not used and never silently: the failing
-cases are logged. ``megatron-ext doctor`` shows every check in full.
+The self-check (``megatron_ext.kernels.selfcheck``) runs the Triton backend of an op against
+the fp32 reference, forward and backward, on the cases the doctor checks (grouped heads, an
+initial state, T = 97 across a chunk border, packed sequences), each in fp32 and bf16: one job
+per (case, dtype). "auto" asks only for the jobs a call relies on (:func:`selfcheck_jobs`: the
+case of its input form in its dtype, and the packed case if it packs sequences), so a training
+run checks one or two jobs, not all ten of an op. Each job's verdict is kept per process and on disk,
+per (GPU, compute capability, torch, Triton, megatron-ext version and a hash of the kernels' and
+the check's source), in ``$MEGATRON_EXT_CACHE_DIR/selfcheck.json`` (default
+``~/.cache/megatron-ext``), so each machine image pays for it once. Most of a job's time is
+Triton compiling its kernels, so jobs run in parallel child processes; and one process at a time
+checks (a lock next to the cache file): the other ranks of a node wait for its verdicts instead
+of compiling the same kernels alongside it. On a 2 x H200 host, the ten jobs of
+gated_delta_rule, eight at a time beside other compiling jobs, took over 200 s. A backend that
+fails a job is not used for calls that rely on it, and never silently: the failure is logged.
+``megatron-ext doctor`` shows every check in full.
 """
 from __future__ import annotations
 
@@ -119,7 +122,7 @@ def fla_unavailable_reason(kind: str, device, requires_grad: bool) -> str | None
 
 
 # ---------------------------------------------------------------------------- self-check + auto
-_VERDICTS: dict[tuple[str, str], dict] = {}  # (op, device key) -> {"passed": bool, "reason": str}
+_VERDICTS: dict[tuple[str, str], dict] = {}  # (device key, "op/case/dtype") -> {"passed": bool, "reason": str}
 
 # The head dims (K and V) our Triton kernels take: tl.dot wants power-of-two tiles of 16 or more.
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -188,12 +191,13 @@ def _read_cache(path: pathlib.Path) -> dict:
         return {}
 
 
-def _write_cache(path: pathlib.Path, key: str, op: str, verdict: dict) -> None:
-    """Add one verdict, atomically (ranks of one node may write at the same time)."""
+def _write_cache(path: pathlib.Path, key: str, verdicts: dict) -> None:
+    """Add verdicts (by job key, "op/case/dtype"), atomically (ranks of one node may write at
+    the same time)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         cache = _read_cache(path)
-        cache.setdefault(key, {})[op] = verdict
+        cache.setdefault(key, {}).update(verdicts)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
             json.dump(cache, f, indent=1)
         os.replace(f.name, path)
@@ -205,15 +209,33 @@ SELFCHECK_TIMEOUT_S = 900
 SELFCHECK_WORKERS = 8  # child processes at a time, at most one per CPU core
 
 
-def _run_selfcheck(op: str, device: torch.device) -> dict:
-    """Run the Triton checks of ``op`` in child processes (``python -m
-    megatron_ext.kernels.selfcheck OP triton DEVICE CASE DTYPE``), one per case and dtype, several
-    at a time: each compiles its case's kernels on a core of its own. Children, not this process:
-    a kernel that faults (an illegal memory access) leaves its CUDA context unusable, and it must
-    be a child's, not the training's."""
+@functools.lru_cache(maxsize=None)
+def selfcheck_jobs(op: str, form: str | None = None, dtype: torch.dtype | None = None,
+                   packed: bool = False) -> tuple[tuple[str, str], ...]:
+    """The self-check jobs ``(case, dtype name)`` of ``op`` that a call relies on: the case of
+    its input ``form`` (selfcheck's DELTA_RULE_CASES / DECAY_CASES) in its dtype, plus the op's
+    packed case(s) in that dtype when the call packs sequences (cu_seqlens). fp16 calls rely on
+    the bf16 check (the same 16-bit tensor-core code). ``form=None``: every job of the op."""
     from .selfcheck import DTYPES, OPS
 
-    jobs = [(case.name, str(dtype).removeprefix("torch.")) for case in OPS[op].cases for dtype in DTYPES]
+    cases = OPS[op].cases
+    if form is None:
+        return tuple((case.name, _dtype_name(d)) for case in cases for d in DTYPES)
+    name = "float32" if dtype == torch.float32 else "bfloat16"
+    return tuple((case.name, name) for case in cases
+                 if (case.form == form and not case.packed) or (packed and case.packed))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _run_selfcheck(op: str, device: torch.device, jobs) -> dict:
+    """Run the Triton checks ``jobs`` (``(case, dtype)`` pairs) of ``op`` in child processes
+    (``python -m megatron_ext.kernels.selfcheck OP triton DEVICE CASE DTYPE``), one per job,
+    several at a time: each compiles its case's kernels on a core of its own. Children, not this
+    process: a kernel that faults (an illegal memory access) leaves its CUDA context unusable,
+    and it must be a child's, not the training's. Returns each job's verdict."""
 
     def check(job):
         command = [sys.executable, "-m", "megatron_ext.kernels.selfcheck", op, "triton", str(device), *job]
@@ -230,10 +252,10 @@ def _run_selfcheck(op: str, device: torch.device) -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = max(1, min(len(jobs), SELFCHECK_WORKERS, cores or 1))  # the cores this job may use
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        failures = [failure for found in pool.map(check, jobs) for failure in found]
-    if failures:
-        return {"passed": False, "reason": "; ".join(failures)}
-    return {"passed": True, "reason": "every case within tolerance, forward and backward"}
+        found = list(pool.map(check, jobs))
+    return {job: {"passed": False, "reason": "; ".join(failures)} if failures else
+            {"passed": True, "reason": "within tolerance, forward and backward"}
+            for job, failures in zip(jobs, found)}
 
 
 @contextlib.contextmanager
@@ -266,10 +288,17 @@ def _selfcheck_lock(path: pathlib.Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def triton_verdict(op: str, device) -> dict:
-    """The self-check verdict of the Triton backend of ``op`` on this CUDA ``device``: from this
-    process's memory, else the disk cache, else by running the check (and caching it); one
-    process of a machine at a time runs it, the others then read its verdict."""
+def _job_key(op: str, job) -> str:
+    return "/".join((op, *job))
+
+
+def triton_verdict(op: str, device, jobs=None) -> dict:
+    """The self-check verdict of the Triton backend of ``op`` on this CUDA ``device`` for the
+    jobs ``jobs`` (:func:`selfcheck_jobs`; None: every job of the op): passed when every one
+    passed. Each job's verdict comes from this process's memory, else the disk cache, else from
+    running the check (and caching it); one process of a machine at a time runs checks, the
+    others then read their verdicts. So a training run checks only the forms and dtype it
+    uses: one or two child processes, not every case of the op."""
     device = torch.device(device)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -277,34 +306,58 @@ def triton_verdict(op: str, device) -> dict:
         key = _device_key(device)
     except ImportError as error:
         return {"passed": False, "reason": f"Triton does not import ({error})"}
-    verdict = _VERDICTS.get((op, key))
-    if verdict is None:
+    jobs = selfcheck_jobs(op) if jobs is None else tuple(jobs)
+    new = [job for job in jobs if (key, _job_key(op, job)) not in _VERDICTS]
+    if new:
         path = selfcheck_cache_path()
-        verdict = _read_cache(path).get(key, {}).get(op)
-        if verdict is None:
+        _VERDICTS.update(_cached(path, key, op, new))
+        if any((key, _job_key(op, job)) not in _VERDICTS for job in new):
             with _selfcheck_lock(path):
-                verdict = _read_cache(path).get(key, {}).get(op)  # another process's, meanwhile
-                if verdict is None:
-                    logger.warning("megatron-ext: checking the Triton kernels of %s on %s against "
-                                   "the reference (once per machine; cached in %s)", op, key, path)
-                    start = time.perf_counter()
-                    verdict = _run_selfcheck(op, device)
-                    logger.warning("megatron-ext: the self-check of %s took %.0f s", op,
-                                   time.perf_counter() - start)
-                    _write_cache(path, key, op, verdict)
-        if not verdict["passed"]:
-            logger.warning("megatron-ext: the Triton kernels of %s failed their self-check on %s "
-                           "and are not used (backend='auto' runs the chunked PyTorch form): %s",
-                           op, key, verdict["reason"])
-        _VERDICTS[(op, key)] = verdict
-    return verdict
+                _VERDICTS.update(_cached(path, key, op, new))  # another process's, meanwhile
+                _check_and_cache(op, device, key, path,
+                                 [job for job in new if (key, _job_key(op, job)) not in _VERDICTS])
+        for job in new:  # a failure is logged once per process, whoever ran the check
+            verdict = _VERDICTS[(key, _job_key(op, job))]
+            if not verdict["passed"]:
+                logger.warning("megatron-ext: the Triton kernels of %s failed their self-check "
+                               "(%s) on %s and are not used for such calls (backend='auto' runs "
+                               "the chunked PyTorch form): %s", op, "/".join(job), key,
+                               verdict["reason"])
+    failed = [_VERDICTS[(key, _job_key(op, job))]["reason"] for job in jobs
+              if not _VERDICTS[(key, _job_key(op, job))]["passed"]]
+    if failed:
+        return {"passed": False, "reason": "; ".join(failed)}
+    return {"passed": True, "reason": "every checked case within tolerance, forward and backward"}
 
 
-def auto_backend(op: str, device, declined: str | None = None) -> str:
+def _check_and_cache(op: str, device: torch.device, key: str, path: pathlib.Path, jobs) -> None:
+    """Run the checks ``jobs`` of ``op``, keep their verdicts in _VERDICTS and on disk."""
+    if not jobs:
+        return
+    names = ", ".join("/".join(job) for job in jobs)
+    logger.warning("megatron-ext: checking the Triton kernels of %s (%s) on %s against the "
+                   "reference (once per machine; cached in %s)", op, names, key, path)
+    start = time.perf_counter()
+    verdicts = _run_selfcheck(op, device, jobs)
+    logger.warning("megatron-ext: the self-check of %s (%s) took %.0f s", op, names,
+                   time.perf_counter() - start)
+    _write_cache(path, key, {_job_key(op, job): verdict for job, verdict in verdicts.items()})
+    _VERDICTS.update({(key, _job_key(op, job)): verdict for job, verdict in verdicts.items()})
+
+
+def _cached(path: pathlib.Path, key: str, op: str, jobs) -> dict:
+    """The verdicts of ``jobs`` the disk cache holds, as _VERDICTS entries."""
+    on_disk = _read_cache(path).get(key, {})
+    return {(key, _job_key(op, job)): on_disk[_job_key(op, job)] for job in jobs
+            if _job_key(op, job) in on_disk}
+
+
+def auto_backend(op: str, device, declined: str | None = None, jobs=None) -> str:
     """The backend ``backend="auto"`` runs for ``op`` (an op name of selfcheck.OPS) on ``device``.
     ``declined``: why our Triton kernels would not take this call anyway (its head dims, its
-    inputs' form); then chunked, without running the self-check for a backend it cannot use."""
+    inputs' form); then chunked, without running the self-check for a backend it cannot use.
+    ``jobs``: the self-check jobs the call relies on (:func:`selfcheck_jobs`; None: all)."""
     device = torch.device(device)
-    if device.type == "cuda" and declined is None and triton_verdict(op, device)["passed"]:
+    if device.type == "cuda" and declined is None and triton_verdict(op, device, jobs)["passed"]:
         return "triton"
     return "chunked"

@@ -81,7 +81,9 @@ def decay_linear_attention(
     """
     if backend == "auto":
         declined = backends.triton_dims_reason(q, v) or backends.decay_triton_declined_reason(q, g)
-        name = backends.auto_backend(OP, q.device, declined)
+        form = "none" if g is None else {1: "constant", 3: "per_head", 4: "per_channel"}.get(g.dim())
+        jobs = backends.selfcheck_jobs(OP, form, q.dtype, packed=cu_seqlens is not None)
+        name = backends.auto_backend(OP, q.device, declined, jobs)
     else:
         name = backend
     if name not in _BACKENDS:

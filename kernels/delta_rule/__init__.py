@@ -81,7 +81,10 @@ def gated_delta_rule(
         fp64 inputs), or None when output_final_state is False; then the write residual if asked.
     """
     if backend == "auto":
-        name = backends.auto_backend(OP, q.device, backends.triton_dims_reason(q, v))
+        form = ("gdn2" if erase is not None or write is not None else "deltanet" if g is None
+                else "gated_deltanet" if g.dim() == 3 else "kda")  # selfcheck.DELTA_RULE_CASES
+        jobs = backends.selfcheck_jobs(OP, form, q.dtype, packed=cu_seqlens is not None)
+        name = backends.auto_backend(OP, q.device, backends.triton_dims_reason(q, v), jobs)
     else:
         name = backend
     if name not in _BACKENDS:

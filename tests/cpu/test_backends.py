@@ -10,16 +10,29 @@ from megatron_ext.kernels import backends
 
 
 def test_selfcheck_child_reports_failures_off_cuda():
-    """The child process runs the real checks; on a CPU our Triton kernels cannot run, so every
-    case is a failure with the reason."""
-    verdict = backends._run_selfcheck("decay_linear_attention", torch.device("cpu"))
-    assert not verdict["passed"] and "CUDA devices" in verdict["reason"]
-    # one child per case and dtype, every one reported
+    """The child processes run the real checks; on a CPU our Triton kernels cannot run, so every
+    job is a failure with the reason, and each job asked for is reported."""
+    jobs = backends.selfcheck_jobs("decay_linear_attention")
     from megatron_ext.kernels.selfcheck import DTYPES, OPS
 
-    for case in OPS["decay_linear_attention"].cases:
-        for dtype in DTYPES:
-            assert f"{case.name}/{str(dtype).removeprefix('torch.')}:" in verdict["reason"]
+    assert len(jobs) == len(OPS["decay_linear_attention"].cases) * len(DTYPES)  # None: every job
+    verdicts = backends._run_selfcheck("decay_linear_attention", torch.device("cpu"), jobs)
+    assert list(verdicts) == list(jobs)
+    for (case, dtype), verdict in verdicts.items():
+        assert not verdict["passed"] and "CUDA devices" in verdict["reason"]
+        assert f"{case}/{dtype}:" in verdict["reason"]
+
+
+def test_a_call_relies_on_the_jobs_of_its_form_and_dtype():
+    assert backends.selfcheck_jobs("gated_delta_rule", "gated_deltanet", torch.bfloat16) == (
+        ("gated_deltanet", "bfloat16"),)
+    assert backends.selfcheck_jobs("gated_delta_rule", "deltanet", torch.float16) == (
+        ("deltanet", "bfloat16"),)  # fp16 relies on the bf16 check
+    assert backends.selfcheck_jobs("gated_delta_rule", "gdn2", torch.float32, packed=True) == (
+        ("gdn2", "float32"), ("kda_packed", "float32"))
+    assert backends.selfcheck_jobs("decay_linear_attention", "per_head", torch.bfloat16,
+                                   packed=True) == (("per_head", "bfloat16"),
+                                                    ("per_channel_packed", "bfloat16"))
 
 
 @pytest.fixture
@@ -31,30 +44,36 @@ def fresh_machine(tmp_path, monkeypatch):
 
 
 def test_verdict_is_cached_in_memory_and_on_disk(tmp_path, monkeypatch, fresh_machine):
+    """Each job's verdict is checked once per machine: kept in memory and on disk, and a later
+    call checks only the jobs it has not seen; an op passes for a call when all its jobs do."""
     runs = []
 
-    def fake_check(op, device):
-        runs.append(op)
-        return {"passed": op == "gated_delta_rule", "reason": "measured"}
+    def fake_check(op, device, jobs):
+        runs.append((op, tuple(jobs)))
+        return {job: {"passed": job[0] != "kda", "reason": f"measured {job[0]}"} for job in jobs}
 
     monkeypatch.setattr(backends, "_run_selfcheck", fake_check)
-    assert backends.triton_verdict("gated_delta_rule", "cuda:0")["passed"]
-    assert not backends.triton_verdict("decay_linear_attention", "cuda:0")["passed"]
-    assert backends.triton_verdict("gated_delta_rule", "cuda:0")["passed"]
-    assert runs == ["gated_delta_rule", "decay_linear_attention"]  # once each
+    gdn = backends.selfcheck_jobs("gated_delta_rule", "gated_deltanet", torch.bfloat16)
+    kda = backends.selfcheck_jobs("gated_delta_rule", "kda", torch.bfloat16)
+    assert backends.triton_verdict("gated_delta_rule", "cuda:0", gdn)["passed"]
+    verdict = backends.triton_verdict("gated_delta_rule", "cuda:0", gdn + kda)
+    assert not verdict["passed"] and verdict["reason"] == "measured kda"
+    assert backends.triton_verdict("gated_delta_rule", "cuda:0", gdn)["passed"]
+    assert runs == [("gated_delta_rule", gdn), ("gated_delta_rule", kda)]  # each job once
 
     cache = json.loads((tmp_path / "selfcheck.json").read_text())
-    assert cache["fake GPU | versions"]["decay_linear_attention"] == {"passed": False, "reason": "measured"}
+    assert cache["fake GPU | versions"]["gated_delta_rule/kda/bfloat16"] == {
+        "passed": False, "reason": "measured kda"}
     monkeypatch.setattr(backends, "_VERDICTS", {})  # a new process: read from disk, not rerun
-    assert not backends.triton_verdict("decay_linear_attention", "cuda:0")["passed"]
-    assert runs == ["gated_delta_rule", "decay_linear_attention"]
+    assert not backends.triton_verdict("gated_delta_rule", "cuda:0", kda)["passed"]
+    assert len(runs) == 2
 
 
 def test_auto_follows_the_verdict(monkeypatch):
     verdicts = {"gated_delta_rule": True, "decay_linear_attention": False}
     asked = []
 
-    def verdict(op, device):
+    def verdict(op, device, jobs=None):
         asked.append(op)
         return {"passed": verdicts[op]}
 
@@ -75,10 +94,10 @@ def test_one_process_at_a_time_runs_the_selfcheck(monkeypatch, fresh_machine):
 
     runs = []
 
-    def slow_check(op, device):
+    def slow_check(op, device, jobs):
         runs.append(op)
         time.sleep(0.5)
-        return {"passed": True, "reason": "measured"}
+        return {job: {"passed": True, "reason": "measured"} for job in jobs}
 
     monkeypatch.setattr(backends, "_run_selfcheck", slow_check)
     verdicts = []
@@ -92,7 +111,7 @@ def test_one_process_at_a_time_runs_the_selfcheck(monkeypatch, fresh_machine):
     for thread in threads:
         thread.join()
     assert runs == ["gated_delta_rule"]
-    assert verdicts == [{"passed": True, "reason": "measured"}] * 2
+    assert [verdict["passed"] for verdict in verdicts] == [True, True]
 
 
 def test_auto_runs_chunked_for_head_dims_the_triton_kernels_do_not_take(monkeypatch):
@@ -105,7 +124,7 @@ def test_auto_runs_chunked_for_head_dims_the_triton_kernels_do_not_take(monkeypa
 
     # auto as on such a GPU: triton unless the op says why the kernels would not take the call
     monkeypatch.setattr(backends, "auto_backend",
-                        lambda op, device, declined=None: "chunked" if declined else "triton")
+                        lambda op, device, declined=None, jobs=None: "chunked" if declined else "triton")
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 9, 2, 8, generator=g) for _ in range(2))
     v = torch.randn(1, 9, 2, 24, generator=g)
