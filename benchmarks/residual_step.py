@@ -68,6 +68,7 @@ def measure(args, variant, runtime):
     from megatron_ext.kernels.residual import efficient
 
     settings = settings_for(args, variant)
+    efficient.use_triton_mhc(args.mhc_kernels)
     torch.manual_seed(0)
     config = train.transformer_config(settings, runtime)
     model = train.build_model(settings, config, args.vocab)
@@ -100,7 +101,8 @@ def measure(args, variant, runtime):
     result = dict(variant=variant, ext=settings.ext.to_dict(), params=n_params,
                   ms_per_step=statistics.median(windows), ms_per_step_windows=windows,
                   loss_after=loss, residual_ops_compiled=efficient.compile_enabled(),
-                  residual_triton_kernels=efficient.triton_enabled())
+                  residual_triton_kernels=efficient.triton_enabled(),
+                  mhc_triton_kernels=efficient.triton_enabled() and efficient.triton_mhc_enabled())
     if runtime.cuda:
         peak_gib = torch.cuda.max_memory_allocated() / 2**30
         from torch.profiler import ProfilerActivity, profile
@@ -222,8 +224,12 @@ def main():
     p.add_argument("--block-layers", type=int, default=4,
                    help="layers per block of attnres_block (20 layers: 5 blocks + embedding)")
     p.add_argument("--residual-backend", default="auto", choices=("auto", "eager", "compile"),
-                   help="ExtConfig.residual_backend: auto runs our Triton kernels of the residual "
-                        "ops on CUDA, compile the compiled PyTorch bodies only")
+                   help="ExtConfig.residual_backend: auto runs our Triton Sinkhorn and depth-"
+                        "attention kernels on CUDA with compiled PyTorch bodies for the rest, "
+                        "compile the compiled PyTorch bodies only")
+    p.add_argument("--mhc-kernels", action="store_true",
+                   help="with --residual-backend auto, also run mHC's stream ops in our fused Triton "
+                        "kernels (off by default: slower than the compiled bodies so far)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="steps per timed window")
     p.add_argument("--windows", type=int, default=3, help="timed windows; the median counts")

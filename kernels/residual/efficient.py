@@ -17,11 +17,13 @@ alive between forward and backward is chosen, not every intermediate:
 
 What runs where. The forward and backward of each op are PyTorch bodies (the ``_*_body`` and
 ``_*_vjp`` functions below). On CUDA (where Triton runs; :func:`use_triton`, on by default)
-four of them run in Triton kernels of ours instead, each launched eagerly from its autograd
-Function: the Sinkhorn iterations (two kernels, :mod:`.triton_sinkhorn`), the two mHC
-stream ops, :func:`mhc_pre` and :func:`stream_update` (four fused kernels, forward and
-backward, :mod:`.triton_mhc`), and :func:`depth_attention` (one kernel each way for all
-source groups of a call, :mod:`.triton_depth`). Kernels are used on a device only after passing
+some run in Triton kernels of ours instead, each launched eagerly from its autograd Function:
+the Sinkhorn iterations (two kernels, :mod:`.triton_sinkhorn`) and :func:`depth_attention`
+(one kernel each way for all source groups of a call, :mod:`.triton_depth`). The two mHC
+stream ops, :func:`mhc_pre` and :func:`stream_update`, have fused kernels too (four, forward
+and backward, :mod:`.triton_mhc`), off unless :func:`use_triton_mhc` turns them on: in a
+350M-model step on an H200 they made mHC slower (GPU time 170.7 ms a step against 110.3 ms
+with the compiled bodies; benchmarks/results/README.md, session 6). Kernels are used on a device only after passing
 a first-use check there (small random inputs against the PyTorch bodies); where they cannot run
 (the CPU, no Triton, a failed check, sizes or dtypes they do not take) the PyTorch bodies do.
 Those bodies,
@@ -43,7 +45,8 @@ import torch
 from . import reference
 from .reference import EPS
 
-__all__ = ["use_compile", "compile_enabled", "use_triton", "triton_enabled", "sinkhorn",
+__all__ = ["use_compile", "compile_enabled", "use_triton", "triton_enabled", "use_triton_mhc",
+           "triton_mhc_enabled", "sinkhorn",
            "mhc_pre", "rms_project", "stream_mix", "stream_update", "depth_attention"]
 
 _log = logging.getLogger(__name__)
@@ -108,6 +111,23 @@ def triton_enabled() -> bool:
     """Whether :func:`use_triton` has the Triton kernels on (each still runs only where it
     passed its first-use check)."""
     return _triton_enabled
+
+
+# The fused mHC kernels (triton_mhc.py) are off by default: measured slower than the compiled
+# bodies (module docstring). use_triton_mhc(True) turns them on, to measure or test them.
+_triton_mhc_enabled = False
+
+
+def use_triton_mhc(enabled: bool) -> None:
+    """Run mhc_pre and stream_update of CUDA tensors in the fused Triton kernels (where
+    :func:`use_triton` has the kernels on) or in the PyTorch bodies (the default)."""
+    global _triton_mhc_enabled
+    _triton_mhc_enabled = enabled
+
+
+def triton_mhc_enabled() -> bool:
+    """Whether :func:`use_triton_mhc` has the fused mHC kernels on."""
+    return _triton_mhc_enabled
 
 
 def _triton_runs(tensor: torch.Tensor) -> bool:
@@ -361,15 +381,16 @@ _stream_update_forward = _body(_stream_update_forward_body)
 _stream_update_backward = _body(_stream_update_vjp)
 
 
-# Where Triton runs, mhc_pre and stream_update run in fused Triton kernels instead of the bodies
-# above, forward and backward (triton_mhc.py: each reads the stream tensor once or twice in its
-# own dtype, where the bodies make several passes, some over fp32 copies); the Sinkhorn between
-# mhc_pre's forward and backward stays in its own kernels. Not where the kernels do not take
-# the sizes (n outside 2..8, h not a multiple of 16, streams not fp32/bf16/fp16, coefficients
-# broadcast over tokens) or failed their first-use check at (device, n, streams' dtype).
+# Where Triton runs and use_triton_mhc is on, mhc_pre and stream_update run in fused Triton
+# kernels instead of the bodies above, forward and backward (triton_mhc.py: each reads the
+# stream tensor once or twice in its own dtype, where the bodies make several passes, some over
+# fp32 copies); the Sinkhorn between mhc_pre's forward and backward stays in its own kernels.
+# Not where the kernels do not take the sizes (n outside 2..8, h not a multiple of 16, streams
+# not fp32/bf16/fp16, coefficients broadcast over tokens) or failed their first-use check at
+# (device, n, streams' dtype).
 def _triton_mhc_for(streams: torch.Tensor):
     """The Triton mHC kernels' module if they run ``streams [..., n, h]``, else None."""
-    if not _triton_runs(streams):
+    if not (_triton_mhc_enabled and _triton_runs(streams)):
         return None
     kernels = _triton_mhc_kernels()
     if kernels is None or kernels.unsupported_reason(streams) is not None:

@@ -25,8 +25,9 @@ dtype once or twice and makes no fp32 copy of it:
                        H_res[m, j] X[m].                     Reads X and y, writes out.
     update_backward  = efficient._stream_update_vjp: dX[m] = sum_j H_res[m, j] g[j], dy = sum_j
                        H_post[j] g[j], and per token dH_post[j] = <g[j], y>, dH_res[m, j] =
-                       <X[m], g[j]>, reduced over h in the kernel.  Reads X, g and y, writes dX
-                       and dy.
+                       <X[m], g[j]>. Each program takes one slab of columns of h, so the last
+                       two are written as per-slab partial sums (fp32) and summed over the slabs
+                       outside the kernel in one torch sum.  Reads X, g and y, writes dX and dy.
 
 (The Sinkhorn iterations between the pre op's forward logits and its backward run in the
 kernels of :mod:`.triton_sinkhorn`.) Everything else, per token, is [BLOCK_T, (2 + n) n] or
@@ -42,20 +43,31 @@ projection before H_pre du is added, as in efficient._rms_project_vjp. With fp32
 dots run in full fp32 (``input_precision="ieee"``, not TF32), as kernels/delta_rule/triton.py
 does. The backward uses the mixes kept from the forward where efficient._rms_project_vjp
 recomputes them (the same GEMM). Sums run in another order than PyTorch's (per chunk of h, then
-over chunks; the bias and gate gradients per token, then over tokens), and on a GPU
-multiply-adds may fuse, so results equal the bodies to fp32 rounding, not bitwise.
+over chunks, and for dH_post and dH_res then over slabs; the bias and gate gradients per token,
+then over tokens), and on a GPU multiply-adds may fuse, so results equal the bodies to fp32
+rounding, not bitwise.
 
 Launch configuration (fixed, no autotuning): ``BLOCK_T = 16`` tokens a program (the smallest
 tile tl.dot takes), the columns of one stream in chunks of ``BLOCK_H = 128 / NP`` (32 at n = 4,
 16 at n = 8), so that an n-stream tile [BLOCK_T, NP, BLOCK_H] is 2048 values; 8 warps, 2
 pipeline stages. NP is n rounded up to a power of two and MP = (2 + n) n rounded up to one (at
 least 16, for tl.dot); the padding is masked (loads give 0, stores are skipped). Grids:
-[cdiv(T, BLOCK_T)], and [cdiv(T, BLOCK_T), cdiv(h, BLOCK_H)] for the elementwise
-update_forward. Chosen from ptxas's report for sm_90 (compiled without a GPU, not timed): at
-n = 4 no spills, <= 128 registers a thread and <= 25 KB of shared memory in every kernel, fp32
-or bf16; at n = 2 .. 8 at most 8 bytes of spills and 74 KB of shared memory (n = 8); 4096-value
-tiles, or 4 warps, took all 255 registers. T is not specialised on (one compiled kernel for
-every token count, which the first-use check in :mod:`.efficient` therefore covers).
+[cdiv(T, BLOCK_T)] for the pre op, whose per-token sums over h feed the coefficients within the
+program; [cdiv(T, BLOCK_T), cdiv(h, BLOCK_H)] for the elementwise update_forward; and
+[cdiv(T, BLOCK_T), cdiv(h, COLS)] for update_backward, a program looping over the chunks of one
+slab of ``COLS = 4 BLOCK_H`` columns (128 at n = 4, 64 at n = 8), H_res loaded once before the
+loop, and writing its sums of dH_post and dH_res to a buffer [cdiv(h, COLS), T, n + n n] fp32
+(5 MB at T = 8192, n = 4, h = 1024) summed over its first axis by torch (deterministic; no
+atomics). That kernel had a grid of [cdiv(T, BLOCK_T)] with each program looping over all of h:
+1.53 ms a call on an H200 at T = 8192, n = 4, h = 1024 in bf16 (512 programs, each 32 chunks in
+series) where update_forward took 0.09 ms; the slabs give 8 times the programs. The new grid
+is not yet timed on a GPU. Chosen from ptxas's report for sm_90 (compiled without a GPU, not
+timed): at n = 4 no spills, <= 128 registers a thread and <= 25 KB of shared memory in every
+kernel, fp32 or bf16; at n = 2 .. 8 at most 8 bytes of spills and 74 KB of shared memory (n =
+8); 4096-value tiles, or 4 warps, took all 255 registers. (update_backward on its 2-D grid: 78
+registers at n = 4 in fp32, 64 in bf16, up to 139 at n = 8, no spills at n = 2 .. 8.) T is not
+specialised on (one compiled kernel for every token count, which the first-use check in
+:mod:`.efficient` therefore covers).
 
 Constraints: 2 <= n <= 8, h a multiple of 16, streams in fp32, bf16 or fp16, every tensor of
 the op with the streams' leading (token) dimensions, no broadcasting; inputs ``[..., n, h]`` are
@@ -78,6 +90,7 @@ MIN_N, MAX_N = 2, 8
 H_MULTIPLE = 16
 BLOCK_T = 16
 _TILE = 128  # NP * BLOCK_H: columns of all streams in one step
+_SLAB_CHUNKS = 4  # update_backward: chunks of BLOCK_H columns in one program's slab
 _LAUNCH = dict(num_warps=8, num_stages=2)
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -291,20 +304,28 @@ def _update_forward_kernel(x_ptr, y_ptr, post_ptr, res_ptr, out_ptr, T, H, N: tl
 
 
 @triton.jit(do_not_specialize=["T"])
-def _update_backward_kernel(x_ptr, y_ptr, post_ptr, res_ptr, g_ptr, dx_ptr, dy_ptr, dpost_ptr,
-                            dres_ptr, T, H, N: tl.constexpr, NP: tl.constexpr,
-                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """dX, dy, dH_post, dH_res of BLOCK_T tokens given g = dout, the last two summed over h."""
+def _update_backward_kernel(x_ptr, y_ptr, post_ptr, res_ptr, g_ptr, dx_ptr, dy_ptr, partial_ptr,
+                            T, H, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
+                            BLOCK_H: tl.constexpr, COLS: tl.constexpr):
+    """dX and dy of BLOCK_T tokens and one slab of COLS columns given g = dout, and the slab's
+    share of dH_post and dH_res: ``partial[slab, token] = (dH_post [N], dH_res [N, N])`` summed
+    over the slab's columns only."""
     tok, live = block_tokens(T, BLOCK_T)
+    slab = tl.program_id(1)
     hs = tl.arange(0, BLOCK_H)
     ns = tl.arange(0, NP)
     in_n = ns < N
     live_n = live[:, None] & in_n[None, :]
+    live_nn = live_n[:, :, None] & in_n[None, None, :]
     post = tl.load(post_ptr + tok[:, None] * N + ns[None, :], mask=live_n, other=0.0).to(tl.float32)
+    # H_res [token, m, j], loaded once for all the slab's columns.
+    res = tl.load(res_ptr + tok[:, None, None] * (N * N) + ns[None, :, None] * N
+                  + ns[None, None, :], mask=live_nn, other=0.0).to(tl.float32)
     dpost = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
     dres = tl.zeros([BLOCK_T, NP, NP], dtype=tl.float32)  # [token, m, j]
-    for c0 in range(0, H, BLOCK_H):
-        c = c0 + hs
+    # A fixed trip count (COLS / BLOCK_H chunks); in the last slab the chunks past h are masked.
+    for c0 in range(0, COLS, BLOCK_H):
+        c = slab * COLS + c0 + hs
         in_h = c < H
         live_h = live[:, None] & in_h[None, :]
         g = tl.load(g_ptr + tok[:, None, None] * N * H + ns[None, :, None] * H + c[None, None, :],
@@ -317,17 +338,18 @@ def _update_backward_kernel(x_ptr, y_ptr, post_ptr, res_ptr, g_ptr, dx_ptr, dy_p
         for m in tl.static_range(N):
             xm = tl.load(x_ptr + tok[:, None] * N * H + m * H + c[None, :], mask=live_h,
                          other=0.0).to(tl.float32)
-            res_m = tl.load(res_ptr + tok[:, None] * (N * N) + m * N + ns[None, :], mask=live_n,
-                            other=0.0).to(tl.float32)  # H_res[m, :]
+            is_m = ns[None, :, None] == m
+            res_m = tl.sum(tl.where(is_m, res, 0.0), 1)  # H_res[m, :], an exact selection
             dxm = tl.sum(res_m[:, :, None] * g, 1)
             tl.store(dx_ptr + tok[:, None] * N * H + m * H + c[None, :],
                      dxm.to(dx_ptr.dtype.element_ty), mask=live_h)
             dres_m = tl.sum(xm[:, None, :] * g, 2)  # [token, j]
-            dres += tl.where(ns[None, :, None] == m, dres_m[:, None, :], 0.0)
-    tl.store(dpost_ptr + tok[:, None] * N + ns[None, :], dpost.to(dpost_ptr.dtype.element_ty),
-             mask=live_n)
-    tl.store(dres_ptr + tok[:, None, None] * (N * N) + ns[None, :, None] * N + ns[None, None, :],
-             dres.to(dres_ptr.dtype.element_ty), mask=live_n[:, :, None] & in_n[None, None, :])
+            dres += tl.where(is_m, dres_m[:, None, :], 0.0)
+    # int64 rows: slabs x T may pass 2^31 elements of the buffer.
+    part = partial_ptr + (slab.to(tl.int64) * T + tok) * (N + N * N)
+    tl.store(part[:, None] + ns[None, :], dpost, mask=live_n)
+    tl.store(part[:, None, None] + N + ns[None, :, None] * N + ns[None, None, :], dres,
+             mask=live_nn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,12 +485,19 @@ def update_backward(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
     res = _tokens_of("res", res, lead, (n, n))
     grad = _tokens_of("grad", grad, lead, (n, h))
     padded, _, _, block_h = _padded(n)
+    cols = _SLAB_CHUNKS * block_h
+    slabs = triton.cdiv(h, cols)
     tokens = x.shape[0]
     dx, dy = torch.empty_like(x), torch.empty_like(y)
-    dpost, dres = torch.empty_like(post), torch.empty_like(res)
+    # Per slab of columns and token: dH_post [n] and dH_res [n, n], fp32, summed over the slabs
+    # below (in a fixed order: deterministic, no atomics).
+    partial = torch.empty((slabs, tokens, n + n * n), dtype=torch.float32, device=x.device)
     if tokens:
         with launch_device(x.device):
-            _update_backward_kernel[(triton.cdiv(tokens, BLOCK_T),)](
-                x, y, post, res, grad, dx, dy, dpost, dres, tokens, h, N=n, NP=padded,
-                BLOCK_T=BLOCK_T, BLOCK_H=block_h, **_LAUNCH)
+            _update_backward_kernel[(triton.cdiv(tokens, BLOCK_T), slabs)](
+                x, y, post, res, grad, dx, dy, partial, tokens, h, N=n, NP=padded,
+                BLOCK_T=BLOCK_T, BLOCK_H=block_h, COLS=cols, **_LAUNCH)
+    sums = partial.sum(0)
+    dpost = sums[:, :n].to(post.dtype).contiguous()
+    dres = sums[:, n:].to(res.dtype).contiguous()
     return dx.view(*lead, n, h), dy.view(y_shape), dpost.view(post_shape), dres.view(res_shape)

@@ -7,14 +7,15 @@ The interpreter is chosen when the kernels are defined (TRITON_INTERPRET=1 must 
 the module is imported), so the checks run in a subprocess: this file run as a script, which
 loads tests/gpu/test_triton_mhc.py and runs its ``check_launchers`` on ``interpret_cases`` (n =
 2, 3, 4 and 8, 37 tokens, not a multiple of the 16 of a program, h not a multiple of the chunk
-of columns, tokens as [3, 13], a strided view, no tokens, fp16; that module's tolerances, 1e-5
-of the largest magnitude in fp32), every load and store checked to stay inside the tensors of
-its launch (the bounds checker of triton_interpreter.py), and then its ``check_ops``:
-efficient.mhc_pre and stream_update with the kernels running CPU tensors against the same ops
-with them off, with and without recompute_input (the op bodies stay eager here). bf16 is not
-run: the interpreter's tl.dot multiplies bf16 inputs as raw 16-bit integers (see
-test_triton_interpret_decay.py); fp16 runs the same reduced-precision code path. ~10 s on two
-cores.
+of columns, h over two of update_backward's slabs of columns with the last one partial (its
+per-slab sums of dH_post and dH_res then summed over slabs), tokens as [3, 13], a strided view,
+no tokens, fp16; that module's tolerances, 1e-5 of the largest magnitude in fp32), every load
+and store checked to stay inside the tensors of its launch (the bounds checker of
+triton_interpreter.py), and then its ``check_ops``: efficient.mhc_pre and stream_update with the
+kernels running CPU tensors against the same ops with them off, with and without recompute_input
+(the op bodies stay eager here). bf16 is not run: the interpreter's tl.dot multiplies bf16
+inputs as raw 16-bit integers (see test_triton_interpret_decay.py); fp16 runs the same
+reduced-precision code path. ~10 s on two cores.
 """
 import types
 
@@ -31,6 +32,7 @@ def interpret_cases(Case) -> list:
         Case(n=2, shape=(37,), h=144),  # chunks of 64 columns: two full, one partial
         Case(n=3, shape=(37,), h=80),  # n padded to 4; chunks of 32
         Case(n=4, shape=(37,), h=80),
+        Case(n=4, shape=(37,), h=208),  # update_backward: a slab of 128 columns and one of 80
         Case(n=4, shape=(3, 13), h=48, strided=True),
         Case(n=8, shape=(20,), h=48),  # 80 mixes padded to 128; chunks of 16
         Case(n=4, shape=(0,), h=16),
@@ -66,6 +68,7 @@ def test_unsupported_sizes_are_named_and_run_in_pytorch(monkeypatch):
         with pytest.raises(ValueError, match=reason):
             triton_mhc.update_forward(streams, streams, streams, streams)  # streams checked first
     # efficient runs such streams in the PyTorch bodies without asking the kernels.
+    monkeypatch.setattr(efficient, "_triton_mhc_enabled", True)
     monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
     monkeypatch.setattr(efficient, "_triton_kernels", lambda: None)  # the Sinkhorn: PyTorch too
     monkeypatch.setattr(efficient, "_triton_mhc_checked",
@@ -96,6 +99,7 @@ def test_mhc_kernels_that_fail_their_check_are_not_used(monkeypatch, caplog):
         update_forward=off, update_backward=efficient._stream_update_vjp)
     monkeypatch.setattr(efficient, "_triton_mhc_kernels", lambda: wrong)
     monkeypatch.setattr(efficient, "_triton_kernels", lambda: None)
+    monkeypatch.setattr(efficient, "_triton_mhc_enabled", True)
     monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
     efficient._triton_checked.cache_clear()
     streams, y = torch.randn(7, 4, 16), torch.randn(7, 16)
@@ -114,3 +118,21 @@ def test_mhc_kernels_that_fail_their_check_are_not_used(monkeypatch, caplog):
 
 if __name__ == "__main__":
     main()
+
+
+def test_fused_mhc_kernels_are_off_unless_turned_on(monkeypatch):
+    """The fused mHC kernels were slower than the compiled bodies on an H200 (efficient's
+    docstring): where Triton runs, mhc_pre and stream_update still take the bodies until
+    use_triton_mhc(True); the other residual kernels are not affected."""
+    from megatron_ext.kernels.residual import efficient
+
+    monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
+    monkeypatch.setattr(efficient, "_triton_mhc_checked", lambda *key: True)
+    streams = torch.zeros(5, 4, 16)
+    assert efficient.triton_enabled() and not efficient.triton_mhc_enabled()
+    assert efficient._triton_mhc_for(streams) is None
+    efficient.use_triton_mhc(True)
+    try:
+        assert efficient._triton_mhc_for(streams) is efficient._triton_mhc_kernels()
+    finally:
+        efficient.use_triton_mhc(False)

@@ -149,13 +149,16 @@ def check_launchers(case: Case, device) -> dict[str, float]:
 
 @contextlib.contextmanager
 def triton_kernels(enabled: bool):
-    """efficient's Triton kernels on or off inside the block."""
-    was = efficient._triton_enabled
+    """efficient's Triton kernels, the fused mHC ones included (off by default), on or off
+    inside the block."""
+    was = efficient.triton_enabled(), efficient.triton_mhc_enabled()
     efficient.use_triton(enabled)
+    efficient.use_triton_mhc(enabled)
     try:
         yield
     finally:
-        efficient.use_triton(was)
+        efficient.use_triton(was[0])
+        efficient.use_triton_mhc(was[1])
 
 
 def _values_and_grads(op, inputs, enabled: bool):
