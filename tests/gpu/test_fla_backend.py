@@ -175,8 +175,7 @@ def test_refused_calls_are_reported(kind):
         gated_delta_rule(**inputs, backend="fla")
 
 
-DECAY_KINDS = [kind for kind in fla_adapter.FLA_KINDS
-               if kind not in DELTA_KINDS and kind not in ("linear", "attn")]
+DECAY_KINDS = [kind for kind in fla_adapter.FLA_KINDS if kind not in DELTA_KINDS and kind != "attn"]
 
 
 # B, T, H, D of the decay checks: benchmarks/kernels.py's heads and head dim at B = 1 (its
@@ -189,12 +188,14 @@ def decay_inputs(kind):
     """q, k, v ``DECAY_SHAPE`` in bf16 and the decay that fla's function takes for ``kind``:
     a per-token g ``[B, T, H]`` (simple_gla) or ``[B, T, H, D]`` (gla) in bf16, leaves that
     require grad; RetNet's constant per-head decays ``[H]`` in fp32 (simple_gla_gamma), a
-    constant that takes no gradient, as in the models."""
+    constant that takes no gradient, as in the models; None for linear attention (linear)."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     heads = DECAY_SHAPE[2]
     q, k, v = (torch.randn(DECAY_SHAPE, generator=generator, device="cuda") for _ in range(3))
     q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    if kind == "simple_gla_gamma":
+    if kind == "linear":
+        decay = None
+    elif kind == "simple_gla_gamma":
         decay = torch.log(1 - 2.0 ** (-5 - torch.arange(heads, device="cuda", dtype=torch.float32)))
     else:
         decay_shape = DECAY_SHAPE[:3] if kind == "simple_gla" else DECAY_SHAPE
@@ -211,7 +212,8 @@ def decay_on_fla(kind, q, k, v, decay):
 def decay_with_grads(function, inputs):
     """o and the gradients of sum(o^2) w.r.t. the inputs that require grad."""
     o = function(*inputs)
-    return o, torch.autograd.grad(o.float().square().sum(), [t for t in inputs if t.requires_grad])
+    leaves = [t for t in inputs if t is not None and t.requires_grad]
+    return o, torch.autograd.grad(o.float().square().sum(), leaves)
 
 
 @pytest.mark.parametrize("kind", DELTA_KINDS + DECAY_KINDS)
@@ -248,7 +250,7 @@ def test_fla_decay_kinds_match_reference(kind):
     (a refused backward is test_policy_matches_what_fla_does's business)."""
     backward = fla_unavailable_reason(kind, "cuda", requires_grad=True) is None
     inputs = decay_inputs(kind)
-    fp32 = [t.detach().float().requires_grad_(t.requires_grad) for t in inputs]
+    fp32 = [None if t is None else t.detach().float().requires_grad_(t.requires_grad) for t in inputs]
     output_tolerance, grad_tolerance = TOLERANCES[torch.bfloat16]
     if not backward:
         with torch.no_grad():
