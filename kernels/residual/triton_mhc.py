@@ -5,22 +5,24 @@ input) and the stream update after the sublayer.
 mHC (Xie et al. 2025, "mHC: Manifold-Constrained Hyper-Connections", DeepSeek-AI, arXiv
 2512.24880) keeps n residual streams ``X [T, n, h]`` (definitions in :mod:`.reference`). The
 kernels compute exactly the PyTorch bodies of :mod:`.efficient` (to fp32 rounding), each in one
-kernel over blocks of ``BLOCK_T`` tokens, which reads the stream tensor ``[T, n h]`` in its own
-dtype once or twice and makes no fp32 copy of it:
+or two kernels over blocks of ``BLOCK_T`` tokens and slabs of columns of h, which together read
+the stream tensor ``[T, n h]`` in its own dtype once or twice and make no fp32 copy of it:
 
     pre_forward      = efficient._mhc_pre_forward_body -> (u, H_post, logits of H_res, mixes).
-                       Pass 1 over x = vec X: sum(x^2) and the GEMM x @ W^T (tl.dot, fp32
-                       accumulation); then r = rsqrt(mean(x^2) + eps), mixes = r (x @ W^T) and
-                       the coefficients as reference.mhc_coefficient_logits; pass 2 over x:
-                       u = sum_m H_pre[m] X[m].              Reads X twice, writes u.
+                       Kernel 1, pass 1 over x = vec X, per slab of columns: sum(x^2) and the
+                       GEMM x @ W^T (tl.dot, fp32 accumulation), summed over the slabs by torch;
+                       kernel 2: r = rsqrt(mean(x^2) + eps), mixes = r (x @ W^T) and the
+                       coefficients as reference.mhc_coefficient_logits, then pass 2 over x per
+                       slab: u = sum_m H_pre[m] X[m].        Reads X twice, writes u.
     pre_backward     = efficient._mhc_pre_vjp (given dres, the gradient of the H_res logits from
-                       the Sinkhorn's backward). Pass 1 over X and du: dH_pre[m] = <X[m], du>
-                       and sum(x^2); the coefficient backward (as efficient._coefficients_vjp)
-                       giving dmixes; pass 2 over X and du: dX = r (dmixes @ W) - (r^2 / D)
-                       (dmixes . mixes) x + H_pre[m] du.     Reads X twice, writes dX.
-                       Outside the kernel: dW = (r dmixes)^T x in one torch matmul (cuBLAS; a
+                       the Sinkhorn's backward). Kernel 1, pass 1 over X and du per slab:
+                       dH_pre[m] = <X[m], du> and sum(x^2), summed over the slabs by torch;
+                       kernel 2: the coefficient backward (as efficient._coefficients_vjp)
+                       giving dmixes, then pass 2 over X and du per slab: dX = r (dmixes @ W) -
+                       (r^2 / D) (dmixes . mixes) x + H_pre[m] du.  Reads X twice, writes dX.
+                       Outside the kernels: dW = (r dmixes)^T x in one torch matmul (cuBLAS; a
                        third read of X), and the bias and gate gradients as one sum over tokens
-                       of a [T, (2 + n) n + 3] fp32 tensor the kernel writes.
+                       of a [T, (2 + n) n + 3] fp32 tensor kernel 2 writes.
     update_forward   = efficient._stream_update_forward_body: out[j] = H_post[j] y + sum_m
                        H_res[m, j] X[m].                     Reads X and y, writes out.
     update_backward  = efficient._stream_update_vjp: dX[m] = sum_j H_res[m, j] g[j], dy = sum_j
@@ -38,34 +40,51 @@ dtype; results written in the dtype of the tensor they are the value or gradient
 the streams' dtype; the coefficients, mixes and their gradients fp32). The GEMMs run in the
 streams' dtype as in the bodies: with bf16 (fp16) streams, the operands of x @ W^T and of
 (r dmixes) @ W are rounded to bf16 (W cast in the kernel), accumulated in fp32 and the GEMM
-results rounded to bf16 once, as PyTorch's bf16 matmul returns them; so are the dX of the
-projection before H_pre du is added, as in efficient._rms_project_vjp. With fp32 streams the
-dots run in full fp32 (``input_precision="ieee"``, not TF32), as kernels/delta_rule/triton.py
-does. The backward uses the mixes kept from the forward where efficient._rms_project_vjp
-recomputes them (the same GEMM). Sums run in another order than PyTorch's (per chunk of h, then
-over chunks, and for dH_post and dH_res then over slabs; the bias and gate gradients per token,
-then over tokens), and on a GPU multiply-adds may fuse, so results equal the bodies to fp32
-rounding, not bitwise.
+results rounded to bf16 once, as PyTorch's bf16 matmul returns them (x @ W^T after its sum over
+the slabs, not per slab); so are the dX of the projection before H_pre du is added, as in
+efficient._rms_project_vjp. With fp32 streams the dots run in full fp32
+(``input_precision="ieee"``, not TF32), as kernels/delta_rule/triton.py does. The backward uses
+the mixes kept from the forward where efficient._rms_project_vjp recomputes them (the same
+GEMM). Sums run in another order than PyTorch's (per chunk of h, then over the chunks of a
+program's slab of columns, then over the slabs; the bias and gate gradients per token, then over
+tokens), and on a GPU multiply-adds may fuse, so results equal the bodies to fp32 rounding, not
+bitwise.
 
 Launch configuration (fixed, no autotuning): ``BLOCK_T = 16`` tokens a program (the smallest
 tile tl.dot takes), the columns of one stream in chunks of ``BLOCK_H = 128 / NP`` (32 at n = 4,
 16 at n = 8), so that an n-stream tile [BLOCK_T, NP, BLOCK_H] is 2048 values; 8 warps, 2
 pipeline stages. NP is n rounded up to a power of two and MP = (2 + n) n rounded up to one (at
-least 16, for tl.dot); the padding is masked (loads give 0, stores are skipped). Grids:
-[cdiv(T, BLOCK_T)] for the pre op, whose per-token sums over h feed the coefficients within the
-program; [cdiv(T, BLOCK_T), cdiv(h, BLOCK_H)] for the elementwise update_forward; and
-[cdiv(T, BLOCK_T), cdiv(h, COLS)] for update_backward, a program looping over the chunks of one
-slab of ``COLS = 4 BLOCK_H`` columns (128 at n = 4, 64 at n = 8), H_res loaded once before the
-loop, and writing its sums of dH_post and dH_res to a buffer [cdiv(h, COLS), T, n + n n] fp32
-(5 MB at T = 8192, n = 4, h = 1024) summed over its first axis by torch (deterministic; no
-atomics). That kernel had a grid of [cdiv(T, BLOCK_T)] with each program looping over all of h:
-1.53 ms a call on an H200 at T = 8192, n = 4, h = 1024 in bf16 (512 programs, each 32 chunks in
-series) where update_forward took 0.09 ms; the slabs give 8 times the programs. The new grid
-is not yet timed on a GPU. Chosen from ptxas's report for sm_90 (compiled without a GPU, not
-timed): at n = 4 no spills, <= 128 registers a thread and <= 25 KB of shared memory in every
-kernel, fp32 or bf16; at n = 2 .. 8 at most 8 bytes of spills and 74 KB of shared memory (n =
-8); 4096-value tiles, or 4 warps, took all 255 registers. (update_backward on its 2-D grid: 78
-registers at n = 4 in fp32, 64 in bf16, up to 139 at n = 8, no spills at n = 2 .. 8.) T is not
+least 16, for tl.dot); the padding is masked (loads give 0, stores are skipped). Every grid is
+[cdiv(T, BLOCK_T), slabs of columns of h], a program looping over the chunks of its slab (a
+fixed trip count; in the last slab the chunks past h are masked): slabs of one chunk for the
+elementwise update_forward; of ``COLS = 4 BLOCK_H`` columns (128 at n = 4, 64 at n = 8) for
+update_backward, H_res loaded once before the loop, its sums of dH_post and dH_res written to a
+buffer [cdiv(h, COLS), T, n + n n]; of ``_PRE_COLS = 128`` columns at every n (of each stream:
+128 n columns of x) for the pre op's kernels, the first of each direction writing its sums to a
+buffer [cdiv(h, 128), T, (2 + n) n + 1] (forward: x @ W^T and sum(x^2)) or
+[cdiv(h, 128), T, n + 1] (backward: dH_pre and sum(x^2)). These buffers are fp32 and summed over
+their first axis by torch (deterministic; no atomics): at T = 8192, h = 1024 and n = 4, 5 MB for
+update_backward, 6.6 MB and 1.3 MB for the pre op's forward and backward; at n = 8, 21 MB for
+the pre op's forward, whose sums per token grow as n^2 (hence 128 columns at every n there
+rather than COLS, which would double that). The pre op's second kernels recompute the
+coefficients, or their backward, from the summed tile in the program of every slab (a few
+operations on a [BLOCK_T, MP] tile, for a third launch saved), and only the programs of slab 0
+write them. Why slabs: the pre op's kernels and update_backward had grids of [cdiv(T, BLOCK_T)],
+a program looping over all of h (at T = 8192, n = 4, h = 1024: 512 programs, each 32 chunks in
+series a pass), latency-bound. On an H200 at those sizes in bf16, update_backward took 1.53 ms a
+call where update_forward took 0.09 ms, and in a 350M model's training step the pre op's forward
+(its kernel and the Sinkhorn's) 0.46 ms a call and its backward (with the Sinkhorn's backward
+and the dW matmul) 0.21 ms, where one pass over X (~64 MB) takes ~16 us at HBM bandwidth. The
+slabs give 8 times the programs (4096 there), for one more launch and one torch sum in each
+direction of the pre op. The new grids are not yet timed on a GPU. Chosen from ptxas's report
+for sm_90 (compiled without a GPU, with triton.compile for target cuda 90 and the launch's
+divisibility hints; not timed): at n = 4 no spills, <= 78 registers a thread and <= 25 KB of
+shared memory in every kernel, fp32 or bf16; at n = 2 .. 8 at most 8 bytes of spills
+(update_backward at n = 7 in bf16) and 74 KB of shared memory (n = 8); 4096-value tiles, or 4
+warps, took all 255 registers. (The pre op's kernels at n = 4: 50, 32, 40 and 70 registers in
+fp32 for the forward's two and the backward's two, 61, 32, 40 and 64 in bf16; up to 235 (the
+second backward kernel at n = 8 in fp32, 228 before the split); no spills at n = 2 .. 8.
+update_backward: 78 registers at n = 4 in fp32, 64 in bf16, up to 139 at n = 8.) T is not
 specialised on (one compiled kernel for every token count, which the first-use check in
 :mod:`.efficient` therefore covers).
 
@@ -91,6 +110,7 @@ H_MULTIPLE = 16
 BLOCK_T = 16
 _TILE = 128  # NP * BLOCK_H: columns of all streams in one step
 _SLAB_CHUNKS = 4  # update_backward: chunks of BLOCK_H columns in one program's slab
+_PRE_COLS = 128  # the pre op: columns of h (of every stream) a program; a multiple of BLOCK_H
 _LAUNCH = dict(num_warps=8, num_stages=2)
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -141,53 +161,81 @@ def _pre_by_stream(pre_cols, cols, N: tl.constexpr, NP: tl.constexpr):
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["T"])
-def _pre_forward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, u_ptr, post_ptr, res_ptr, mixes_ptr,
-                        T, H, eps, N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr,
+def _pre_project_kernel(x_ptr, w_ptr, partial_ptr, T, H, N: tl.constexpr, M: tl.constexpr,
                         MP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                        DOT: tl.constexpr, IEEE: tl.constexpr):
-    """u, H_post, H_res logits and mixes of BLOCK_T tokens; x [T, N, H], W [M, N H]."""
+                        COLS: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """Pass 1 of the pre op's forward on BLOCK_T tokens and one slab of COLS columns of h (of
+    every stream; x [T, N, H], W [M, N H]): ``partial[slab, token] = (x @ W^T [M], sum(x^2))``
+    summed over the slab's columns only."""
     tok, live = block_tokens(T, BLOCK_T)
+    slab = tl.program_id(1)
     hs = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, MP)
     in_m = cols < M
     x_rows = x_ptr + tok[:, None] * N * H  # [BLOCK_T, 1]
     w_rows = w_ptr + cols[None, :] * N * H  # [1, MP]: W's rows, as W^T's columns
-
-    # Pass 1: sum(x^2) and x @ W^T, one stream's chunk of columns at a time.
     acc = tl.zeros([BLOCK_T, MP], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for c0 in range(0, H, BLOCK_H):
-        c = c0 + hs
+    # A fixed trip count (COLS / BLOCK_H chunks); in the last slab the chunks past h are masked.
+    for c0 in range(0, COLS, BLOCK_H):
+        c = slab * COLS + c0 + hs
         in_h = c < H
-        for m in tl.static_range(N):
+        for m in tl.static_range(N):  # x's column m H + c
             xm = tl.load(x_rows + m * H + c[None, :], mask=live[:, None] & in_h[None, :], other=0.0)
             xf = xm.to(tl.float32)
             sumsq += tl.sum(xf * xf, 1)
             wt = tl.load(w_rows + (m * H + c)[:, None], mask=in_h[:, None] & in_m[None, :],
                          other=0.0)  # [BLOCK_H, MP], loaded transposed
             acc = _dot(xm, wt, acc, DOT, IEEE)
-    r = tl.math.rsqrt(divide(sumsq, (N * H).to(tl.float32)) + eps)
-    mixes = _in_dtype(acc, DOT, IEEE) * r[:, None]
+    # int64 rows: slabs x T may pass 2^31 elements of the buffer.
+    part = partial_ptr + (slab.to(tl.int64) * T + tok) * (M + 1)
+    tl.store(part[:, None] + cols[None, :], acc, mask=live[:, None] & in_m[None, :])
+    tl.store(part + M, sumsq, mask=live)
 
-    # The coefficients (reference.mhc_coefficient_logits).
+
+@triton.jit(do_not_specialize=["T"])
+def _pre_mix_kernel(x_ptr, sums_ptr, bias_ptr, gate_ptr, u_ptr, post_ptr, res_ptr, mixes_ptr, T, H,
+                    eps, N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, COLS: tl.constexpr,
+                    DOT: tl.constexpr, IEEE: tl.constexpr):
+    """The rest of the pre op's forward on BLOCK_T tokens, given pass 1 summed over the slabs
+    (``sums [T, M + 1]``: x @ W^T and sum(x^2)): the mixes and coefficients (written by the
+    programs of slab 0), and u = sum_m H_pre[m] X[m] on one slab of COLS columns."""
+    tok, live = block_tokens(T, BLOCK_T)
+    slab = tl.program_id(1)
+    cols = tl.arange(0, MP)
+    in_m = cols < M
+    live_m = live[:, None] & in_m[None, :]
+    sums = sums_ptr + tok * (M + 1)
+    projected = tl.load(sums[:, None] + cols[None, :], mask=live_m, other=0.0)
+    sumsq = tl.load(sums + M, mask=live, other=0.0)
+    r = tl.math.rsqrt(divide(sumsq, (N * H).to(tl.float32)) + eps)
+    # The GEMM result rounded once, after the sum over all of x's columns, as PyTorch's matmul.
+    mixes = _in_dtype(projected, DOT, IEEE) * r[:, None]
+
+    # The coefficients (reference.mhc_coefficient_logits), computed by every slab's program
+    # (a [BLOCK_T, MP] tile, cheaper than another launch) and written by slab 0's.
     scale = _column_scale(gate_ptr, cols, N)
     bias = tl.load(bias_ptr + cols, mask=in_m, other=0.0).to(tl.float32)
     z = mixes * scale[None, :] + bias[None, :]
     s = tl.sigmoid(z)
     is_post = (cols >= N) & (cols < 2 * N)
     is_res = (cols >= 2 * N) & in_m
-    live_m = live[:, None] & in_m[None, :]
-    tl.store(mixes_ptr + tok[:, None] * M + cols[None, :], mixes, mask=live_m)
+    writes = live & (slab == 0)
+    tl.store(mixes_ptr + tok[:, None] * M + cols[None, :], mixes,
+             mask=writes[:, None] & in_m[None, :])
     tl.store(post_ptr + tok[:, None] * N + (cols - N)[None, :], 2 * s,
-             mask=live[:, None] & is_post[None, :])
+             mask=writes[:, None] & is_post[None, :])
     tl.store(res_ptr + tok[:, None] * (N * N) + (cols - 2 * N)[None, :], z,
-             mask=live[:, None] & is_res[None, :])
+             mask=writes[:, None] & is_res[None, :])
     pre = _pre_by_stream(s + eps, cols, N, NP)  # [BLOCK_T, NP]
 
-    # Pass 2: u = sum_m H_pre[m] X[m].
+    # Pass 2: u = sum_m H_pre[m] X[m] on the slab's columns.
+    hs = tl.arange(0, BLOCK_H)
     ns = tl.arange(0, NP)
-    for c0 in range(0, H, BLOCK_H):
-        c = c0 + hs
+    x_rows = x_ptr + tok[:, None] * N * H
+    for c0 in range(0, COLS, BLOCK_H):
+        c = slab * COLS + c0 + hs
         in_h = c < H
         x = tl.load(x_rows[:, :, None] + ns[None, :, None] * H + c[None, None, :],
                     mask=live[:, None, None] & (ns < N)[None, :, None] & in_h[None, None, :],
@@ -198,27 +246,22 @@ def _pre_forward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, u_ptr, post_ptr, res_p
 
 
 @triton.jit(do_not_specialize=["T"])
-def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, du_ptr, dpost_ptr, dres_ptr,
-                         dx_ptr, grad_r_ptr, partial_ptr, T, H, eps, N: tl.constexpr,
-                         NP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, DOT: tl.constexpr,
-                         IEEE: tl.constexpr):
-    """dX of BLOCK_T tokens, with r dmixes (``grad_r [T, M]``, for dW) and ``partial [T, M + 3]``:
-    dz (the gradient of the pre-activations, whose sum over tokens is the bias gradient) and the
-    three per-token sums of dz * mixes (whose sums over tokens are the gate gradient)."""
+def _pre_backward_sums_kernel(x_ptr, du_ptr, partial_ptr, T, H, N: tl.constexpr,
+                              NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                              COLS: tl.constexpr):
+    """Pass 1 of the pre op's backward on BLOCK_T tokens and one slab of COLS columns of h:
+    ``partial[slab, token] = (dH_pre [N], sum(x^2))`` with dH_pre[m] = <X[m], du>, summed over
+    the slab's columns only."""
     tok, live = block_tokens(T, BLOCK_T)
+    slab = tl.program_id(1)
     hs = tl.arange(0, BLOCK_H)
     ns = tl.arange(0, NP)
     in_n = ns < N
-    cols = tl.arange(0, MP)
-    in_m = cols < M
     x_rows = x_ptr + tok[:, None] * N * H
-
-    # Pass 1: dH_pre[m] = <X[m], du> and sum(x^2).
     dpre = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for c0 in range(0, H, BLOCK_H):
-        c = c0 + hs
+    for c0 in range(0, COLS, BLOCK_H):
+        c = slab * COLS + c0 + hs
         in_h = c < H
         x = tl.load(x_rows[:, :, None] + ns[None, :, None] * H + c[None, None, :],
                     mask=live[:, None, None] & in_n[None, :, None] & in_h[None, None, :],
@@ -227,9 +270,35 @@ def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, du_ptr, dp
                      other=0.0).to(tl.float32)
         sumsq += tl.sum(tl.sum(x * x, 2), 1)
         dpre += tl.sum(x * du[:, None, :], 2)
+    part = partial_ptr + (slab.to(tl.int64) * T + tok) * (N + 1)
+    tl.store(part[:, None] + ns[None, :], dpre, mask=live[:, None] & in_n[None, :])
+    tl.store(part + N, sumsq, mask=live)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, sums_ptr, du_ptr, dpost_ptr,
+                         dres_ptr, dx_ptr, grad_r_ptr, per_token_ptr, T, H, eps, N: tl.constexpr,
+                         NP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, COLS: tl.constexpr,
+                         DOT: tl.constexpr, IEEE: tl.constexpr):
+    """The rest of the pre op's backward on BLOCK_T tokens, given pass 1 summed over the slabs
+    (``sums [T, N + 1]``: dH_pre and sum(x^2)): dX on one slab of COLS columns, and (written by
+    the programs of slab 0) r dmixes (``grad_r [T, M]``, for dW) and ``per_token [T, M + 3]``:
+    dz (the gradient of the pre-activations, whose sum over tokens is the bias gradient) and the
+    three per-token sums of dz * mixes (whose sums over tokens are the gate gradient)."""
+    tok, live = block_tokens(T, BLOCK_T)
+    slab = tl.program_id(1)
+    ns = tl.arange(0, NP)
+    in_n = ns < N
+    cols = tl.arange(0, MP)
+    in_m = cols < M
+    sums = sums_ptr + tok * (N + 1)
+    dpre = tl.load(sums[:, None] + ns[None, :], mask=live[:, None] & in_n[None, :], other=0.0)
+    sumsq = tl.load(sums + N, mask=live, other=0.0)
     r = tl.math.rsqrt(divide(sumsq, (N * H).to(tl.float32)) + eps)
 
-    # The coefficients' backward (efficient._coefficients_vjp), one column per mix.
+    # The coefficients' backward (efficient._coefficients_vjp), one column per mix, computed by
+    # every slab's program (a [BLOCK_T, MP] tile) and written by slab 0's.
     live_m = live[:, None] & in_m[None, :]
     is_pre = cols < N
     is_post = (cols >= N) & (cols < 2 * N)
@@ -251,18 +320,22 @@ def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, du_ptr, dp
     along = tl.sum(dmixes * mixes, 1)  # dmixes . mixes
     coef = divide(r * r, (N * H).to(tl.float32)) * along
     dzm = dz * mixes
-    tl.store(grad_r_ptr + tok[:, None] * M + cols[None, :], grad_r, mask=live_m)
-    part = partial_ptr + tok * (M + 3)
-    tl.store(part[:, None] + cols[None, :], dz, mask=live_m)
-    tl.store(part + M, tl.sum(tl.where(is_pre[None, :], dzm, 0.0), 1), mask=live)
-    tl.store(part + M + 1, tl.sum(tl.where(is_post[None, :], dzm, 0.0), 1), mask=live)
-    tl.store(part + M + 2, tl.sum(tl.where(is_res[None, :], dzm, 0.0), 1), mask=live)
+    writes = live & (slab == 0)
+    tl.store(grad_r_ptr + tok[:, None] * M + cols[None, :], grad_r,
+             mask=writes[:, None] & in_m[None, :])
+    row = per_token_ptr + tok * (M + 3)
+    tl.store(row[:, None] + cols[None, :], dz, mask=writes[:, None] & in_m[None, :])
+    tl.store(row + M, tl.sum(tl.where(is_pre[None, :], dzm, 0.0), 1), mask=writes)
+    tl.store(row + M + 1, tl.sum(tl.where(is_post[None, :], dzm, 0.0), 1), mask=writes)
+    tl.store(row + M + 2, tl.sum(tl.where(is_res[None, :], dzm, 0.0), 1), mask=writes)
     pre = _pre_by_stream(s + eps, cols, N, NP)
 
-    # Pass 2: dX[m] = [(r dmixes) @ W[:, m] - coef x[m]] (the projection's part, rounded to x's
-    # dtype as _rms_project_vjp returns it) + H_pre[m] du.
-    for c0 in range(0, H, BLOCK_H):
-        c = c0 + hs
+    # Pass 2 on the slab's columns: dX[m] = [(r dmixes) @ W[:, m] - coef x[m]] (the
+    # projection's part, rounded to x's dtype as _rms_project_vjp returns it) + H_pre[m] du.
+    hs = tl.arange(0, BLOCK_H)
+    x_rows = x_ptr + tok[:, None] * N * H
+    for c0 in range(0, COLS, BLOCK_H):
+        c = slab * COLS + c0 + hs
         in_h = c < H
         live_h = live[:, None] & in_h[None, :]
         du = tl.load(du_ptr + tok[:, None] * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
@@ -412,16 +485,22 @@ def pre_forward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     weight, bias, gate = _parameters(weight, bias, gate, n, h)
     padded, width, width_padded, block_h = _padded(n)
     tokens = x.shape[0]
+    slabs = triton.cdiv(h, _PRE_COLS)
     u = torch.empty((tokens, h), dtype=x.dtype, device=x.device)
     post = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
     res = torch.empty((tokens, n, n), dtype=torch.float32, device=x.device)
     mixes = torch.empty((tokens, width), dtype=torch.float32, device=x.device)
+    # Per slab of columns and token: x @ W^T [(2 + n) n] and sum(x^2), fp32, summed over the
+    # slabs below (in a fixed order: deterministic, no atomics).
+    partial = torch.empty((slabs, tokens, width + 1), dtype=torch.float32, device=x.device)
     if tokens:
+        grid = (triton.cdiv(tokens, BLOCK_T), slabs)
+        shapes = dict(M=width, MP=width_padded, BLOCK_T=BLOCK_T, BLOCK_H=block_h, COLS=_PRE_COLS,
+                      **_LAUNCH, **_dot_flags(x.dtype))
         with launch_device(x.device):
-            _pre_forward_kernel[(triton.cdiv(tokens, BLOCK_T),)](
-                x, weight, bias, gate, u, post, res, mixes, tokens, h, float(eps), N=n, NP=padded,
-                M=width, MP=width_padded, BLOCK_T=BLOCK_T, BLOCK_H=block_h, **_LAUNCH,
-                **_dot_flags(x.dtype))
+            _pre_project_kernel[grid](x, weight, partial, tokens, h, N=n, **shapes)
+            _pre_mix_kernel[grid](x, partial.sum(0), bias, gate, u, post, res, mixes, tokens, h,
+                                  float(eps), N=n, NP=padded, **shapes)
     return (u.view(*lead, h), post.view(*lead, n), res.view(*lead, n, n),
             mixes.view(*lead, width))
 
@@ -439,18 +518,24 @@ def pre_backward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     grad_post = _tokens_of("grad_post", grad_post, lead, (n,))
     dres = _tokens_of("dres", dres, lead, (n, n))
     tokens = x.shape[0]
+    slabs = triton.cdiv(h, _PRE_COLS)
     dx = torch.empty_like(x)
     grad_r = torch.empty((tokens, width), dtype=torch.float32, device=x.device)
-    partial = torch.empty((tokens, width + 3), dtype=torch.float32, device=x.device)
+    per_token = torch.empty((tokens, width + 3), dtype=torch.float32, device=x.device)
+    # Per slab of columns and token: dH_pre [n] and sum(x^2), fp32, summed over the slabs below.
+    partial = torch.empty((slabs, tokens, n + 1), dtype=torch.float32, device=x.device)
     if tokens:
+        grid = (triton.cdiv(tokens, BLOCK_T), slabs)
+        shapes = dict(N=n, NP=padded, BLOCK_T=BLOCK_T, BLOCK_H=block_h, COLS=_PRE_COLS, **_LAUNCH)
         with launch_device(x.device):
-            _pre_backward_kernel[(triton.cdiv(tokens, BLOCK_T),)](
-                x, weight, bias, gate, mixes, grad_u, grad_post, dres, dx, grad_r, partial, tokens,
-                h, float(eps), N=n, NP=padded, M=width, MP=width_padded, BLOCK_T=BLOCK_T,
-                BLOCK_H=block_h, **_LAUNCH, **_dot_flags(x.dtype))
+            _pre_backward_sums_kernel[grid](x, grad_u, partial, tokens, h, **shapes)
+            _pre_backward_kernel[grid](
+                x, weight, bias, gate, mixes, partial.sum(0), grad_u, grad_post, dres, dx, grad_r,
+                per_token, tokens, h, float(eps), M=width, MP=width_padded, **shapes,
+                **_dot_flags(x.dtype))
     # As efficient._rms_project_vjp: dW = (r dmixes)^T x, the GEMM in x's dtype.
     dweight = (grad_r.t().to(x.dtype) @ x.view(tokens, n * h)).to(weight.dtype)
-    sums = partial.sum(0)
+    sums = per_token.sum(0)
     return (dx.view(*lead, n, h), dweight, sums[:width].to(bias.dtype),
             sums[width:].to(gate.dtype))
 

@@ -5,17 +5,19 @@ check. Skipped where Triton is not installed.
 
 The interpreter is chosen when the kernels are defined (TRITON_INTERPRET=1 must be set before
 the module is imported), so the checks run in a subprocess: this file run as a script, which
-loads tests/gpu/test_triton_mhc.py and runs its ``check_launchers`` on ``interpret_cases`` (n =
-2, 3, 4 and 8, 37 tokens, not a multiple of the 16 of a program, h not a multiple of the chunk
-of columns, h over two of update_backward's slabs of columns with the last one partial (its
-per-slab sums of dH_post and dH_res then summed over slabs), tokens as [3, 13], a strided view,
-no tokens, fp16; that module's tolerances, 1e-5 of the largest magnitude in fp32), every load
-and store checked to stay inside the tensors of its launch (the bounds checker of
-triton_interpreter.py), and then its ``check_ops``: efficient.mhc_pre and stream_update with the
-kernels running CPU tensors against the same ops with them off, with and without recompute_input
-(the op bodies stay eager here). bf16 is not run: the interpreter's tl.dot multiplies bf16
-inputs as raw 16-bit integers (see test_triton_interpret_decay.py); fp16 runs the same
-reduced-precision code path. ~10 s on two cores.
+loads tests/gpu/test_triton_mhc.py and runs its ``check_launchers`` on ``interpret_cases``
+(n = 2, 3, 4 and 8, 37 tokens, not a multiple of the 16 of a program, h not a multiple of the
+chunk of columns, h over two slabs of 128 columns with the last one partial (the pre op's
+kernels at n = 2, h = 144 and n = 4, h = 208, update_backward at the latter; their per-slab sums
+then summed over the slabs), tokens as [3, 13], a strided view, no tokens, fp16 at h = 208 (the
+pre op's GEMM result rounded once, after the sum over the slabs); that module's tolerances, 1e-5
+of the largest magnitude in fp32), every load and store checked to stay inside the tensors of
+its launch (the bounds checker of triton_interpreter.py), and then its ``check_ops``:
+efficient.mhc_pre and stream_update with the kernels running CPU tensors against the same ops
+with them off, with and without recompute_input (the op bodies stay eager here). bf16 is not
+run: the interpreter's tl.dot multiplies bf16 inputs as raw 16-bit integers (see
+test_triton_interpret_decay.py); fp16 runs the same reduced-precision code path. ~15 s on two
+cores.
 """
 import types
 
@@ -29,14 +31,14 @@ from triton_interpreter import needs_triton
 def interpret_cases(Case) -> list:
     """The cases run on the interpreter (Case from the GPU module): small enough for a CPU."""
     return [
-        Case(n=2, shape=(37,), h=144),  # chunks of 64 columns: two full, one partial
+        Case(n=2, shape=(37,), h=144),  # chunks of 64: two full, one partial; pre op slabs 128, 16
         Case(n=3, shape=(37,), h=80),  # n padded to 4; chunks of 32
         Case(n=4, shape=(37,), h=80),
-        Case(n=4, shape=(37,), h=208),  # update_backward: a slab of 128 columns and one of 80
+        Case(n=4, shape=(37,), h=208),  # a slab of 128 columns and one of 80 (all but update_fwd)
         Case(n=4, shape=(3, 13), h=48, strided=True),
         Case(n=8, shape=(20,), h=48),  # 80 mixes padded to 128; chunks of 16
         Case(n=4, shape=(0,), h=16),
-        Case(n=4, shape=(37,), h=80, dtype=torch.float16),
+        Case(n=4, shape=(37,), h=208, dtype=torch.float16),  # x @ W^T rounded after the slab sum
     ]
 
 

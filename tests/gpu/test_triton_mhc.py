@@ -12,7 +12,8 @@ streams, y and the stream gradients in the case's dtype, parameters and coeffici
 the model has them). ``mixes`` for the pre op's backward is the body's. Cases on CUDA: n = 4 (mHC's
 default), h = 1024, T = 8192 + 37 tokens (a partial block of 16), in fp32 and bf16; n = 2, 3, 8
 (3 padded to 4, 8 with 80 mixes padded to 128) at h = 272 (a partial chunk of columns where
-n <= 4); tokens as [3, 13]; streams as a strided view (copied by the launchers).
+n <= 4; several slabs of columns, the last partial); tokens as [3, 13]; streams as a strided view
+(copied by the launchers).
 
 Tolerances, rtol and atol relative to each output's largest magnitude (sums over h = 1024 or
 over 8229 tokens grow with their length; their rounding with it):
@@ -29,7 +30,8 @@ rounding missed moves a value by less than 1e-3 of the largest), so in bf16 and 
 ``MAX_DIFFERING`` = 2% of the elements of each output in that dtype (u, dX, out, dy) may differ
 from the body's at all: both sides round fp32 values that differ in their last bits, so almost
 all agree bitwise (on the interpreter in fp16, 0.1% differ; with the rounding of a GEMM result
-or of the projection's dx left out of the kernels, 9% to 13%).
+or of the projection's dx left out of the kernels, 9% to 13%; with x @ W^T rounded per slab of
+columns rather than after the sum over the slabs, 4% of u).
 
 ``check_ops`` runs efficient.mhc_pre and efficient.stream_update with the Triton kernels in place
 (their launches counted) and with them off (``efficient.use_triton(False)``: the PyTorch bodies,
