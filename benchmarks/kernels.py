@@ -27,8 +27,9 @@ On an H200 with Triton 3.6 and fla-core 0.6.0, each fla op spends one to four mi
 autotuning and compiling its forward, and as much its backward, before the first timing (GDN-2:
 141 s and 217 s on a busy host); our Triton kernels compile in seconds (they are not autotuned).
 fla-core has Triton keep its autotuning results (``*.autotune.json`` under ``TRITON_CACHE_DIR``,
-keyed by B, H, the head dims and dtypes, not T), so a run that starts from another's cache skips that: on a
-machine that starts bare, carry those files over (session 6 in benchmarks/results/README.md).
+keyed by B, H, the head dims and dtypes, not T), so a run that starts from another's cache
+skips that: on a machine that starts bare, carry those files over (session 6 in
+benchmarks/results/README.md).
 
     source benchmarks/gpu_setup.sh && python benchmarks/kernels.py     # on the GPU machine
     python benchmarks/kernels.py --device cpu --seq-lens 128 --batch-tokens 256 --ops chunked,sdpa
