@@ -15,9 +15,9 @@ the fp32 reference, forward and backward, on the cases the doctor checks (groupe
 initial state, T = 97 across a chunk border, packed sequences), each in fp32 and bf16: one job
 per (case, dtype). "auto" asks only for the jobs a call relies on (:func:`selfcheck_jobs`: the
 case of its input form in its dtype, and the packed case if it packs sequences), so a training
-run checks one or two jobs, not all ten of an op. Each job's verdict is kept per process and on disk,
-per (GPU, compute capability, torch, Triton, megatron-ext version and a hash of the kernels' and
-the check's source), in ``$MEGATRON_EXT_CACHE_DIR/selfcheck.json`` (default
+run checks one or two jobs, not all ten of an op. Each job's verdict is kept per process and on
+disk, per (GPU, compute capability, torch, Triton, megatron-ext version and a hash of the
+kernels' and the check's source), in ``$MEGATRON_EXT_CACHE_DIR/selfcheck.json`` (default
 ``~/.cache/megatron-ext``), so each machine image pays for it once. Most of a job's time is
 Triton compiling its kernels, so jobs run in parallel child processes; and one process at a time
 checks (a lock next to the cache file): the other ranks of a node wait for its verdicts instead
@@ -122,7 +122,8 @@ def fla_unavailable_reason(kind: str, device, requires_grad: bool) -> str | None
 
 
 # ---------------------------------------------------------------------------- self-check + auto
-_VERDICTS: dict[tuple[str, str], dict] = {}  # (device key, "op/case/dtype") -> {"passed": bool, "reason": str}
+# (device key, "op/case/dtype") -> {"passed": bool, "reason": str}
+_VERDICTS: dict[tuple[str, str], dict] = {}
 
 # The head dims (K and V) our Triton kernels take: tl.dot wants power-of-two tiles of 16 or more.
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
