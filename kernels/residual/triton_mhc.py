@@ -50,43 +50,44 @@ program's slab of columns, then over the slabs; the bias and gate gradients per 
 tokens), and on a GPU multiply-adds may fuse, so results equal the bodies to fp32 rounding, not
 bitwise.
 
-Launch configuration (fixed, no autotuning): ``BLOCK_T = 16`` tokens a program (the smallest
-tile tl.dot takes), the columns of one stream in chunks of ``BLOCK_H = 128 / NP`` (32 at n = 4,
-16 at n = 8), so that an n-stream tile [BLOCK_T, NP, BLOCK_H] is 2048 values; 8 warps, 2
-pipeline stages. NP is n rounded up to a power of two and MP = (2 + n) n rounded up to one (at
-least 16, for tl.dot); the padding is masked (loads give 0, stores are skipped). Every grid is
-[cdiv(T, BLOCK_T), slabs of columns of h], a program looping over the chunks of its slab (a
-fixed trip count; in the last slab the chunks past h are masked): slabs of one chunk for the
-elementwise update_forward; of ``COLS = 4 BLOCK_H`` columns (128 at n = 4, 64 at n = 8) for
-update_backward, H_res loaded once before the loop, its sums of dH_post and dH_res written to a
-buffer [cdiv(h, COLS), T, n + n n]; of ``_PRE_COLS = 128`` columns at every n (of each stream:
-128 n columns of x) for the pre op's kernels, the first of each direction writing its sums to a
-buffer [cdiv(h, 128), T, (2 + n) n + 1] (forward: x @ W^T and sum(x^2)) or
-[cdiv(h, 128), T, n + 1] (backward: dH_pre and sum(x^2)). These buffers are fp32 and summed over
-their first axis by torch (deterministic; no atomics): at T = 8192, h = 1024 and n = 4, 5 MB for
-update_backward, 6.6 MB and 1.3 MB for the pre op's forward and backward; at n = 8, 21 MB for
-the pre op's forward, whose sums per token grow as n^2 (hence 128 columns at every n there
-rather than COLS, which would double that). The pre op's second kernels recompute the
-coefficients, or their backward, from the summed tile in the program of every slab (a few
-operations on a [BLOCK_T, MP] tile, for a third launch saved), and only the programs of slab 0
-write them. Why slabs: the pre op's kernels and update_backward had grids of [cdiv(T, BLOCK_T)],
-a program looping over all of h (at T = 8192, n = 4, h = 1024: 512 programs, each 32 chunks in
-series a pass), latency-bound. On an H200 at those sizes in bf16, update_backward took 1.53 ms a
-call where update_forward took 0.09 ms, and in a 350M model's training step the pre op's forward
-(its kernel and the Sinkhorn's) 0.46 ms a call and its backward (with the Sinkhorn's backward
-and the dW matmul) 0.21 ms, where one pass over X (~64 MB) takes ~16 us at HBM bandwidth. The
-slabs give 8 times the programs (4096 there), for one more launch and one torch sum in each
-direction of the pre op. The new grids are not yet timed on a GPU. Chosen from ptxas's report
-for sm_90 (compiled without a GPU, with triton.compile for target cuda 90 and the launch's
-divisibility hints; not timed): at n = 4 no spills, <= 78 registers a thread and <= 25 KB of
-shared memory in every kernel, fp32 or bf16; at n = 2 .. 8 at most 8 bytes of spills
-(update_backward at n = 7 in bf16) and 74 KB of shared memory (n = 8); 4096-value tiles, or 4
-warps, took all 255 registers. (The pre op's kernels at n = 4: 50, 32, 40 and 70 registers in
-fp32 for the forward's two and the backward's two, 61, 32, 40 and 64 in bf16; up to 235 (the
-second backward kernel at n = 8 in fp32, 228 before the split); no spills at n = 2 .. 8.
-update_backward: 78 registers at n = 4 in fp32, 64 in bf16, up to 139 at n = 8.) T is not
-specialised on (one compiled kernel for every token count, which the first-use check in
-:mod:`.efficient` therefore covers).
+Launch configuration (fixed, no autotuning):
+
+- Tiles: ``BLOCK_T = 16`` tokens a program (the smallest tile tl.dot takes); the columns of one
+  stream in chunks of ``BLOCK_H = 128 / NP`` (32 at n = 4, 16 at n = 8), so that an n-stream
+  tile [BLOCK_T, NP, BLOCK_H] is 2048 values; 8 warps, 2 pipeline stages. NP is n rounded up to
+  a power of two and MP = (2 + n) n rounded up to one (at least 16, for tl.dot); the padding is
+  masked (loads give 0, stores are skipped).
+- Grids: every one is [cdiv(T, BLOCK_T), slabs of columns of h], a program looping over the
+  chunks of its slab (a fixed trip count; in the last slab the chunks past h are masked).
+  Slabs are one chunk for the elementwise update_forward; ``COLS = 4 BLOCK_H`` columns (128 at
+  n = 4, 64 at n = 8) for update_backward, which loads H_res once before its loop; and
+  ``_PRE_COLS = 128`` columns at every n (128 n columns of x) for the pre op's kernels.
+- Sums over h: the first kernel of each pre direction and update_backward write per-slab sums
+  to an fp32 buffer that torch sums over its first axis (deterministic; no atomics):
+  [cdiv(h, 128), T, (2 + n) n + 1] (pre forward: x @ W^T and sum(x^2)), [cdiv(h, 128), T, n + 1]
+  (pre backward: dH_pre and sum(x^2)), [cdiv(h, COLS), T, n + n n] (update_backward: dH_post,
+  dH_res). At T = 8192, h = 1024, n = 4: 6.6, 1.3 and 5 MB; at n = 8 the pre forward's is 21 MB
+  (its sums grow as n^2, hence 128 columns there rather than COLS, which would double it). The
+  pre op's second kernels recompute the coefficients, or their backward, from the summed tile
+  in every slab's program (a few operations on a [BLOCK_T, MP] tile, for a third launch saved),
+  and only slab 0's programs write them.
+- Why slabs: the pre op's kernels and update_backward had grids of [cdiv(T, BLOCK_T)], each
+  program looping over all of h (at T = 8192, n = 4, h = 1024: 512 programs, 32 chunks in
+  series a pass), latency-bound. On an H200 at those sizes in bf16, update_backward took
+  1.53 ms a call where update_forward took 0.09 ms; in a 350M model's training step the pre
+  op's forward (with the Sinkhorn's kernel) took 0.46 ms a call and its backward (with the
+  Sinkhorn's backward and the dW matmul) 0.21 ms, where one pass over X (~64 MB) takes ~16 us
+  at HBM bandwidth. The slabs give 8 times the programs (4096 there), for one more launch and
+  one torch sum in each direction of the pre op. **The new grids are not yet timed on a GPU.**
+- Registers, from ptxas's report for sm_90 (triton.compile for target cuda 90 with the launch's
+  divisibility hints, no GPU): at n = 4 no spills, <= 78 registers a thread and <= 25 KB of
+  shared memory in every kernel, fp32 or bf16 (the pre op's four kernels: 50, 32, 40 and 70
+  registers in fp32, 61, 32, 40 and 64 in bf16; update_backward 78 and 64); at n = 2 .. 8 at
+  most 8 bytes of spills (update_backward at n = 7 in bf16), up to 235 registers (the second
+  pre backward kernel at n = 8 in fp32) and 74 KB of shared memory. 4096-value tiles, or 4
+  warps, took all 255 registers.
+- T is not specialised on: one compiled kernel serves every token count, which the first-use
+  check in :mod:`.efficient` therefore covers.
 
 Constraints: 2 <= n <= 8, h a multiple of 16, streams in fp32, bf16 or fp16, every tensor of
 the op with the streams' leading (token) dimensions, no broadcasting; inputs ``[..., n, h]`` are
