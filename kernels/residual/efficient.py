@@ -27,10 +27,11 @@ compiled bodies; benchmarks/results/README.md, session 6; they have been reworke
 yet timed). Kernels are used on a device only after passing a first-use check there (small
 random inputs against the PyTorch bodies); where they cannot run (the CPU, no Triton, a failed
 check, sizes or dtypes they do not take) the PyTorch bodies do. Those bodies, and the ops
-without kernels (rms_project, stream_mix), can be compiled with ``torch.compile`` on CUDA (:func:`use_compile`): they are small elementwise and reduction chains
-whose cost in eager mode is mostly kernel launches. If compiling fails, the eager bodies are
-used and the reason is logged once. The Sinkhorn iterations are never part of a compiled body
-(see the Sinkhorn section): compiled, they would be unrolled into one kernel per normalisation.
+without kernels (rms_project, stream_mix), can be compiled with ``torch.compile`` on CUDA
+(:func:`use_compile`): they are small elementwise and reduction chains whose cost in eager mode
+is mostly kernel launches. If compiling fails, the eager bodies are used and the reason is
+logged once. The Sinkhorn iterations are never part of a compiled body (see the Sinkhorn
+section): compiled, they would be unrolled into one kernel per normalisation.
 """
 from __future__ import annotations
 
