@@ -32,12 +32,13 @@ Numerics. No exponent is ever positive. The pairwise decays exp(G_t - G_s), s <=
 per-channel decay are formed in 16-token sub-blocks: for an off-diagonal sub-block (rows t in
 sub-block i, columns s in an earlier one) as (x_t exp(G_t - G_r)) (y_s exp(G_r - G_s)) with the
 reference r = 16 i, the row sub-block's first token, so that both factors are <= 1 however
-strong the decay; inside the diagonal sub-blocks exactly, as exp(-|G_t - G_s|), one column per
-step (16 steps). Exponents are clamped at 0 (min(x, 0)) so that padding rows cannot overflow;
-for g <= 0, as the op requires, the clamp never changes a value that is used. G is an fp32
-cumulative sum per chunk, every tl.dot accumulates in fp32, and the unit-triangular inverse is by
-forward substitution in fp32 on the four 16 x 16 diagonal blocks, then block substitution with
-fp32 ("ieee") dots.
+strong the decay; inside the diagonal sub-blocks exactly, as exp(-|G_t - G_s|) per pair (in
+_fwd_scores all 16 columns at once, 8 key channels at a time; in _bwd_qkg one column per step, 16
+steps). Exponents are clamped at 0 (min(x, 0)) so that padding rows cannot overflow; for g <= 0,
+as the op requires, the clamp never changes a value that is used. G is an fp32 cumulative sum
+per chunk, every tl.dot accumulates in fp32, and the unit-triangular inverse is by forward
+substitution in fp32 on the four 16 x 16 diagonal blocks (all four in each step), then block
+substitution with fp32 ("ieee") dots.
 
 Precision. With fp32 q, k, v every tl.dot runs in full fp32 ("ieee", not TF32), so that the fp32
 path checks the algebra tightly; with bf16 (or fp16) q, k, v the dot operands are rounded to
@@ -51,7 +52,9 @@ Kernels, in order (grids in brackets; NC chunks over all sequences, N sequences,
               sequence -> chunk states, U, final state;  _fwd_output [NC, Hv, V/BV] -> o
     backward  _bwd_state [N, Hv, V/BV], along each sequence in reverse -> dS_C per chunk, dU,
               the initial state's gradient;  _bwd_scores [NC, Hv] -> dP, dA, dv, dw (or beta's
-              share);  _bwd_qkg [NC, Hv, K/BK] -> dq, dk, d erase (or beta's share), dg
+              share);  _bwd_qkg [NC, Hv] (one decay per head or none; a loop over blocks of BK
+              key channels) or [NC, Hv, K/BK] (per-channel decay) -> dq, dk, d erase (or beta's
+              share), dg
 Only the two sequential kernels loop over chunks (two dots per chunk each); everything else is
 parallel over chunks. Saved for the backward, per token and v head, in the dot dtype unless said:
 G (fp32; K values, or 1 with one decay per head), U (V; fp32 with the write residual), T and P (64
@@ -67,15 +70,45 @@ padding (a zero token with g = 0 reads, writes and decays nothing).
 
 Launch configurations (fixed, no autotuning, so that the configuration the tests run is the one
 that runs): num_stages 2 everywhere; num_warps 4 (one warpgroup) for _chunk_cumsum, _invert,
-_fwd_output and _bwd_qkg (8 there in fp32), 8 for the others. Tiles (each capped at K or V):
-BK = 32 in _fwd_scores and _bwd_qkg (16 in _bwd_qkg with a per-channel decay), else 64; BV = 32
-in _bwd_scores, min(64, 4096 / K) in the sequential kernels, else 64. These were chosen so that
-ptxas spills nothing or little (at most ~150 bytes per thread) for sm_90 in bf16 with K, V of 64,
-128 and 256 (compiled without a GPU). The fp32 path, whose dots run on FMA units, spills a lot
-(_bwd_qkg ~1 KB per thread at 8 warps, but 24 KB at 4, hence 8): it is there to check the
-algebra, not for speed. Supported K and V: 16, 32, 64, 128, 256. No tl.trans anywhere:
-transposed operands are loaded transposed (Hopper with Triton 3.4 to 3.7.0 miscompiles tl.trans
-of dot results, fla-core issue #640).
+_fwd_output, _bwd_scores and _bwd_qkg (8 in those two in fp32), 8 for the others. Tiles (each
+capped at K or V): BK = 32 in _fwd_scores and _bwd_qkg (16 in _bwd_qkg with a per-channel decay),
+else 64; BV = 32 in _bwd_scores, min(64, 4096 / K) in _fwd_state, 64 in _bwd_state up to K = 128
+in bf16 and fp16 (else as in _fwd_state: at K = 256 and BV = 32 it would need 244 KB of shared
+memory), else 64. These were chosen so that ptxas spills nothing or little (at most ~150 bytes
+per thread) for sm_90 in bf16 with K, V of 64, 128 and 256 (compiled without a GPU). The fp32
+path, whose dots run on FMA units, spills a lot (_bwd_qkg and _fwd_scores with a per-channel
+decay ~1 KB per thread at 8 warps, _bwd_qkg 24 KB and _bwd_scores 8 to 15 KB at 4, hence 8;
+_bwd_state twice as much at BV = 64 as at 32, hence 32; _bwd_qkg with one decay per head 0.05 to
+1.5 KB, and 160 to 184 KB of shared memory): it is there to check the algebra, not for speed.
+Supported K and V: 16, 32, 64, 128, 256. No tl.trans anywhere: transposed operands are loaded
+transposed (Hopper with Triton 3.4 to 3.7.0 miscompiles tl.trans of dot results, fla-core issue
+#640).
+
+Measured on an H200 (Triton 3.6.0, bf16, B*T = 32768, H = 16, K = V = 128, T = 4096; GPU time
+per kernel of one fwd+bwd from benchmarks/kernels.py --profile; benchmarks/results/README.md,
+section "Session 7"). Each change below was first read off ptxas/SASS for sm_90
+without a GPU, then timed:
+    _bwd_qkg, one decay per head (GDN, DeltaNet)   1.76 -> 1.15 ms. It ran a program per block
+        of 32 key channels (grid [NC, Hv, K/BK]), each loading, masking and decaying the same
+        [64, 64] tiles of dP and dA and their transposes; now one program per chunk and head
+        forms them once and loops over the key blocks, and sums dg and beta's share itself.
+    _bwd_qkg, per-channel decay (KDA, GDN-2)        6.59 -> 5.89 ms (KDA). Its 16 serial steps
+        over the diagonal sub-blocks accumulated into the dot results' layout, converting tiles
+        through shared memory at every step; now they accumulate apart, with the masks folded
+        into per-row scalars.
+    _fwd_scores, per-channel decay                  2.81 -> 3.64 ms (KDA), 2.82 -> 4.16 (GDN-2):
+        SLOWER. The diagonal sub-blocks are now formed 16 columns at once from [64, 16, 8] tiles
+        (SASS: 22.1k -> 14.1k instructions and 532 -> 152 barriers per thread), yet it takes
+        longer; why was not found.
+    _invert                                         0.47 -> 0.23 ms. It was barrier-bound (four
+        16 x 16 blocks one after another, each row extracted by a reduction across warps); now
+        one loop of 15 steps does all four blocks, reading A's rows from memory.
+    _bwd_scores                                     0.72 -> 0.39 ms: 4 warps on tensor cores
+        (was 8 at 130 registers, one program per SM).
+    _bwd_state                                      0.82 -> 0.49 ms: BV = 64 for K <= 128 in
+        16-bit (256 programs in 2 waves, was 512 in 4).
+fwd+bwd wall time: DeltaNet 5.21 -> 3.68 ms, GDN 5.43 -> 4.03, KDA 13.30 -> 12.45, GDN-2 13.34
+-> 13.36.
 
 Hopper. On an H200 (Triton 3.6.0, with its ptxas 12.8) _bwd_qkg at 8 warps returned wrong dk and
 d beta in bf16 without a decay and faulted (illegal memory access) with a per-channel decay; these
@@ -88,6 +121,10 @@ fla-core keeps its kernels of this shape at 2 or 4 warps on Hopper (its issues #
 report similar failures). That fixed the per-channel form, but the form without a decay still
 gave dk 0.46 off in bf16 (masking by tl.where alone did not keep the compiler from the failing
 code), so it is gone: without a decay, _bwd_qkg runs the per-head form on a zero decay.
+_bwd_scores at 4 warps and _bwd_state at BV = 64 (8 warps) also feed tiles loaded transposed
+(T^T, U^T, P^T) to tl.dot straight from memory, the pattern of those failures; both passed
+tests/gpu/test_triton_delta_rule.py on an H200 (18 tests, with the doctor's 80 checks). Any new
+launch configuration must pass that file there before use.
 """
 import functools
 import os
@@ -104,6 +141,7 @@ __all__ = ["gated_delta_rule_triton", "triton_unavailable_reason"]
 
 _C = tl.constexpr(64)    # chunk size
 _SUB = tl.constexpr(16)  # sub-block of the per-channel decay and of the triangular inverse
+_DIAG_BK = tl.constexpr(8)  # key channels per step of _fwd_scores' diagonal sub-blocks
 _NUM_STAGES = 2
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -152,6 +190,14 @@ def _rows(ptr, start, r, valid, heads, head, DIM: tl.constexpr, col0, COLS: tl.c
 def _cols(ptr, start, r, valid, heads, head, DIM: tl.constexpr, col0, COLS: tl.constexpr):
     """The transposed ``_tile`` in fp32: [COLS, R]."""
     return _tile(ptr, start, r, valid, heads, head, DIM, col0, COLS, True).to(tl.float32)
+
+
+@triton.jit
+def _gather(ptr, start, r, valid, heads, head, DIM: tl.constexpr, col0, COLS: tl.constexpr):
+    """``_rows`` for a 2-d array of rows r: fp32 [*r.shape, COLS]."""
+    cols = col0 + tl.arange(0, COLS)
+    offsets = (r * (heads * DIM))[:, :, None] + cols[None, None, :]
+    return tl.load(_at(ptr, start, heads, head, DIM) + offsets, mask=valid[:, :, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -250,7 +296,6 @@ def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, b
     hk = hv // group
     start, count, t, valid = _chunk(bounds_ptr, c)
     blk = t // _SUB
-    within = t % _SUB
     scores_p = tl.zeros([_C, _C], dtype=tl.float32)
     scores_a = tl.zeros([_C, _C], dtype=tl.float32)
     if not ERASE:
@@ -275,55 +320,69 @@ def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, b
                                   k_t * tl.exp(tl.minimum(G_ref[:, None] - G_t, 0.0)), 0.0)
                 scores_p += _mm(q * row_decay, cols_t, DOT, IEEE)
                 scores_a += _mm(a * row_decay, cols_t, DOT, IEEE)
-            # Diagonal sub-blocks, exactly: step j fills column 16 * blk + j of every row.
-            for j in range(0, _SUB):
-                col = blk * _SUB + j
-                col_valid = col < count
-                k_col = _rows(k_ptr, start, col, col_valid, key_heads, hk, K, c0, BK)
-                G_col = _rows(G_ptr, start, col, col_valid, value_heads, hv, K, c0, BK)
-                k_decayed = k_col * tl.where((within >= j)[:, None], tl.exp(-tl.abs(G - G_col)), 0.0)
-                hit = t[None, :] == col[:, None]
-                scores_p += tl.where(hit, tl.sum(q * k_decayed, 1)[:, None], 0.0)
-                scores_a += tl.where(hit & (within > j)[:, None], tl.sum(a * k_decayed, 1)[:, None], 0.0)
         else:
             scores_p += _mm(q, k_t, DOT, IEEE)
             scores_a += _mm(a, k_t, DOT, IEEE)
-    if G_MODE != 2:
+    offsets = t[:, None] * _C + t[None, :]
+    base = (c * value_heads + hv) * _C * _C
+    if G_MODE == 2:
+        # The off-diagonal part is zero on the diagonal sub-blocks: stored around them.
+        off_diagonal = blk[:, None] != blk[None, :]
+        tl.store(A_ptr + base + offsets, scores_a, mask=off_diagonal)
+        tl.store(P_ptr + base + offsets, scores_p.to(P_ptr.dtype.element_ty), mask=off_diagonal)
+        # Diagonal sub-blocks, exactly, all 16 columns at once: [64, 16] tiles (row t against
+        # column 16 blk(t) + j), summed over _DIAG_BK key channels at a time of [64, 16, _DIAG_BK]
+        # tiles. The row's own q, a and G are loaded in that shape too (broadcast over j), which
+        # keeps the loop free of layout conversions.
+        within = t % _SUB
+        j = tl.arange(0, _SUB)
+        other = (blk * _SUB)[:, None] + j[None, :]
+        other_valid = other < count
+        row = tl.broadcast_to(t[:, None], [_C, _SUB])
+        row_valid = row < count
+        diag_p = tl.zeros([_C, _SUB], dtype=tl.float32)
+        diag_a = tl.zeros([_C, _SUB], dtype=tl.float32)
+        for db in range(0, K // _DIAG_BK):
+            d0 = db * _DIAG_BK
+            q = _gather(q_ptr, start, row, row_valid, key_heads, hk, K, d0, _DIAG_BK)
+            k = _gather(k_ptr, start, row, row_valid, key_heads, hk, K, d0, _DIAG_BK)
+            if ERASE:
+                a = k * _gather(erase_ptr, start, row, row_valid, value_heads, hv, K, d0, _DIAG_BK)
+            else:
+                a = k * beta[:, None, None]
+            G = _gather(G_ptr, start, row, row_valid, value_heads, hv, K, d0, _DIAG_BK)
+            G_other = _gather(G_ptr, start, other, other_valid, value_heads, hv, K, d0, _DIAG_BK)
+            k_decayed = (_gather(k_ptr, start, other, other_valid, key_heads, hk, K, d0, _DIAG_BK)
+                         * tl.exp(-tl.abs(G - G_other)))
+            diag_p += tl.sum(q * k_decayed, 2)
+            diag_a += tl.sum(a * k_decayed, 2)
+        diag_offsets = t[:, None] * _C + other
+        tl.store(A_ptr + base + diag_offsets, tl.where(within[:, None] > j[None, :], diag_a, 0.0))
+        tl.store(P_ptr + base + diag_offsets,
+                 tl.where(within[:, None] >= j[None, :], diag_p, 0.0).to(P_ptr.dtype.element_ty))
+    else:
         if G_MODE == 1:
             G = _vec(G_ptr, start, t, valid, value_heads, hv)
             decay = tl.exp(tl.minimum(G[:, None] - G[None, :], 0.0))
             scores_p = scores_p * decay
             scores_a = scores_a * decay
-        scores_p = tl.where(t[:, None] >= t[None, :], scores_p, 0.0)
-        scores_a = tl.where(t[:, None] > t[None, :], scores_a, 0.0)
-    offsets = t[:, None] * _C + t[None, :]
-    base = (c * value_heads + hv) * _C * _C
-    tl.store(A_ptr + base + offsets, scores_a)
-    tl.store(P_ptr + base + offsets, scores_p.to(P_ptr.dtype.element_ty))
+        tl.store(A_ptr + base + offsets, tl.where(t[:, None] > t[None, :], scores_a, 0.0))
+        tl.store(P_ptr + base + offsets, tl.where(t[:, None] >= t[None, :], scores_p, 0.0).to(P_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _unit_lower_inverse(a):
-    """(I + a)^-1 for a strictly lower [16, 16] fp32 tile, by forward substitution."""
+def _block_t(ptr, base, i: tl.constexpr, j: tl.constexpr):
+    """The transpose of 16 x 16 block (i, j) of the [64, 64] tile at ``base``, loaded transposed."""
     r = tl.arange(0, _SUB)
-    inverse = (r[:, None] == r[None, :]).to(tl.float32)
-    for i in range(1, _SUB):
-        a_row = tl.sum(tl.where(r[:, None] == i, a, 0.0), 0)  # a[i, :]
-        row = (r == i).to(tl.float32) - tl.sum(a_row[:, None] * inverse, 0)
-        inverse = tl.where(r[:, None] == i, row[None, :], inverse)
-    return inverse
+    return tl.load(ptr + base + (r + i * _SUB)[None, :] * _C + (r + j * _SUB)[:, None])
 
 
 @triton.jit
-def _block(ptr, base, i: tl.constexpr, j: tl.constexpr):
+def _put_block_t(ptr, base, i: tl.constexpr, j: tl.constexpr, x_t):
+    """Store block (i, j) of the [64, 64] tile at ``base``, given its transpose x_t (stored
+    transposed)."""
     r = tl.arange(0, _SUB)
-    return tl.load(ptr + base + (r + i * _SUB)[:, None] * _C + (r + j * _SUB)[None, :])
-
-
-@triton.jit
-def _put_block(ptr, base, i: tl.constexpr, j: tl.constexpr, x):
-    r = tl.arange(0, _SUB)
-    tl.store(ptr + base + (r + i * _SUB)[:, None] * _C + (r + j * _SUB)[None, :], x.to(ptr.dtype.element_ty))
+    tl.store(ptr + base + (r + i * _SUB)[None, :] * _C + (r + j * _SUB)[:, None], x_t.to(ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -332,43 +391,65 @@ def _ieee(a, b):
 
 
 @triton.jit
+def _diagonal_block(x, b, which: tl.constexpr):
+    """x[which] of a [4, 16, 16] tile whose first axis is b."""
+    return tl.sum(tl.where(b == which, x, 0.0), 0)
+
+
+@triton.jit
 def _invert_kernel(A_ptr, T_ptr):
-    """T = (I + A)^-1 of one chunk and head, by 16 x 16 blocks: the diagonal blocks by forward
-    substitution, then T_ij = -T_ii sum_{j <= m < i} A_im T_mj."""
+    """T = (I + A)^-1 of one chunk and head, by 16 x 16 blocks: the four diagonal blocks T_bb
+    together by forward substitution, then T_ij = -T_ii sum_{j <= m < i} A_im T_mj. Computed as
+    T^T, whose blocks are the transposes T_bb^T and T_ij^T = -(sum_m T_mj^T A_im^T) T_ii^T (the
+    same products), with A's blocks loaded and T's stored transposed: tij and aij below are
+    T_ij^T and A_ij^T."""
     base = tl.program_id(0).to(tl.int64) * _C * _C
-    t00 = _unit_lower_inverse(_block(A_ptr, base, 0, 0))
-    t11 = _unit_lower_inverse(_block(A_ptr, base, 1, 1))
-    t22 = _unit_lower_inverse(_block(A_ptr, base, 2, 2))
-    t33 = _unit_lower_inverse(_block(A_ptr, base, 3, 3))
-    a10 = _block(A_ptr, base, 1, 0)
-    a20 = _block(A_ptr, base, 2, 0)
-    a21 = _block(A_ptr, base, 2, 1)
-    a30 = _block(A_ptr, base, 3, 0)
-    a31 = _block(A_ptr, base, 3, 1)
-    a32 = _block(A_ptr, base, 3, 2)
-    t10 = -_ieee(t11, _ieee(a10, t00))
-    t21 = -_ieee(t22, _ieee(a21, t11))
-    t20 = -_ieee(t22, _ieee(a20, t00) + _ieee(a21, t10))
-    t32 = -_ieee(t33, _ieee(a32, t22))
-    t31 = -_ieee(t33, _ieee(a31, t11) + _ieee(a32, t21))
-    t30 = -_ieee(t33, _ieee(a30, t00) + _ieee(a31, t10) + _ieee(a32, t20))
+    b = tl.arange(0, 4)[:, None, None]
+    j = tl.arange(0, _SUB)[None, :, None]
+    m = tl.arange(0, _SUB)[None, None, :]
+    # inverse_t[b, j, m] = T_bb[m, j]. Step i sets row i of all four blocks from their rows m < i,
+    # T_bb[i, j] = delta_ij - sum_m A_bb[i, m] T_bb[m, j], reading row i of each A_bb from memory:
+    # one reduction over m (the last axis, inside a warp) per step for all four blocks, and no
+    # row extracted from a tile (a reduction across warps per step and block).
+    inverse_t = tl.broadcast_to((j == m).to(tl.float32), [4, _SUB, _SUB])
+    rows_of_a = A_ptr + base + b * (_SUB * (_C + 1)) + j * 0 + m  # A[16 b, 16 b + m], for every j
+    for i in range(1, _SUB):
+        a_row = tl.load(rows_of_a + i * _C)
+        row = (j == i).to(tl.float32) - tl.sum(a_row * inverse_t, 2, keep_dims=True)
+        inverse_t = tl.where(m == i, row, inverse_t)
+    t00 = _diagonal_block(inverse_t, b, 0)
+    t11 = _diagonal_block(inverse_t, b, 1)
+    t22 = _diagonal_block(inverse_t, b, 2)
+    t33 = _diagonal_block(inverse_t, b, 3)
+    a10 = _block_t(A_ptr, base, 1, 0)
+    a20 = _block_t(A_ptr, base, 2, 0)
+    a21 = _block_t(A_ptr, base, 2, 1)
+    a30 = _block_t(A_ptr, base, 3, 0)
+    a31 = _block_t(A_ptr, base, 3, 1)
+    a32 = _block_t(A_ptr, base, 3, 2)
+    t10 = -_ieee(_ieee(t00, a10), t11)
+    t21 = -_ieee(_ieee(t11, a21), t22)
+    t20 = -_ieee(_ieee(t00, a20) + _ieee(t10, a21), t22)
+    t32 = -_ieee(_ieee(t22, a32), t33)
+    t31 = -_ieee(_ieee(t11, a31) + _ieee(t21, a32), t33)
+    t30 = -_ieee(_ieee(t00, a30) + _ieee(t10, a31) + _ieee(t20, a32), t33)
     zero = tl.zeros([_SUB, _SUB], dtype=tl.float32)
-    _put_block(T_ptr, base, 0, 0, t00)
-    _put_block(T_ptr, base, 0, 1, zero)
-    _put_block(T_ptr, base, 0, 2, zero)
-    _put_block(T_ptr, base, 0, 3, zero)
-    _put_block(T_ptr, base, 1, 0, t10)
-    _put_block(T_ptr, base, 1, 1, t11)
-    _put_block(T_ptr, base, 1, 2, zero)
-    _put_block(T_ptr, base, 1, 3, zero)
-    _put_block(T_ptr, base, 2, 0, t20)
-    _put_block(T_ptr, base, 2, 1, t21)
-    _put_block(T_ptr, base, 2, 2, t22)
-    _put_block(T_ptr, base, 2, 3, zero)
-    _put_block(T_ptr, base, 3, 0, t30)
-    _put_block(T_ptr, base, 3, 1, t31)
-    _put_block(T_ptr, base, 3, 2, t32)
-    _put_block(T_ptr, base, 3, 3, t33)
+    _put_block_t(T_ptr, base, 0, 0, t00)
+    _put_block_t(T_ptr, base, 0, 1, zero)
+    _put_block_t(T_ptr, base, 0, 2, zero)
+    _put_block_t(T_ptr, base, 0, 3, zero)
+    _put_block_t(T_ptr, base, 1, 0, t10)
+    _put_block_t(T_ptr, base, 1, 1, t11)
+    _put_block_t(T_ptr, base, 1, 2, zero)
+    _put_block_t(T_ptr, base, 1, 3, zero)
+    _put_block_t(T_ptr, base, 2, 0, t20)
+    _put_block_t(T_ptr, base, 2, 1, t21)
+    _put_block_t(T_ptr, base, 2, 2, t22)
+    _put_block_t(T_ptr, base, 2, 3, zero)
+    _put_block_t(T_ptr, base, 3, 0, t30)
+    _put_block_t(T_ptr, base, 3, 1, t31)
+    _put_block_t(T_ptr, base, 3, 2, t32)
+    _put_block_t(T_ptr, base, 3, 3, t33)
 
 
 @triton.jit(do_not_specialize=["key_heads", "value_heads", "group"])
@@ -560,29 +641,17 @@ def _bwd_scores_kernel(v_ptr, beta_ptr, write_ptr, T_ptr, U_ptr, do_ptr, dU_ptr,
         tl.store(_at(dbeta_ptr, start, value_heads, hv, 1) + t * value_heads, d_beta, mask=valid)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "key_heads", "value_heads", "group"])
-def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr,
-                    do_ptr, dP_ptr, dA_ptr, dq_ptr, dk_ptr, derase_ptr, dbeta_ptr, dg_ptr, bounds_ptr,
-                    num_tokens, key_heads, value_heads, group, scale,
-                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                    G_MODE: tl.constexpr, ERASE: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
-    """dq, dk, the erase gate's gradient (or beta's share) and dg of one chunk, v head and block of
-    BK key channels. dq and dk are per v head; the per-token results (beta's share, and dg of a
-    per-head decay) are partial sums over the key blocks, at [kb, token, head]. dP and dA come
-    whole from _bwd_scores and are masked here, as they are used, so that their tiles reach tl.dot
-    from registers, not straight from memory. G_MODE is 1 or 2: without a decay the host passes a
-    zero per-head one (see "Hopper" in the module docstring)."""
-    c = tl.program_id(0).to(tl.int64)
-    hv = tl.program_id(1)
-    kb = tl.program_id(2)
-    c0 = kb * BK
-    hk = hv // group
-    start, count, t, valid = _chunk(bounds_ptr, c)
-    state_base = (c * value_heads + hv) * K * V
-    d_qg = tl.zeros([_C, BK], dtype=tl.float32)  # d(Gamma * q), from o's state term
-    d_us = tl.zeros([_C, BK], dtype=tl.float32)  # dU S_0^T: d(Gamma * a) = -T^T dU S_0^T
-    d_kd = tl.zeros([_C, BK], dtype=tl.float32)  # d(k Gamma_C / Gamma), from S_C
-    d_end = tl.zeros([BK], dtype=tl.float32)     # rowsum(S_0 * dS_C)
+@triton.jit
+def _qkg_state_terms(h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, start, t, valid, value_heads, hv, state_base,
+                     scale, c0, BK: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
+                     IEEE: tl.constexpr):
+    """The terms of _bwd_qkg from the states, for key channels c0.. (BK of them) of one chunk and v
+    head: d(Gamma * q) = dO' S_0^T (o's state term), dU S_0^T (d(Gamma * a) = -T^T dU S_0^T) and
+    d(k Gamma_C / Gamma) = U dS_C^T (from S_C), [64, BK] each, and rowsum(S_0 * dS_C) [BK]."""
+    d_qg = tl.zeros([_C, BK], dtype=tl.float32)
+    d_us = tl.zeros([_C, BK], dtype=tl.float32)
+    d_kd = tl.zeros([_C, BK], dtype=tl.float32)
+    d_end = tl.zeros([BK], dtype=tl.float32)
     for vb in range(0, V // BV):
         v0 = vb * BV
         state_t = _state_tile(h_ptr, state_base, c0, BK, v0, BV, V, True)
@@ -591,26 +660,80 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
         d_us += _mm(_tile(dU_ptr, start, t, valid, value_heads, hv, V, v0, BV, False), state_t, DOT, IEEE)
         d_kd += _mm(_tile(U_ptr, start, t, valid, value_heads, hv, V, v0, BV, False), d_state_t, DOT, IEEE)
         d_end += tl.sum(state_t * d_state_t, 0)
+    return d_qg, d_us, d_kd, d_end
+
+
+@triton.jit(do_not_specialize=["num_tokens", "key_heads", "value_heads", "group"])
+def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr,
+                    do_ptr, dP_ptr, dA_ptr, dq_ptr, dk_ptr, derase_ptr, dbeta_ptr, dg_ptr, bounds_ptr,
+                    num_tokens, key_heads, value_heads, group, scale,
+                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    G_MODE: tl.constexpr, ERASE: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """dq, dk (per v head), the erase gate's gradient (or beta's share) and dg of one chunk and v
+    head, BK key channels at a time. G_MODE is 1 or 2: without a decay the host passes a zero
+    per-head one (see "Hopper" in the module docstring). With one decay per head (grid [NC, Hv])
+    the program loops over the key blocks: it masks and decays the [64, 64] tiles of dP and dA
+    (and their transposes) once, before the loop, and sums dg and beta's share over the key blocks
+    itself. With one per key channel those tiles decay per channel: one program per key block
+    (grid [NC, Hv, K/BK]), and beta's share is a partial sum over the key blocks, at [kb, token,
+    head]. dP and dA come whole from _bwd_scores and are masked here, as they are used, so that
+    their tiles reach tl.dot from registers, not straight from memory."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    hk = hv // group
+    start, count, t, valid = _chunk(bounds_ptr, c)
+    state_base = (c * value_heads + hv) * K * V
     square = (c * value_heads + hv) * _C * _C
-    d_ga = -_mm(_square(T_ptr, square, True), d_us, DOT, IEEE)  # d(Gamma * a)
-    q = _rows(q_ptr, start, t, valid, key_heads, hk, K, c0, BK)
-    k = _rows(k_ptr, start, t, valid, key_heads, hk, K, c0, BK)
-    if ERASE:
-        gate = _rows(erase_ptr, start, t, valid, value_heads, hv, K, c0, BK)
-    else:
-        gate = _vec(beta_ptr, start, t, valid, value_heads, hv)[:, None]
-    a = k * gate
     last_row = count - 1
-    partial_start = kb.to(tl.int64) * num_tokens + start  # this key block's row of partial sums
     if G_MODE == 2:
+        kb = tl.program_id(2)
+        c0 = kb * BK
+        d_qg, d_us, d_kd, d_end = _qkg_state_terms(h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, start, t, valid,
+                                                   value_heads, hv, state_base, scale, c0, BK, V, BV, DOT, IEEE)
+        d_ga = -_mm(_square(T_ptr, square, True), d_us, DOT, IEEE)  # d(Gamma * a)
+        q = _rows(q_ptr, start, t, valid, key_heads, hk, K, c0, BK)
+        k = _rows(k_ptr, start, t, valid, key_heads, hk, K, c0, BK)
+        if ERASE:
+            gate = _rows(erase_ptr, start, t, valid, value_heads, hv, K, c0, BK)
+        else:
+            gate = _vec(beta_ptr, start, t, valid, value_heads, hv)[:, None]
+        a = k * gate
         blk = t // _SUB
         within = t % _SUB
         G = _rows(G_ptr, start, t, valid, value_heads, hv, K, c0, BK)
         G_end = _decay_row(G_ptr, start, count, value_heads, hv, K, count - 1, c0, BK)
-        d_q = tl.exp(G) * d_qg
-        d_a = tl.exp(G) * d_ga
+        # Diagonal sub-blocks, exactly: step j pairs each row with row 16 * blk + j of its
+        # sub-block, as its column (rows at or after it; for A after it) or as its row (rows up to
+        # it; for A before it), the pairs chosen by masking the per-row entries of dP and dA. They
+        # have accumulators of their own (in the layout of the loads, where those of the dots
+        # would cost layout conversions at every step) and come first, where fewer registers are
+        # live than around the dots.
+        d_q_diag = tl.zeros([_C, BK], dtype=tl.float32)
+        d_a_diag = tl.zeros([_C, BK], dtype=tl.float32)
+        d_k_diag = tl.zeros([_C, BK], dtype=tl.float32)
+        for j in range(0, _SUB):
+            other = blk * _SUB + j
+            other_valid = other < count
+            decay = tl.exp(-tl.abs(G - _rows(G_ptr, start, other, other_valid, value_heads, hv, K, c0, BK)))
+            k_decayed = _rows(k_ptr, start, other, other_valid, key_heads, hk, K, c0, BK) * decay
+            p_below = tl.load(dP_ptr + square + t * _C + other, mask=within >= j, other=0.0).to(tl.float32)
+            a_below = tl.load(dA_ptr + square + t * _C + other, mask=within > j, other=0.0).to(tl.float32)
+            p_above = tl.load(dP_ptr + square + other * _C + t, mask=within <= j, other=0.0).to(tl.float32)
+            a_above = tl.load(dA_ptr + square + other * _C + t, mask=within < j, other=0.0).to(tl.float32)
+            d_q_diag += p_below[:, None] * k_decayed
+            d_a_diag += a_below[:, None] * k_decayed
+            q_other = _rows(q_ptr, start, other, other_valid, key_heads, hk, K, c0, BK)
+            if ERASE:
+                gate_other = _rows(erase_ptr, start, other, other_valid, value_heads, hv, K, c0, BK)
+                a_above_gate = a_above[:, None] * gate_other
+            else:
+                a_above_gate = (a_above * _vec(beta_ptr, start, other, other_valid, value_heads, hv))[:, None]
+            d_k_diag += p_above[:, None] * q_other * decay + a_above_gate * k_decayed
+        d_q = tl.exp(G) * d_qg + d_q_diag
+        d_a = tl.exp(G) * d_ga + d_a_diag
         d_k = tl.exp(tl.minimum(G_end[None, :] - G, 0.0)) * d_kd
         d_G_end = tl.sum(k * d_k, 0) + tl.exp(G_end) * d_end
+        d_k += d_k_diag
         # Off-diagonal sub-blocks, referenced at the row sub-block's first token: the pairs (t, s)
         # of rows t in sub-block i and columns s before it.
         d_scores_p = _square(dP_ptr, square, False)
@@ -628,55 +751,63 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
             d_a += row_decay * _mm(tl.where(pairs, d_scores_a, 0.0), k_cols, DOT, IEEE)
             d_k += col_decay * (_mm(tl.where(pairs_t, d_scores_p_t, 0.0), q * row_decay, DOT, IEEE)
                                 + _mm(tl.where(pairs_t, d_scores_a_t, 0.0), a * row_decay, DOT, IEEE))
-        # Diagonal sub-blocks, exactly: step j pairs each row with row 16 * blk + j of its
-        # sub-block, as its column (rows at or after it; for A after it) or as its row (rows up to
-        # it; for A before it).
-        for j in range(0, _SUB):
-            other = blk * _SUB + j
-            other_valid = other < count
-            k_other = _rows(k_ptr, start, other, other_valid, key_heads, hk, K, c0, BK)
-            q_other = _rows(q_ptr, start, other, other_valid, key_heads, hk, K, c0, BK)
-            if ERASE:
-                a_other = k_other * _rows(erase_ptr, start, other, other_valid, value_heads, hv, K, c0, BK)
-            else:
-                a_other = k_other * _vec(beta_ptr, start, other, other_valid, value_heads, hv)[:, None]
-            decay = tl.exp(-tl.abs(G - _rows(G_ptr, start, other, other_valid, value_heads, hv, K, c0, BK)))
-            below = tl.where((within >= j)[:, None], decay, 0.0)
-            above = tl.where((within <= j)[:, None], decay, 0.0)
-            p_below = tl.load(dP_ptr + square + t * _C + other).to(tl.float32)
-            a_below = tl.load(dA_ptr + square + t * _C + other, mask=within > j, other=0.0).to(tl.float32)
-            p_above = tl.load(dP_ptr + square + other * _C + t).to(tl.float32)
-            a_above = tl.load(dA_ptr + square + other * _C + t, mask=within < j, other=0.0).to(tl.float32)
-            d_q += p_below[:, None] * k_other * below
-            d_a += a_below[:, None] * k_other * below
-            d_k += (p_above[:, None] * q_other + a_above[:, None] * a_other) * above
         d_G = q * d_q + a * d_a - k * d_k
         d_G += tl.where((t == last_row)[:, None], d_G_end[None, :], 0.0)
         _put(dg_ptr, start, t, valid, value_heads, hv, K, c0, BK, tl.cumsum(d_G, 0, reverse=True))
+        _put(dq_ptr, start, t, valid, value_heads, hv, K, c0, BK, d_q)
+        _put(dk_ptr, start, t, valid, value_heads, hv, K, c0, BK, d_k + gate * d_a)
+        if ERASE:
+            _put(derase_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * d_a)
+        else:
+            partial_start = kb.to(tl.int64) * num_tokens + start  # this key block's row of partial sums
+            tl.store(_at(dbeta_ptr, partial_start, value_heads, hv, 1) + t * value_heads, tl.sum(k * d_a, 1),
+                     mask=valid)
     else:
-        d_scores_p = tl.where(t[:, None] >= t[None, :], _square(dP_ptr, square, False), 0.0)
-        d_scores_a = tl.where(t[:, None] > t[None, :], _square(dA_ptr, square, False), 0.0)
-        d_scores_p_t = tl.where(t[:, None] <= t[None, :], _square(dP_ptr, square, True), 0.0)
-        d_scores_a_t = tl.where(t[:, None] < t[None, :], _square(dA_ptr, square, True), 0.0)
         G = _vec(G_ptr, start, t, valid, value_heads, hv)
-        G_end = tl.load(_at(G_ptr, start, value_heads, hv, 1) + (count - 1) * value_heads)
-        d_k = tl.exp(tl.minimum(G_end - G, 0.0))[:, None] * d_kd
-        d_G_end = tl.sum(tl.sum(k * d_k, 1), 0) + tl.exp(G_end) * tl.sum(d_end, 0)
+        G_end = tl.load(_at(G_ptr, start, value_heads, hv, 1) + last_row * value_heads)
         decay = tl.exp(tl.minimum(G[:, None] - G[None, :], 0.0))  # [t, s]
-        d_q = tl.exp(G)[:, None] * d_qg + _mm(d_scores_p * decay, k, DOT, IEEE)
-        d_a = tl.exp(G)[:, None] * d_ga + _mm(d_scores_a * decay, k, DOT, IEEE)
         decay_t = tl.exp(tl.minimum(G[None, :] - G[:, None], 0.0))  # [s, t]
-        d_k += _mm(d_scores_p_t * decay_t, q, DOT, IEEE) + _mm(d_scores_a_t * decay_t, a, DOT, IEEE)
-        d_G = tl.sum(q * d_q + a * d_a - k * d_k, 1) + tl.where(t == last_row, d_G_end, 0.0)
-        tl.store(_at(dg_ptr, partial_start, value_heads, hv, 1) + t * value_heads,
-                 tl.cumsum(d_G, 0, reverse=True), mask=valid)
-    _put(dq_ptr, start, t, valid, value_heads, hv, K, c0, BK, d_q)
-    _put(dk_ptr, start, t, valid, value_heads, hv, K, c0, BK, d_k + gate * d_a)
-    if ERASE:
-        _put(derase_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * d_a)
-    else:
-        tl.store(_at(dbeta_ptr, partial_start, value_heads, hv, 1) + t * value_heads, tl.sum(k * d_a, 1),
+        # The operands shared by all key blocks, in the dot dtype (the compiler keeps them in shared
+        # memory through the loop).
+        d_scores_p = (tl.where(t[:, None] >= t[None, :], _square(dP_ptr, square, False), 0.0) * decay).to(DOT)
+        d_scores_a = (tl.where(t[:, None] > t[None, :], _square(dA_ptr, square, False), 0.0) * decay).to(DOT)
+        d_scores_p_t = (tl.where(t[:, None] <= t[None, :], _square(dP_ptr, square, True), 0.0) * decay_t).to(DOT)
+        d_scores_a_t = (tl.where(t[:, None] < t[None, :], _square(dA_ptr, square, True), 0.0) * decay_t).to(DOT)
+        inverse_t = _square(T_ptr, square, True)
+        if not ERASE:
+            beta = _vec(beta_ptr, start, t, valid, value_heads, hv)
+            d_beta = tl.zeros([_C], dtype=tl.float32)
+        d_G = tl.zeros([_C], dtype=tl.float32)
+        for kb in range(0, K // BK):
+            c0 = kb * BK
+            d_qg, d_us, d_kd, d_end = _qkg_state_terms(h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, start, t, valid,
+                                                       value_heads, hv, state_base, scale, c0, BK, V, BV, DOT,
+                                                       IEEE)
+            d_ga = -_mm(inverse_t, d_us, DOT, IEEE)  # d(Gamma * a)
+            q = _rows(q_ptr, start, t, valid, key_heads, hk, K, c0, BK)
+            k = _rows(k_ptr, start, t, valid, key_heads, hk, K, c0, BK)
+            if ERASE:
+                gate = _rows(erase_ptr, start, t, valid, value_heads, hv, K, c0, BK)
+            else:
+                gate = beta[:, None]
+            a = k * gate
+            d_k = tl.exp(tl.minimum(G_end - G, 0.0))[:, None] * d_kd
+            d_G_end = tl.sum(tl.sum(k * d_k, 1), 0) + tl.exp(G_end) * tl.sum(d_end, 0)
+            d_q = tl.exp(G)[:, None] * d_qg + _mm(d_scores_p, k, DOT, IEEE)
+            d_a = tl.exp(G)[:, None] * d_ga + _mm(d_scores_a, k, DOT, IEEE)
+            d_k += _mm(d_scores_p_t, q, DOT, IEEE) + _mm(d_scores_a_t, a, DOT, IEEE)
+            d_G += tl.sum(q * d_q + a * d_a - k * d_k, 1) + tl.where(t == last_row, d_G_end, 0.0)
+            _put(dq_ptr, start, t, valid, value_heads, hv, K, c0, BK, d_q)
+            _put(dk_ptr, start, t, valid, value_heads, hv, K, c0, BK, d_k + gate * d_a)
+            if ERASE:
+                _put(derase_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * d_a)
+            else:
+                d_beta += tl.sum(k * d_a, 1)
+        tl.store(_at(dg_ptr, start, value_heads, hv, 1) + t * value_heads, tl.cumsum(d_G, 0, reverse=True),
                  mask=valid)
+        if not ERASE:
+            tl.store(_at(dbeta_ptr, start, value_heads, hv, 1) + t * value_heads, d_beta, mask=valid)
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -740,9 +871,13 @@ class _Config:
         self.block_v = min(value_dim, 64)
         self.score_block_k = min(key_dim, 32)  # _fwd_scores
         self.qkg_block_k = min(key_dim, 16 if self.g_mode == 2 else 32)  # _bwd_qkg
-        self.qkg_warps = 8 if self.store_dtype == torch.float32 else 4  # _bwd_qkg
+        fp32 = self.store_dtype == torch.float32
+        self.qkg_warps = 8 if fp32 else 4  # _bwd_qkg
         self.score_block_v = min(value_dim, 32)  # _bwd_scores
-        self.state_block_v = min(value_dim, 64, max(16, 4096 // key_dim))  # the sequential kernels
+        self.score_warps = 8 if fp32 else 4  # _bwd_scores
+        self.state_block_v = min(value_dim, 64, max(16, 4096 // key_dim))  # _fwd_state
+        # _bwd_state: 64 up to K = 128 on tensor cores (at K = 256 the shared memory would not fit)
+        self.bwd_state_block_v = self.state_block_v if fp32 or key_dim > 128 else min(value_dim, 64)
 
     def empty(self, *shape, dtype=None):
         """A new tensor on the device, [tokens, Hv, *shape] (no shape: one value per token), in the
@@ -818,10 +953,10 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
     dh = torch.empty(NC, Hv, K, V, device=device, dtype=cfg.store_dtype)
     dU = cfg.empty(V, dtype=torch.float32)
     dh0 = torch.empty(cfg.num_states, Hv, K, V, device=device, dtype=torch.float32)
-    _bwd_state_kernel[(cfg.num_states, Hv, V // cfg.state_block_v)](
+    _bwd_state_kernel[(cfg.num_states, Hv, V // cfg.bwd_state_block_v)](
         q, k, G, W, KD, QG, P, d_o, dummy if d_residual is None else d_residual, d_final, dh, dU, dh0,
         cfg.bounds, cfg.seq_chunks, Hk, Hv, cfg.group, cfg.scale,
-        K=K, V=V, BV=cfg.state_block_v, G_MODE=cfg.g_mode, HAS_DR=d_residual is not None,
+        K=K, V=V, BV=cfg.bwd_state_block_v, G_MODE=cfg.g_mode, HAS_DR=d_residual is not None,
         num_warps=8, num_stages=stages, **cfg.flags)
 
     per_v_head = cfg.group > 1  # q/k gradients per v head, summed over each group below
@@ -830,25 +965,31 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
     dv = torch.empty_like(v)
     dwrite = torch.empty_like(write) if cfg.write else None
     derase = torch.empty_like(erase) if cfg.erase else None
-    key_blocks = K // cfg.qkg_block_k
     dbeta_v = None if cfg.write else cfg.empty(dtype=torch.float32)
-    dbeta_k = None if cfg.erase else torch.empty(key_blocks, tokens, Hv, device=device, dtype=torch.float32)
     # _bwd_qkg always takes a decay: without one, a zero per-head decay (see "Hopper" above), and
-    # the gradient it then finds for it is dropped.
+    # the gradient it then finds for it is dropped. With a per-channel decay it runs a program per
+    # block of key channels, and beta's share comes in partial sums over them, one row each (summed
+    # below); with one per head a program takes all K.
     qkg_mode = max(cfg.g_mode, 1)
     G_qkg = G if cfg.g_mode != 0 else torch.zeros(tokens, Hv, device=device, dtype=torch.float32)
     if cfg.g_mode == 2:
+        qkg_grid = (NC, Hv, K // cfg.qkg_block_k)
+        dbeta_k_shape = (qkg_grid[2], tokens, Hv)
         dg = torch.empty_like(g)
     else:
-        dg = torch.empty(key_blocks, tokens, Hv, device=device, dtype=torch.float32)
+        qkg_grid = (NC, Hv)
+        dbeta_k_shape = (tokens, Hv)
+        dg = cfg.empty(dtype=torch.float32)
+    dbeta_k = None if cfg.erase else torch.empty(dbeta_k_shape, device=device, dtype=torch.float32)
     if NC > 0:
         dP = torch.empty(NC, Hv, _C.value, _C.value, device=device, dtype=cfg.store_dtype)
         dA = torch.empty_like(dP)
         _bwd_scores_kernel[(NC, Hv)](
             v, beta_, write_, T, U, d_o, dU, dP, dA, dv, dummy if dwrite is None else dwrite,
             dummy if dbeta_v is None else dbeta_v, cfg.bounds, Hv, cfg.scale,
-            V=V, BV=cfg.score_block_v, WRITE=cfg.write, num_warps=8, num_stages=stages, **cfg.flags)
-        _bwd_qkg_kernel[(NC, Hv, key_blocks)](
+            V=V, BV=cfg.score_block_v, WRITE=cfg.write, num_warps=cfg.score_warps, num_stages=stages,
+            **cfg.flags)
+        _bwd_qkg_kernel[qkg_grid](
             q, k, beta_, erase_, G_qkg, T, h, dh, U, dU, d_o, dP, dA, dq, dk,
             dummy if derase is None else derase, dummy if dbeta_k is None else dbeta_k,
             dg, cfg.bounds, tokens, Hk, Hv, cfg.group, cfg.scale,
@@ -866,10 +1007,12 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
 
     d_beta = None
     if beta is not None:
-        parts = [part for part in (dbeta_v, None if dbeta_k is None else dbeta_k.sum(0)) if part is not None]
+        if dbeta_k is not None and cfg.g_mode == 2:
+            dbeta_k = dbeta_k.sum(0)  # over the key blocks
+        parts = [part for part in (dbeta_v, dbeta_k) if part is not None]
         d_beta = sum(parts).to(beta.dtype)
     if cfg.g_mode == 1:
-        dg = dg.sum(0).to(g.dtype)
+        dg = dg.to(g.dtype)
     elif cfg.g_mode == 0:
         dg = None
     d_initial = None if initial_state is None else dh0.to(initial_state.dtype)
