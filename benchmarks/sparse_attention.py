@@ -22,6 +22,7 @@ Ops (``--ops`` takes families, e.g. ``moba``, backends, e.g. ``flex``, or single
 
 each with the backends of ``megatron_ext.kernels.sparse``: flex (FlexAttention, compiled; CUDA
 only, its CPU form has no backward) and gathered (PyTorch); swa_sink and causal_sink also with
+flash (torch's FlashAttention-2 kernels, the sink through their log-sum-exp; CUDA only) and
 fla (fla-core's ``parallel_attn`` with ``window_size`` and ``sink_bias``; CUDA only, skipped
 where fla-core does not import). Before an fla op's first timing, fla's op and ours (flex) are
 each compared with the fp32 reference on one sequence of 2 * ``--window`` tokens, output and
@@ -78,6 +79,7 @@ INPUTS = {"swa_sink": ["q", "k", "v", "sink"], "causal_sink": ["q", "k", "v", "s
           "csa": ["q", "k", "v", "sink", "kv2", "gate2", "bias2", "index_q", "index_kv", "index_gate",
                   "index_bias", "index_weights"]}
 BACKENDS = ["flex", "gathered"]
+FLASH_FAMILIES = ["swa_sink", "causal_sink"]  # what softmax_attention's "flash" backend runs
 FLA_FAMILIES = ["swa_sink", "causal_sink"]  # what fla-core's parallel_attn runs
 # The largest relative error (output or any gradient) fla's op may have against the fp32
 # reference, or twice our op's where that is larger. bf16 rounding gives a few 1e-3; a sink in
@@ -245,6 +247,9 @@ def build_ops(args) -> list:
             elif backend == "flex" and device.type != "cuda":
                 skip = "FlexAttention has no backward on the CPU"
             ops.append(bench.Op(family, backend, make, family_run(family, backend, args), skip))
+        if family in FLASH_FAMILIES:
+            skip = None if device.type == "cuda" else "FlashAttention runs on CUDA only"
+            ops.append(bench.Op(family, "flash", make, family_run(family, "flash", args), skip))
         if family in FLA_FAMILIES:
             check = functools.cache(functools.partial(fla_check, family, args))
             ops.append(bench.Op(family, "fla", make, family_run(family, "fla", args), fla_skip, check))

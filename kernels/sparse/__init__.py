@@ -7,7 +7,11 @@ Backends, with one signature per op:
                 the key blocks it visits; any device, memory linear in T (gathered.py)
     flex        the same layout as a FlexAttention BlockMask; compiled on CUDA; on the CPU
                 forward only (flex.py)
-"auto" is flex on CUDA (head dims of 16 or more) and gathered elsewhere.
+    flash       ``softmax_attention`` only: torch's FlashAttention-2 kernels with the sink
+                applied through their log-sum-exp; CUDA, fp16/bf16, no extra mask (flash.py)
+"auto" is flex on CUDA (head dims of 16 or more) and gathered elsewhere; for
+``softmax_attention`` it is flash where flash.py covers the call and has passed its first-use
+check on the device.
 ``layout_blocks=(q_block, kv_block)`` overrides the layout's block sizes (defaults: 128 x 128
 for flex, 64 x 64 for gathered; 16 x 64 for NSA's selected branch in gathered, whose queries
 pick their own blocks); the result does not depend on them.
@@ -29,6 +33,7 @@ import torch
 
 from .compressed import (compress_blocks, compressed_entries, compressed_layout, first_tokens,
                          window_and_selected, with_entries)
+from . import flash
 from .flex import flex_attention_layout
 from .gathered import gathered_attention
 from .layout import (allowed_rule, both, compress, document_rule, interval_layout, moba_chosen,
@@ -89,9 +94,17 @@ def softmax_attention(q, k, v, *, causal=True, window=None, sink=None, scale=Non
     (Megatron's convention: query t sees keys t - left .. t + right, -1 unbounded), learnable
     sink ``[Hq]`` (``exp(sink_h)`` added to the softmax denominator), packed sequences
     (``cu_seqlens [N + 1]``, B == 1) and extra bool mask ``allowed`` ``[B | 1, Hq | 1, T, S]``
-    (True = may attend). q ``[B, T, Hq, D]``, k, v ``[B, S, Hkv, D]`` -> ``[B, T, Hq, D]``."""
+    (True = may attend). q ``[B, T, Hq, D]``, k, v ``[B, S, Hkv, D]`` -> ``[B, T, Hq, D]``.
+    Backends as the module's, plus "flash" (flash.py)."""
     check_qkv(OP, q, k, v)
     _check_sink(sink, q)
+    if backend in ("flash", "auto"):
+        reason = flash.unavailable_reason(q, k, v, allowed=allowed)
+        if backend == "flash" and reason is not None:
+            raise ValueError(f"{OP}: backend='flash' cannot run this call: {reason}")
+        if reason is None and (backend == "flash" or flash.checked(q.device, q.dtype)):
+            return flash.flash_attention(q, k, v, causal=causal, window=window, sink=sink,
+                                         scale=scale, cu_seqlens=cu_seqlens)
     name = _backend(backend, q)
     if name == "reference":
         return softmax_attention_reference(q, k, v, causal=causal, window=window, sink=sink,

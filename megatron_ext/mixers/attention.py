@@ -20,7 +20,9 @@ The options every softmax layer of ours takes (this core and the sparse ones of
 
 Output gating and QK-norm are SelfAttention's own (``attention_output_gate``, ``qk_layernorm``):
 they act on the projections around the core, for every core. A window or a sink moves this core
-from SDPA to :func:`megatron_ext.kernels.sparse.softmax_attention` (FlexAttention on CUDA).
+from SDPA to :func:`megatron_ext.kernels.sparse.softmax_attention` (on CUDA, torch's
+FlashAttention-2 kernels with the sink applied through their log-sum-exp, or FlexAttention for
+what they do not cover, such as an extra mask).
 Under context parallelism the SDPA core gathers keys and values over the CP group
 (:mod:`megatron_ext.parallel.attention` says why); the other cores refuse CP by name.
 """

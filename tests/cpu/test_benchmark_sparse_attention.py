@@ -1,4 +1,4 @@
-"""benchmarks/sparse_attention.py on the CPU: the fla ops are skipped with the reason, --resume
+"""benchmarks/sparse_attention.py on the CPU: the flash and fla ops are skipped with the reason, --resume
 measures only the missing (op, T) rows, and the check before an fla op's timing passes a kernel
 with fla-core's documented semantics (fla-core 0.6.0's parallel_attn, written out densely here:
 fla-core itself needs CUDA) and keeps a wrong one from being timed."""
@@ -30,16 +30,18 @@ def test_fla_skipped_on_cpu_and_resume_measures_only_the_missing_rows(benchmark,
     out = tmp_path / "sparse.json"
     benchmark.main(SMALL + ["--seq-lens", "128", "--ops", "swa_sink,sdpa", "--out", str(out)])
     first = json.loads(out.read_text())["results"]
-    assert [r["op"] for r in first] == ["swa_sink/flex", "swa_sink/gathered", "swa_sink/fla", "sdpa/torch"]
-    fla = first[2]
+    assert [r["op"] for r in first] == ["swa_sink/flex", "swa_sink/gathered", "swa_sink/flash",
+                                        "swa_sink/fla", "sdpa/torch"]
+    flash, fla = first[2:4]
+    assert "fwd_ms" not in flash and "CUDA only" in flash["fwd_error"]
     assert "fwd_ms" not in fla and "fla-core" in fla["fwd_error"] and "fla-core" in fla["fwd_bwd_error"]
 
     benchmark.main(SMALL + ["--seq-lens", "128,256", "--ops", "swa_sink/gathered,sdpa", "--out", str(out),
                             "--resume"])
     second = json.loads(out.read_text())["results"]
-    assert second[:4] == first  # kept as they were, not measured again
-    assert [(r["op"], r["seq_len"]) for r in second[4:]] == [("swa_sink/gathered", 256), ("sdpa/torch", 256)]
-    assert all(r["fwd_bwd_ms"] > 0 for r in second[4:])
+    assert second[:5] == first  # kept as they were, not measured again
+    assert [(r["op"], r["seq_len"]) for r in second[5:]] == [("swa_sink/gathered", 256), ("sdpa/torch", 256)]
+    assert all(r["fwd_bwd_ms"] > 0 for r in second[5:])
 
 
 def documented_parallel_attn(q, k, v, g=None, scale=None, window_size=None, cu_seqlens=None,

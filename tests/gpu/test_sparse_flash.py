@@ -1,0 +1,104 @@
+"""CUDA checks (skipped without a GPU) of softmax_attention's "flash" backend
+(kernels/sparse/flash.py: torch's FlashAttention-2 kernels, the sink through their log-sum-exp)
+against the fp32 reference, forward and backward (q, k, v and the sink), in bf16 and fp16:
+causal, causal with a window, a two-sided window without causality, packed sequences (one
+empty, one across the window), grouped heads, and lengths of 1, 63, 64, 65 and 1000 tokens; a
+sink of -inf; its first-use check; and "auto" choosing it for a window or sink on a GPU.
+
+Tolerance: relative error (Frobenius norm) 2e-2 on the output and each gradient, the first-use
+check's (flash.CHECK_TOLERANCE): the kernels round q, k, v, P and o to 16 bits (about 2^-8
+each); a wrong sink, scale or window is 1e-1 or more off.
+"""
+import pytest
+import torch
+
+from megatron_ext.kernels import sparse
+from megatron_ext.kernels.selfcheck import relative_error
+from megatron_ext.kernels.sparse import flash
+
+pytestmark = pytest.mark.gpu
+
+HQ, HKV, D = 4, 2, 64
+OPTIONS = {
+    "causal": dict(causal=True),
+    "causal+window": dict(causal=True, window=(150, 0)),
+    "two-sided window": dict(causal=False, window=(40, 25)),
+    "full": dict(causal=False),
+}
+PACKED = [0, 37, 37, 300, 1000]
+
+
+def _run(backend, leaves, grad, dtype, **options):
+    inputs = {name: (x.to(dtype) if name != "sink" else x).detach().requires_grad_()
+              for name, x in leaves.items()}
+    out = sparse.softmax_attention(inputs["q"], inputs["k"], inputs["v"], sink=inputs.get("sink"),
+                                   backend=backend, **options)
+    grads = torch.autograd.grad(out.float(), list(inputs.values()), grad)
+    return {"o": out.float(), **{f"grad_{n}": g.float() for n, g in zip(inputs, grads)}}
+
+
+def _leaves(batch, seq_len, sink=True, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = {"q": torch.randn(batch, seq_len, HQ, D, device="cuda", generator=g),
+         "k": torch.randn(batch, seq_len, HKV, D, device="cuda", generator=g),
+         "v": torch.randn(batch, seq_len, HKV, D, device="cuda", generator=g)}
+    if sink:
+        x["sink"] = torch.randn(HQ, device="cuda", generator=g)
+    grad = torch.randn(batch, seq_len, HQ, D, device="cuda", generator=g)
+    return x, grad
+
+
+def _compare(leaves, grad, dtype, **options):
+    got = _run("flash", leaves, grad, dtype, **options)
+    want = _run("reference", leaves, grad, torch.float32, **options)
+    errors = {name: relative_error(got[name], want[name]) for name in want}
+    over = {name: f"{e:.2e}" for name, e in errors.items() if not e <= flash.CHECK_TOLERANCE}
+    assert not over, f"{dtype} {options}: {over}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize("seq_len", [1, 63, 64, 65, 1000])
+def test_matches_reference(seq_len, options, dtype):
+    leaves, grad = _leaves(2, seq_len)
+    _compare(leaves, grad, dtype, **OPTIONS[options])
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+def test_packed_sequences(options):
+    leaves, grad = _leaves(1, PACKED[-1])
+    _compare(leaves, grad, torch.bfloat16, cu_seqlens=torch.tensor(PACKED, device="cuda"),
+             **OPTIONS[options])
+
+
+def test_without_sink():
+    leaves, grad = _leaves(2, 300, sink=False)
+    _compare(leaves, grad, torch.bfloat16, causal=True, window=(100, 0))
+
+
+def test_sink_of_minus_infinity_is_plain_softmax():
+    leaves, _ = _leaves(2, 300)
+    q, k, v = (leaves[n].bfloat16() for n in ("q", "k", "v"))
+    sink = torch.full((HQ,), float("-inf"), device="cuda")
+    with_sink = sparse.softmax_attention(q, k, v, sink=sink, backend="flash")
+    torch.testing.assert_close(with_sink, sparse.softmax_attention(q, k, v, backend="flash"),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_first_use_check_passes(dtype):
+    flash.checked.cache_clear()
+    assert flash.checked(torch.device("cuda", torch.cuda.current_device()), dtype)
+
+
+def test_auto_runs_flash_for_a_window_or_sink(monkeypatch):
+    calls = []
+    run = flash.flash_attention
+    monkeypatch.setattr(flash, "flash_attention", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    leaves, _ = _leaves(2, 200)
+    q, k, v = (leaves[n].bfloat16() for n in ("q", "k", "v"))
+    sparse.softmax_attention(q, k, v, window=(50, 0), sink=leaves["sink"], backend="auto")
+    assert len(calls) == 1
+    allowed = torch.ones(1, 1, 200, 200, dtype=torch.bool, device="cuda").tril()
+    sparse.softmax_attention(q, k, v, sink=leaves["sink"], allowed=allowed, backend="auto")
+    assert len(calls) == 1  # an extra mask goes to FlexAttention
