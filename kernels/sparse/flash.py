@@ -151,7 +151,7 @@ def _check(device: torch.device, dtype: torch.dtype) -> None:
     calls = [(dict(batch=1, seq_len=101, cu_seqlens=torch.tensor([0, 37, 101], device=device)),
               dict(causal=True, window=(17, 0), sink=True)),
              (dict(batch=2, seq_len=70, cu_seqlens=None), dict(causal=False, window=None, sink=False))]
-    with torch.autocast(device.type, enabled=False):
+    with torch.autocast(device.type, enabled=False), torch.enable_grad():
         for shape, options in calls:
             q = torch.randn(shape["batch"], shape["seq_len"], 4, 64, device=device, generator=generator)
             k, v = (torch.randn(shape["batch"], shape["seq_len"], 2, 64, device=device,
