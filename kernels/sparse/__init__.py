@@ -7,11 +7,11 @@ Backends, with one signature per op:
                 the key blocks it visits; any device, memory linear in T (gathered.py)
     flex        the same layout as a FlexAttention BlockMask; compiled on CUDA; on the CPU
                 forward only (flex.py)
-    flash       ``softmax_attention`` only: torch's FlashAttention-2 kernels with the sink
-                applied through their log-sum-exp; CUDA, fp16/bf16, no extra mask (flash.py)
-"auto" is flex on CUDA (head dims of 16 or more) and gathered elsewhere; for
-``softmax_attention`` it is flash where flash.py covers the call and has passed its first-use
-check on the device.
+    flash       ``softmax_attention`` and ``moba_attention`` (no window) only: torch's
+                FlashAttention-2 kernels with the sink applied through their log-sum-exp; CUDA,
+                fp16/bf16, no extra mask (flash.py)
+"auto" is flex on CUDA (head dims of 16 or more) and gathered elsewhere; for those two ops it
+is flash where flash.py covers the call and has passed its first-use check on the device.
 ``layout_blocks=(q_block, kv_block)`` overrides the layout's block sizes (defaults: 128 x 128
 for flex, 64 x 64 for gathered; 16 x 64 for NSA's selected branch in gathered, whose queries
 pick their own blocks); the result does not depend on them.
@@ -76,6 +76,21 @@ def _backend(backend: str, q: torch.Tensor) -> str:
     return backend
 
 
+def _runs_flash(backend: str, q, k, v, allowed, supported=True) -> bool:
+    """Whether this call runs on flash.py: asked for ("flash", which raises ValueError with the
+    reason where it cannot), or "auto" where flash.py covers the call and has passed its
+    first-use check on this device and dtype. ``supported``: True, or what of the call's own
+    options flash.py does not take."""
+    if backend not in ("flash", "auto"):
+        return False
+    reason = flash.unavailable_reason(q, k, v, allowed=allowed)
+    if reason is None and supported is not True:
+        reason = f"flash.py does not take {supported}"
+    if backend == "flash" and reason is not None:
+        raise ValueError(f"{OP}: backend='flash' cannot run this call: {reason}")
+    return reason is None and (backend == "flash" or flash.checked(q.device, q.dtype))
+
+
 def _blocks(name: str, layout_blocks, gathered_default=(64, 64)):
     if layout_blocks is not None:
         return layout_blocks
@@ -98,13 +113,9 @@ def softmax_attention(q, k, v, *, causal=True, window=None, sink=None, scale=Non
     Backends as the module's, plus "flash" (flash.py)."""
     check_qkv(OP, q, k, v)
     _check_sink(sink, q)
-    if backend in ("flash", "auto"):
-        reason = flash.unavailable_reason(q, k, v, allowed=allowed)
-        if backend == "flash" and reason is not None:
-            raise ValueError(f"{OP}: backend='flash' cannot run this call: {reason}")
-        if reason is None and (backend == "flash" or flash.checked(q.device, q.dtype)):
-            return flash.flash_attention(q, k, v, causal=causal, window=window, sink=sink,
-                                         scale=scale, cu_seqlens=cu_seqlens)
+    if _runs_flash(backend, q, k, v, allowed):
+        return flash.flash_attention(q, k, v, causal=causal, window=window, sink=sink,
+                                     scale=scale, cu_seqlens=cu_seqlens)
     name = _backend(backend, q)
     if name == "reference":
         return softmax_attention_reference(q, k, v, causal=causal, window=window, sink=sink,
@@ -139,6 +150,9 @@ def moba_attention(q, k, v, *, block_size, top_k, window=None, sink=None, scale=
     if k.shape[1] != seq_len:
         raise ValueError(f"{OP}: MoBA is self-attention; k has {k.shape[1]} tokens, q {seq_len}")
     _check_top_k(top_k, math.ceil(seq_len / block_size), f"MoBA with block_size={block_size}")
+    if _runs_flash(backend, q, k, v, allowed, window is None or "a sliding window"):
+        return flash.moba_attention(q, k, v, block_size=block_size, top_k=top_k, sink=sink,
+                                    scale=scale)
     name = _backend(backend, q)
     if name == "reference":
         return moba_attention_reference(q, k, v, block_size=block_size, top_k=top_k,

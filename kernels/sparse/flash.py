@@ -18,20 +18,34 @@ given ``L'`` and ``o'`` instead, those are the sink softmax's own probabilities 
 is one more column, with a zero value vector). The sink's own gradient is
 ``d s_h = -sum over the rows of head h of exp(s_h - L') * D``.
 
-The kernels run only after a first-use check per device and dtype (:func:`checked`): a small
-call with a window, a sink, grouped heads and packed sequences, forward and backward, against
-the fp32 reference; a failure is logged once and "auto" keeps FlexAttention.
+The same identity splits one softmax over disjoint sets of keys: run each set as its own
+attention, merge the outputs with weights ``exp(L_i - L)`` where ``L`` is the log-sum-exp over
+all sets (and the sink), and in the backward give each set's kernel the merged output and ``L``.
+:func:`moba_attention` does so for MoBA (Lu et al., "MoBA: Mixture of Block Attention for
+Long-Context LLMs", 2025, whose own implementation also splits the query's own block from the
+blocks it selected): every block attends to itself causally (one packed call, all heads), and
+every (batch, head, selected earlier block) is one packed sequence of the queries that chose it
+against that block's keys (one call with one head per row). The work is then that of the
+selected blocks, where a block mask over 128-query tiles covers the union of what every query
+of the tile chose.
+
+The kernels run only after a first-use check per device and dtype (:func:`checked`): small
+calls (a window, a sink, grouped heads, packed sequences; MoBA with a partial last block),
+forward and backward, against the fp32 reference; a failure is logged once and "auto" keeps
+FlexAttention.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
 import torch
 
-from .reference import OP, softmax_attention_reference
+from .layout import moba_chosen
+from .reference import OP, moba_attention_reference, softmax_attention_reference
 
-__all__ = ["flash_attention", "unavailable_reason", "checked"]
+__all__ = ["flash_attention", "moba_attention", "unavailable_reason", "checked"]
 
 _log = logging.getLogger(__name__)
 
@@ -60,21 +74,33 @@ def unavailable_reason(q, k, v, *, allowed=None) -> str | None:
     return None
 
 
-def _kernel_forward(q, k, v, cu_seqlens, max_len, causal, left, right, scale):
-    """FlashAttention-2 forward on packed ``[total, H, D]`` inputs: ``(o, lse [H, total])``."""
+def _kernel_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
+    """FlashAttention-2 forward on packed ``[total, H, D]`` inputs: ``(o, lse [H, total_q])``."""
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, causal, False, scale=scale,
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
         window_size_left=left, window_size_right=right)
+    if lse.shape != (q.shape[1], q.shape[0]):
+        raise RuntimeError(f"{OP}: FlashAttention returned a log-sum-exp of shape "
+                           f"{tuple(lse.shape)}, expected [H, total] = {[q.shape[1], q.shape[0]]}")
     return out, lse
 
 
-def _kernel_backward(d_out, q, k, v, out, lse, cu_seqlens, max_len, causal, left, right, scale):
+def _kernel_backward(d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, left, right,
+                     scale):
     """FlashAttention-2 backward: ``(dq, dk, dv)`` from the output and log-sum-exp given."""
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: unused
     unused = torch.empty(0, device=q.device)
     return torch.ops.aten._flash_attention_backward(
-        d_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, causal,
-        rng_state, unused, scale=scale, window_size_left=left, window_size_right=right)
+        d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused,
+        scale=scale, window_size_left=left, window_size_right=right)
+
+
+def _sink_gradient(sink, d_out, out, lse_rows):
+    """``d s_h = -sum exp(s_h - L') * rowsum(dO * o')`` over the rows ``[rows, H, D]`` of head h
+    (``lse_rows [rows, H]``, the log-sum-exp with the sink)."""
+    wide = torch.promote_types(out.dtype, torch.float32)
+    delta = (d_out.to(wide) * out.to(wide)).sum(-1)
+    return -(torch.exp(sink.float() - lse_rows) * delta).sum(0).to(sink.dtype)
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -83,29 +109,25 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sink, cu_seqlens, max_len, causal, left, right, scale):
-        out, lse = _kernel_forward(q, k, v, cu_seqlens, max_len, causal, left, right, scale)
-        if lse.shape != (q.shape[1], q.shape[0]):
-            raise RuntimeError(f"{OP}: FlashAttention returned a log-sum-exp of shape "
-                               f"{tuple(lse.shape)}, expected [H, total] = {[q.shape[1], q.shape[0]]}")
+        options = (cu_seqlens, cu_seqlens, max_len, max_len, causal, left, right, scale)
+        out, lse = _kernel_forward(q, k, v, *options)
         if sink is not None:
             with_sink = torch.logaddexp(lse, sink.float()[:, None])
             wide = torch.promote_types(out.dtype, torch.float32)
             out = (out.to(wide) * torch.exp(lse - with_sink).t()[..., None]).to(out.dtype)
             lse = with_sink
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, sink)
-        ctx.options = (max_len, causal, left, right, scale)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.options = options
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, lse, cu_seqlens, sink = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         d_out = d_out.contiguous()
-        dq, dk, dv = _kernel_backward(d_out, q, k, v, out, lse, cu_seqlens, *ctx.options)
+        dq, dk, dv = _kernel_backward(d_out, q, k, v, out, lse, *ctx.options)
         d_sink = None
         if sink is not None and ctx.needs_input_grad[3]:
-            wide = torch.promote_types(out.dtype, torch.float32)
-            delta = (d_out.to(wide) * out.to(wide)).sum(-1)  # [total, H]
-            d_sink = -(torch.exp(sink.float()[:, None] - lse) * delta.t()).sum(1).to(sink.dtype)
+            d_sink = _sink_gradient(sink, d_out, out, lse.t())
         return dq, dk, dv, d_sink, None, None, None, None, None, None
 
 
@@ -129,12 +151,137 @@ def flash_attention(q, k, v, *, causal=True, window=None, sink=None, scale=None,
     return out.view(batch, seq_len, heads, dim)
 
 
+@dataclasses.dataclass
+class _MoBAPlan:
+    """Where MoBA's two kernel calls read and write (see the module docstring).
+
+    Own blocks: ``own_cu`` cuts the B * T tokens into blocks (causal, all heads at once).
+    Selected earlier blocks: the pairs (query, block) with the block before the query's own,
+    sorted by (batch, head, block) and then token; ``rows`` is each pair's query row in the
+    token-major ``[B * T * Hq]`` order of q and o; ``pairs_cu`` cuts the pairs into one
+    sequence per (batch, head, block), ``keys_cu`` cuts the head-major ``[B * Hq * T]`` keys
+    into the same blocks."""
+    own_cu: torch.Tensor
+    block_len: int
+    rows: torch.Tensor
+    pairs_cu: torch.Tensor
+    keys_cu: torch.Tensor
+    max_pairs: int
+
+
+def _moba_plan(chosen: torch.Tensor, block_size: int) -> _MoBAPlan:
+    """The plan of MoBA's selection ``chosen [B, Hq, T, n]`` (own block included)."""
+    batch, heads, seq_len, num_blocks = chosen.shape
+    device = chosen.device
+    lengths = (seq_len - torch.arange(num_blocks, device=device) * block_size).clamp(max=block_size)
+    own_cu = torch.cat([torch.zeros(1, dtype=torch.long, device=device),
+                        lengths.repeat(batch).cumsum(0)]).int()
+    own_block = torch.arange(seq_len, device=device) // block_size
+    earlier = torch.arange(num_blocks, device=device)[None, :] < own_block[:, None]  # [T, n]
+    b, h, j, t = (chosen & earlier).permute(0, 1, 3, 2).nonzero().unbind(1)  # by (b, h, j), then t
+    groups = (b * heads + h) * num_blocks + j
+    counts = torch.bincount(groups, minlength=batch * heads * num_blocks)
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    return _MoBAPlan(own_cu=own_cu, block_len=min(block_size, seq_len),
+                     rows=(b * seq_len + t) * heads + h,
+                     pairs_cu=torch.cat([zero, counts.cumsum(0)]).int(),
+                     keys_cu=torch.cat([zero, lengths.repeat(batch * heads).cumsum(0)]).int(),
+                     max_pairs=int(counts.max()) if counts.numel() else 0)
+
+
+class _FlashMoBA(torch.autograd.Function):
+    """MoBA on the kernels: q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]``, an fp32 sink ``[Hq]``
+    or None, and the plan of the selection -> o ``[B, T, Hq, D]``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, plan, scale):
+        batch, seq_len, heads, dim = q.shape
+        kv_heads = k.shape[2]
+        q_rows, k_rows, v_rows = (x.reshape(batch * seq_len, x.shape[2], dim).contiguous()
+                                  for x in (q, k, v))
+        own = (plan.own_cu, plan.own_cu, plan.block_len, plan.block_len, True, -1, 0, scale)
+        out_own, lse_own = _kernel_forward(q_rows, k_rows, v_rows, *own)
+        lse = lse_own.t().reshape(-1)  # token-major rows
+        # One head per row of the selected blocks' call: keys and values head-major, repeated
+        # over each group of query heads.
+        k_heads, v_heads = (x.repeat_interleave(heads // kv_heads, dim=2).transpose(1, 2)
+                            .reshape(-1, 1, dim).contiguous() for x in (k, v))
+        selected = (plan.pairs_cu, plan.keys_cu, plan.max_pairs, plan.block_len, False, -1, -1,
+                    scale)
+        rows = plan.rows
+        pieces = [(out_own.reshape(-1, dim), lse, None)]
+        if rows.numel():
+            q_pairs = q_rows.view(-1, dim)[rows].unsqueeze(1)
+            out_sel, lse_sel = _kernel_forward(q_pairs, k_heads, v_heads, *selected)
+            pieces.append((out_sel.view(-1, dim), lse_sel.view(-1), rows))
+        sink_rows = None if sink is None else sink.float().repeat(batch * seq_len)
+        # L = logsumexp over the pieces (and the sink), per token-major row.
+        top = lse.clone()
+        for _, piece_lse, at in pieces[1:]:
+            top.scatter_reduce_(0, at, piece_lse, "amax")
+        if sink_rows is not None:
+            top = torch.maximum(top, sink_rows)
+        total = torch.zeros_like(top) if sink_rows is None else torch.exp(sink_rows - top)
+        for _, piece_lse, at in pieces:
+            weight = torch.exp(piece_lse - (top if at is None else top[at]))
+            total = total + weight if at is None else total.index_add(0, at, weight)
+        full_lse = top + torch.log(total)
+        wide = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros(batch * seq_len * heads, dim, dtype=wide, device=q.device)
+        for piece_out, piece_lse, at in pieces:
+            weight = torch.exp(piece_lse - (full_lse if at is None else full_lse[at]))[:, None]
+            piece = piece_out.to(wide) * weight
+            out = out + piece if at is None else out.index_add(0, at, piece)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q_rows, k_rows, v_rows, k_heads, v_heads, out, full_lse, rows, sink)
+        ctx.options = (own, selected, (batch, seq_len, heads, kv_heads, dim))
+        return out.view(batch, seq_len, heads, dim)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q_rows, k_rows, v_rows, k_heads, v_heads, out, full_lse, rows, sink = ctx.saved_tensors
+        own, selected, (batch, seq_len, heads, kv_heads, dim) = ctx.options
+        d_out = d_out.reshape(-1, dim).contiguous()
+        # Each call's kernel gets the merged output and log-sum-exp: its gradients are then those
+        # of the one softmax over all the query's keys, restricted to the call's keys.
+        shaped = (batch * seq_len, heads, dim)
+        dq, dk, dv = _kernel_backward(d_out.view(shaped), q_rows, k_rows, v_rows, out.view(shaped),
+                                      full_lse.view(batch * seq_len, heads).t().contiguous(), *own)
+        wide = torch.promote_types(q_rows.dtype, torch.float32)
+        dq = dq.reshape(-1, dim).to(wide)
+        dk, dv = dk.view(batch, seq_len, kv_heads, dim).to(wide), dv.view(batch, seq_len, kv_heads, dim).to(wide)
+        if rows.numel():
+            dq_pairs, dk_heads, dv_heads = _kernel_backward(
+                d_out[rows].unsqueeze(1), q_rows.view(-1, dim)[rows].unsqueeze(1), k_heads, v_heads,
+                out[rows].unsqueeze(1), full_lse[rows][None].contiguous(), *selected)
+            dq = dq.index_add(0, rows, dq_pairs.view(-1, dim).to(wide))
+            for grad, part in ((dk, dk_heads), (dv, dv_heads)):
+                per_head = part.view(batch, heads, seq_len, dim).to(wide)
+                grad += per_head.view(batch, kv_heads, heads // kv_heads, seq_len, dim).sum(2).transpose(1, 2)
+        d_sink = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            d_sink = _sink_gradient(sink, d_out.view(shaped), out.view(shaped),
+                                    full_lse.view(batch * seq_len, heads))
+        dtype = q_rows.dtype
+        return (dq.view(batch, seq_len, heads, dim).to(dtype), dk.to(dtype), dv.to(dtype), d_sink,
+                None, None)
+
+
+def moba_attention(q, k, v, *, block_size, top_k, sink=None, scale=None):
+    """``moba_attention`` (same arguments, no window or ``allowed``) on the FlashAttention
+    kernels. Call only where :func:`unavailable_reason` is None."""
+    with torch.no_grad():
+        chosen = moba_chosen(q, k, block_size, top_k)
+    return _FlashMoBA.apply(q, k, v, sink, _moba_plan(chosen, block_size), scale)
+
+
 @functools.cache
 def checked(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernels passed their first-use check on ``device`` in ``dtype`` (run once):
-    two packed sequences of 37 and 64 tokens and a batch of 2 x 70, 4 query heads on 2
-    key/value heads, D = 64, causal with a window of 17 and a sink, and a non-causal call
-    without them, forward and backward (q, k, v and the sink) against the fp32 reference."""
+    4 query heads on 2 key/value heads, D = 64, forward and backward (q, k, v and the sink)
+    against the fp32 reference: two packed sequences of 37 and 64 tokens, causal, with a
+    window of 17 and a sink; a batch of 2 x 70 tokens, not causal, without them; MoBA on
+    2 x 150 tokens in blocks of 32 (the last one partial), top 3, with a sink."""
     try:
         _check(device, dtype)
     except Exception as error:
@@ -147,31 +294,35 @@ def checked(device: torch.device, dtype: torch.dtype) -> bool:
 def _check(device: torch.device, dtype: torch.dtype) -> None:
     from ..selfcheck import relative_error
 
+    packed = torch.tensor([0, 37, 101], device=device)
+    moba = dict(block_size=32, top_k=3)
+    calls = [  # name, (ours, the reference), batch, T, options
+        ("packed, window, sink", (flash_attention, softmax_attention_reference), 1, 101,
+         dict(causal=True, window=(17, 0), cu_seqlens=packed), True),
+        ("batch, full", (flash_attention, softmax_attention_reference), 2, 70,
+         dict(causal=False), False),
+        ("MoBA, sink", (moba_attention, moba_attention_reference), 2, 150, moba, True),
+    ]
     generator = torch.Generator(device=device).manual_seed(0)
-    calls = [(dict(batch=1, seq_len=101, cu_seqlens=torch.tensor([0, 37, 101], device=device)),
-              dict(causal=True, window=(17, 0), sink=True)),
-             (dict(batch=2, seq_len=70, cu_seqlens=None), dict(causal=False, window=None, sink=False))]
     with torch.autocast(device.type, enabled=False), torch.enable_grad():
-        for shape, options in calls:
-            q = torch.randn(shape["batch"], shape["seq_len"], 4, 64, device=device, generator=generator)
-            k, v = (torch.randn(shape["batch"], shape["seq_len"], 2, 64, device=device,
-                                generator=generator) for _ in range(2))
-            leaves = {"q": q, "k": k, "v": v}
-            if options["sink"]:
-                leaves["sink"] = torch.randn(4, device=device, generator=generator)
-            grad = torch.randn(q.shape, device=device, generator=generator)
-            kwargs = dict(causal=options["causal"], window=options["window"],
-                          cu_seqlens=shape["cu_seqlens"])
-            results = {}
-            for name, run, cast in (("flash", flash_attention, dtype),
-                                    ("reference", softmax_attention_reference, torch.float32)):
+        for name, runs, batch, seq_len, options, with_sink in calls:
+            def randn(*shape):
+                return torch.randn(*shape, device=device, generator=generator)
+
+            leaves = {"q": randn(batch, seq_len, 4, 64), "k": randn(batch, seq_len, 2, 64),
+                      "v": randn(batch, seq_len, 2, 64)}
+            if with_sink:
+                leaves["sink"] = randn(4)
+            grad = randn(batch, seq_len, 4, 64)
+            results = []
+            for run, cast in zip(runs, (dtype, torch.float32)):
                 inputs = {key: (x.to(cast) if key != "sink" else x).requires_grad_()
                           for key, x in leaves.items()}
-                out = run(inputs["q"], inputs["k"], inputs["v"], sink=inputs.get("sink"), **kwargs)
+                out = run(inputs["q"], inputs["k"], inputs["v"], sink=inputs.get("sink"), **options)
                 grads = torch.autograd.grad(out.float(), list(inputs.values()), grad)
-                results[name] = [out.float(), *(g.float() for g in grads)]
-            for got, want in zip(results["flash"], results["reference"]):
+                results.append([out.float(), *(g.float() for g in grads)])
+            for what, got, want in zip(["o", *leaves], *results):
                 error = relative_error(got, want)
                 if not error <= CHECK_TOLERANCE:
-                    raise AssertionError(f"relative error {error:.2e} > {CHECK_TOLERANCE} at "
-                                         f"{shape} {options}")
+                    raise AssertionError(f"{name}: {what} off by {error:.2e} (relative; "
+                                         f"tolerance {CHECK_TOLERANCE})")

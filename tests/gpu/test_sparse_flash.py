@@ -1,9 +1,10 @@
-"""CUDA checks (skipped without a GPU) of softmax_attention's "flash" backend
-(kernels/sparse/flash.py: torch's FlashAttention-2 kernels, the sink through their log-sum-exp)
-against the fp32 reference, forward and backward (q, k, v and the sink), in bf16 and fp16:
-causal, causal with a window, a two-sided window without causality, packed sequences (one
-empty, one across the window), grouped heads, and lengths of 1, 63, 64, 65 and 1000 tokens; a
-sink of -inf; its first-use check; and "auto" choosing it for a window or sink on a GPU.
+"""CUDA checks (skipped without a GPU) of the "flash" backend of softmax_attention and
+moba_attention (kernels/sparse/flash.py: torch's FlashAttention-2 kernels, the sink through
+their log-sum-exp) against the fp32 reference, forward and backward (q, k, v and the sink), in
+bf16 and fp16: causal, causal with a window, a two-sided window without causality, packed
+sequences (one empty, one across the window), grouped heads, and lengths of 1, 63, 64, 65 and
+1000 tokens; MoBA with partial last blocks, top-k of 1 to 8; a sink of -inf; the first-use
+check; and "auto" choosing it on a GPU.
 
 Tolerance: relative error (Frobenius norm) 2e-2 on the output and each gradient, the first-use
 check's (flash.CHECK_TOLERANCE): the kernels round q, k, v, P and o to 16 bits (about 2^-8
@@ -64,6 +65,27 @@ def test_matches_reference(seq_len, options, dtype):
     _compare(leaves, grad, dtype, **OPTIONS[options])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("seq_len", "block_size", "top_k"),
+                         [(1000, 128, 3), (1000, 96, 8), (257, 64, 1), (64, 64, 1)])
+def test_moba_matches_reference(seq_len, block_size, top_k, dtype):
+    leaves, grad = _leaves(2, seq_len)
+    got = _run_moba("flash", leaves, grad, dtype, block_size=block_size, top_k=top_k)
+    want = _run_moba("reference", leaves, grad, torch.float32, block_size=block_size, top_k=top_k)
+    errors = {name: relative_error(got[name], want[name]) for name in want}
+    over = {name: f"{e:.2e}" for name, e in errors.items() if not e <= flash.CHECK_TOLERANCE}
+    assert not over, f"MoBA {dtype} T={seq_len} block {block_size} top {top_k}: {over}"
+
+
+def _run_moba(backend, leaves, grad, dtype, **options):
+    inputs = {name: (x.to(dtype) if name != "sink" else x).detach().requires_grad_()
+              for name, x in leaves.items()}
+    out = sparse.moba_attention(inputs["q"], inputs["k"], inputs["v"], sink=inputs["sink"],
+                                backend=backend, **options)
+    grads = torch.autograd.grad(out.float(), list(inputs.values()), grad)
+    return {"o": out.float(), **{f"grad_{n}": g.float() for n, g in zip(inputs, grads)}}
+
+
 @pytest.mark.parametrize("options", list(OPTIONS))
 def test_packed_sequences(options):
     leaves, grad = _leaves(1, PACKED[-1])
@@ -102,3 +124,15 @@ def test_auto_runs_flash_for_a_window_or_sink(monkeypatch):
     allowed = torch.ones(1, 1, 200, 200, dtype=torch.bool, device="cuda").tril()
     sparse.softmax_attention(q, k, v, sink=leaves["sink"], allowed=allowed, backend="auto")
     assert len(calls) == 1  # an extra mask goes to FlexAttention
+
+
+def test_auto_runs_flash_for_moba_without_a_window(monkeypatch):
+    calls = []
+    run = flash.moba_attention
+    monkeypatch.setattr(flash, "moba_attention", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    leaves, _ = _leaves(2, 256)
+    q, k, v = (leaves[n].bfloat16() for n in ("q", "k", "v"))
+    sparse.moba_attention(q, k, v, block_size=64, top_k=2, backend="auto")
+    assert len(calls) == 1
+    sparse.moba_attention(q, k, v, block_size=64, top_k=2, window=(100, 0), backend="auto")
+    assert len(calls) == 1  # a window goes to FlexAttention

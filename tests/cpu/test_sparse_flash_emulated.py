@@ -1,8 +1,9 @@
 """kernels/sparse/flash.py on the CPU: the sink and its gradients around the FlashAttention
-kernels, with the two kernels replaced by a PyTorch emulation of what FlashAttention-2 computes
-(the forward's output and natural-log log-sum-exp ``[H, total]``; the backward's gradients from
-the output and log-sum-exp it is given, with ``D = rowsum(dO * O)``), against the fp32
-reference, in fp64. The kernels themselves run in tests/gpu/test_sparse_flash.py.
+kernels, and MoBA's two kernel calls merged by their log-sum-exps, with the two kernels replaced
+by a PyTorch emulation of what FlashAttention-2 computes (the forward's output and natural-log
+log-sum-exp ``[H, total_q]``; the backward's gradients from the output and log-sum-exp it is
+given, with ``D = rowsum(dO * O)``), against the fp32 reference, in fp64. The kernels themselves
+run in tests/gpu/test_sparse_flash.py.
 """
 import pytest
 import torch
@@ -10,15 +11,22 @@ import torch
 from megatron_ext.kernels import sparse
 from megatron_ext.kernels.sparse import flash
 from megatron_ext.kernels.selfcheck import relative_error
-from megatron_ext.kernels.sparse.reference import softmax_attention_reference
+from megatron_ext.kernels.sparse.reference import moba_attention_reference, softmax_attention_reference
 
 
-def _visible(cu_seqlens, causal, left, right):
-    """bool ``[total, total]``: key j is in query i's sequence and window."""
-    total = int(cu_seqlens[-1])
-    ids = torch.searchsorted(cu_seqlens[1:], torch.arange(total), right=True)
-    offset = torch.arange(total)[None, :] - torch.arange(total)[:, None]
-    mask = ids[:, None] == ids[None, :]
+def _visible(cu_q, cu_k, causal, left, right):
+    """bool ``[total_q, total_k]``: key j is in query i's sequence and window, FlashAttention's
+    way: positions within the sequence, aligned at its end when q and k differ in length."""
+    def segments(cu):
+        total = int(cu[-1])
+        ids = torch.searchsorted(cu[1:].long(), torch.arange(total), right=True)
+        return ids, torch.arange(total) - cu.long()[ids]
+
+    q_ids, q_pos = segments(cu_q)
+    k_ids, k_pos = segments(cu_k)
+    lengths_q, lengths_k = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
+    offset = (k_pos[None, :] - q_pos[:, None]) - (lengths_k - lengths_q)[q_ids][:, None]
+    mask = q_ids[:, None] == k_ids[None, :]
     if causal:
         right = 0
     if left >= 0:
@@ -28,24 +36,25 @@ def _visible(cu_seqlens, causal, left, right):
     return mask
 
 
-def _scores(q, k, cu_seqlens, causal, left, right, scale):
-    """Scaled scores ``[H, total, total]`` (-inf where not visible); k repeated per group."""
+def _scores(q, k, cu_q, cu_k, causal, left, right, scale):
+    """Scaled scores ``[H, total_q, total_k]`` (-inf where not visible); k repeated per group."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     scores = scale * torch.einsum("ihd,jhd->hij", q, k)
-    return scores.masked_fill(~_visible(cu_seqlens, causal, left, right), float("-inf")), scale
+    return scores.masked_fill(~_visible(cu_q, cu_k, causal, left, right), float("-inf")), scale
 
 
-def emulated_forward(q, k, v, cu_seqlens, max_len, causal, left, right, scale):
-    scores, _ = _scores(q, k, cu_seqlens, causal, left, right, scale)
-    lse = torch.logsumexp(scores, dim=-1)  # [H, total]
-    probs = torch.exp(scores - lse[..., None])
+def emulated_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
+    scores, _ = _scores(q, k, cu_q, cu_k, causal, left, right, scale)
+    lse = torch.logsumexp(scores, dim=-1)  # [H, total_q]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a row without keys: 0
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     return torch.einsum("hij,jhd->ihd", probs, v).to(q.dtype), lse
 
 
-def emulated_backward(d_out, q, k, v, out, lse, cu_seqlens, max_len, causal, left, right, scale):
-    scores, scale = _scores(q, k, cu_seqlens, causal, left, right, scale)
+def emulated_backward(d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, left, right,
+                      scale):
+    scores, scale = _scores(q, k, cu_q, cu_k, causal, left, right, scale)
     group = q.shape[1] // k.shape[1]
     probs = torch.exp(scores - lse[..., None])  # recomputed from the lse given
     v_rep = v.repeat_interleave(group, dim=1)
@@ -104,6 +113,46 @@ def test_sink_and_gradients_equal_the_reference(emulated, call):
     want = _outputs_and_grads(softmax_attention_reference, leaves, grad, **options)
     for name, a, b in zip(["o", *leaves], got, want):  # the reference computes in fp32
         assert relative_error(a, b) < 1e-6, name
+
+
+MOBA_CALLS = [
+    dict(batch=2, seq_len=150, block_size=32, top_k=3, kv_heads=2, sink=True),  # partial last block
+    dict(batch=1, seq_len=128, block_size=32, top_k=4, kv_heads=4, sink=False),  # every earlier block
+    dict(batch=2, seq_len=100, block_size=32, top_k=1, kv_heads=1, sink=True),  # own block only
+    dict(batch=1, seq_len=20, block_size=32, top_k=1, kv_heads=2, sink=True),  # one partial block
+]
+
+
+@pytest.mark.parametrize("call", MOBA_CALLS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_moba_equals_the_reference(emulated, call):
+    generator = torch.Generator().manual_seed(2)
+    batch, seq_len = call["batch"], call["seq_len"]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    leaves = {"q": randn(batch, seq_len, 4, 8), "k": randn(batch, seq_len, call["kv_heads"], 8),
+              "v": randn(batch, seq_len, call["kv_heads"], 8)}
+    if call["sink"]:
+        leaves["sink"] = randn(4)
+    options = dict(block_size=call["block_size"], top_k=call["top_k"])
+    grad = randn(batch, seq_len, 4, 8)
+    got = _outputs_and_grads(flash.moba_attention, leaves, grad, **options)
+    want = _outputs_and_grads(moba_attention_reference, leaves, grad, **options)
+    for name, a, b in zip(["o", *leaves], got, want):  # the reference computes in fp32
+        assert relative_error(a, b) < 1e-6, name
+
+
+def test_moba_plan_lists_the_selected_earlier_blocks():
+    chosen = torch.zeros(1, 2, 5, 3, dtype=torch.bool)  # B = 1, Hq = 2, T = 5, blocks of 2
+    chosen[0, :, torch.arange(5), torch.arange(5) // 2] = True  # own blocks
+    chosen[0, 0, 4, 0] = chosen[0, 1, 3, 0] = chosen[0, 1, 4, 1] = True
+    plan = flash._moba_plan(chosen, block_size=2)
+    assert plan.own_cu.tolist() == [0, 2, 4, 5] and plan.block_len == 2
+    # (head 0, block 0): token 4; (head 1, block 0): token 3; (head 1, block 1): token 4
+    assert plan.rows.tolist() == [4 * 2 + 0, 3 * 2 + 1, 4 * 2 + 1]
+    assert plan.pairs_cu.tolist() == [0, 1, 1, 1, 2, 3, 3] and plan.max_pairs == 1
+    assert plan.keys_cu.tolist() == [0, 2, 4, 5, 7, 9, 10]
 
 
 def test_a_sink_of_minus_infinity_is_plain_softmax(emulated):
