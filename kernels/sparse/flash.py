@@ -309,8 +309,10 @@ def _check(device: torch.device, dtype: torch.dtype) -> None:
             def randn(*shape):
                 return torch.randn(*shape, device=device, generator=generator)
 
+            # q, k, v rounded to dtype for both (MoBA's choice of blocks depends on them)
             leaves = {"q": randn(batch, seq_len, 4, 64), "k": randn(batch, seq_len, 2, 64),
                       "v": randn(batch, seq_len, 2, 64)}
+            leaves = {key: x.to(dtype).float() for key, x in leaves.items()}
             if with_sink:
                 leaves["sink"] = randn(4)
             grad = randn(batch, seq_len, 4, 64)

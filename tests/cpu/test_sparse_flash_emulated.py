@@ -44,16 +44,25 @@ def _scores(q, k, cu_q, cu_k, causal, left, right, scale):
     return scores.masked_fill(~_visible(cu_q, cu_k, causal, left, right), float("-inf")), scale
 
 
+def _wide(*tensors):
+    """The tensors in fp32 at least (the kernels accumulate in fp32)."""
+    return [x.to(torch.promote_types(x.dtype, torch.float32)) for x in tensors]
+
+
 def emulated_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
+    dtype = q.dtype
+    q, k, v = _wide(q, k, v)
     scores, _ = _scores(q, k, cu_q, cu_k, causal, left, right, scale)
     lse = torch.logsumexp(scores, dim=-1)  # [H, total_q]
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a row without keys: 0
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return torch.einsum("hij,jhd->ihd", probs, v).to(q.dtype), lse
+    return torch.einsum("hij,jhd->ihd", probs, v).to(dtype), lse
 
 
 def emulated_backward(d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, left, right,
                       scale):
+    dtypes = q.dtype, k.dtype, v.dtype
+    d_out, q, k, v, out = _wide(d_out, q, k, v, out)
     scores, scale = _scores(q, k, cu_q, cu_k, causal, left, right, scale)
     group = q.shape[1] // k.shape[1]
     probs = torch.exp(scores - lse[..., None])  # recomputed from the lse given
@@ -69,7 +78,7 @@ def emulated_backward(d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal
     def per_kv_head(x):
         return x.unflatten(1, (k.shape[1], group)).sum(2)
 
-    return dq, per_kv_head(dk), per_kv_head(dv)
+    return [grad.to(dtype) for grad, dtype in zip((dq, per_kv_head(dk), per_kv_head(dv)), dtypes)]
 
 
 @pytest.fixture
@@ -78,10 +87,29 @@ def emulated(monkeypatch):
     monkeypatch.setattr(flash, "_kernel_backward", emulated_backward)
 
 
-def _outputs_and_grads(run, leaves, grad, **options):
-    inputs = {name: x.clone().requires_grad_() for name, x in leaves.items()}
-    out = run(inputs["q"], inputs["k"], inputs["v"], sink=inputs.get("sink"), **options)
-    return [out, *torch.autograd.grad(out, list(inputs.values()), grad)]
+def _leaves(seed, batch, seq_len, kv_heads=2, sink=True):
+    """fp64 q ``[B, T, 4, 8]``, k and v with ``kv_heads`` heads, the sink, and an output grad."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    leaves = {"q": randn(batch, seq_len, 4, 8), "k": randn(batch, seq_len, kv_heads, 8),
+              "v": randn(batch, seq_len, kv_heads, 8)}
+    if sink:
+        leaves["sink"] = randn(4)
+    return leaves, randn(batch, seq_len, 4, 8)
+
+
+def _assert_equal(run, reference, leaves, grad, **options):
+    """run's output and gradients equal the reference's (which computes in fp32)."""
+    def outputs_and_grads(function):
+        inputs = {name: x.clone().requires_grad_() for name, x in leaves.items()}
+        out = function(inputs["q"], inputs["k"], inputs["v"], sink=inputs.get("sink"), **options)
+        return [out, *torch.autograd.grad(out, list(inputs.values()), grad)]
+
+    for name, a, b in zip(["o", *leaves], outputs_and_grads(run), outputs_and_grads(reference)):
+        assert relative_error(a, b) < 1e-6, name
 
 
 CALLS = [
@@ -95,24 +123,11 @@ CALLS = [
 
 @pytest.mark.parametrize("call", CALLS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_sink_and_gradients_equal_the_reference(emulated, call):
-    generator = torch.Generator().manual_seed(0)
-    batch, seq_len = call["batch"], call["seq_len"]
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator, dtype=torch.float64)
-
-    leaves = {"q": randn(batch, seq_len, 4, 8), "k": randn(batch, seq_len, 2, 8),
-              "v": randn(batch, seq_len, 2, 8)}
-    if call["sink"]:
-        leaves["sink"] = randn(4)
+    leaves, grad = _leaves(0, call["batch"], call["seq_len"], sink=call["sink"])
     cu_seqlens = call.get("cu_seqlens")
-    options = dict(causal=call["causal"], window=call["window"],
-                   cu_seqlens=None if cu_seqlens is None else torch.tensor(cu_seqlens))
-    grad = randn(batch, seq_len, 4, 8)
-    got = _outputs_and_grads(flash.flash_attention, leaves, grad, **options)
-    want = _outputs_and_grads(softmax_attention_reference, leaves, grad, **options)
-    for name, a, b in zip(["o", *leaves], got, want):  # the reference computes in fp32
-        assert relative_error(a, b) < 1e-6, name
+    _assert_equal(flash.flash_attention, softmax_attention_reference, leaves, grad,
+                  causal=call["causal"], window=call["window"],
+                  cu_seqlens=None if cu_seqlens is None else torch.tensor(cu_seqlens))
 
 
 MOBA_CALLS = [
@@ -125,22 +140,9 @@ MOBA_CALLS = [
 
 @pytest.mark.parametrize("call", MOBA_CALLS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_moba_equals_the_reference(emulated, call):
-    generator = torch.Generator().manual_seed(2)
-    batch, seq_len = call["batch"], call["seq_len"]
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator, dtype=torch.float64)
-
-    leaves = {"q": randn(batch, seq_len, 4, 8), "k": randn(batch, seq_len, call["kv_heads"], 8),
-              "v": randn(batch, seq_len, call["kv_heads"], 8)}
-    if call["sink"]:
-        leaves["sink"] = randn(4)
-    options = dict(block_size=call["block_size"], top_k=call["top_k"])
-    grad = randn(batch, seq_len, 4, 8)
-    got = _outputs_and_grads(flash.moba_attention, leaves, grad, **options)
-    want = _outputs_and_grads(moba_attention_reference, leaves, grad, **options)
-    for name, a, b in zip(["o", *leaves], got, want):  # the reference computes in fp32
-        assert relative_error(a, b) < 1e-6, name
+    leaves, grad = _leaves(2, call["batch"], call["seq_len"], call["kv_heads"], call["sink"])
+    _assert_equal(flash.moba_attention, moba_attention_reference, leaves, grad,
+                  block_size=call["block_size"], top_k=call["top_k"])
 
 
 def test_moba_plan_lists_the_selected_earlier_blocks():
@@ -177,3 +179,15 @@ def test_flash_refuses_what_it_does_not_cover():
     assert flash.unavailable_reason(*qkv()) == "FlashAttention runs on CUDA only"
     with pytest.raises(ValueError, match="backend='flash' cannot run this call: FlashAttention runs on CUDA only"):
         sparse.softmax_attention(*qkv(), backend="flash")
+
+
+def test_first_use_check_passes_faithful_kernels_and_catches_a_wrong_scale(emulated, monkeypatch):
+    flash._check(torch.device("cpu"), torch.bfloat16)
+
+    def wrong_scale(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
+        return emulated_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right,
+                                1.1 * q.shape[-1] ** -0.5)
+
+    monkeypatch.setattr(flash, "_kernel_forward", wrong_scale)
+    with pytest.raises(AssertionError, match="off by"):
+        flash._check(torch.device("cpu"), torch.bfloat16)
