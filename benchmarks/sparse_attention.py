@@ -21,8 +21,9 @@ Ops (``--ops`` takes families, e.g. ``moba``, backends, e.g. ``flex``, or single
     sdpa          torch SDPA, causal (flash on CUDA)
 
 each with the backends of ``megatron_ext.kernels.sparse``: flex (FlexAttention, compiled; CUDA
-only, its CPU form has no backward) and gathered (PyTorch); swa_sink, causal_sink and moba also
-with flash (torch's FlashAttention-2 kernels, the sink through their log-sum-exp; CUDA only);
+only, its CPU form has no backward) and gathered (PyTorch); swa_sink, causal_sink, moba and nsa
+also with flash (torch's FlashAttention-2 kernels, the sink through their log-sum-exp; NSA's
+compressed branch on flex; CUDA only);
 swa_sink and causal_sink also with fla (fla-core's ``parallel_attn`` with ``window_size`` and ``sink_bias``; CUDA only, skipped
 where fla-core does not import). Before an fla op's first timing, fla's op and ours (flex) are
 each compared with the fp32 reference on one sequence of 2 * ``--window`` tokens, output and
@@ -79,7 +80,7 @@ INPUTS = {"swa_sink": ["q", "k", "v", "sink"], "causal_sink": ["q", "k", "v", "s
           "csa": ["q", "k", "v", "sink", "kv2", "gate2", "bias2", "index_q", "index_kv", "index_gate",
                   "index_bias", "index_weights"]}
 BACKENDS = ["flex", "gathered"]
-FLASH_FAMILIES = ["swa_sink", "causal_sink", "moba"]  # what the "flash" backend runs
+FLASH_FAMILIES = ["swa_sink", "causal_sink", "moba", "nsa"]  # what the "flash" backend runs
 FLA_FAMILIES = ["swa_sink", "causal_sink"]  # what fla-core's parallel_attn runs
 # The largest relative error (output or any gradient) fla's op may have against the fp32
 # reference, or twice our op's where that is larger. bf16 rounding gives a few 1e-3; a sink in

@@ -7,10 +7,11 @@ Backends, with one signature per op:
                 the key blocks it visits; any device, memory linear in T (gathered.py)
     flex        the same layout as a FlexAttention BlockMask; compiled on CUDA; on the CPU
                 forward only (flex.py)
-    flash       ``softmax_attention`` and ``moba_attention`` (no window) only: torch's
+    flash       ``softmax_attention``, ``moba_attention`` (no window) and
+                ``nsa_attention`` (its selected and window branches) only: torch's
                 FlashAttention-2 kernels with the sink applied through their log-sum-exp; CUDA,
                 fp16/bf16, no extra mask (flash.py)
-"auto" is flex on CUDA (head dims of 16 or more) and gathered elsewhere; for those two ops it
+"auto" is flex on CUDA (head dims of 16 or more) and gathered elsewhere; for those three ops it
 is flash where flash.py covers the call and has passed its first-use check on the device.
 ``layout_blocks=(q_block, kv_block)`` overrides the layout's block sizes (defaults: 128 x 128
 for flex, 64 x 64 for gathered; 16 x 64 for NSA's selected branch in gathered, whose queries
@@ -198,9 +199,12 @@ def nsa_attention(q, k, v, gates, k_weights, v_weights, *, compress_block, compr
                          "the 2 local blocks are always selected)")
     _check_top_k(select_top_k, math.ceil(seq_len / select_block),
                  f"NSA with select_block={select_block}")
-    name = _backend(backend, q)
     sizes = dict(compress_block=compress_block, compress_stride=compress_stride,
                  select_block=select_block, select_top_k=select_top_k)
+    # With flash, the selected and window branches run on flash.py and the compressed one
+    # (few keys, no FlashAttention form) on "auto"'s block layout.
+    use_flash = _runs_flash(backend, q, k, v, None)
+    name = _backend("auto" if use_flash else backend, q)
     if name == "reference":
         return nsa_attention_reference(q, k, v, gates, k_weights, v_weights, window=window,
                                        sink=sink, scale=scale, **sizes)
@@ -224,17 +228,22 @@ def nsa_attention(q, k, v, gates, k_weights, v_weights, *, compress_block, compr
 
     # Selected: per key/value group, the blocks ranked by the compressed branch.
     chosen = nsa_chosen(q, compressed_k, scale=scale, **sizes)  # [B, Hkv, T, n]
-    group = heads // kv_heads
-    rule = lambda b, h, t, s: chosen[b, h // group, t, s // select_block] & (s <= t)  # noqa: E731
-    select_blocks = _blocks(name, layout_blocks, gathered_default=(16, 64))
-    layout = selection_layout(chosen, select_block, seq_len, *select_blocks, rule)
-    out_selected = run(q, k, v, layout, sink=sink, scale=scale)
-
-    # Sliding window over the last `window` tokens.
-    last_tokens = (window - 1, 0)
-    layout = interval_layout(seq_len, seq_len, q_block, kv_block, *window_span(True, last_tokens),
-                             window_rule(True, last_tokens), q.device)
-    out_window = run(q, k, v, layout, sink=sink, scale=scale)
+    last_tokens = (window - 1, 0)  # the sliding window: the last `window` tokens
+    if use_flash:
+        out_selected = flash.block_selection_attention(q, k, v, chosen, select_block, sink=sink,
+                                                       scale=scale)
+        out_window = flash.flash_attention(q, k, v, causal=True, window=last_tokens, sink=sink,
+                                           scale=scale)
+    else:
+        group = heads // kv_heads
+        rule = lambda b, h, t, s: chosen[b, h // group, t, s // select_block] & (s <= t)  # noqa: E731
+        select_blocks = _blocks(name, layout_blocks, gathered_default=(16, 64))
+        layout = selection_layout(chosen, select_block, seq_len, *select_blocks, rule)
+        out_selected = run(q, k, v, layout, sink=sink, scale=scale)
+        layout = interval_layout(seq_len, seq_len, q_block, kv_block,
+                                 *window_span(True, last_tokens), window_rule(True, last_tokens),
+                                 q.device)
+        out_window = run(q, k, v, layout, sink=sink, scale=scale)
 
     gates = gates.float()
     out = (gates[..., 0:1] * out_compressed.float() + gates[..., 1:2] * out_selected.float()

@@ -1,6 +1,7 @@
-"""Softmax attention with a sliding window and a learnable sink on torch's FlashAttention-2
-kernels: ``torch.ops.aten._flash_attention_forward`` / ``_flash_attention_backward``, called
-in their packed ("varlen") form, as ``torch.nn.attention.varlen`` calls them.
+"""Softmax attention with a sliding window and a learnable sink, and attention over chosen
+blocks of keys (MoBA, NSA's selected branch), on torch's FlashAttention-2 kernels:
+``torch.ops.aten._flash_attention_forward`` / ``_flash_attention_backward``, called in their
+packed ("varlen") form, as ``torch.nn.attention.varlen`` calls them.
 
 They cover what a window or a sink needs and SDPA cannot pass them: a causal and/or sliding
 window ``(left, right)`` (FlashAttention's ``window_size``, the same convention as ours), packed
@@ -21,18 +22,21 @@ is one more column, with a zero value vector). The sink's own gradient is
 The same identity splits one softmax over disjoint sets of keys: run each set as its own
 attention, merge the outputs with weights ``exp(L_i - L)`` where ``L`` is the log-sum-exp over
 all sets (and the sink), and in the backward give each set's kernel the merged output and ``L``.
-:func:`moba_attention` does so for MoBA (Lu et al., "MoBA: Mixture of Block Attention for
-Long-Context LLMs", 2025, whose own implementation also splits the query's own block from the
-blocks it selected): every block attends to itself causally (one packed call, all heads), and
-every (batch, head, selected earlier block) is one packed sequence of the queries that chose it
-against that block's keys (one call with one head per row). The work is then that of the
-selected blocks, where a block mask over 128-query tiles covers the union of what every query
-of the tile chose.
+:func:`block_selection_attention` does so for attention over chosen blocks of keys, causal
+inside the query's own block: every block attends to itself causally (one packed call, all
+heads), and every (batch, selection head, chosen earlier block) is one packed sequence of the
+queries that chose it against that block's keys (one call). MoBA (Lu et al., "MoBA: Mixture
+of Block Attention for Long-Context LLMs", 2025, whose own implementation also splits the own
+block from the selected ones) chooses per query head; NSA's selected branch (Yuan et al.,
+"Native Sparse Attention", 2025) per key/value head, so that each row of that call carries
+the query heads of a group. The work is then that of the chosen blocks, where a block mask over
+128-query tiles covers the union of what every query of the tile chose. NSA's sliding-window
+branch is :func:`flash_attention`; its compressed branch keeps the block layout.
 
 The kernels run only after a first-use check per device and dtype (:func:`checked`): small
-calls (a window, a sink, grouped heads, packed sequences; MoBA with a partial last block),
-forward and backward, against the fp32 reference; a failure is logged once and "auto" keeps
-FlexAttention.
+calls (a window, a sink, grouped heads, packed sequences; MoBA with a partial last block;
+blocks chosen per key/value head), forward and backward, against the fp32 reference; a
+failure is logged once and "auto" keeps FlexAttention.
 """
 from __future__ import annotations
 
@@ -45,7 +49,8 @@ import torch
 from .layout import moba_chosen
 from .reference import OP, moba_attention_reference, softmax_attention_reference
 
-__all__ = ["flash_attention", "moba_attention", "unavailable_reason", "checked"]
+__all__ = ["flash_attention", "block_selection_attention", "moba_attention", "unavailable_reason",
+           "checked"]
 
 _log = logging.getLogger(__name__)
 
@@ -152,15 +157,17 @@ def flash_attention(q, k, v, *, causal=True, window=None, sink=None, scale=None,
 
 
 @dataclasses.dataclass
-class _MoBAPlan:
-    """Where MoBA's two kernel calls read and write (see the module docstring).
+class _SelectionPlan:
+    """Where the two kernel calls of a block selection read and write (module docstring).
 
-    Own blocks: ``own_cu`` cuts the B * T tokens into blocks (causal, all heads at once).
-    Selected earlier blocks: the pairs (query, block) with the block before the query's own,
-    sorted by (batch, head, block) and then token; ``rows`` is each pair's query row in the
-    token-major ``[B * T * Hq]`` order of q and o; ``pairs_cu`` cuts the pairs into one
-    sequence per (batch, head, block), ``keys_cu`` cuts the head-major ``[B * Hq * T]`` keys
-    into the same blocks."""
+    ``chosen [B, Hs, T, n]`` picks blocks per query and selection head; each selection head
+    serves ``Hq / Hs`` query heads (MoBA: one; NSA: a key/value group). Own blocks:
+    ``own_cu`` cuts the B * T tokens into blocks (causal, all heads at once). Earlier blocks:
+    the pairs (query, block) with the block before the query's own, sorted by (batch, selection
+    head, block) and then token; ``rows`` is each pair's row in the token-major ``[B * T * Hs]``
+    order (each row the ``Hq / Hs`` query heads of a selection head); ``pairs_cu`` cuts the pairs
+    into one sequence per (batch, selection head, block), and ``keys_cu`` cuts the
+    selection-head-major ``[B * Hs * T]`` keys into the same blocks."""
     own_cu: torch.Tensor
     block_len: int
     rows: torch.Tensor
@@ -169,56 +176,55 @@ class _MoBAPlan:
     max_pairs: int
 
 
-def _moba_plan(chosen: torch.Tensor, block_size: int) -> _MoBAPlan:
-    """The plan of MoBA's selection ``chosen [B, Hq, T, n]`` (own block included)."""
+def _selection_plan(chosen: torch.Tensor, block_size: int) -> _SelectionPlan:
+    """The plan of a selection ``chosen [B, Hs, T, n]`` that includes each query's own block."""
     batch, heads, seq_len, num_blocks = chosen.shape
     device = chosen.device
     lengths = (seq_len - torch.arange(num_blocks, device=device) * block_size).clamp(max=block_size)
-    own_cu = torch.cat([torch.zeros(1, dtype=torch.long, device=device),
-                        lengths.repeat(batch).cumsum(0)]).int()
+    zero = torch.zeros(1, dtype=torch.long, device=device)
     own_block = torch.arange(seq_len, device=device) // block_size
     earlier = torch.arange(num_blocks, device=device)[None, :] < own_block[:, None]  # [T, n]
     b, h, j, t = (chosen & earlier).permute(0, 1, 3, 2).nonzero().unbind(1)  # by (b, h, j), then t
-    groups = (b * heads + h) * num_blocks + j
-    counts = torch.bincount(groups, minlength=batch * heads * num_blocks)
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-    return _MoBAPlan(own_cu=own_cu, block_len=min(block_size, seq_len),
-                     rows=(b * seq_len + t) * heads + h,
-                     pairs_cu=torch.cat([zero, counts.cumsum(0)]).int(),
-                     keys_cu=torch.cat([zero, lengths.repeat(batch * heads).cumsum(0)]).int(),
-                     max_pairs=int(counts.max()) if counts.numel() else 0)
+    counts = torch.bincount((b * heads + h) * num_blocks + j, minlength=batch * heads * num_blocks)
+    return _SelectionPlan(own_cu=torch.cat([zero, lengths.repeat(batch).cumsum(0)]).int(),
+                          block_len=min(block_size, seq_len),
+                          rows=(b * seq_len + t) * heads + h,
+                          pairs_cu=torch.cat([zero, counts.cumsum(0)]).int(),
+                          keys_cu=torch.cat([zero, lengths.repeat(batch * heads).cumsum(0)]).int(),
+                          max_pairs=int(counts.max()) if counts.numel() else 0)
 
 
-class _FlashMoBA(torch.autograd.Function):
-    """MoBA on the kernels: q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]``, an fp32 sink ``[Hq]``
-    or None, and the plan of the selection -> o ``[B, T, Hq, D]``."""
+class _FlashBlockSelection(torch.autograd.Function):
+    """Attention over chosen blocks on the kernels: q ``[B, T, Hq, D]``, k, v
+    ``[B, T, Hkv, D]``, an fp32 sink ``[Hq]`` or None, the plan of a selection over ``Hs``
+    selection heads -> o ``[B, T, Hq, D]``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, plan, scale):
+    def forward(ctx, q, k, v, sink, plan, selection_heads, scale):
         batch, seq_len, heads, dim = q.shape
-        kv_heads = k.shape[2]
+        kv_heads, group = k.shape[2], heads // selection_heads
         q_rows, k_rows, v_rows = (x.reshape(batch * seq_len, x.shape[2], dim).contiguous()
                                   for x in (q, k, v))
         own = (plan.own_cu, plan.own_cu, plan.block_len, plan.block_len, True, -1, 0, scale)
         out_own, lse_own = _kernel_forward(q_rows, k_rows, v_rows, *own)
-        lse = lse_own.t().reshape(-1)  # token-major rows
-        # One head per row of the selected blocks' call: keys and values head-major, repeated
-        # over each group of query heads.
-        k_heads, v_heads = (x.repeat_interleave(heads // kv_heads, dim=2).transpose(1, 2)
+        # Rows of `group` query heads (one selection head each): [B * T * Hs, group].
+        pieces = [(out_own.reshape(-1, group, dim), lse_own.t().reshape(-1, group), None)]
+        # The earlier blocks' call: keys and values selection-head-major, one head per
+        # selection head (a key/value head repeated where selection heads are finer).
+        k_heads, v_heads = (x.repeat_interleave(selection_heads // kv_heads, dim=2).transpose(1, 2)
                             .reshape(-1, 1, dim).contiguous() for x in (k, v))
         selected = (plan.pairs_cu, plan.keys_cu, plan.max_pairs, plan.block_len, False, -1, -1,
                     scale)
         rows = plan.rows
-        pieces = [(out_own.reshape(-1, dim), lse, None)]
         if rows.numel():
-            q_pairs = q_rows.view(-1, dim)[rows].unsqueeze(1)
+            q_pairs = q_rows.view(-1, group, dim)[rows]
             out_sel, lse_sel = _kernel_forward(q_pairs, k_heads, v_heads, *selected)
-            pieces.append((out_sel.view(-1, dim), lse_sel.view(-1), rows))
-        sink_rows = None if sink is None else sink.float().repeat(batch * seq_len)
-        # L = logsumexp over the pieces (and the sink), per token-major row.
-        top = lse.clone()
+            pieces.append((out_sel, lse_sel.t(), rows))
+        sink_rows = None if sink is None else sink.float().view(-1, group).repeat(batch * seq_len, 1)
+        # L = logsumexp over the pieces (and the sink), per row and head.
+        top = pieces[0][1].clone()
         for _, piece_lse, at in pieces[1:]:
-            top.scatter_reduce_(0, at, piece_lse, "amax")
+            top.index_reduce_(0, at, piece_lse, "amax")
         if sink_rows is not None:
             top = torch.maximum(top, sink_rows)
         total = torch.zeros_like(top) if sink_rows is None else torch.exp(sink_rows - top)
@@ -227,44 +233,56 @@ class _FlashMoBA(torch.autograd.Function):
             total = total + weight if at is None else total.index_add(0, at, weight)
         full_lse = top + torch.log(total)
         wide = torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros(batch * seq_len * heads, dim, dtype=wide, device=q.device)
+        out = torch.zeros(batch * seq_len * selection_heads, group, dim, dtype=wide, device=q.device)
         for piece_out, piece_lse, at in pieces:
-            weight = torch.exp(piece_lse - (full_lse if at is None else full_lse[at]))[:, None]
+            weight = torch.exp(piece_lse - (full_lse if at is None else full_lse[at]))[..., None]
             piece = piece_out.to(wide) * weight
             out = out + piece if at is None else out.index_add(0, at, piece)
         out = out.to(q.dtype)
         ctx.save_for_backward(q_rows, k_rows, v_rows, k_heads, v_heads, out, full_lse, rows, sink)
-        ctx.options = (own, selected, (batch, seq_len, heads, kv_heads, dim))
+        ctx.options = (own, selected, (batch, seq_len, heads, kv_heads, selection_heads, dim))
         return out.view(batch, seq_len, heads, dim)
 
     @staticmethod
     def backward(ctx, d_out):
         q_rows, k_rows, v_rows, k_heads, v_heads, out, full_lse, rows, sink = ctx.saved_tensors
-        own, selected, (batch, seq_len, heads, kv_heads, dim) = ctx.options
-        d_out = d_out.reshape(-1, dim).contiguous()
+        own, selected, (batch, seq_len, heads, kv_heads, selection_heads, dim) = ctx.options
+        group = heads // selection_heads
+        shaped = (batch * seq_len, heads, dim)
+        d_out = d_out.reshape(shaped).contiguous()
         # Each call's kernel gets the merged output and log-sum-exp: its gradients are then those
         # of the one softmax over all the query's keys, restricted to the call's keys.
-        shaped = (batch * seq_len, heads, dim)
-        dq, dk, dv = _kernel_backward(d_out.view(shaped), q_rows, k_rows, v_rows, out.view(shaped),
+        dq, dk, dv = _kernel_backward(d_out, q_rows, k_rows, v_rows, out.view(shaped),
                                       full_lse.view(batch * seq_len, heads).t().contiguous(), *own)
         wide = torch.promote_types(q_rows.dtype, torch.float32)
-        dq = dq.reshape(-1, dim).to(wide)
-        dk, dv = dk.view(batch, seq_len, kv_heads, dim).to(wide), dv.view(batch, seq_len, kv_heads, dim).to(wide)
+        dq = dq.reshape(-1, group, dim).to(wide)
+        dk, dv = (x.reshape(batch, seq_len, kv_heads, dim).to(wide) for x in (dk, dv))
         if rows.numel():
+            by_row = lambda x: x.reshape(-1, group, dim)[rows]  # noqa: E731
             dq_pairs, dk_heads, dv_heads = _kernel_backward(
-                d_out[rows].unsqueeze(1), q_rows.view(-1, dim)[rows].unsqueeze(1), k_heads, v_heads,
-                out[rows].unsqueeze(1), full_lse[rows][None].contiguous(), *selected)
-            dq = dq.index_add(0, rows, dq_pairs.view(-1, dim).to(wide))
+                by_row(d_out), by_row(q_rows), k_heads, v_heads, out[rows],
+                full_lse[rows].t().contiguous(), *selected)
+            dq = dq.index_add(0, rows, dq_pairs.to(wide))
+            repeat = selection_heads // kv_heads
             for grad, part in ((dk, dk_heads), (dv, dv_heads)):
-                per_head = part.view(batch, heads, seq_len, dim).to(wide)
-                grad += per_head.view(batch, kv_heads, heads // kv_heads, seq_len, dim).sum(2).transpose(1, 2)
+                per_head = part.reshape(batch, kv_heads, repeat, seq_len, dim).to(wide).sum(2)
+                grad += per_head.transpose(1, 2)
         d_sink = None
         if sink is not None and ctx.needs_input_grad[3]:
-            d_sink = _sink_gradient(sink, d_out.view(shaped), out.view(shaped),
+            d_sink = _sink_gradient(sink, d_out, out.view(shaped),
                                     full_lse.view(batch * seq_len, heads))
         dtype = q_rows.dtype
         return (dq.view(batch, seq_len, heads, dim).to(dtype), dk.to(dtype), dv.to(dtype), d_sink,
-                None, None)
+                None, None, None)
+
+
+def block_selection_attention(q, k, v, chosen, block_size, *, sink=None, scale=None):
+    """Attention of each query to the keys of its chosen blocks, causally (keys s <= t):
+    ``chosen [B, Hs, T, n]`` (bool, per query and selection head; Hs divides Hq and is a
+    multiple of Hkv) must include each query's own block. Call only where
+    :func:`unavailable_reason` is None."""
+    plan = _selection_plan(chosen, block_size)
+    return _FlashBlockSelection.apply(q, k, v, sink, plan, chosen.shape[1], scale)
 
 
 def moba_attention(q, k, v, *, block_size, top_k, sink=None, scale=None):
@@ -272,7 +290,7 @@ def moba_attention(q, k, v, *, block_size, top_k, sink=None, scale=None):
     kernels. Call only where :func:`unavailable_reason` is None."""
     with torch.no_grad():
         chosen = moba_chosen(q, k, block_size, top_k)
-    return _FlashMoBA.apply(q, k, v, sink, _moba_plan(chosen, block_size), scale)
+    return block_selection_attention(q, k, v, chosen, block_size, sink=sink, scale=scale)
 
 
 @functools.cache
@@ -281,7 +299,8 @@ def checked(device: torch.device, dtype: torch.dtype) -> bool:
     4 query heads on 2 key/value heads, D = 64, forward and backward (q, k, v and the sink)
     against the fp32 reference: two packed sequences of 37 and 64 tokens, causal, with a
     window of 17 and a sink; a batch of 2 x 70 tokens, not causal, without them; MoBA on
-    2 x 150 tokens in blocks of 32 (the last one partial), top 3, with a sink."""
+    2 x 150 tokens in blocks of 32 (the last one partial), top 3, with a sink; and blocks of
+    32 chosen at random per key/value head (as NSA's), with a sink."""
     try:
         _check(device, dtype)
     except Exception as error:
@@ -294,16 +313,25 @@ def checked(device: torch.device, dtype: torch.dtype) -> bool:
 def _check(device: torch.device, dtype: torch.dtype) -> None:
     from ..selfcheck import relative_error
 
+    generator = torch.Generator(device=device).manual_seed(0)
     packed = torch.tensor([0, 37, 101], device=device)
     moba = dict(block_size=32, top_k=3)
+    # NSA's selected branch: blocks of 32 chosen per key/value head (2 query heads each).
+    own = torch.arange(150, device=device) // 32
+    chosen = torch.rand(2, 2, 150, 5, device=device, generator=generator) < 0.4
+    chosen[:, :, torch.arange(150, device=device), own] = True
+    chosen &= torch.arange(5, device=device)[None, :] <= own[:, None]
+    allowed = chosen.repeat_interleave(2, dim=1)[..., own]
     calls = [  # name, (ours, the reference), batch, T, options
         ("packed, window, sink", (flash_attention, softmax_attention_reference), 1, 101,
          dict(causal=True, window=(17, 0), cu_seqlens=packed), True),
         ("batch, full", (flash_attention, softmax_attention_reference), 2, 70,
          dict(causal=False), False),
         ("MoBA, sink", (moba_attention, moba_attention_reference), 2, 150, moba, True),
+        ("blocks per key/value head, sink",
+         (functools.partial(block_selection_attention, chosen=chosen, block_size=32),
+          functools.partial(softmax_attention_reference, allowed=allowed)), 2, 150, {}, True),
     ]
-    generator = torch.Generator(device=device).manual_seed(0)
     with torch.autocast(device.type, enabled=False), torch.enable_grad():
         for name, runs, batch, seq_len, options, with_sink in calls:
             def randn(*shape):

@@ -5,6 +5,8 @@ log-sum-exp ``[H, total_q]``; the backward's gradients from the output and log-s
 given, with ``D = rowsum(dO * O)``), against the fp32 reference, in fp64. The kernels themselves
 run in tests/gpu/test_sparse_flash.py.
 """
+import functools
+
 import pytest
 import torch
 
@@ -145,11 +147,43 @@ def test_moba_equals_the_reference(emulated, call):
                   block_size=call["block_size"], top_k=call["top_k"])
 
 
-def test_moba_plan_lists_the_selected_earlier_blocks():
+@pytest.mark.parametrize("selection_heads", [2, 4], ids=["per key/value head", "per query head"])
+def test_block_selection_equals_the_reference(emulated, selection_heads):
+    leaves, grad = _leaves(3, 2, 100, kv_heads=2)
+    generator = torch.Generator().manual_seed(4)
+    block_size, num_blocks = 16, 7
+    chosen = torch.rand(2, selection_heads, 100, num_blocks, generator=generator) < 0.4
+    own = torch.arange(100) // block_size
+    chosen[:, :, torch.arange(100), own] = True
+    chosen &= torch.arange(num_blocks)[None, :] <= own[:, None]
+    heads_of = torch.arange(4) // (4 // selection_heads)
+    allowed = chosen[:, heads_of][..., own] & torch.ones(100, 100, dtype=torch.bool).tril()
+    _assert_equal(functools.partial(flash.block_selection_attention, chosen=chosen,
+                                    block_size=block_size),
+                  functools.partial(softmax_attention_reference, allowed=allowed), leaves, grad)
+
+
+def test_nsa_on_flash_equals_the_reference(emulated, monkeypatch):
+    monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
+    leaves, grad = _leaves(5, 2, 150, kv_heads=2)
+    generator = torch.Generator().manual_seed(6)
+    gates = torch.rand(2, 150, 4, 3, generator=generator, dtype=torch.float64)
+    k_weights, v_weights = (torch.rand(2, 16, generator=generator, dtype=torch.float64)
+                            for _ in range(2))
+    sizes = dict(compress_block=16, compress_stride=8, select_block=32, select_top_k=3, window=40)
+
+    def nsa(backend):
+        return lambda q, k, v, sink: sparse.nsa_attention(q, k, v, gates, k_weights, v_weights,
+                                                          sink=sink, backend=backend, **sizes)
+
+    _assert_equal(nsa("flash"), nsa("reference"), leaves, grad)
+
+
+def test_selection_plan_lists_the_selected_earlier_blocks():
     chosen = torch.zeros(1, 2, 5, 3, dtype=torch.bool)  # B = 1, Hq = 2, T = 5, blocks of 2
     chosen[0, :, torch.arange(5), torch.arange(5) // 2] = True  # own blocks
     chosen[0, 0, 4, 0] = chosen[0, 1, 3, 0] = chosen[0, 1, 4, 1] = True
-    plan = flash._moba_plan(chosen, block_size=2)
+    plan = flash._selection_plan(chosen, block_size=2)
     assert plan.own_cu.tolist() == [0, 2, 4, 5] and plan.block_len == 2
     # (head 0, block 0): token 4; (head 1, block 0): token 3; (head 1, block 1): token 4
     assert plan.rows.tolist() == [4 * 2 + 0, 3 * 2 + 1, 4 * 2 + 1]

@@ -1,14 +1,15 @@
-"""CUDA checks (skipped without a GPU) of the "flash" backend of softmax_attention and
-moba_attention (kernels/sparse/flash.py: torch's FlashAttention-2 kernels, the sink through
-their log-sum-exp) against the fp32 reference, forward and backward (q, k, v and the sink), in
-bf16 and fp16: causal, causal with a window, a two-sided window without causality, packed
-sequences (one empty, one across the window), grouped heads, and lengths of 1, 63, 64, 65 and
-1000 tokens; MoBA with partial last blocks, top-k of 1 to 8; a sink of -inf; the first-use
-check; and "auto" choosing it on a GPU.
+"""CUDA checks (skipped without a GPU) of the "flash" backend of softmax_attention,
+moba_attention and nsa_attention (kernels/sparse/flash.py: torch's FlashAttention-2 kernels,
+the sink through their log-sum-exp) against the fp32 reference, forward and backward (q, k, v
+and the sink), in bf16 and fp16: causal, causal with a window, a two-sided window without
+causality, packed sequences (one empty, one across the window), grouped heads, and lengths of
+1, 63, 64, 65 and 1000 tokens; MoBA with partial last blocks, top-k of 1 to 8; NSA (its
+selected and window branches on the kernels) against the gathered path; a sink of -inf; the
+first-use check; and "auto" choosing it on a GPU.
 
 Tolerance: relative error (Frobenius norm) 2e-2 on the output and each gradient, the first-use
 check's (flash.CHECK_TOLERANCE): the kernels round q, k, v, P and o to 16 bits (about 2^-8
-each); a wrong sink, scale or window is 1e-1 or more off.
+each); a window one token off or a scale 10% off gives 0.08 to 0.19 (flash.py).
 """
 import pytest
 import torch
@@ -113,6 +114,25 @@ def test_auto_runs_flash_for_a_window_or_sink(monkeypatch):
     allowed = torch.ones(1, 1, 200, 200, dtype=torch.bool, device="cuda").tril()
     sparse.softmax_attention(q, k, v, sink=leaves["sink"], allowed=allowed, backend="auto")
     assert len(calls) == 1  # an extra mask goes to FlexAttention
+
+
+def test_nsa_matches_reference():
+    leaves, grad = _leaves(2, 1000)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    gates = torch.rand(2, 1000, HQ, 3, device="cuda", generator=g)
+    k_weights, v_weights = (torch.rand(HKV, 32, device="cuda", generator=g) for _ in range(2))
+
+    def nsa(q, k, v, sink, backend):
+        return sparse.nsa_attention(q, k, v, gates, k_weights, v_weights, compress_block=32,
+                                    compress_stride=16, select_block=64, select_top_k=5,
+                                    window=100, sink=sink, backend=backend)
+
+    # Against the gathered path on the same bf16 inputs: NSA's choice of blocks depends on the
+    # compressed keys, which the op keeps in the inputs' dtype (the reference in fp32).
+    got = _run("flash", leaves, grad, torch.bfloat16, op=nsa)
+    want = _run("gathered", leaves, grad, torch.bfloat16, op=nsa)
+    errors = {name: relative_error(got[name], want[name]) for name in want}
+    assert all(e <= flash.CHECK_TOLERANCE for e in errors.values()), errors
 
 
 def test_auto_runs_flash_for_moba_without_a_window(monkeypatch):
