@@ -20,8 +20,12 @@ Timing: after ``--warmup`` untimed calls, ``--reps`` timed calls, each between t
 forward plus the gradients of every input (torch.autograd.grad, so nothing accumulates). Peak
 memory is the peak of torch.cuda.max_memory_allocated over the timed calls, inputs included. A
 failure (fla-core refusing a backward, out of memory) is recorded as the reason, and the run goes
-on. Results are written to ``--out`` after every op, and a plot (``.png`` next to it) at the end;
-with ``--resume`` a run keeps what ``--out`` holds and measures only what is missing.
+on. An op whose second warm-up call takes longer than ``--slow-call-s`` (10 s) is timed once
+(``fwd_reps`` / ``fwd_bwd_reps`` say how often), and one whose timed call takes longer is not run
+at the longer T, with the reason in its rows: PyTorch reference paths would otherwise hold a run
+for minutes. Results are written to ``--out`` after every op, and a plot (``.png`` next to it)
+at the end; with ``--resume`` a run keeps what ``--out`` holds and measures only what is
+missing.
 
 On an H200 with Triton 3.6 and fla-core 0.6.0, each fla op spends one to four minutes
 autotuning and compiling its forward, and as much its backward, before the first timing (GDN-2:
@@ -141,11 +145,19 @@ def build_ops(device: torch.device) -> list[Op]:
     return ops
 
 
-def time_ms(function, *, warmup, reps, device):
-    """Median milliseconds of ``function()`` over ``reps`` calls after ``warmup`` calls, and the
-    peak allocated GiB over the timed calls (None on CPU)."""
-    for _ in range(warmup):
+def time_ms(function, *, warmup, reps, device, slow_s=float("inf")):
+    """Median milliseconds of ``function()`` over ``reps`` calls after ``warmup`` calls, the peak
+    allocated GiB over the timed calls (None on CPU), and the number of timed calls. A warm-up
+    call after the first (which may compile and autotune) that takes longer than ``slow_s``
+    seconds ends the warm-up, and one timed call follows."""
+    for index in range(warmup):
+        start = time.perf_counter()
         function()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if index > 0 and time.perf_counter() - start > slow_s:
+            reps = 1
+            break
     times = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -157,12 +169,12 @@ def time_ms(function, *, warmup, reps, device):
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        return statistics.median(times), torch.cuda.max_memory_allocated(device) / 2**30
+        return statistics.median(times), torch.cuda.max_memory_allocated(device) / 2**30, reps
     for _ in range(reps):
         start = time.perf_counter()
         function()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), None
+    return statistics.median(times), None, reps
 
 
 def describe(error: Exception) -> str:
@@ -197,8 +209,8 @@ def measure(op: Op, seq_len: int, args) -> dict:
                 op.run(**inputs)
 
         log(f"{op.name} T={seq_len} B={batch}: forward (the first calls may autotune and compile)")
-        result["fwd_ms"], result["fwd_peak_gib"] = time_ms(forward, warmup=args.warmup, reps=args.reps,
-                                                           device=device)
+        result["fwd_ms"], result["fwd_peak_gib"], result["fwd_reps"] = time_ms(
+            forward, warmup=args.warmup, reps=args.reps, device=device, slow_s=args.slow_call_s)
     except Exception as error:  # noqa: BLE001 - every failure is a result
         result["fwd_error"] = result["fwd_bwd_error"] = describe(error)
         log(f"{op.name} T={seq_len}: forward failed: {result['fwd_error']}")
@@ -214,8 +226,9 @@ def measure(op: Op, seq_len: int, args) -> dict:
 
         try:
             log(f"{op.name} T={seq_len}: forward+backward")
-            result["fwd_bwd_ms"], result["fwd_bwd_peak_gib"] = time_ms(
-                forward_backward, warmup=args.warmup, reps=args.reps, device=device)
+            result["fwd_bwd_ms"], result["fwd_bwd_peak_gib"], result["fwd_bwd_reps"] = time_ms(
+                forward_backward, warmup=args.warmup, reps=args.reps, device=device,
+                slow_s=args.slow_call_s)
             if args.profile and device.type == "cuda":
                 result["fwd_bwd_profile"] = kernel_times(forward_backward)
         except Exception as error:  # noqa: BLE001
@@ -323,7 +336,15 @@ def parse_args(argv=None):
     parser.add_argument("--resume", action="store_true",
                         help="keep the results already in --out and measure only what is missing "
                              "(to finish a run that was cut short, or to add ops)")
+    add_slow_call_argument(parser)
     return finish_timing_args(parser, parser.parse_args(argv))
+
+
+def add_slow_call_argument(parser) -> None:
+    parser.add_argument("--slow-call-s", type=float, default=10.0,
+                        help="seconds: an op whose second warm-up call takes longer is timed "
+                             "once, and one whose timed call takes longer is not run at the "
+                             "longer T (recorded with the reason)")
 
 
 def finish_timing_args(parser, args):
@@ -362,11 +383,23 @@ def measure_all(ops: list[Op], args, env: dict, out: pathlib.Path) -> dict:
     versions = ", ".join(f"{name} {value}" for name, value in env.items() if name != "device")
     log(f"{record['device']}: {versions}; {len(done)} results kept from {out}")
     started = time.time()
+    too_slow = {}  # op name -> why its longer T are not measured
     for seq_len in args.seq_lens:
         for op in ops:
-            if (op.name, seq_len) not in done:
-                record["results"].append(measure(op, seq_len, args))
-                out.write_text(json.dumps(record, indent=1))
+            if (op.name, seq_len) in done:
+                continue
+            if op.name in too_slow:
+                log(f"{op.name} T={seq_len}: skipped: {too_slow[op.name]}")
+                result = dict(op=op.name, family=op.family, backend=op.backend, seq_len=seq_len,
+                              fwd_error=too_slow[op.name], fwd_bwd_error=too_slow[op.name])
+            else:
+                result = measure(op, seq_len, args)
+                slowest = max(result.get("fwd_ms", 0), result.get("fwd_bwd_ms", 0)) / 1e3
+                if slowest > args.slow_call_s:
+                    too_slow[op.name] = (f"one call took {slowest:.1f} s at T = {seq_len}, over "
+                                         f"--slow-call-s {args.slow_call_s:g}")
+            record["results"].append(result)
+            out.write_text(json.dumps(record, indent=1))
     log(f"wrote {out} after {time.time() - started:.0f} s")
     return record
 

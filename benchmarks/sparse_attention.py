@@ -33,8 +33,8 @@ further off than ``CHECK_TOLERANCE`` (2e-2 relative, or twice ours) is not timed
 Shapes: B = batch_tokens / T sequences, H heads for q, k and v alike, head dim D; bf16 q, k, v
 and gates, fp32 sink and compression weights, as in the layers. Timing and memory as in
 ``benchmarks/kernels.py`` (whose measurement this script reuses): median of ``--reps`` calls
-after ``--warmup``, peak allocated memory over the timed calls, inputs included; fwd+bwd takes
-the gradients of every input. The first flex call of each shape compiles (tens of seconds).
+after ``--warmup``, peak allocated memory over the timed calls, inputs included, and its
+``--slow-call-s`` rule for slow ops; fwd+bwd takes the gradients of every input. The first flex call of each shape compiles (tens of seconds).
 Results are written to ``--out`` after every op and T; with ``--resume`` a run keeps what
 ``--out`` holds and measures only the (op, T) rows missing from it.
 
@@ -336,6 +336,7 @@ def parse_args(argv=None):
     parser.add_argument("--resume", action="store_true",
                         help="keep the results already in --out and measure only what is missing "
                              "(to finish a run that was cut short, or to add ops)")
+    bench.add_slow_call_argument(parser)
     args = bench.finish_timing_args(parser, parser.parse_args(argv))
     args.nsa = [int(value) for value in args.nsa.split(",")]
     if len(args.nsa) != 5:

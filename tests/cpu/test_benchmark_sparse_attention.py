@@ -99,3 +99,19 @@ def test_a_wrong_fla_op_is_not_timed(benchmark, fake_fla):
     assert "sink" in row["check"]["failed"]
     assert "fwd_ms" not in row and "fwd_bwd_ms" not in row
     assert row["fwd_error"] == row["fwd_bwd_error"] and "check failed" in row["fwd_error"]
+
+
+def test_slow_ops_are_timed_once_and_not_run_at_longer_lengths(benchmark, tmp_path):
+    out = tmp_path / "slow.json"
+    args = SMALL + ["--seq-lens", "128,256", "--ops", "swa_sink/gathered,sdpa", "--out", str(out)]
+    benchmark.main(args + ["--warmup", "2", "--reps", "3", "--slow-call-s", "1e-9"])
+    rows = {(r["op"], r["seq_len"]): r for r in json.loads(out.read_text())["results"]}
+    for op in ("swa_sink/gathered", "sdpa/torch"):
+        first, second = rows[op, 128], rows[op, 256]
+        assert first["fwd_reps"] == first["fwd_bwd_reps"] == 1 and first["fwd_bwd_ms"] > 0
+        assert "fwd_ms" not in second and second["fwd_error"].startswith("one call took")
+        assert "at T = 128, over --slow-call-s 1e-09" in second["fwd_bwd_error"]
+
+    benchmark.main(args + ["--warmup", "2", "--reps", "3"])  # the default, 10 s
+    rows = json.loads(out.read_text())["results"]
+    assert len(rows) == 4 and all(r["fwd_reps"] == r["fwd_bwd_reps"] == 3 for r in rows)
