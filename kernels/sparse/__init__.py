@@ -32,9 +32,9 @@ import math
 
 import torch
 
+from . import flash
 from .compressed import (compress_blocks, compressed_entries, compressed_layout, first_tokens,
                          window_and_selected, with_entries)
-from . import flash
 from .flex import flex_attention_layout
 from .gathered import gathered_attention
 from .layout import (allowed_rule, both, compress, document_rule, interval_layout, moba_chosen,
