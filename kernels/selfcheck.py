@@ -429,10 +429,11 @@ DTYPES = (torch.float32, torch.bfloat16)
 def run_all(device, on_result: Callable[[CheckResult], None] | None = None,
             backends: list[str] | None = None) -> list[CheckResult]:
     """Every backend of every op (or those named in ``backends``), every case, fp32 and bf16
-    inputs, on ``device``. A backend that cannot run any case here for one reason (fla-core
+    inputs, on ``device``, then the first-use checks of the other fast paths
+    (``FIRST_USE_BACKENDS``). A backend that cannot run any case here for one reason (fla-core
     without CUDA; the reference on the CPU, which is the oracle) is one row with case and dtype
     "*". ``on_result`` is called with each result as it comes (the first CUDA calls compile)."""
-    known = {name for op in OPS.values() for name in op.backends()}
+    known = {name for op in OPS.values() for name in op.backends()} | set(FIRST_USE_BACKENDS)
     unknown = sorted(set(backends or ()) - known)
     if unknown:
         raise ValueError(f"unknown backends {unknown}; known: {sorted(known)}")
@@ -470,6 +471,50 @@ def _checks(device: torch.device, backends: list[str] | None):
             for dtype in DTYPES:
                 for backend in runnable:
                     yield check_backend(op.name, case.name, backend, device, dtype)
+    yield from _first_use_checks(device, backends)
+
+
+# The fast paths outside OPS, each with its own first-use check in the process that uses it:
+# the FlashAttention-2 path of the sparse ops (backend "flash") and the residual Triton kernels
+# ("triton"). Their rows in the doctor's table; "auto" falls back where they fail.
+FIRST_USE_BACKENDS = ("flash", "triton")
+
+
+def _first_use_checks(device: torch.device, backends: list[str] | None):
+    from .residual import efficient
+    from .sparse import flash
+
+    if backends is None or "flash" in backends:
+        for dtype in (torch.bfloat16, torch.float16):
+            probe = torch.empty(1, 1, 1, 64, device=device, dtype=dtype)
+            reason = flash.unavailable_reason(probe, probe, probe)
+            name = str(dtype).removeprefix("torch.")
+            result = CheckResult("sparse_attention", "first-use check", "flash", str(device), name,
+                                 tolerance=flash.CHECK_TOLERANCE, skipped_reason=reason)
+            if reason is None:
+                start = time.perf_counter()
+                try:
+                    result.errors = flash.check(device, dtype)
+                    result.passed = all(error <= flash.CHECK_TOLERANCE
+                                        for error in result.errors.values())
+                except Exception as error:  # noqa: BLE001 - a check that cannot run fails
+                    result.note = f"{type(error).__name__}: {error}"
+                result.ms = (time.perf_counter() - start) * 1e3
+            yield result
+    if backends is None or "triton" in backends:
+        for kernels, configuration, dtype, run in efficient.first_use_checks(device):
+            name = str(dtype).removeprefix("torch.")
+            result = CheckResult(kernels, configuration, "triton", str(device), name,
+                                 skipped_reason=run if isinstance(run, str) else None)
+            if result.skipped_reason is None:
+                start = time.perf_counter()
+                try:
+                    run()
+                    result.passed = True
+                except Exception as error:  # noqa: BLE001
+                    result.note = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+                result.ms = (time.perf_counter() - start) * 1e3
+            yield result
 
 
 def failures(op: str, backend: str, device, case: str | None = None,

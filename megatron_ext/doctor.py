@@ -7,7 +7,10 @@ dtype, the worst relative error of the forward outputs and of the gradients, the
 pass / FAIL / skip, milliseconds, and a note: why a backend was skipped, or the exception it
 raised), then a summary. Exits 1 when a check of a backend that ``backend="auto"`` selects here
 fails, since training would run it; a failing backend that auto does not select is reported but
-only runs when asked for by name. The checks themselves are ``megatron_ext.kernels.selfcheck``.
+only runs when asked for by name. The last rows are the first-use checks of the other fast
+paths (the sparse ops' FlashAttention path, the residual Triton kernels): a failure there is a
+warning, since "auto" then falls back. The checks themselves are
+``megatron_ext.kernels.selfcheck``.
 """
 from __future__ import annotations
 
@@ -97,10 +100,10 @@ def _header() -> str:
 
 def _auto_failures(results, device) -> list:
     """The failed checks of backends that backend="auto" selects on ``device`` (and of auto)."""
-    from megatron_ext.kernels.selfcheck import auto_backend
+    from megatron_ext.kernels.selfcheck import OPS, auto_backend
 
-    return [r for r in results
-            if r.status == "FAIL" and r.backend in ("auto", auto_backend(r.op, device))]
+    return [r for r in results if r.status == "FAIL" and r.op in OPS
+            and r.backend in ("auto", auto_backend(r.op, device))]
 
 
 def summarize(results, device) -> tuple[str, int]:
@@ -122,7 +125,9 @@ def summarize(results, device) -> tuple[str, int]:
         lines.append(f"ok: what backend='auto' runs here ({selected}) passes every check")
     if others:
         lines.append(f"warning: {len(others)} failed checks of backends that auto does not select "
-                     f"here; they run only where a config names them (kernel_backend=...)")
+                     f"here; they run only where a config names them (kernel_backend=..., "
+                     f"sparse_backend=...), and the fast paths of the last rows fall back to "
+                     f"PyTorch or FlexAttention where their first-use check fails")
     return "\n".join(lines), 1 if auto_failed else 0
 
 

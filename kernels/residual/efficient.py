@@ -177,6 +177,37 @@ def _triton_checked(label: str, check: Callable[..., None], device: torch.device
     return True
 
 
+
+def first_use_checks(device: torch.device) -> list:
+    """The residual kernels' first-use checks as ``megatron-ext doctor`` runs them: one
+    ``(kernels, configuration, dtype, run)`` per check, ``run()`` raising on a mismatch (without
+    autocast and autograd, as on first use), or a string saying why it cannot run here. The
+    configurations are the defaults': n = 4 streams; depth attention over 2 groups of 4
+    sources (as a block AttnRes layer passes its completed blocks and its partial block)."""
+    checks = [
+        ("sinkhorn", "n=4, 20 iters", torch.float32, _triton_kernels, _check_triton_sinkhorn,
+         (4,)),
+        *(("mhc", "n=4 (default off)", dtype, _triton_mhc_kernels, _check_triton_mhc, (4, dtype))
+          for dtype in (torch.float32, torch.bfloat16)),
+        *(("depth_attention", "2 groups of 4", dtype, _triton_depth_kernels,
+           _check_triton_depth, (dtype, 2, 8)) for dtype in (torch.float32, torch.bfloat16)),
+    ]
+
+    def run(check, *args):
+        with torch.autocast(device.type, enabled=False), torch.no_grad():
+            check(device, *args)
+
+    rows = []
+    for kernels, configuration, dtype, module, check, args in checks:
+        if device.type not in _TRITON_DEVICE_TYPES:
+            what = f"our Triton kernels run on CUDA, not {device.type}"
+        elif module() is None:
+            what = "the Triton kernels do not import here (the log says why)"
+        else:
+            what = functools.partial(run, check, *args)
+        rows.append((kernels, configuration, dtype, what))
+    return rows
+
 # ---------------------------------------------------------------------------------- Sinkhorn
 def _sinkhorn_vjp(logits: torch.Tensor, grad: torch.Tensor, iters: int, eps: float):
     """Gradient of :func:`reference.sinkhorn` at ``logits``: replay the iterations, keeping each

@@ -45,9 +45,15 @@ def test_every_cpu_check_passes(tmp_path, capsys):
 
     # fla-core and our Triton kernels cannot run on the CPU: one row per op, with the reason.
     for backend in ("fla", "triton"):
-        skipped = [r for r in results if r["backend"] == backend]
+        skipped = [r for r in results if r["backend"] == backend and r["op"] in selfcheck.OPS]
         assert [r["op"] for r in skipped] == list(selfcheck.OPS)
         assert all(r["status"] == "skip" and r["errors"] == {} for r in skipped)
+    # Nor the first-use checks of the sparse FlashAttention path and the residual kernels.
+    first_use = [r for r in results if r["op"] not in selfcheck.OPS]
+    assert [(r["op"], r["backend"]) for r in first_use] == (
+        [("sparse_attention", "flash")] * 2 + [("sinkhorn", "triton")] + [("mhc", "triton")] * 2
+        + [("depth_attention", "triton")] * 2)
+    assert all(r["status"] == "skip" and "CUDA" in r["skipped_reason"] for r in first_use)
     fla = next(r for r in results if r["backend"] == "fla")
     assert fla["skipped_reason"] == fla_unavailable_reason("kda", "cpu", requires_grad=True)
     [line] = rows(output, "gated_delta_rule", "*", "fla")
@@ -121,3 +127,32 @@ def test_backends_option_checks_only_those(tmp_path, capsys):
     assert {r["backend"] for r in json.loads(path.read_text())["results"]} == {"chunked"}
     with pytest.raises(ValueError, match="unknown backends \\['nope'\\]"):
         selfcheck.run_all("cpu", backends=["nope"])
+
+
+def test_first_use_rows_show_the_flash_check(tmp_path, capsys, monkeypatch):
+    """With FlashAttention's kernels emulated (flash_emulation.py) and allowed on the CPU, the
+    doctor shows the flash path's errors; a wrong kernel fails its rows, which is a warning
+    (auto then keeps FlexAttention), not a failed doctor."""
+    from flash_emulation import emulate, emulated_forward
+
+    from megatron_ext.kernels.sparse import flash
+
+    emulate(monkeypatch)
+    monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
+    exit_code = cli.main(["doctor", "--device", "cpu", "--backends", "flash"])
+    output = capsys.readouterr().out
+    assert exit_code == 0, output
+    lines = rows(output, "sparse_attention", "first-use", "check", "flash")
+    assert len(lines) == 2 and all(" pass " in line for line in lines), output
+
+    def wrong_scale(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
+        return emulated_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right,
+                                1.1 * q.shape[-1] ** -0.5)
+
+    monkeypatch.setattr(flash, "_kernel_forward", wrong_scale)
+    exit_code = cli.main(["doctor", "--device", "cpu", "--backends", "flash"])
+    output = capsys.readouterr().out
+    assert exit_code == 0, output
+    lines = rows(output, "sparse_attention", "first-use", "check", "flash")
+    assert len(lines) == 2 and all(" FAIL " in line for line in lines), output
+    assert "warning: 2 failed checks" in output

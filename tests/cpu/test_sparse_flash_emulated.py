@@ -1,14 +1,13 @@
 """kernels/sparse/flash.py on the CPU: the sink and its gradients around the FlashAttention
-kernels, and MoBA's two kernel calls merged by their log-sum-exps, with the two kernels replaced
-by a PyTorch emulation of what FlashAttention-2 computes (the forward's output and natural-log
-log-sum-exp ``[H, total_q]``; the backward's gradients from the output and log-sum-exp it is
-given, with ``D = rowsum(dO * O)``), against the fp32 reference, in fp64. The kernels themselves
-run in tests/gpu/test_sparse_flash.py.
+kernels, the two kernel calls of chosen blocks (MoBA, NSA) merged by their log-sum-exps, and the
+first-use check, with the kernels replaced by flash_emulation.py's PyTorch emulation, against
+the fp32 reference, in fp64. The kernels themselves run in tests/gpu/test_sparse_flash.py.
 """
 import functools
 
 import pytest
 import torch
+from flash_emulation import emulate, emulated_forward
 
 from megatron_ext.kernels import sparse
 from megatron_ext.kernels.sparse import flash
@@ -16,77 +15,9 @@ from megatron_ext.kernels.selfcheck import relative_error
 from megatron_ext.kernels.sparse.reference import moba_attention_reference, softmax_attention_reference
 
 
-def _visible(cu_q, cu_k, causal, left, right):
-    """bool ``[total_q, total_k]``: key j is in query i's sequence and window, FlashAttention's
-    way: positions within the sequence, aligned at its end when q and k differ in length."""
-    def segments(cu):
-        total = int(cu[-1])
-        ids = torch.searchsorted(cu[1:].long(), torch.arange(total), right=True)
-        return ids, torch.arange(total) - cu.long()[ids]
-
-    q_ids, q_pos = segments(cu_q)
-    k_ids, k_pos = segments(cu_k)
-    lengths_q, lengths_k = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
-    offset = (k_pos[None, :] - q_pos[:, None]) - (lengths_k - lengths_q)[q_ids][:, None]
-    mask = q_ids[:, None] == k_ids[None, :]
-    if causal:
-        right = 0
-    if left >= 0:
-        mask &= offset >= -left
-    if right >= 0:
-        mask &= offset <= right
-    return mask
-
-
-def _scores(q, k, cu_q, cu_k, causal, left, right, scale):
-    """Scaled scores ``[H, total_q, total_k]`` (-inf where not visible); k repeated per group."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    scores = scale * torch.einsum("ihd,jhd->hij", q, k)
-    return scores.masked_fill(~_visible(cu_q, cu_k, causal, left, right), float("-inf")), scale
-
-
-def _wide(*tensors):
-    """The tensors in fp32 at least (the kernels accumulate in fp32)."""
-    return [x.to(torch.promote_types(x.dtype, torch.float32)) for x in tensors]
-
-
-def emulated_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
-    dtype = q.dtype
-    q, k, v = _wide(q, k, v)
-    scores, _ = _scores(q, k, cu_q, cu_k, causal, left, right, scale)
-    lse = torch.logsumexp(scores, dim=-1)  # [H, total_q]
-    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a row without keys: 0
-    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return torch.einsum("hij,jhd->ihd", probs, v).to(dtype), lse
-
-
-def emulated_backward(d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, left, right,
-                      scale):
-    dtypes = q.dtype, k.dtype, v.dtype
-    d_out, q, k, v, out = _wide(d_out, q, k, v, out)
-    scores, scale = _scores(q, k, cu_q, cu_k, causal, left, right, scale)
-    group = q.shape[1] // k.shape[1]
-    probs = torch.exp(scores - lse[..., None])  # recomputed from the lse given
-    v_rep = v.repeat_interleave(group, dim=1)
-    k_rep = k.repeat_interleave(group, dim=1)
-    d_probs = torch.einsum("ihd,jhd->hij", d_out, v_rep)
-    delta = (d_out * out).sum(-1).t()  # [H, total], from the output given
-    d_scores = probs * (d_probs - delta[..., None])
-    dq = scale * torch.einsum("hij,jhd->ihd", d_scores, k_rep)
-    dk = scale * torch.einsum("hij,ihd->jhd", d_scores, q)
-    dv = torch.einsum("hij,ihd->jhd", probs, d_out)
-
-    def per_kv_head(x):
-        return x.unflatten(1, (k.shape[1], group)).sum(2)
-
-    return [grad.to(dtype) for grad, dtype in zip((dq, per_kv_head(dk), per_kv_head(dv)), dtypes)]
-
-
 @pytest.fixture
 def emulated(monkeypatch):
-    monkeypatch.setattr(flash, "_kernel_forward", emulated_forward)
-    monkeypatch.setattr(flash, "_kernel_backward", emulated_backward)
+    emulate(monkeypatch)
 
 
 def _leaves(seed, batch, seq_len, kv_heads=2, sink=True):
@@ -216,12 +147,18 @@ def test_flash_refuses_what_it_does_not_cover():
 
 
 def test_first_use_check_passes_faithful_kernels_and_catches_a_wrong_scale(emulated, monkeypatch):
-    flash._check(torch.device("cpu"), torch.bfloat16)
+    errors = flash.check(torch.device("cpu"), torch.bfloat16)
+    assert set(errors) == {"o", "grad_q", "grad_k", "grad_v", "grad_sink"}
+    assert max(errors.values()) <= flash.CHECK_TOLERANCE, errors
+    flash.checked.cache_clear()
+    assert flash.checked(torch.device("cpu"), torch.bfloat16)
 
     def wrong_scale(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
         return emulated_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right,
                                 1.1 * q.shape[-1] ** -0.5)
 
     monkeypatch.setattr(flash, "_kernel_forward", wrong_scale)
-    with pytest.raises(AssertionError, match="off by"):
-        flash._check(torch.device("cpu"), torch.bfloat16)
+    assert max(flash.check(torch.device("cpu"), torch.bfloat16).values()) > flash.CHECK_TOLERANCE
+    flash.checked.cache_clear()
+    assert not flash.checked(torch.device("cpu"), torch.bfloat16)
+    flash.checked.cache_clear()

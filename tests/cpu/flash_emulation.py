@@ -1,0 +1,81 @@
+"""A PyTorch emulation of what the two FlashAttention-2 kernels of kernels/sparse/flash.py
+compute, for CPU tests: the forward's output and natural-log log-sum-exp ``[H, total_q]``, and
+the backward's gradients from the output and log-sum-exp it is given, with
+``D = rowsum(dO * O)``; packed sequences (separate query and key bounds, aligned at their ends as
+FlashAttention aligns them), causal masks, windows and grouped heads. :func:`emulate` puts it in
+place of the kernels."""
+import torch
+
+from megatron_ext.kernels.sparse import flash
+
+
+def emulate(monkeypatch):
+    monkeypatch.setattr(flash, "_kernel_forward", emulated_forward)
+    monkeypatch.setattr(flash, "_kernel_backward", emulated_backward)
+
+
+def _visible(cu_q, cu_k, causal, left, right):
+    """bool ``[total_q, total_k]``: key j is in query i's sequence and window, FlashAttention's
+    way: positions within the sequence, aligned at its end when q and k differ in length."""
+    def segments(cu):
+        total = int(cu[-1])
+        ids = torch.searchsorted(cu[1:].long(), torch.arange(total), right=True)
+        return ids, torch.arange(total) - cu.long()[ids]
+
+    q_ids, q_pos = segments(cu_q)
+    k_ids, k_pos = segments(cu_k)
+    lengths_q, lengths_k = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
+    offset = (k_pos[None, :] - q_pos[:, None]) - (lengths_k - lengths_q)[q_ids][:, None]
+    mask = q_ids[:, None] == k_ids[None, :]
+    if causal:
+        right = 0
+    if left >= 0:
+        mask &= offset >= -left
+    if right >= 0:
+        mask &= offset <= right
+    return mask
+
+
+def _scores(q, k, cu_q, cu_k, causal, left, right, scale):
+    """Scaled scores ``[H, total_q, total_k]`` (-inf where not visible); k repeated per group."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = scale * torch.einsum("ihd,jhd->hij", q, k)
+    return scores.masked_fill(~_visible(cu_q, cu_k, causal, left, right), float("-inf")), scale
+
+
+def _wide(*tensors):
+    """The tensors in fp32 at least (the kernels accumulate in fp32)."""
+    return [x.to(torch.promote_types(x.dtype, torch.float32)) for x in tensors]
+
+
+def emulated_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
+    dtype = q.dtype
+    q, k, v = _wide(q, k, v)
+    scores, _ = _scores(q, k, cu_q, cu_k, causal, left, right, scale)
+    lse = torch.logsumexp(scores, dim=-1)  # [H, total_q]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a row without keys: 0
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return torch.einsum("hij,jhd->ihd", probs, v).to(dtype), lse
+
+
+def emulated_backward(d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, left, right,
+                      scale):
+    dtypes = q.dtype, k.dtype, v.dtype
+    d_out, q, k, v, out = _wide(d_out, q, k, v, out)
+    scores, scale = _scores(q, k, cu_q, cu_k, causal, left, right, scale)
+    group = q.shape[1] // k.shape[1]
+    probs = torch.exp(scores - lse[..., None])  # recomputed from the lse given
+    v_rep = v.repeat_interleave(group, dim=1)
+    k_rep = k.repeat_interleave(group, dim=1)
+    d_probs = torch.einsum("ihd,jhd->hij", d_out, v_rep)
+    delta = (d_out * out).sum(-1).t()  # [H, total], from the output given
+    d_scores = probs * (d_probs - delta[..., None])
+    dq = scale * torch.einsum("hij,jhd->ihd", d_scores, k_rep)
+    dk = scale * torch.einsum("hij,ihd->jhd", d_scores, q)
+    dv = torch.einsum("hij,ihd->jhd", probs, d_out)
+
+    def per_kv_head(x):
+        return x.unflatten(1, (k.shape[1], group)).sum(2)
+
+    return [grad.to(dtype) for grad, dtype in zip((dq, per_kv_head(dk), per_kv_head(dv)), dtypes)]
