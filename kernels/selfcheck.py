@@ -19,6 +19,10 @@ device with the same projection. Errors are relative, in the Frobenius norm
 ``||actual - expected|| / ||expected||``, per output and per gradient; a check passes when every
 one is finite and within the tolerance (``tolerance_for``).
 
+After them, ``run_all`` gives the first-use checks of the fast paths outside ``OPS`` a row each
+(``FIRST_USE_BACKENDS``): the sparse ops' FlashAttention path (``sparse.flash.check``) and the
+residual Triton kernels (``residual.efficient.first_use_checks``).
+
 A backend that cannot run a case here is skipped with its reason and not run: by the backend's
 own rule (``fla_unavailable_reason``), or because it refuses the call with a RuntimeError saying
 ``"<op>: backend '<name>' cannot run ..."`` (e.g. fla-core's DeltaNet in fp32). Where only the
