@@ -177,7 +177,6 @@ def _triton_checked(label: str, check: Callable[..., None], device: torch.device
     return True
 
 
-
 def first_use_checks(device: torch.device) -> list:
     """The residual kernels' first-use checks as ``megatron-ext doctor`` runs them: one
     ``(kernels, configuration, dtype, run)`` per check, ``run()`` raising on a mismatch (without
@@ -207,6 +206,7 @@ def first_use_checks(device: torch.device) -> list:
             what = functools.partial(run, check, *args)
         rows.append((kernels, configuration, dtype, what))
     return rows
+
 
 # ---------------------------------------------------------------------------------- Sinkhorn
 def _sinkhorn_vjp(logits: torch.Tensor, grad: torch.Tensor, iters: int, eps: float):
