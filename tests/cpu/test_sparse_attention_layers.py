@@ -196,3 +196,35 @@ def test_sparse_layers_keep_the_attention_input_norm():
     checkpoints), so a '*' checkpoint's keys fit them."""
     attention, moba = _model("sdpa", "*"), _model("sdpa", "B")
     assert attention.sharded_state_dict().keys() == moba.sharded_state_dict().keys()
+
+
+def test_layers_on_the_flash_path_equal_the_gathered_path(monkeypatch):
+    """With FlashAttention's kernels emulated (flash_emulation.py) and let run on the CPU,
+    "auto" sends '*' with a window and a sink, MoBA and NSA to kernels/sparse/flash.py: a model
+    of all three gives the gathered path's loss and gradients (fp32)."""
+    from flash_emulation import emulate
+
+    from megatron_ext.kernels.sparse import flash
+
+    emulate(monkeypatch)
+    monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
+    monkeypatch.setattr(flash, "checked", lambda device, dtype: True)
+    calls = []
+    for name in ("flash_attention", "block_selection_attention"):
+        run = getattr(flash, name)
+        monkeypatch.setattr(flash, name, lambda *a, run=run, name=name, **kw:
+                            calls.append(name) or run(*a, **kw))
+    # the window on the first layer only ('*'): MoBA with a window stays on FlexAttention
+    options = dict(window_size=(6, 0), softmax_type="learnable", window_attn_skip_freq=[1, 0, 0])
+    models = [_model("sdpa", "*BS", ext_options=dict(harness.SHORT_SPARSE, sparse_backend=backend),
+                     **options) for backend in ("auto", "gathered")]
+    models[1].load_state_dict(models[0].state_dict())
+    losses = []
+    for model in models:
+        loss = _loss(model)
+        loss.backward()
+        losses.append(loss)
+    assert {"flash_attention", "block_selection_attention"} <= set(calls)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    for (name, a), b in zip(models[1].named_parameters(), models[0].parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
