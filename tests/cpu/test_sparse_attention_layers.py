@@ -85,9 +85,29 @@ def test_sink_of_minus_infinity_is_the_plain_core():
     torch.testing.assert_close(core(q, k, v, None), _core()(q, k, v, None), rtol=1e-5, atol=1e-6)
 
 
-def test_packed_sequences_with_window_and_sink_equal_separate_sequences():
+def _emulated_flash(monkeypatch) -> list:
+    """FlashAttention's kernels emulated (flash_emulation.py) and let run on the CPU, so that
+    "auto" takes kernels/sparse/flash.py; returns the names of the flash.py functions called."""
+    from flash_emulation import emulate
+
+    from megatron_ext.kernels.sparse import flash
+
+    emulate(monkeypatch)
+    monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
+    monkeypatch.setattr(flash, "checked", lambda device, dtype: True)
+    calls = []
+    for name in ("flash_attention", "block_selection_attention"):
+        run = getattr(flash, name)
+        monkeypatch.setattr(flash, name, lambda *a, run=run, name=name, **kw:
+                            calls.append(name) or run(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("on_flash", [False, True], ids=["auto", "flash emulated"])
+def test_packed_sequences_with_window_and_sink_equal_separate_sequences(on_flash, monkeypatch):
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    calls = _emulated_flash(monkeypatch) if on_flash else []
     q, k, v = (x[:, 0] for x in _qkv())
     cu = torch.tensor([0, 10, 29], dtype=torch.int32)
     core = _core(window_size=(4, 0), softmax_type="off-by-one")
@@ -97,6 +117,7 @@ def test_packed_sequences_with_window_and_sink_equal_separate_sequences():
     pieces = [core(q[a:b, None], k[a:b, None], v[a:b, None], None)[:, 0]
               for a, b in ((0, 10), (10, 29))]
     torch.testing.assert_close(packed, torch.cat(pieces), rtol=1e-5, atol=1e-6)
+    assert len(calls) == (3 if on_flash else 0)
 
 
 @pytest.mark.parametrize("pattern", ["B", "S"])
@@ -199,21 +220,10 @@ def test_sparse_layers_keep_the_attention_input_norm():
 
 
 def test_layers_on_the_flash_path_equal_the_gathered_path(monkeypatch):
-    """With FlashAttention's kernels emulated (flash_emulation.py) and let run on the CPU,
-    "auto" sends '*' with a window and a sink, MoBA and NSA to kernels/sparse/flash.py: a model
-    of all three gives the gathered path's loss and gradients (fp32)."""
-    from flash_emulation import emulate
-
-    from megatron_ext.kernels.sparse import flash
-
-    emulate(monkeypatch)
-    monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
-    monkeypatch.setattr(flash, "checked", lambda device, dtype: True)
-    calls = []
-    for name in ("flash_attention", "block_selection_attention"):
-        run = getattr(flash, name)
-        monkeypatch.setattr(flash, name, lambda *a, run=run, name=name, **kw:
-                            calls.append(name) or run(*a, **kw))
+    """With FlashAttention's kernels emulated, "auto" sends '*' with a window and a sink, MoBA
+    and NSA to kernels/sparse/flash.py: a model of all three gives the gathered path's loss and
+    gradients (fp32)."""
+    calls = _emulated_flash(monkeypatch)
     # the window on the first layer only ('*'): MoBA with a window stays on FlexAttention
     options = dict(window_size=(6, 0), softmax_type="learnable", window_attn_skip_freq=[1, 0, 0])
     models = [_model("sdpa", "*BS", ext_options=dict(harness.SHORT_SPARSE, sparse_backend=backend),
