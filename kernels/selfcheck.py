@@ -488,37 +488,34 @@ def _first_use_checks(device: torch.device, backends: list[str] | None):
     from .residual import efficient
     from .sparse import flash
 
+    def timed(result: CheckResult, run: Callable[[], dict[str, float] | None]) -> CheckResult:
+        """Run a check unless the row is a skip: ``run()`` returns the errors (then the row's
+        tolerance decides) or None (it raises on a mismatch)."""
+        if result.skipped_reason is None:
+            start = time.perf_counter()
+            try:
+                errors = run()
+                result.errors = errors or {}
+                result.passed = errors is None or all(error <= result.tolerance
+                                                      for error in errors.values())
+            except Exception as error:  # noqa: BLE001 - a check that cannot run fails
+                result.note = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+            result.ms = (time.perf_counter() - start) * 1e3
+        return result
+
     if backends is None or "flash" in backends:
         for dtype in (torch.bfloat16, torch.float16):
             probe = torch.empty(1, 1, 1, 64, device=device, dtype=dtype)
-            reason = flash.unavailable_reason(probe, probe, probe)
-            name = str(dtype).removeprefix("torch.")
-            result = CheckResult("sparse_attention", "first-use check", "flash", str(device), name,
-                                 tolerance=flash.CHECK_TOLERANCE, skipped_reason=reason)
-            if reason is None:
-                start = time.perf_counter()
-                try:
-                    result.errors = flash.check(device, dtype)
-                    result.passed = all(error <= flash.CHECK_TOLERANCE
-                                        for error in result.errors.values())
-                except Exception as error:  # noqa: BLE001 - a check that cannot run fails
-                    result.note = f"{type(error).__name__}: {error}"
-                result.ms = (time.perf_counter() - start) * 1e3
-            yield result
+            yield timed(CheckResult("sparse_attention", "first-use check", "flash", str(device),
+                                    str(dtype).removeprefix("torch."),
+                                    tolerance=flash.CHECK_TOLERANCE,
+                                    skipped_reason=flash.unavailable_reason(probe, probe, probe)),
+                        functools.partial(flash.check, device, dtype))
     if backends is None or "triton" in backends:
         for kernels, configuration, dtype, run in efficient.first_use_checks(device):
-            name = str(dtype).removeprefix("torch.")
-            result = CheckResult(kernels, configuration, "triton", str(device), name,
-                                 skipped_reason=run if isinstance(run, str) else None)
-            if result.skipped_reason is None:
-                start = time.perf_counter()
-                try:
-                    run()
-                    result.passed = True
-                except Exception as error:  # noqa: BLE001
-                    result.note = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
-                result.ms = (time.perf_counter() - start) * 1e3
-            yield result
+            yield timed(CheckResult(kernels, configuration, "triton", str(device),
+                                    str(dtype).removeprefix("torch."),
+                                    skipped_reason=run if isinstance(run, str) else None), run)
 
 
 def failures(op: str, backend: str, device, case: str | None = None,

@@ -50,11 +50,11 @@ def _leaves(batch, seq_len, sink=True, seed=0):
     return x, grad
 
 
-def _compare(leaves, grad, dtype, **options):
+def _compare(leaves, grad, dtype, against=("reference", torch.float32), **options):
     # The reference gets the same rounded q, k, v (MoBA's choice of blocks depends on them).
     leaves = {name: x if name == "sink" else x.to(dtype).float() for name, x in leaves.items()}
     got = _run("flash", leaves, grad, dtype, **options)
-    want = _run("reference", leaves, grad, torch.float32, **options)
+    want = _run(against[0], leaves, grad, against[1], **options)
     errors = {name: relative_error(got[name], want[name]) for name in want}
     over = {name: f"{e:.2e}" for name, e in errors.items() if not e <= flash.CHECK_TOLERANCE}
     assert not over, f"{dtype} {options}: {over}"
@@ -134,10 +134,7 @@ def test_nsa_matches_reference():
 
     # Against the gathered path on the same bf16 inputs: NSA's choice of blocks depends on the
     # compressed keys, which the op keeps in the inputs' dtype (the reference in fp32).
-    got = _run("flash", leaves, grad, torch.bfloat16, op=nsa)
-    want = _run("gathered", leaves, grad, torch.bfloat16, op=nsa)
-    errors = {name: relative_error(got[name], want[name]) for name in want}
-    assert all(e <= flash.CHECK_TOLERANCE for e in errors.values()), errors
+    _compare(leaves, grad, torch.bfloat16, against=("gathered", torch.bfloat16), op=nsa)
 
 
 def test_auto_runs_flash_for_moba_without_a_window(monkeypatch):
