@@ -104,7 +104,9 @@ def test_first_use_check_passes(dtype):
 
 
 def _spy(monkeypatch, name):
-    """Calls of ``flash.<name>`` (still run) are counted in the list returned."""
+    """Calls of ``flash.<name>`` (still run) are counted in the list returned, from after the
+    bf16 first-use check (which calls the kernels itself)."""
+    assert flash.checked(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
     calls, run = [], getattr(flash, name)
     monkeypatch.setattr(flash, name, lambda *a, **kw: calls.append(kw) or run(*a, **kw))
     return calls
