@@ -12,18 +12,19 @@ Ops (``--ops`` takes families, e.g. ``moba``, backends, e.g. ``flex``, or single
     nsa           nsa_attention, ``--nsa`` = compress block, stride, select block, top-k, window
                   (the paper's 32,16,64,16,512), with its gates and compression weights
     dsa           a DSA layer's sparse stage: dsa_select, dsa_attention and dsa_indexer_loss,
-                  ``--dsa`` = top-k, indexer heads, indexer dim (the paper's 2048,64,128);
-                  gathered only
+                  ``--dsa`` = top-k, indexer heads, indexer dim (the paper's 2048,64,128)
     hca, csa      DeepSeek-V4's layers: compression, then attention over window + entries
                   (+ CSA's selection and indexer loss); ``--hca`` = rate, window (128,128),
                   ``--csa`` = rate, top-k, window, indexer heads, indexer dim
-                  (4,512,128,64,128); CSA gathered only
+                  (4,512,128,64,128)
     sdpa          torch SDPA, causal (flash on CUDA)
 
 each with the backends of ``megatron_ext.kernels.sparse``: flex (FlexAttention, compiled; CUDA
 only, its CPU form has no backward) and gathered (PyTorch); swa_sink, causal_sink, moba and nsa
 also with flash (torch's FlashAttention-2 kernels, the sink through their log-sum-exp; NSA's
-compressed branch on flex; CUDA only);
+compressed branch on flex; CUDA only); dsa and csa also with triton (our selected-attention
+kernels, kernels/sparse/triton.py, for the attention and the indexer loss's target; the
+selection and the rest of the loss in PyTorch; CUDA only);
 swa_sink and causal_sink also with fla (fla-core's ``parallel_attn`` with ``window_size`` and ``sink_bias``; CUDA only, skipped
 where fla-core does not import). Before an fla op's first timing, fla's op and ours (flex) are
 each compared with the fp32 reference on one sequence of 2 * ``--window`` tokens, output and
@@ -82,6 +83,7 @@ INPUTS = {"swa_sink": ["q", "k", "v", "sink"], "causal_sink": ["q", "k", "v", "s
 BACKENDS = ["flex", "gathered"]
 FLASH_FAMILIES = ["swa_sink", "causal_sink", "moba", "nsa"]  # what the "flash" backend runs
 FLA_FAMILIES = ["swa_sink", "causal_sink"]  # what fla-core's parallel_attn runs
+TRITON_FAMILIES = ["dsa", "csa"]  # what our selected-attention kernels run
 # The largest relative error (output or any gradient) fla's op may have against the fp32
 # reference, or twice our op's where that is larger. bf16 rounding gives a few 1e-3; a sink in
 # log2 units instead of ln gives 0.35 in the sink's gradient, a wrong scale or layout order 1.
@@ -251,6 +253,9 @@ def build_ops(args) -> list:
         if family in FLASH_FAMILIES:
             skip = None if device.type == "cuda" else "FlashAttention runs on CUDA only"
             ops.append(bench.Op(family, "flash", make, family_run(family, "flash", args), skip))
+        if family in TRITON_FAMILIES:
+            skip = None if device.type == "cuda" else "the Triton kernels run on CUDA only"
+            ops.append(bench.Op(family, "triton", make, family_run(family, "triton", args), skip))
         if family in FLA_FAMILIES:
             check = functools.cache(functools.partial(fla_check, family, args))
             ops.append(bench.Op(family, "fla", make, family_run(family, "fla", args), fla_skip, check))

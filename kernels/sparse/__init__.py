@@ -11,6 +11,10 @@ Backends, with one signature per op:
                 ``nsa_attention`` (its selected and window branches) only: torch's
                 FlashAttention-2 kernels with the sink applied through their log-sum-exp; CUDA,
                 fp16/bf16, no extra mask (flash.py)
+    triton      ``dsa_attention`` and ``csa_attention`` only: our Triton kernels of the
+                per-token selected attention, forward and backward; CUDA, fp32/bf16/fp16, head
+                dims up to 256 (triton.py; imported on first use, so that this package imports
+                where Triton does not)
 "auto" is flex on CUDA (head dims of 16 or more) and gathered elsewhere; for those three ops it
 is flash where flash.py covers the call and has passed its first-use check on the device.
 ``layout_blocks=(q_block, kv_block)`` overrides the layout's block sizes (defaults: 128 x 128
@@ -19,7 +23,9 @@ pick their own blocks); the result does not depend on them.
 
 DSA selects keys per token, which no block layout describes; its ops (``dsa_select``,
 ``dsa_attention``, ``dsa_indexer_loss``) run the reference or, for every other backend, the
-per-token gathered form of selected.py.
+per-token gathered form of selected.py; but ``dsa_attention`` (and CSA's ``csa_attention``)
+runs triton.py's kernels with "triton", and with "auto" on CUDA where they take the call and
+have passed their first-use check on the device in the call's dtype.
 
 DeepSeek-V4's compressed attentions (compressed.py): ``compress_kv`` makes one entry per block
 of tokens; HCA's ``compressed_attention`` (all the entries a query sees, plus a sliding window)
@@ -56,7 +62,7 @@ __all__ = [
     "exclusive_self_attention",
 ]
 
-BACKENDS = ("auto", "reference", "gathered", "flex")
+BACKENDS = ("auto", "reference", "gathered", "flex", "triton")
 _EXECUTORS = {"gathered": gathered_attention, "flex": flex_attention_layout}
 
 
@@ -67,6 +73,9 @@ FLEX_MIN_HEAD_DIM = 16
 def _backend(backend: str, q: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"{OP}: backend={backend!r} is not one of {list(BACKENDS)}")
+    if backend == "triton":
+        raise ValueError(f"{OP}: backend='triton' runs dsa_attention and csa_attention only "
+                         "(the Triton kernels of the per-token selected attention)")
     flex_fits = q.shape[-1] >= FLEX_MIN_HEAD_DIM or q.device.type != "cuda"
     if backend == "auto":
         return "flex" if q.device.type == "cuda" and flex_fits else "gathered"
@@ -259,6 +268,43 @@ def _check_selected(selected, q):
                          f"{q.shape[0]}, {q.shape[1]}")
 
 
+def _selected_kernels(backend: str, q, k, v):
+    """triton.py's module where the per-token selected ops (the attention of dsa_attention and
+    csa_attention, the sparse target of their indexer losses) run on its kernels, else None:
+    where asked for ("triton", which raises ValueError with the reason where they cannot run
+    the call) or, under "auto" on CUDA, where they can and have passed their first-use check
+    on this device in q's dtype. Elsewhere the gathered form of selected.py runs."""
+    if backend != "triton" and not (backend == "auto" and q.device.type == "cuda"):
+        return None
+    try:
+        from . import triton as kernels
+    except ImportError as error:
+        kernels, reason = None, f"Triton does not import here ({error})"
+    else:
+        reason = kernels.unavailable_reason(q, k, v)
+    if backend == "triton" and reason is not None:
+        raise ValueError(f"{OP}: backend='triton' cannot run this call: {reason}")
+    if reason is None and (backend == "triton" or kernels.checked(q.device, q.dtype)):
+        return kernels
+    return None
+
+
+def _selected_attention(backend: str, q, k, v, selected, sink, scale):
+    """dsa_attention's and csa_attention's per-token attention (backend not "reference")."""
+    kernels = _selected_kernels(backend, q, k, v)
+    run = selected_attention if kernels is None else kernels.selected_attention
+    return run(q, k, v, selected, sink=sink, scale=scale)
+
+
+def _mass_kernel(backend: str, q, k, selected):
+    """triton.py's ``selected_mass`` for an indexer loss's sparse stage where the kernels run
+    (:func:`_selected_kernels`), else None (the gathered target)."""
+    if selected is None:
+        return None
+    kernels = _selected_kernels(backend, q, k, k)
+    return None if kernels is None else kernels.selected_mass
+
+
 def _dsa_reference(backend: str) -> bool:
     """Whether a DSA op runs its reference (else the per-token gathered form)."""
     if backend not in BACKENDS:
@@ -331,13 +377,14 @@ def dsa_attention(q, k, v, selected, *, sink=None, scale=None, backend="auto"):
     """DSA's sparse attention: each query attends to its ``selected [B, T, K]`` keys
     (:func:`dsa_select`; shared by all heads, -1 skipped), with the sink and scale of
     :func:`softmax_attention`. q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` -> ``[B, T, Hq, D]``;
-    memory O(T K)."""
+    memory O(T K). Backends: the reference, triton.py's kernels ("triton", and "auto" where
+    they run) or else the gathered form of selected.py."""
     check_qkv(OP, q, k, v)
     _check_sink(sink, q)
     _check_selected(selected, q)
     if _dsa_reference(backend):
         return dsa_attention_reference(q, k, v, selected, sink=sink, scale=scale)
-    return selected_attention(q, k, v, selected, sink=sink, scale=scale)
+    return _selected_attention(backend, q, k, v, selected, sink, scale)
 
 
 def dsa_indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seqlens=None,
@@ -371,7 +418,7 @@ def dsa_indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu
                                           scale=scale, reduce_heads=reduce_heads)
     return indexer_loss(q, k, index_q, index_k, index_weights, selected=selected,
                         cu_seqlens=cu_seqlens, sink=sink, scale=scale, reduce_heads=reduce_heads,
-                        shares=shares)
+                        shares=shares, mass_kernel=_mass_kernel(backend, q, k, selected))
 
 
 # ------------------------------------------------------------------ DeepSeek-V4 CSA and HCA
@@ -482,7 +529,8 @@ def csa_attention(q, k, v, compressed_k, compressed_v, selected, *, window, sink
     """CSA's attention (arXiv 2606.19348, sec. 2.3.1; see ``csa_attention_reference``): one
     softmax per query over the last ``window`` tokens of its sequence and its ``selected
     [B, T, K]`` compressed entries (:func:`csa_select`; -1 skipped). Memory O(T (window + K)):
-    each chunk of queries gathers its keys, as :func:`dsa_attention` does."""
+    each query's keys are the window's raw tokens and its entries, run as :func:`dsa_attention`
+    runs its selected keys (on the same backends)."""
     check_qkv(OP, q, k, v)
     _check_sink(sink, q)
     _check_rate(None, window)
@@ -494,8 +542,8 @@ def csa_attention(q, k, v, compressed_k, compressed_v, selected, *, window, sink
                                        window=window, sink=sink, scale=scale,
                                        cu_seqlens=cu_seqlens)
     chosen = window_and_selected(selected, first_tokens(q.shape[1], cu_seqlens, q.device), window)
-    return selected_attention(q, *with_entries(k, v, compressed_k, compressed_v), chosen,
-                              sink=sink, scale=scale)
+    return _selected_attention(backend, q, *with_entries(k, v, compressed_k, compressed_v),
+                               chosen, sink, scale)
 
 
 def csa_indexer_loss(q, compressed_k, index_q, index_k, index_weights, *, rate, selected=None,
@@ -531,4 +579,5 @@ def csa_indexer_loss(q, compressed_k, index_q, index_k, index_weights, *, rate, 
     if len(entries) == 0:  # no entry for any query
         return q.new_zeros((), dtype=torch.float32)
     return indexer_loss(q, compressed_k, index_q, index_k, index_weights, keys=entries.keys(),
-                        shares=shares, **options)
+                        shares=shares, mass_kernel=_mass_kernel(backend, q, compressed_k, selected),
+                        **options)

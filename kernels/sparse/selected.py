@@ -155,19 +155,25 @@ class QueryShares:
         return self.positions[self.rank]
 
 
-def _chunk_target(q, k, queries, selected, rule, sink, scale, shares, reduce_heads):
+def _chunk_target(q, k, queries, selected, rule, sink, scale, shares, reduce_heads,
+                  mass_kernel=None):
     """The loss target of a chunk, without gradient: the main attention's mass over the keys,
     summed over the heads of every process, ``[B, c, S]`` for this process's ``c`` queries of
     the chunk. ``queries [R, c]``: the chunk's queries of every process (R = 1 without
-    ``shares``); keys: the selected ones, else those of k that ``rule`` allows."""
+    ``shares``); keys: the selected ones (by ``mass_kernel`` when given, else gathered), else
+    those of k that ``rule`` allows."""
     rows = queries.flatten()
     if selected is None:
         allowed = rule(0, 0, rows[:, None], torch.arange(k.shape[1], device=q.device))[None]
     else:
         chosen = selected[:, rows]
-        allowed, k = chosen >= 0, _gather(k, chosen)
     with torch.no_grad():
-        mass = _probs(q[:, rows], k, allowed, sink, scale).sum((2, 3))  # [B, R c, S]
+        if selected is not None and mass_kernel is not None:
+            mass = mass_kernel(q[:, rows], k, chosen, sink=sink, scale=scale)
+        else:
+            if selected is not None:
+                allowed, k = chosen >= 0, _gather(k, chosen)
+            mass = _probs(q[:, rows], k, allowed, sink, scale).sum((2, 3))  # [B, R c, S]
         if shares is not None:  # each process's rows: the sum over the processes' heads
             mass = shares.reduce_scatter(mass.unflatten(1, queries.shape).movedim(1, 0))
         if reduce_heads is not None:
@@ -200,7 +206,7 @@ def _loss_chunk(q, k, queries, selected, rule, sink, scale, shares, reduce_heads
 
 def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seqlens=None,
                  sink=None, scale=None, reduce_heads=None, keys: Keys | None = None,
-                 shares: QueryShares | None = None) -> torch.Tensor:
+                 shares: QueryShares | None = None, mass_kernel=None) -> torch.Tensor:
     """Same contract as ``dsa_indexer_loss_reference``; without ``selected``, over the keys
     that ``keys`` (default: :func:`causal_keys`) allows.
 
@@ -212,7 +218,11 @@ def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seq
     The sparse stage keeps each chunk's target for backward when it was reduced over
     processes (``shares`` or ``reduce_heads``), so that backward repeats no collective: it
     costs ``[B, n, K]`` fp32, a fraction of ``selected``. The dense warm-up's target, over up
-    to every key, is recomputed in backward with the chunk, and with it its collectives."""
+    to every key, is recomputed in backward with the chunk, and with it its collectives.
+
+    ``mass_kernel(q, k, selected, sink=, scale=) -> [B, c, K]`` (triton.py's
+    ``selected_mass``): computes the sparse stage's target in place of the gathered
+    probabilities; that target is then kept for backward too."""
     batch, seq_len, heads, dim = q.shape
     q, k = q.detach(), k.detach()
     sink = None if sink is None else sink.detach()
@@ -227,10 +237,13 @@ def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seq
     processes, count = positions.shape
     if selected is None:
         per_query = k.shape[1] * (processes * heads + index_heads)
+    elif mass_kernel is not None:  # a chunk gathers the indexer's keys only
+        per_query = selected.shape[-1] * (index_heads + index_dim)
     else:
         per_query = selected.shape[-1] * (processes * (heads + k.shape[2] * dim)
                                           + index_heads + index_dim)
-    hold = selected is not None and (shares is not None or reduce_heads is not None)
+    hold = selected is not None and (shares is not None or reduce_heads is not None
+                                     or mass_kernel is not None)
     if selected is None:  # on the host, once: the last query of each column of positions
         last = positions.amax(0).tolist()
     total = q.new_zeros((), dtype=torch.float32)
@@ -245,7 +258,7 @@ def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seq
         own = (index_q[:, start:end], index_k[:, reach], index_weights[:, start:end])
         if hold:
             target = _chunk_target(q, k, queries, selected, keys.rule, sink, scale, shares,
-                                   reduce_heads)
+                                   reduce_heads, mass_kernel)
             mine = queries[0 if shares is None else shares.rank]
             total = total + _maybe_checkpoint(_chunk_kl, target, mine, own[0], own[1], own[2],
                                               selected[:, mine], keys.rule)

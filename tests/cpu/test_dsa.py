@@ -289,9 +289,9 @@ def test_bad_arguments_fail_clearly():
         sparse.dsa_select(x["index_q"], x["index_k"][..., :4], x["index_weights"], top_k=2)
     with pytest.raises(ValueError, match=r"selected has shape \(2, 36, 3\)"):
         sparse.dsa_attention(x["q"], x["k"], x["v"], torch.zeros(2, 36, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match="backend='triton' is not one of"):
+    with pytest.raises(ValueError, match="backend='flash' is not one of"):
         sparse.dsa_indexer_loss(x["q"], x["k"], x["index_q"], x["index_k"],
-                                x["index_weights"], backend="triton")
+                                x["index_weights"], backend="flash")
     shares = sparse.QueryShares(torch.arange(36).view(2, 18), 0, lambda mass: mass[0])
     with pytest.raises(ValueError, match=r"shares.positions has shape \(2, 18\)"):
         sparse.dsa_indexer_loss(x["q"], x["k"], x["index_q"], x["index_k"],

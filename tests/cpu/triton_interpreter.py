@@ -72,6 +72,29 @@ def run_ops(checks, what: str) -> None:
     launches = checks.check_ops("cpu")
     print(f"{what}: ok, {launches} kernel launches ({time.perf_counter() - start:.1f} s)", flush=True)
 
+
+def widen_bf16_dots() -> None:
+    """Triton 3.6's interpreter keeps bf16 as raw 16-bit integers (NumPy has no bf16) and its
+    tl.dot multiplies those integers. Call this in a script whose kernels take bf16 dots: it
+    widens bf16 dot operands to fp32 first, exactly (as tensor cores do, accumulating in fp32).
+    (The interpreter also truncates fp32 to bf16 where a GPU rounds to nearest; that stays.)"""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def widen(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def dot_of_bf16(self, a, b, d, *args):
+        return dot(self, widen(a), widen(b), d, *args)
+
+    interpreter.InterpreterBuilder.create_dot = dot_of_bf16
+
+
 def _fix_for_numpy_2_4() -> None:
     """Triton 3.6's interpreter turns a scalar into a Python int with int() of a 1-element
     array, which numpy >= 2.4 refuses, so a loop over a runtime number of chunks fails there

@@ -1,0 +1,259 @@
+"""The Triton kernels of DSA's and CSA's selected attention (kernels/sparse/triton.py, backend
+"triton" of ``dsa_attention`` and ``csa_attention``) against the fp32 reference, forward and
+every gradient (q, k, v, the sink; CSA's entries too), on CUDA (skipped without a GPU); their
+first-use check; and "auto" running them once it has passed.
+
+``CASES`` and ``check_case`` are shared with tests/cpu/test_triton_interpret_selected.py, which
+runs them on the CPU under Triton's interpreter, hence their small sizes; ``GPU_CASES`` adds
+longer ones. The selections are random, distinct keys per row in random order:
+    causal (DSA's shape)   each query picks among its own and earlier keys, so that the first
+                           K - 1 tokens have fewer than K and their rows are padded with -1
+                           (at random places in the row);
+    ``keys=S``             T queries pick among S > T keys, with no causal structure;
+    ``empty_rows``         every 7th row all -1 (with and without a sink: output and
+                           gradients of those queries exactly 0);
+    ``csa_rate``           CSA through ``csa_attention``: the last ``window`` raw tokens and
+                           K entries among those complete at the query (S = T + T // rate
+                           keys: raw keys, then entries), against ``csa_attention_reference``.
+Sizes: K of 40 and 67 (not multiples of the kernels' 64-key blocks; 67 = one full block and a
+partial one), T of 70 (not a multiple of 64), grouped heads (4 on 1, 4 on 2, 6 on 2: a group
+of 3 padded to 4, 32 on 1: more rows than the 16 of a tile) and MHA (2 on 2), head dims 16, 48
+(padded to 64), 64 and 128 (256 on the GPU), with and without a sink, fp32, bf16 and fp16,
+int32 and int64 selections.
+
+Tolerances, relative error (Frobenius norm) of the output and of each gradient against the
+reference run in fp32 on the same rounded inputs: 1e-5 in fp32, where the kernels add the same
+products in another order (measured on the interpreter: at most 5e-7); 2e-2 in bf16 and fp16,
+the first-use check's and flash.py's: the kernels round o, p and ds to 16 bits (measured on the
+interpreter, which truncates where a GPU rounds: at most 7e-3 in bf16). A key dropped from
+each row or a scale 10% off gives 8e-2 to 0.8 on the output (4e-2 or more on each
+gradient).
+"""
+import dataclasses
+import zlib
+
+import pytest
+import torch
+
+from megatron_ext.kernels import sparse
+from megatron_ext.kernels.selfcheck import relative_error
+from megatron_ext.kernels.sparse import reference
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    seq_len: int = 70
+    top_k: int = 67
+    q_heads: int = 4
+    kv_heads: int = 2
+    dim: int = 64
+    batch: int = 2
+    sink: bool = True
+    dtype: torch.dtype = torch.float32
+    keys: int | None = None  # S keys picked without causality; None: causal, S = T
+    empty_rows: bool = False  # every 7th row all -1
+    csa_rate: int | None = None  # CSA: K of the T // rate entries plus the window's raw tokens
+    window: int = 8
+    int64: bool = False  # selected as int64 (else int32)
+
+    def __str__(self) -> str:
+        parts = [f"B{self.batch}", f"T{self.seq_len}", f"K{self.top_k}",
+                 f"H{self.q_heads}on{self.kv_heads}", f"D{self.dim}", str(self.dtype)[6:]]
+        if self.keys is not None:
+            parts.append(f"S{self.keys}")
+        if self.csa_rate is not None:
+            parts.append(f"csa-rate{self.csa_rate}-window{self.window}")
+        flags = ["sink"] * self.sink + ["empty-rows"] * self.empty_rows + ["int64"] * self.int64
+        return "-".join(parts + flags)
+
+
+CASES = [
+    Case(batch=1, q_heads=4, kv_heads=1),
+    Case(batch=1, q_heads=2, kv_heads=2, dim=128, top_k=40, sink=False, empty_rows=True),
+    Case(seq_len=9, keys=100, q_heads=4, kv_heads=1, dim=48, empty_rows=True),
+    Case(seq_len=6, keys=30, top_k=20, q_heads=32, kv_heads=1, dim=16, sink=False),
+    Case(seq_len=10, keys=80, q_heads=6, kv_heads=2, dim=64),
+    Case(csa_rate=4, top_k=10, kv_heads=1),
+    Case(batch=1, q_heads=4, kv_heads=1, dtype=torch.bfloat16),
+    Case(batch=1, q_heads=2, kv_heads=2, dim=128, top_k=40, sink=False, empty_rows=True,
+         dtype=torch.bfloat16),
+    Case(seq_len=9, keys=100, q_heads=4, kv_heads=1, dim=48, dtype=torch.float16, int64=True),
+]
+
+GPU_CASES = [
+    Case(),
+    Case(csa_rate=4, top_k=10, dtype=torch.bfloat16),
+    Case(seq_len=1000, top_k=300, q_heads=4, kv_heads=4, dim=128, dtype=torch.bfloat16),
+    Case(seq_len=1000, top_k=300, q_heads=8, kv_heads=2, dim=128, dtype=torch.bfloat16,
+         empty_rows=True),
+    Case(seq_len=1000, top_k=300, q_heads=4, kv_heads=2, dim=128, sink=False),
+    Case(seq_len=300, top_k=130, q_heads=4, kv_heads=2, dim=256, dtype=torch.bfloat16),
+    Case(seq_len=1000, csa_rate=4, window=128, top_k=64, q_heads=4, kv_heads=1, dim=128,
+         dtype=torch.bfloat16),
+    Case(seq_len=1, top_k=1, batch=3, dtype=torch.bfloat16),
+]
+
+
+def _picks(batch, allowed, top_k, generator) -> torch.Tensor:
+    """int32 ``[B, T, K]``: per query, K of its ``allowed [T, S]`` keys at random, in random
+    order, -1 in the slots it has no key for (at random places)."""
+    scores = torch.rand(batch, *allowed.shape, generator=generator).masked_fill(~allowed, -1.0)
+    picked = scores.topk(top_k, dim=-1)
+    selected = picked.indices.masked_fill(picked.values < 0, -1)
+    shuffle = torch.rand(selected.shape, generator=generator).argsort(-1)
+    return selected.gather(-1, shuffle).int()
+
+
+def _problem(case: Case, generator):
+    """The leaves (fp32, rounded to the case's dtype; the sink fp32), the output gradient,
+    ``run(leaves, backend)`` and the selection (the DSA call's; CSA's entries), on the CPU."""
+    batch, seq_len, dim = case.batch, case.seq_len, case.dim
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    leaves = {"q": randn(batch, seq_len, case.q_heads, dim)}
+    if case.csa_rate is None:
+        keys = seq_len if case.keys is None else case.keys
+        allowed = torch.ones(seq_len, keys, dtype=torch.bool)
+        selected = _picks(batch, allowed.tril() if case.keys is None else allowed, case.top_k,
+                          generator)
+    else:
+        keys = seq_len
+        entries = seq_len // case.csa_rate
+        sees = reference.compressed_visibility(seq_len, case.csa_rate)  # [T, N]
+        selected = _picks(batch, sees, case.top_k, generator)
+        leaves.update(compressed_k=randn(batch, entries, case.kv_heads, dim),
+                      compressed_v=randn(batch, entries, case.kv_heads, dim))
+    leaves.update(k=randn(batch, keys, case.kv_heads, dim),
+                  v=randn(batch, keys, case.kv_heads, dim))
+    if case.empty_rows:
+        selected[:, ::7] = -1
+    if case.int64:
+        selected = selected.long()
+    leaves = {name: x.to(case.dtype).float() for name, x in leaves.items()}
+    if case.sink:
+        leaves["sink"] = randn(case.q_heads)
+    grad = randn(batch, seq_len, case.q_heads, dim)
+
+    def run(x, backend):
+        options = dict(sink=x.get("sink"), backend=backend)
+        if case.csa_rate is None:
+            return sparse.dsa_attention(x["q"], x["k"], x["v"], selected.to(x["q"].device),
+                                        **options)
+        return sparse.csa_attention(x["q"], x["k"], x["v"], x["compressed_k"], x["compressed_v"],
+                                    selected.to(x["q"].device), window=case.window, **options)
+
+    return leaves, grad, run, selected
+
+
+def _outputs(run, leaves, grad, backend, dtype, device):
+    """The output and the gradients of ``<out, grad>`` (fp32, on the CPU), by name."""
+    inputs = {name: (x if name == "sink" else x.to(dtype)).to(device).requires_grad_()
+              for name, x in leaves.items()}
+    out = run(inputs, backend)
+    assert out.dtype == dtype and out.shape == grad.shape
+    grads = torch.autograd.grad(out, list(inputs.values()), grad.to(device, dtype))
+    return {"o": out.float().cpu(), **{f"grad_{name}": g.float().cpu()
+                                       for name, g in zip(inputs, grads)}}
+
+
+def check_case(case: Case, device) -> dict[str, float]:
+    """Run ``case`` on the kernels on ``device`` (backend "triton") and on the reference in
+    fp32 on the CPU; assert they agree (and that the queries with no key get 0). Returns the
+    relative errors."""
+    generator = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
+    leaves, grad, run, selected = _problem(case, generator)
+    got = _outputs(run, leaves, grad, "triton", case.dtype, device)
+    want = _outputs(run, leaves, grad, "reference", torch.float32, "cpu")
+    errors = {name: relative_error(got[name], want[name]) for name in want}
+    if case.csa_rate is None:  # the indexer loss's target: the probabilities summed over heads
+        from megatron_ext.kernels.sparse import triton
+
+        sink = leaves.get("sink")
+        mass = triton.selected_mass(
+            *(leaves[n].to(device, case.dtype) for n in ("q", "k")), selected.to(device),
+            sink=None if sink is None else sink.to(device))
+        expected = triton.reference_mass(leaves["q"], leaves["k"], selected, sink)
+        errors["mass"] = relative_error(mass.cpu(), expected)
+    over = {name: f"{error:.2e}" for name, error in errors.items()
+            if not error <= TOLERANCE[case.dtype]}
+    assert not over, f"{case}: relative errors over {TOLERANCE[case.dtype]}: {over}"
+    nothing = (selected < 0).all(-1)  # [B, T]: queries without a key
+    if case.csa_rate is None and nothing.any():
+        for name in ("o", "grad_q"):
+            assert not got[name][nothing].any(), f"{case}: {name} of a query with no key"
+    return errors
+
+
+def check_indexer_loss(device, dtype=torch.float32) -> float:
+    """DSA's sparse-stage indexer loss with its target from the mass kernel (backend "triton")
+    against the reference: the loss and the gradients of index_q, index_k and index_weights
+    (T = 70, K = 67, 4 query heads on 2, 3 indexer heads of dim 16, a sink). Returns the worst
+    relative error; asserts it is within ``TOLERANCE``."""
+    generator = torch.Generator().manual_seed(7)
+    batch, seq_len, top_k = 2, 70, 67
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    q, k = randn(batch, seq_len, 4, 32).to(dtype), randn(batch, seq_len, 2, 32).to(dtype)
+    index = {"index_q": randn(batch, seq_len, 3, 16), "index_k": randn(batch, seq_len, 16),
+             "index_weights": randn(batch, seq_len, 3)}
+    sink = randn(4)
+    selected = _picks(batch, torch.ones(seq_len, seq_len, dtype=torch.bool).tril(), top_k,
+                      generator)
+    results = []
+    for backend, where, cast in (("triton", device, dtype), ("reference", "cpu", torch.float32)):
+        leaves = {n: x.to(where).requires_grad_() for n, x in index.items()}
+        loss = sparse.dsa_indexer_loss(q.to(where, cast), k.to(where, cast), *leaves.values(),
+                                       selected=selected.to(where), sink=sink.to(where),
+                                       backend=backend)
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        results.append([loss.detach().cpu(), *(g.cpu() for g in grads)])
+    worst = max(relative_error(got, want) for got, want in zip(*results))
+    assert worst <= TOLERANCE[dtype], f"indexer loss on the mass kernel ({dtype}): {worst:.2e}"
+    return worst
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_indexer_loss_on_the_mass_kernel(dtype):
+    check_indexer_loss("cuda", dtype)
+
+
+@pytest.mark.parametrize("case", CASES + GPU_CASES, ids=str)
+def test_kernels_match_the_reference(case):
+    check_case(case, "cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_first_use_check_passes(dtype):
+    from megatron_ext.kernels.sparse import triton
+
+    triton.checked.cache_clear()
+    errors = triton.check(torch.device("cuda", torch.cuda.current_device()), dtype)
+    assert all(error <= triton.CHECK_TOLERANCE[dtype] for error in errors.values()), errors
+    assert triton.checked(torch.device("cuda", torch.cuda.current_device()), dtype)
+
+
+def test_auto_runs_the_kernels_after_the_check(monkeypatch):
+    from megatron_ext.kernels.sparse import triton
+
+    calls, kernels = [], triton.selected_attention
+    monkeypatch.setattr(triton, "selected_attention",
+                        lambda *args, **kw: calls.append(args[0].dtype) or kernels(*args, **kw))
+    case = Case(dtype=torch.bfloat16)
+    leaves, _, run, _ = _problem(case, torch.Generator().manual_seed(0))
+    inputs = {name: (x if name == "sink" else x.bfloat16()).cuda() for name, x in leaves.items()}
+    run(inputs, "auto")
+    assert calls == [torch.bfloat16]
+    assert triton.checked(inputs["q"].device, torch.bfloat16)  # run by "auto", now cached
+    csa = Case(csa_rate=4, top_k=10, dtype=torch.bfloat16)
+    leaves, _, run, _ = _problem(csa, torch.Generator().manual_seed(0))
+    run({name: (x if name == "sink" else x.bfloat16()).cuda() for name, x in leaves.items()},
+        "auto")
+    assert calls == [torch.bfloat16] * 2
