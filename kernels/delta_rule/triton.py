@@ -32,13 +32,12 @@ Numerics. No exponent is ever positive. The pairwise decays exp(G_t - G_s), s <=
 per-channel decay are formed in 16-token sub-blocks: for an off-diagonal sub-block (rows t in
 sub-block i, columns s in an earlier one) as (x_t exp(G_t - G_r)) (y_s exp(G_r - G_s)) with the
 reference r = 16 i, the row sub-block's first token, so that both factors are <= 1 however
-strong the decay; inside the diagonal sub-blocks exactly, as exp(-|G_t - G_s|) per pair (in
-_fwd_scores all 16 columns at once, 8 key channels at a time; in _bwd_qkg one column per step, 16
-steps). Exponents are clamped at 0 (min(x, 0)) so that padding rows cannot overflow; for g <= 0,
-as the op requires, the clamp never changes a value that is used. G is an fp32 cumulative sum
-per chunk, every tl.dot accumulates in fp32, and the unit-triangular inverse is by forward
-substitution in fp32 on the four 16 x 16 diagonal blocks (all four in each step), then block
-substitution with fp32 ("ieee") dots.
+strong the decay; inside the diagonal sub-blocks exactly, as exp(-|G_t - G_s|), one column per
+step (16 steps). Exponents are clamped at 0 (min(x, 0)) so that padding rows cannot overflow;
+for g <= 0, as the op requires, the clamp never changes a value that is used. G is an fp32
+cumulative sum per chunk, every tl.dot accumulates in fp32, and the unit-triangular inverse is by
+forward substitution in fp32 on the four 16 x 16 diagonal blocks (all four in each step), then
+block substitution with fp32 ("ieee") dots.
 
 Precision. With fp32 q, k, v every tl.dot runs in full fp32 ("ieee", not TF32), so that the fp32
 path checks the algebra tightly; with bf16 (or fp16) q, k, v the dot operands are rounded to
@@ -96,10 +95,10 @@ without a GPU, then timed:
         over the diagonal sub-blocks accumulated into the dot results' layout, converting tiles
         through shared memory at every step; now they accumulate apart, with the masks folded
         into per-row scalars.
-    _fwd_scores, per-channel decay                  2.81 -> 3.64 ms (KDA), 2.82 -> 4.16 (GDN-2):
-        SLOWER. The diagonal sub-blocks are now formed 16 columns at once from [64, 16, 8] tiles
-        (SASS: 22.1k -> 14.1k instructions and 532 -> 152 barriers per thread), yet it takes
-        longer; why was not found.
+    _fwd_scores, per-channel decay                  its rework (the diagonal sub-blocks formed 16
+        columns at once) measured slower: 2.81 -> 3.64 ms (KDA), 2.82 -> 4.16 (GDN-2). So it is
+        back in its session-6 form, which with the other reworked kernels took 2.79 ms (KDA)
+        and 2.83 (GDN-2) in session 8 (tests/gpu/test_triton_delta_rule.py: 18 passed).
     _invert                                         0.47 -> 0.23 ms. It was barrier-bound (four
         16 x 16 blocks one after another, each row extracted by a reduction across warps); now
         one loop of 15 steps does all four blocks, reading A's rows from memory.
@@ -107,8 +106,9 @@ without a GPU, then timed:
         (was 8 at 130 registers, one program per SM).
     _bwd_state                                      0.82 -> 0.49 ms: BV = 64 for K <= 128 in
         16-bit (256 programs in 2 waves, was 512 in 4).
-fwd+bwd wall time: DeltaNet 5.21 -> 3.68 ms, GDN 5.43 -> 4.03, KDA 13.30 -> 12.45, GDN-2 13.34
--> 13.36.
+fwd+bwd wall time (with the reworked _fwd_scores): DeltaNet 5.21 -> 3.68 ms, GDN 5.43 -> 4.03,
+KDA 13.30 -> 12.45, GDN-2 13.34 -> 13.36; with _fwd_scores back in its session-6 form (session
+8): KDA 11.54, GDN-2 11.90.
 
 Hopper. On an H200 (Triton 3.6.0, with its ptxas 12.8) _bwd_qkg at 8 warps returned wrong dk and
 d beta in bf16 without a decay and faulted (illegal memory access) with a per-channel decay; these
@@ -141,7 +141,6 @@ __all__ = ["gated_delta_rule_triton", "triton_unavailable_reason"]
 
 _C = tl.constexpr(64)    # chunk size
 _SUB = tl.constexpr(16)  # sub-block of the per-channel decay and of the triangular inverse
-_DIAG_BK = tl.constexpr(8)  # key channels per step of _fwd_scores' diagonal sub-blocks
 _NUM_STAGES = 2
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -190,14 +189,6 @@ def _rows(ptr, start, r, valid, heads, head, DIM: tl.constexpr, col0, COLS: tl.c
 def _cols(ptr, start, r, valid, heads, head, DIM: tl.constexpr, col0, COLS: tl.constexpr):
     """The transposed ``_tile`` in fp32: [COLS, R]."""
     return _tile(ptr, start, r, valid, heads, head, DIM, col0, COLS, True).to(tl.float32)
-
-
-@triton.jit
-def _gather(ptr, start, r, valid, heads, head, DIM: tl.constexpr, col0, COLS: tl.constexpr):
-    """``_rows`` for a 2-d array of rows r: fp32 [*r.shape, COLS]."""
-    cols = col0 + tl.arange(0, COLS)
-    offsets = (r * (heads * DIM))[:, :, None] + cols[None, None, :]
-    return tl.load(_at(ptr, start, heads, head, DIM) + offsets, mask=valid[:, :, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -296,6 +287,7 @@ def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, b
     hk = hv // group
     start, count, t, valid = _chunk(bounds_ptr, c)
     blk = t // _SUB
+    within = t % _SUB
     scores_p = tl.zeros([_C, _C], dtype=tl.float32)
     scores_a = tl.zeros([_C, _C], dtype=tl.float32)
     if not ERASE:
@@ -320,54 +312,31 @@ def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, b
                                   k_t * tl.exp(tl.minimum(G_ref[:, None] - G_t, 0.0)), 0.0)
                 scores_p += _mm(q * row_decay, cols_t, DOT, IEEE)
                 scores_a += _mm(a * row_decay, cols_t, DOT, IEEE)
+            # Diagonal sub-blocks, exactly: step j fills column 16 * blk + j of every row.
+            for j in range(0, _SUB):
+                col = blk * _SUB + j
+                col_valid = col < count
+                k_col = _rows(k_ptr, start, col, col_valid, key_heads, hk, K, c0, BK)
+                G_col = _rows(G_ptr, start, col, col_valid, value_heads, hv, K, c0, BK)
+                k_decayed = k_col * tl.where((within >= j)[:, None], tl.exp(-tl.abs(G - G_col)), 0.0)
+                hit = t[None, :] == col[:, None]
+                scores_p += tl.where(hit, tl.sum(q * k_decayed, 1)[:, None], 0.0)
+                scores_a += tl.where(hit & (within > j)[:, None], tl.sum(a * k_decayed, 1)[:, None], 0.0)
         else:
             scores_p += _mm(q, k_t, DOT, IEEE)
             scores_a += _mm(a, k_t, DOT, IEEE)
-    offsets = t[:, None] * _C + t[None, :]
-    base = (c * value_heads + hv) * _C * _C
-    if G_MODE == 2:
-        # The off-diagonal part is zero on the diagonal sub-blocks: stored around them.
-        off_diagonal = blk[:, None] != blk[None, :]
-        tl.store(A_ptr + base + offsets, scores_a, mask=off_diagonal)
-        tl.store(P_ptr + base + offsets, scores_p.to(P_ptr.dtype.element_ty), mask=off_diagonal)
-        # Diagonal sub-blocks, exactly, all 16 columns at once: [64, 16] tiles (row t against
-        # column 16 blk(t) + j), summed over _DIAG_BK key channels at a time of [64, 16, _DIAG_BK]
-        # tiles. The row's own q, a and G are loaded in that shape too (broadcast over j), which
-        # keeps the loop free of layout conversions.
-        within = t % _SUB
-        j = tl.arange(0, _SUB)
-        other = (blk * _SUB)[:, None] + j[None, :]
-        other_valid = other < count
-        row = tl.broadcast_to(t[:, None], [_C, _SUB])
-        row_valid = row < count
-        diag_p = tl.zeros([_C, _SUB], dtype=tl.float32)
-        diag_a = tl.zeros([_C, _SUB], dtype=tl.float32)
-        for db in range(0, K // _DIAG_BK):
-            d0 = db * _DIAG_BK
-            q = _gather(q_ptr, start, row, row_valid, key_heads, hk, K, d0, _DIAG_BK)
-            k = _gather(k_ptr, start, row, row_valid, key_heads, hk, K, d0, _DIAG_BK)
-            if ERASE:
-                a = k * _gather(erase_ptr, start, row, row_valid, value_heads, hv, K, d0, _DIAG_BK)
-            else:
-                a = k * beta[:, None, None]
-            G = _gather(G_ptr, start, row, row_valid, value_heads, hv, K, d0, _DIAG_BK)
-            G_other = _gather(G_ptr, start, other, other_valid, value_heads, hv, K, d0, _DIAG_BK)
-            k_decayed = (_gather(k_ptr, start, other, other_valid, key_heads, hk, K, d0, _DIAG_BK)
-                         * tl.exp(-tl.abs(G - G_other)))
-            diag_p += tl.sum(q * k_decayed, 2)
-            diag_a += tl.sum(a * k_decayed, 2)
-        diag_offsets = t[:, None] * _C + other
-        tl.store(A_ptr + base + diag_offsets, tl.where(within[:, None] > j[None, :], diag_a, 0.0))
-        tl.store(P_ptr + base + diag_offsets,
-                 tl.where(within[:, None] >= j[None, :], diag_p, 0.0).to(P_ptr.dtype.element_ty))
-    else:
+    if G_MODE != 2:
         if G_MODE == 1:
             G = _vec(G_ptr, start, t, valid, value_heads, hv)
             decay = tl.exp(tl.minimum(G[:, None] - G[None, :], 0.0))
             scores_p = scores_p * decay
             scores_a = scores_a * decay
-        tl.store(A_ptr + base + offsets, tl.where(t[:, None] > t[None, :], scores_a, 0.0))
-        tl.store(P_ptr + base + offsets, tl.where(t[:, None] >= t[None, :], scores_p, 0.0).to(P_ptr.dtype.element_ty))
+        scores_p = tl.where(t[:, None] >= t[None, :], scores_p, 0.0)
+        scores_a = tl.where(t[:, None] > t[None, :], scores_a, 0.0)
+    offsets = t[:, None] * _C + t[None, :]
+    base = (c * value_heads + hv) * _C * _C
+    tl.store(A_ptr + base + offsets, scores_a)
+    tl.store(P_ptr + base + offsets, scores_p.to(P_ptr.dtype.element_ty))
 
 
 @triton.jit

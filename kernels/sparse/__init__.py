@@ -15,8 +15,9 @@ Backends, with one signature per op:
                 per-token selected attention, forward and backward; CUDA, fp32/bf16/fp16, head
                 dims up to 256 (triton.py; imported on first use, so that this package imports
                 where Triton does not)
-"auto" is flex on CUDA (head dims of 16 or more) and gathered elsewhere; for those three ops it
-is flash where flash.py covers the call and has passed its first-use check on the device.
+"auto" is flex on CUDA (head dims of 16 or more) and gathered elsewhere; for softmax_attention
+and moba_attention it is flash where flash.py covers the call and has passed its first-use check
+on the device (NSA runs flash only when asked for: see nsa_attention).
 ``layout_blocks=(q_block, kv_block)`` overrides the layout's block sizes (defaults: 128 x 128
 for flex, 64 x 64 for gathered; 16 x 64 for NSA's selected branch in gathered, whose queries
 pick their own blocks); the result does not depend on them.
@@ -211,8 +212,11 @@ def nsa_attention(q, k, v, gates, k_weights, v_weights, *, compress_block, compr
     sizes = dict(compress_block=compress_block, compress_stride=compress_stride,
                  select_block=select_block, select_top_k=select_top_k)
     # With flash, the selected and window branches run on flash.py and the compressed one
-    # (few keys, no FlashAttention form) on "auto"'s block layout.
-    use_flash = _runs_flash(backend, q, k, v, None)
+    # (few keys, no FlashAttention form) on "auto"'s block layout. Only when asked for: "auto"
+    # keeps NSA on its block layout, which on an H200 (B*T = 32768, H = 16, D = 128, bf16;
+    # benchmarks/results, session 8) took 33 / 101 / 196 ms fwd+bwd at T = 4096 / 16384 / 32768
+    # against flash's 73 / 103 / 150, in 3.1-3.5 GiB against 13.8-15.0.
+    use_flash = backend == "flash" and _runs_flash(backend, q, k, v, None)
     name = _backend("auto" if use_flash else backend, q)
     if name == "reference":
         return nsa_attention_reference(q, k, v, gates, k_weights, v_weights, window=window,

@@ -220,9 +220,9 @@ def test_sparse_layers_keep_the_attention_input_norm():
 
 
 def test_layers_on_the_flash_path_equal_the_gathered_path(monkeypatch):
-    """With FlashAttention's kernels emulated, "auto" sends '*' with a window and a sink, MoBA
-    and NSA to kernels/sparse/flash.py: a model of all three gives the gathered path's loss and
-    gradients (fp32)."""
+    """With FlashAttention's kernels emulated, "auto" sends '*' with a window and a sink and
+    MoBA to kernels/sparse/flash.py (NSA stays on its block layout): a model of all three gives
+    the gathered path's loss and gradients (fp32)."""
     calls = _emulated_flash(monkeypatch)
     # the window on the first layer only ('*'): MoBA with a window stays on FlexAttention
     options = dict(window_size=(6, 0), softmax_type="learnable", window_attn_skip_freq=[1, 0, 0])
