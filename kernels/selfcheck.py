@@ -20,8 +20,9 @@ device with the same projection. Errors are relative, in the Frobenius norm
 one is finite and within the tolerance (``tolerance_for``).
 
 After them, ``run_all`` gives the first-use checks of the fast paths outside ``OPS`` a row each
-(``FIRST_USE_BACKENDS``): the sparse ops' FlashAttention path (``sparse.flash.check``) and the
-residual Triton kernels (``residual.efficient.first_use_checks``).
+(``FIRST_USE_BACKENDS``): the sparse ops' FlashAttention path (``sparse.flash.check``), the
+residual Triton kernels (``residual.efficient.first_use_checks``) and DSA's and CSA's
+selected-attention kernels (``sparse.triton.check``).
 
 A backend that cannot run a case here is skipped with its reason and not run: by the backend's
 own rule (``fla_unavailable_reason``), or because it refuses the call with a RuntimeError saying
@@ -479,8 +480,9 @@ def _checks(device: torch.device, backends: list[str] | None):
 
 
 # The fast paths outside OPS, each with its own first-use check in the process that uses it:
-# the FlashAttention-2 path of the sparse ops (backend "flash") and the residual Triton kernels
-# ("triton"). Their rows in the doctor's table; "auto" falls back where they fail.
+# the FlashAttention-2 path of the sparse ops (backend "flash"), the residual Triton kernels and
+# DSA's and CSA's selected-attention kernels ("triton"). Their rows in the doctor's table; "auto"
+# falls back where they fail.
 FIRST_USE_BACKENDS = ("flash", "triton")
 
 
@@ -516,6 +518,25 @@ def _first_use_checks(device: torch.device, backends: list[str] | None):
             yield timed(CheckResult(kernels, configuration, "triton", str(device),
                                     str(dtype).removeprefix("torch."),
                                     skipped_reason=run if isinstance(run, str) else None), run)
+        yield from _selected_attention_checks(device, timed)
+
+
+def _selected_attention_checks(device: torch.device, timed):
+    """The first-use check of DSA's and CSA's selected-attention Triton kernels
+    (``sparse.triton.check``), one row per dtype; a skip where they do not import or run."""
+    try:
+        from .sparse import triton as selected
+    except ImportError as error:
+        selected, reason = None, f"the Triton kernels do not import here ({error})"
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if selected is not None:
+            probe = torch.empty(1, 1, 1, 64, device=device, dtype=dtype)
+            reason = selected.unavailable_reason(probe, probe, probe)
+        tolerance = None if selected is None else selected.CHECK_TOLERANCE[dtype]
+        yield timed(CheckResult("selected_attention", "first-use check", "triton", str(device),
+                                str(dtype).removeprefix("torch."), tolerance=tolerance,
+                                skipped_reason=reason),
+                    None if selected is None else functools.partial(selected.check, device, dtype))
 
 
 def failures(op: str, backend: str, device, case: str | None = None,

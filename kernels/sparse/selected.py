@@ -221,8 +221,9 @@ def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seq
     to every key, is recomputed in backward with the chunk, and with it its collectives.
 
     ``mass_kernel(q, k, selected, sink=, scale=) -> [B, c, K]`` (triton.py's
-    ``selected_mass``): computes the sparse stage's target in place of the gathered
-    probabilities; that target is then kept for backward too."""
+    ``selected_mass``): computes the sparse stage's target of every query at once (one
+    launch, ``[B, n, K]`` fp32) in place of the gathered probabilities by chunks; the chunks
+    then slice it, and it is kept for backward."""
     batch, seq_len, heads, dim = q.shape
     q, k = q.detach(), k.detach()
     sink = None if sink is None else sink.detach()
@@ -247,6 +248,9 @@ def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seq
     if selected is None:  # on the host, once: the last query of each column of positions
         last = positions.amax(0).tolist()
     total = q.new_zeros((), dtype=torch.float32)
+    if mass_kernel is not None and selected is not None:  # one launch for every query
+        targets = _chunk_target(q, k, positions, selected, keys.rule, sink, scale, shares,
+                                reduce_heads, mass_kernel)
     for start, end in _query_chunks(count, batch, per_query):
         queries = positions[:, start:end]
         # The dense warm-up's chunk reads the keys within its reach; the sparse one gathers.
@@ -257,8 +261,11 @@ def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seq
             continue
         own = (index_q[:, start:end], index_k[:, reach], index_weights[:, start:end])
         if hold:
-            target = _chunk_target(q, k, queries, selected, keys.rule, sink, scale, shares,
-                                   reduce_heads, mass_kernel)
+            if mass_kernel is not None:
+                target = targets[:, start:end]
+            else:
+                target = _chunk_target(q, k, queries, selected, keys.rule, sink, scale, shares,
+                                       reduce_heads)
             mine = queries[0 if shares is None else shares.rank]
             total = total + _maybe_checkpoint(_chunk_kl, target, mine, own[0], own[1], own[2],
                                               selected[:, mine], keys.rule)

@@ -37,7 +37,7 @@ import torch
 
 from megatron_ext.kernels import sparse
 from megatron_ext.kernels.selfcheck import relative_error
-from megatron_ext.kernels.sparse import reference
+from megatron_ext.kernels.sparse import gathered, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -193,8 +193,9 @@ def check_case(case: Case, device) -> dict[str, float]:
 def check_indexer_loss(device, dtype=torch.float32) -> float:
     """DSA's sparse-stage indexer loss with its target from the mass kernel (backend "triton")
     against the reference: the loss and the gradients of index_q, index_k and index_weights
-    (T = 70, K = 67, 4 query heads on 2, 3 indexer heads of dim 16, a sink). Returns the worst
-    relative error; asserts it is within ``TOLERANCE``."""
+    (T = 70, K = 67, 4 query heads on 2, 3 indexer heads of dim 16, a sink), and the loss as
+    the sum of two shares of the queries (``QueryShares``). Returns the worst relative error;
+    asserts it is within ``TOLERANCE``."""
     generator = torch.Generator().manual_seed(7)
     batch, seq_len, top_k = 2, 70, 67
 
@@ -208,6 +209,21 @@ def check_indexer_loss(device, dtype=torch.float32) -> float:
     selected = _picks(batch, torch.ones(seq_len, seq_len, dtype=torch.bool).tril(), top_k,
                       generator)
     results = []
+    budget = gathered.MAX_SCORES
+    gathered.MAX_SCORES = 4096  # chunks of 1 to 2 queries: the chunks slice the one target
+    try:
+        _indexer_losses(results, q, k, index, sink, selected, device, dtype)
+    finally:
+        gathered.MAX_SCORES = budget
+    worst = max(relative_error(got, want) for got, want in zip(*results))
+    assert worst <= TOLERANCE[dtype], f"indexer loss on the mass kernel ({dtype}): {worst:.2e}"
+    return worst
+
+
+def _indexer_losses(results, q, k, index, sink, selected, device, dtype):
+    """check_indexer_loss's runs: on the kernels and on the reference (loss and gradients),
+    then the kernels' loss as the sum of two shares."""
+    seq_len = q.shape[1]
     for backend, where, cast in (("triton", device, dtype), ("reference", "cpu", torch.float32)):
         leaves = {n: x.to(where).requires_grad_() for n, x in index.items()}
         loss = sparse.dsa_indexer_loss(q.to(where, cast), k.to(where, cast), *leaves.values(),
@@ -215,9 +231,19 @@ def check_indexer_loss(device, dtype=torch.float32) -> float:
                                        backend=backend)
         grads = torch.autograd.grad(loss, list(leaves.values()))
         results.append([loss.detach().cpu(), *(g.cpu() for g in grads)])
-    worst = max(relative_error(got, want) for got, want in zip(*results))
-    assert worst <= TOLERANCE[dtype], f"indexer loss on the mass kernel ({dtype}): {worst:.2e}"
-    return worst
+    # Context parallelism's form: two shares of the queries (interleaved), whose losses sum to
+    # the loss (one process holds every head here, so the reduce-scatter is the identity).
+    positions = torch.arange(seq_len).view(seq_len // 2, 2).t()
+    shared = q.new_zeros((), dtype=torch.float32).to(device)
+    for rank in range(2):
+        mine = positions[rank]
+        shares = sparse.QueryShares(positions, rank, lambda mass, rank=rank: mass[rank])
+        shared = shared + sparse.dsa_indexer_loss(
+            q.to(device), k.to(device), index["index_q"][:, mine].to(device),
+            index["index_k"].to(device), index["index_weights"][:, mine].to(device),
+            selected=selected.to(device), sink=sink.to(device), shares=shares, backend="triton")
+    results[0].append(shared.detach().cpu())
+    results[1].append(results[1][0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
