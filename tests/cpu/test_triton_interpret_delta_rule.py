@@ -2,7 +2,7 @@
 interpreter (TRITON_INTERPRET=1), against the reference: the ``check`` of
 tests/gpu/test_triton_delta_rule.py on small shapes in fp32, and in bf16 and fp16 (the tensor-core
 path's storage dtypes and casts), in a subprocess (the interpreter must be switched on before the
-kernels are defined); the triangular inverse (_invert_kernel) alone against the inverse in fp64;
+kernels are defined), every load and store checked to stay inside the launch's tensors; the triangular inverse (_invert_kernel) alone against the inverse in fp64;
 and the messages for what the backend refuses. Skipped where Triton does not import. About 100 s
 on two busy cores.
 
@@ -24,6 +24,7 @@ from megatron_ext.kernels import gated_delta_rule  # noqa: E402
 from megatron_ext.kernels.selfcheck import delta_rule_inputs  # noqa: E402
 
 GPU_TESTS = pathlib.Path(__file__).parents[1] / "gpu"
+CPU_TESTS = pathlib.Path(__file__).parent
 
 # Keyword arguments of check(): all four forms with grouped heads (Hk = 1, Hv = 2) across a chunk
 # boundary, K != V both ways (K = 64 is several blocks of key channels, with a decay per channel
@@ -50,37 +51,19 @@ CASES = [
     dict(SMALL, case="gated_deltanet", seq_len=70, key_dim=128, value_dim=128, dtype="bfloat16"),
 ]
 
-# Two fixes to Triton 3.6's interpreter. It turns a loop bound loaded from memory into a Python int
-# through int(<1-element array>), which NumPy >= 2.5 refuses: this takes the element explicitly.
-# It keeps bf16 as raw 16-bit integers (NumPy has no bf16) and multiplies those in tl.dot: this
-# widens bf16 dot operands to fp32 first, exactly (as tensor cores do, accumulating in fp32).
+# The interpreter set up as for the other interpreter tests (tests/cpu/triton_interpreter.py: one
+# CPU thread, its fix for NumPy >= 2.4, every load and store checked to stay inside the launch's
+# tensors) and with bf16 dot operands widened to fp32 first (the interpreter keeps bf16 as raw
+# 16-bit integers).
 _SCRIPT = """
 import json, sys
-import numpy as np
 import torch
-import triton.language as tl
-import triton.runtime.interpreter as interpreter
-
-_patch = interpreter._patch_lang_tensor
-def _patch_with_index(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-interpreter._patch_lang_tensor = _patch_with_index
-
-_dot = interpreter.InterpreterBuilder.create_dot
-def _widen(x):
-    if x.dtype.scalar != tl.bfloat16:
-        return x
-    data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
-    return interpreter.TensorHandle(data, tl.float32)
-def _dot_of_bf16(self, a, b, d, *args):
-    return _dot(self, _widen(a), _widen(b), d, *args)
-interpreter.InterpreterBuilder.create_dot = _dot_of_bf16
-
-torch.set_num_threads(1)
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = sys.argv[1:3]
+import triton_interpreter
+triton_interpreter.setup()
+triton_interpreter.widen_bf16_dots()
 from test_triton_delta_rule import check
-for kwargs in json.loads(sys.argv[2]):
+for kwargs in json.loads(sys.argv[3]):
     kwargs["dtype"] = getattr(torch, kwargs.pop("dtype", "float32"))
     errors = check(device="cpu", **kwargs)
     print(kwargs["case"], "worst error", f"{max(errors.values()):.2e}")
@@ -89,7 +72,8 @@ for kwargs in json.loads(sys.argv[2]):
 
 def test_kernels_match_the_reference_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", _SCRIPT, str(GPU_TESTS), json.dumps(CASES)],
+    result = subprocess.run([sys.executable, "-c", _SCRIPT, str(GPU_TESTS), str(CPU_TESTS),
+                             json.dumps(CASES)],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-5000:]
     assert result.stdout.count("worst error") == len(CASES), result.stdout
