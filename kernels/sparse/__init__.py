@@ -11,7 +11,8 @@ Backends, with one signature per op:
                 ``nsa_attention`` (its selected and window branches) only: torch's
                 FlashAttention-2 kernels with the sink applied through their log-sum-exp; CUDA,
                 fp16/bf16, no extra mask (flash.py)
-    triton      ``dsa_attention`` and ``csa_attention`` only: our Triton kernels of the
+    triton      ``dsa_attention`` and ``csa_attention`` only, and the sparse-stage target of
+                ``dsa_indexer_loss`` and ``csa_indexer_loss``: our Triton kernels of the
                 per-token selected attention, forward and backward; CUDA, fp32/bf16/fp16, head
                 dims up to 256 (triton.py; imported on first use, so that this package imports
                 where Triton does not)
@@ -24,9 +25,10 @@ pick their own blocks); the result does not depend on them.
 
 DSA selects keys per token, which no block layout describes; its ops (``dsa_select``,
 ``dsa_attention``, ``dsa_indexer_loss``) run the reference or, for every other backend, the
-per-token gathered form of selected.py; but ``dsa_attention`` (and CSA's ``csa_attention``)
-runs triton.py's kernels with "triton", and with "auto" on CUDA where they take the call and
-have passed their first-use check on the device in the call's dtype.
+per-token gathered form of selected.py; but ``dsa_attention`` (and CSA's ``csa_attention``),
+and the target of the indexer losses' sparse stage, run triton.py's kernels with "triton", and
+with "auto" on CUDA where they take the call and have passed their first-use check on the device
+in the call's dtype.
 
 DeepSeek-V4's compressed attentions (compressed.py): ``compress_kv`` makes one entry per block
 of tokens; HCA's ``compressed_attention`` (all the entries a query sees, plus a sliding window)
