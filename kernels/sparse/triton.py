@@ -468,6 +468,7 @@ def checked(device: torch.device, dtype: torch.dtype) -> bool:
     return not over
 
 
+@torch.inference_mode(False)  # a first use under inference mode checks as any other
 def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """The first-use check: the worst relative error (Frobenius norm) of the output ("o"), of
     each gradient ("grad_q", ...) and of :func:`selected_mass` ("mass") over these calls in ``dtype`` against the fp32 reference

@@ -162,3 +162,13 @@ def test_first_use_check_passes_faithful_kernels_and_catches_a_wrong_scale(emula
     flash.checked.cache_clear()
     assert not flash.checked(torch.device("cpu"), torch.bfloat16)
     flash.checked.cache_clear()
+
+
+def test_first_use_under_inference_mode_runs_the_check(emulated):
+    """A first call in an evaluation under torch.inference_mode runs the check as any other
+    (its tensors would otherwise be inference tensors, which autograd refuses, and the failed
+    check would turn the kernels off for the process)."""
+    flash.checked.cache_clear()
+    with torch.inference_mode():
+        assert flash.checked(torch.device("cpu"), torch.bfloat16)
+    flash.checked.cache_clear()

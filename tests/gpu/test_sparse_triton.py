@@ -1,7 +1,8 @@
 """The Triton kernels of DSA's and CSA's selected attention (kernels/sparse/triton.py, backend
 "triton" of ``dsa_attention`` and ``csa_attention``) against the fp32 reference, forward and
-every gradient (q, k, v, the sink; CSA's entries too), on CUDA (skipped without a GPU); their
-first-use check; and "auto" running them once it has passed.
+every gradient (q, k, v, the sink; CSA's entries too), on CUDA (skipped without a GPU); the
+indexer loss's target from ``selected_mass`` (each DSA case) and the indexer loss on it
+(``check_indexer_loss``); their first-use check; and "auto" running them once it has passed.
 
 ``CASES`` and ``check_case`` are shared with tests/cpu/test_triton_interpret_selected.py, which
 runs them on the CPU under Triton's interpreter, hence their small sizes; ``GPU_CASES`` adds
