@@ -298,18 +298,10 @@ def moba_attention(q, k, v, *, block_size, top_k, sink=None, scale=None):
 def checked(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernels passed their first-use check (:func:`check`) on ``device`` in
     ``dtype``; run once, a failure logged once."""
-    try:
-        errors = check(device, dtype)
-    except Exception as error:
-        _log.warning("%s: the FlashAttention kernels failed their check on %s in %s (%s: %s); "
-                     "FlexAttention runs instead", OP, device, dtype, type(error).__name__, error)
-        return False
-    over = {name: f"{error:.2e}" for name, error in errors.items() if not error <= CHECK_TOLERANCE}
-    if over:
-        _log.warning("%s: the FlashAttention kernels failed their check on %s in %s (relative "
-                     "errors over %s: %s); FlexAttention runs instead", OP, device, dtype,
-                     CHECK_TOLERANCE, over)
-    return not over
+    from ..selfcheck import passes_first_use_check
+
+    return passes_first_use_check(check, device, dtype, CHECK_TOLERANCE,
+                                  "the FlashAttention kernels", "FlexAttention runs instead", _log)
 
 
 @torch.inference_mode(False)  # a first use under inference mode checks as any other

@@ -452,20 +452,11 @@ def selected_mass(q, k, selected, *, sink=None, scale=None) -> torch.Tensor:
 def checked(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernels passed their first-use check (:func:`check`) on ``device`` in
     ``dtype``; run once, a failure logged once."""
-    try:
-        errors = check(device, dtype)
-    except Exception as error:
-        _log.warning("%s: the selected-attention Triton kernels failed their check on %s in %s "
-                     "(%s: %s); the gathered path runs instead", OP, device, dtype,
-                     type(error).__name__, error)
-        return False
-    tolerance = CHECK_TOLERANCE[dtype]
-    over = {name: f"{error:.2e}" for name, error in errors.items() if not error <= tolerance}
-    if over:
-        _log.warning("%s: the selected-attention Triton kernels failed their check on %s in %s "
-                     "(relative errors over %s: %s); the gathered path runs instead", OP,
-                     device, dtype, tolerance, over)
-    return not over
+    from ..selfcheck import passes_first_use_check
+
+    return passes_first_use_check(check, device, dtype, CHECK_TOLERANCE[dtype],
+                                  "the selected-attention Triton kernels",
+                                  "the gathered path runs instead", _log)
 
 
 @torch.inference_mode(False)  # a first use under inference mode checks as any other
