@@ -11,11 +11,12 @@ Backends, with one signature per op:
                 ``nsa_attention`` (its selected and window branches) only: torch's
                 FlashAttention-2 kernels with the sink applied through their log-sum-exp; CUDA,
                 fp16/bf16, no extra mask (flash.py)
-    triton      ``dsa_attention`` and ``csa_attention`` only, and the sparse-stage target of
-                ``dsa_indexer_loss`` and ``csa_indexer_loss``: our Triton kernels of the
-                per-token selected attention, forward and backward; CUDA, fp32/bf16/fp16, head
-                dims up to 256 (triton.py; imported on first use, so that this package imports
-                where Triton does not)
+    triton      ``dsa_attention`` and ``csa_attention`` only, and the sparse stage of
+                ``dsa_indexer_loss`` and ``csa_indexer_loss`` (its target and its KL): our
+                Triton kernels of the per-token selected attention and of the indexer's loss,
+                forward and backward; CUDA, fp32/bf16/fp16, head dims up to 256 (triton.py and
+                triton_indexer.py; imported on first use, so that this package imports where
+                Triton does not)
 "auto" is flex on CUDA (head dims of 16 or more) and gathered elsewhere; for softmax_attention
 and moba_attention it is flash where flash.py covers the call and has passed its first-use check
 on the device (NSA runs flash only when asked for: see nsa_attention).
@@ -26,7 +27,7 @@ pick their own blocks); the result does not depend on them.
 DSA selects keys per token, which no block layout describes; its ops (``dsa_select``,
 ``dsa_attention``, ``dsa_indexer_loss``) run the reference or, for every other backend, the
 per-token gathered form of selected.py; but ``dsa_attention`` (and CSA's ``csa_attention``),
-and the target of the indexer losses' sparse stage, run triton.py's kernels with "triton", and
+and the indexer losses' sparse stage, run triton.py's kernels with "triton", and
 with "auto" on CUDA where they take the call and have passed their first-use check on the device
 in the call's dtype.
 
@@ -302,13 +303,19 @@ def _selected_attention(backend: str, q, k, v, selected, sink, scale):
     return run(q, k, v, selected, sink=sink, scale=scale)
 
 
-def _mass_kernel(backend: str, q, k, selected):
-    """triton.py's ``selected_mass`` for an indexer loss's sparse stage where the kernels run
-    (:func:`_selected_kernels`), else None (the gathered target)."""
+def _loss_kernels(backend: str, q, k, selected, index_q, index_k):
+    """triton.py's module for an indexer loss's sparse stage (its target and its KL) where the
+    kernels run (:func:`_selected_kernels`, and triton_indexer.py takes the indexer's tensors),
+    else None (the chunked PyTorch form)."""
     if selected is None:
         return None
     kernels = _selected_kernels(backend, q, k, k)
-    return None if kernels is None else kernels.selected_mass
+    if kernels is None:
+        return None
+    reason = kernels.indexer_unavailable_reason(index_q, index_k)
+    if backend == "triton" and reason is not None:
+        raise ValueError(f"{OP}: backend='triton' cannot run this call: {reason}")
+    return kernels if reason is None else None
 
 
 def _dsa_reference(backend: str) -> bool:
@@ -424,7 +431,8 @@ def dsa_indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu
                                           scale=scale, reduce_heads=reduce_heads)
     return indexer_loss(q, k, index_q, index_k, index_weights, selected=selected,
                         cu_seqlens=cu_seqlens, sink=sink, scale=scale, reduce_heads=reduce_heads,
-                        shares=shares, mass_kernel=_mass_kernel(backend, q, k, selected))
+                        shares=shares,
+                        kernels=_loss_kernels(backend, q, k, selected, index_q, index_k))
 
 
 # ------------------------------------------------------------------ DeepSeek-V4 CSA and HCA
@@ -585,5 +593,6 @@ def csa_indexer_loss(q, compressed_k, index_q, index_k, index_weights, *, rate, 
     if len(entries) == 0:  # no entry for any query
         return q.new_zeros((), dtype=torch.float32)
     return indexer_loss(q, compressed_k, index_q, index_k, index_weights, keys=entries.keys(),
-                        shares=shares, mass_kernel=_mass_kernel(backend, q, compressed_k, selected),
+                        shares=shares, kernels=_loss_kernels(backend, q, compressed_k, selected,
+                                                             index_q, index_k),
                         **options)

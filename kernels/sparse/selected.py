@@ -8,12 +8,13 @@ the backward.
   (``[B, c, K, Hkv, D]``) and takes one softmax over them: memory O(T K), not O(T^2).
 - :func:`indexer_loss`: the indexer's KL loss, chunk by chunk, over the selected keys (gathered)
   or, for the dense warm-up, over every causal key; with :class:`QueryShares`, one process's
-  share of it (context parallelism: the target reduce-scattered by query rows).
+  share of it (context parallelism: the target reduce-scattered by query rows). Where
+  triton.py's kernels run, its sparse stage is theirs, without chunks.
 
 Which keys a query may choose is a :class:`Keys`: for DSA the causal ones (:func:`causal_keys`),
 for DeepSeek-V4's CSA the compressed entries whose blocks are complete (compressed.py).
 
-A chunk holds at most ``gathered.MAX_SCORES`` fp32 values. With gradients, each chunk is
+A chunk holds at most ``gathered.max_scores(device)`` fp32 values. With gradients, each chunk is
 recomputed in the backward pass (activation checkpointing), so that what is kept for backward
 is the inputs and the outputs, linear in T (and, in the sparse loss whose target is reduced over
 processes, that target, ``[B, T, K]`` or its share, so that backward repeats no collective).
@@ -33,10 +34,10 @@ __all__ = ["Keys", "QueryShares", "causal_keys", "select_keys", "selected_attent
            "indexer_loss"]
 
 
-def _query_chunks(seq_len: int, batch: int, per_query: int):
-    """``(start, end)`` ranges of queries of at most ``MAX_SCORES`` values, at ``per_query``
-    values per query of each batch row."""
-    step = max(1, gathered.MAX_SCORES // max(1, batch * per_query))
+def _query_chunks(seq_len: int, batch: int, per_query: int, device: torch.device):
+    """``(start, end)`` ranges of queries of at most ``gathered.max_scores(device)`` values, at
+    ``per_query`` values per query of each batch row."""
+    step = max(1, gathered.max_scores(device) // max(1, batch * per_query))
     return [(start, min(start + step, seq_len)) for start in range(0, seq_len, step)]
 
 
@@ -106,7 +107,8 @@ def select_keys(index_q, index_k, index_weights, *, top_k, cu_seqlens=None,
     selected = torch.empty(batch, seq_len, count, dtype=torch.int32, device=index_q.device)
     if count == 0:
         return selected
-    for start, end in _query_chunks(seq_len, batch, index_heads * index_k.shape[1]):
+    for start, end in _query_chunks(seq_len, batch, index_heads * index_k.shape[1],
+                                     index_q.device):
         key_len = max(keys.reach(end), count)  # keys beyond the chunk's reach are never chosen
         scores = lightning_index_scores(index_q[:, start:end], index_k[:, :key_len],
                                         index_weights[:, start:end])
@@ -129,7 +131,7 @@ def selected_attention(q, k, v, selected, *, sink=None, scale=None) -> torch.Ten
     per_query = selected.shape[-1] * (heads + 2 * kv_heads * dim)
     outputs = [_maybe_checkpoint(_attention_chunk, q[:, start:end], k, v,
                                  selected[:, start:end], sink, scale)
-               for start, end in _query_chunks(seq_len, batch, per_query)]
+               for start, end in _query_chunks(seq_len, batch, per_query, q.device)]
     return torch.cat(outputs, dim=1).to(v.dtype)
 
 
@@ -206,7 +208,7 @@ def _loss_chunk(q, k, queries, selected, rule, sink, scale, shares, reduce_heads
 
 def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seqlens=None,
                  sink=None, scale=None, reduce_heads=None, keys: Keys | None = None,
-                 shares: QueryShares | None = None, mass_kernel=None) -> torch.Tensor:
+                 shares: QueryShares | None = None, kernels=None) -> torch.Tensor:
     """Same contract as ``dsa_indexer_loss_reference``; without ``selected``, over the keys
     that ``keys`` (default: :func:`causal_keys`) allows.
 
@@ -220,10 +222,9 @@ def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seq
     costs ``[B, n, K]`` fp32, a fraction of ``selected``. The dense warm-up's target, over up
     to every key, is recomputed in backward with the chunk, and with it its collectives.
 
-    ``mass_kernel(q, k, selected, sink=, scale=) -> [B, c, K]`` (triton.py's
-    ``selected_mass``): computes the sparse stage's target of every query at once (one
-    launch, ``[B, n, K]`` fp32) in place of the gathered probabilities by chunks; the chunks
-    then slice it, and it is kept for backward."""
+    ``kernels`` (triton.py's module, where its kernels run the call) computes the sparse stage
+    without chunks: the target of every query at once with its ``selected_mass`` (``[B, n, K]``
+    fp32, kept for backward), then the loss over it with its ``selected_indexer_kl``."""
     batch, seq_len, heads, dim = q.shape
     q, k = q.detach(), k.detach()
     sink = None if sink is None else sink.detach()
@@ -236,22 +237,22 @@ def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seq
         positions = shares.positions.to(q.device)
         shares = QueryShares(positions, shares.rank, shares.reduce_scatter)
     processes, count = positions.shape
+    if kernels is not None and selected is not None:
+        target = _chunk_target(q, k, positions, selected, keys.rule, sink, scale, shares,
+                               reduce_heads, kernels.selected_mass)
+        mine = positions[0 if shares is None else shares.rank]
+        return kernels.selected_indexer_kl(target, index_q, index_k, index_weights,
+                                           selected[:, mine]) / (batch * seq_len)
     if selected is None:
         per_query = k.shape[1] * (processes * heads + index_heads)
-    elif mass_kernel is not None:  # a chunk gathers the indexer's keys only
-        per_query = selected.shape[-1] * (index_heads + index_dim)
     else:
         per_query = selected.shape[-1] * (processes * (heads + k.shape[2] * dim)
                                           + index_heads + index_dim)
-    hold = selected is not None and (shares is not None or reduce_heads is not None
-                                     or mass_kernel is not None)
+    hold = selected is not None and (shares is not None or reduce_heads is not None)
     if selected is None:  # on the host, once: the last query of each column of positions
         last = positions.amax(0).tolist()
     total = q.new_zeros((), dtype=torch.float32)
-    if mass_kernel is not None and selected is not None:  # one launch for every query
-        targets = _chunk_target(q, k, positions, selected, keys.rule, sink, scale, shares,
-                                reduce_heads, mass_kernel)
-    for start, end in _query_chunks(count, batch, per_query):
+    for start, end in _query_chunks(count, batch, per_query, q.device):
         queries = positions[:, start:end]
         # The dense warm-up's chunk reads the keys within its reach; the sparse one gathers.
         reach = slice(None)
@@ -261,11 +262,8 @@ def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seq
             continue
         own = (index_q[:, start:end], index_k[:, reach], index_weights[:, start:end])
         if hold:
-            if mass_kernel is not None:
-                target = targets[:, start:end]
-            else:
-                target = _chunk_target(q, k, queries, selected, keys.rule, sink, scale, shares,
-                                       reduce_heads)
+            target = _chunk_target(q, k, queries, selected, keys.rule, sink, scale, shares,
+                                   reduce_heads)
             mine = queries[0 if shares is None else shares.rank]
             total = total + _maybe_checkpoint(_chunk_kl, target, mine, own[0], own[1], own[2],
                                               selected[:, mine], keys.rule)

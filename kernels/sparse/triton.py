@@ -45,7 +45,8 @@ Backward, with ``delta = rowsum(dO * o)`` per token and query head and ``p = exp
 - The sink's gradient, ``d sink_h = -sum_t exp(sink_h - L_th) delta_th`` (flash.py's), in
   PyTorch from L and delta.
 
-The indexer loss's target (``_mass_kernel``, :func:`selected_mass`, no gradient): the
+The indexer loss's target (``_mass_kernel``, :func:`selected_mass`, no gradient; the loss over
+it is triton_indexer.py's :func:`selected_indexer_kl`, exported here and checked with these): the
 probabilities of this attention summed over the query heads, ``[B, T, K]`` fp32, which DSA's and
 CSA's indexer losses fit in their sparse stage. One program per token runs the key/value heads
 in turn, each with two passes over the selected keys (the first for L, the second adding
@@ -91,9 +92,11 @@ import triton
 import triton.language as tl
 
 from .reference import OP, _masked_probs, dsa_attention_reference, selected_mask
+from .triton_indexer import reference_indexer_kl, selected_indexer_kl
+from .triton_indexer import unavailable_reason as indexer_unavailable_reason
 
-__all__ = ["selected_attention", "selected_mass", "unavailable_reason", "check", "checked", "CHECK_TOLERANCE",
-           "MAX_HEAD_DIM"]
+__all__ = ["selected_attention", "selected_mass", "selected_indexer_kl", "unavailable_reason",
+           "indexer_unavailable_reason", "check", "checked", "CHECK_TOLERANCE", "MAX_HEAD_DIM"]
 
 _log = logging.getLogger(__name__)
 
@@ -462,8 +465,9 @@ def checked(device: torch.device, dtype: torch.dtype) -> bool:
 @torch.inference_mode(False)  # a first use under inference mode checks as any other
 def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """The first-use check: the worst relative error (Frobenius norm) of the output ("o"), of
-    each gradient ("grad_q", ...) and of :func:`selected_mass` ("mass") over these calls in ``dtype`` against the fp32 reference
-    on the same rounded values, 4 query heads on 2 key/value heads (and, without a sink, 2 on
+    each gradient ("grad_q", ...), of :func:`selected_mass` ("mass") and of
+    :func:`selected_indexer_kl` ("indexer_kl", "grad_index_q", ...; :func:`_check_indexer_kl`)
+    over these calls in ``dtype`` against the fp32 reference on the same rounded values, 4 query heads on 2 key/value heads (and, without a sink, 2 on
     2), head dims 64 and 128, 2 x 24 queries over 2 x 96 keys: query t picks 67 keys (one
     full block of 64 and a partial one) at random among the first 4 (t + 1), so that the rows
     of the first 16 queries are padded with -1 (at random places), and the rows of 2 queries
@@ -510,7 +514,30 @@ def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
                                              leaves.get("sink")))
             for name, got, want in zip(names + ["mass"], *results):
                 worst[name] = max(worst.get(name, 0.0), relative_error(got, want))
+        worst.update(_check_indexer_kl(selected, dtype, generator))
     return worst
+
+
+def _check_indexer_kl(selected, dtype, generator) -> dict[str, float]:
+    """:func:`check`'s part for :func:`selected_indexer_kl`: its value and gradients against
+    ``reference_indexer_kl`` on the same rounded values, 4 indexer heads of dim 32, a random
+    target (0 at the -1 slots, so 0 for the two empty rows); the early keys, candidates of
+    every query, meet in the atomic adds of index_k's gradient."""
+    from ..selfcheck import relative_error
+
+    device = selected.device
+    batch, seq_len, top_k = selected.shape
+    leaves = [torch.randn(*shape, device=device, generator=generator).to(dtype).float()
+              for shape in ((batch, seq_len, 4, 32), (batch, 96, 32), (batch, seq_len, 4))]
+    target = torch.rand(batch, seq_len, top_k, device=device, generator=generator)
+    target = target * (selected >= 0)
+    results = []
+    for run, cast in ((selected_indexer_kl, dtype), (reference_indexer_kl, torch.float32)):
+        inputs = [x.to(cast).requires_grad_() for x in leaves]
+        loss = run(target, *inputs, selected)
+        results.append([loss.detach(), *(g.float() for g in torch.autograd.grad(loss, inputs))])
+    names = ["indexer_kl", "grad_index_q", "grad_index_k", "grad_index_weights"]
+    return {name: relative_error(got, want) for name, got, want in zip(names, *results)}
 
 
 def reference_mass(q, k, selected, sink=None, scale=None) -> torch.Tensor:

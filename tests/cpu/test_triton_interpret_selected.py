@@ -1,15 +1,17 @@
-"""Our Triton kernels of DSA's and CSA's selected attention (kernels/sparse/triton.py) on
-Triton's CPU interpreter, forward and backward, and what the "triton" backend refuses. Skipped
-where Triton is not installed.
+"""Our Triton kernels of DSA's and CSA's selected attention and indexer loss
+(kernels/sparse/triton.py, triton_indexer.py) on Triton's CPU interpreter, forward and backward,
+and what the "triton" backend refuses. Skipped where Triton is not installed.
 
 The interpreter is chosen when the kernels are defined (TRITON_INTERPRET=1 must be set before
 the module is imported), so the checks run in a subprocess: this file run as a script, which
 loads tests/gpu/test_sparse_triton.py and runs its ``check_case`` on every case of ``CASES``
 (causal selections padded with -1, all -1 rows, K of 40 and 67 against 64-key blocks, grouped
 heads and MHA, head dims 16 to 128, with and without a sink, CSA's window and entries; fp32,
-bf16 and fp16; that module's tolerances), every load and store checked to stay inside the
-tensors of its launch, then the kernels' own first-use check in fp32. bf16 dots are widened to
-fp32 first (triton_interpreter.widen_bf16_dots). ~50 s on two cores.
+bf16 and fp16; that module's tolerances) and its ``check_kl_case`` on every case of
+``KL_CASES`` (the indexer loss's KL kernels), every load, store and atomic add checked to stay
+inside the tensors of its launch; then the kernels' own first-use check in fp32 and the whole
+indexer loss on them. bf16 dots are widened to fp32 first (triton_interpreter.widen_bf16_dots).
+~2 minutes on two cores.
 
 The interpreter runs each program as NumPy code: it checks the algebra, indexing and masking of
 the kernels, not GPU code generation, layouts or speed.
@@ -30,6 +32,7 @@ def main() -> None:
     triton_interpreter.widen_bf16_dots()
     checks = triton_interpreter.gpu_checks("test_sparse_triton")
     triton_interpreter.run_cases(checks.CASES, checks.check_case)
+    triton_interpreter.run_cases(checks.KL_CASES, checks.check_kl_case)
     from megatron_ext.kernels.sparse import triton
 
     start = time.perf_counter()
@@ -40,9 +43,9 @@ def main() -> None:
           f"({time.perf_counter() - start:.1f} s)", flush=True)
     start = time.perf_counter()
     worst = checks.check_indexer_loss("cpu")
-    print(f"indexer loss on the mass kernel (fp32): ok, worst {worst:.1e} "
+    print(f"indexer loss on the kernels (fp32): ok, worst {worst:.1e} "
           f"({time.perf_counter() - start:.1f} s)", flush=True)
-    print(f"all {len(checks.CASES)} interpreter cases passed")
+    print(f"all {len(checks.CASES) + len(checks.KL_CASES)} interpreter cases passed")
 
 
 @needs_triton

@@ -112,7 +112,8 @@ def _fix_for_numpy_2_4() -> None:
 
 
 def _check_bounds() -> None:
-    """Fail any load or store of a kernel that leaves the tensors passed to its launch. The
+    """Fail any load, store or atomic update of a kernel that leaves the tensors passed to its
+    launch. The
     interpreter reads and writes host memory directly, so an access past a tensor's end, which
     faults on a GPU (an illegal memory access) or corrupts a neighbouring buffer, would otherwise
     pass unnoticed. Lanes masked off are not checked: they access nothing on a GPU either. A
@@ -151,6 +152,12 @@ def _check_bounds() -> None:
         check(ptrs, mask, "store")
         return store(self, ptrs, value, mask, *rest)
 
+    def checked_atomic(self, op, ptrs, value, mask, *rest):
+        check(ptrs, mask, "atomic update")
+        return atomic(self, op, ptrs, value, mask, *rest)
+
+    atomic = interpreter.InterpreterBuilder.create_atomic_rmw
     interpreter.GridExecutor.__call__ = run_grid_recording_extents
     interpreter.InterpreterBuilder.create_masked_load = checked_load
     interpreter.InterpreterBuilder.create_masked_store = checked_store
+    interpreter.InterpreterBuilder.create_atomic_rmw = checked_atomic

@@ -1,8 +1,10 @@
 """The Triton kernels of DSA's and CSA's selected attention (kernels/sparse/triton.py, backend
 "triton" of ``dsa_attention`` and ``csa_attention``) against the fp32 reference, forward and
 every gradient (q, k, v, the sink; CSA's entries too), on CUDA (skipped without a GPU); the
-indexer loss's target from ``selected_mass`` (each DSA case) and the indexer loss on it
-(``check_indexer_loss``); their first-use check; and "auto" running them once it has passed.
+indexer loss's target from ``selected_mass`` (each DSA case), its KL from
+``selected_indexer_kl`` (``KL_CASES``: indexer heads 3 to 64, dims 16 to 128, rows with no key
+or no target, one key in every row), and the whole loss on them (``check_indexer_loss``);
+their first-use check; and "auto" running them once it has passed.
 
 ``CASES`` and ``check_case`` are shared with tests/cpu/test_triton_interpret_selected.py, which
 runs them on the CPU under Triton's interpreter, hence their small sizes; ``GPU_CASES`` adds
@@ -38,7 +40,7 @@ import torch
 
 from megatron_ext.kernels import sparse
 from megatron_ext.kernels.selfcheck import relative_error
-from megatron_ext.kernels.sparse import gathered, reference
+from megatron_ext.kernels.sparse import reference
 
 pytestmark = pytest.mark.gpu
 
@@ -97,6 +99,82 @@ GPU_CASES = [
          dtype=torch.bfloat16),
     Case(seq_len=1, top_k=1, batch=3, dtype=torch.bfloat16),
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class KLCase:
+    """A call of ``selected_indexer_kl``: n queries over S keys (causal when S = T), K picks
+    per query, HI indexer heads of dim DI."""
+    seq_len: int = 70
+    top_k: int = 67
+    heads: int = 3
+    dim: int = 16
+    batch: int = 2
+    keys: int | None = None  # S keys picked without causality; None: causal, S = T
+    empty_rows: bool = False  # every 7th row all -1, every 5th with a zero target
+    hot_key: bool = False  # every query's first slot is key 0 (one key, many atomic adds)
+    dtype: torch.dtype = torch.float32
+
+    def __str__(self) -> str:
+        parts = [f"B{self.batch}", f"T{self.seq_len}", f"K{self.top_k}", f"HI{self.heads}",
+                 f"DI{self.dim}", str(self.dtype)[6:]]
+        if self.keys is not None:
+            parts.append(f"S{self.keys}")
+        return "-".join(parts + ["empty-rows"] * self.empty_rows + ["hot-key"] * self.hot_key)
+
+
+KL_CASES = [
+    KLCase(),
+    KLCase(heads=64, dim=32, top_k=40, seq_len=50, batch=1),
+    KLCase(heads=16, dim=48, top_k=130, seq_len=140, batch=1, empty_rows=True),
+    KLCase(seq_len=30, keys=9, top_k=8, heads=4, dim=32, hot_key=True),
+    KLCase(heads=4, dim=32, dtype=torch.bfloat16, hot_key=True),
+]
+
+GPU_KL_CASES = [
+    KLCase(seq_len=1000, top_k=300, heads=64, dim=128, dtype=torch.bfloat16, empty_rows=True),
+    KLCase(seq_len=1000, top_k=300, heads=64, dim=128, hot_key=True),
+    KLCase(seq_len=500, keys=125, top_k=64, heads=8, dim=128, dtype=torch.float16),
+]
+
+
+def check_kl_case(case: KLCase, device) -> dict[str, float]:
+    """``selected_indexer_kl`` on ``device`` against ``reference_indexer_kl`` in fp32 on the CPU
+    (same rounded values): the loss and the gradients of index_q, index_k and index_weights.
+    The target is random, 0 at the -1 slots (as the main attention's mass is). Returns the
+    relative errors; asserts they are within ``TOLERANCE``."""
+    from megatron_ext.kernels.sparse import triton_indexer
+
+    generator = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
+    batch, seq_len = case.batch, case.seq_len
+    keys = seq_len if case.keys is None else case.keys
+    allowed = torch.ones(seq_len, keys, dtype=torch.bool)
+    selected = _picks(batch, allowed.tril() if case.keys is None else allowed, case.top_k,
+                      generator)
+    if case.hot_key:
+        selected[..., 1:][selected[..., 1:] == 0] = -1
+        selected[..., 0] = 0
+    if case.empty_rows:
+        selected[:, ::7] = -1
+    target = torch.rand(selected.shape, generator=generator) * (selected >= 0)
+    if case.empty_rows:
+        target[:, 3::5] = 0
+    leaves = [torch.randn(*shape, generator=generator).to(case.dtype).float() for shape in
+              ((batch, seq_len, case.heads, case.dim), (batch, keys, case.dim),
+               (batch, seq_len, case.heads))]
+    results = []
+    for run, where, cast in ((triton_indexer.selected_indexer_kl, device, case.dtype),
+                             (triton_indexer.reference_indexer_kl, "cpu", torch.float32)):
+        inputs = [x.to(where, cast).requires_grad_() for x in leaves]
+        loss = run(target.to(where), *inputs, selected.to(where))
+        grads = torch.autograd.grad(loss, inputs)
+        results.append([loss.detach().cpu(), *(g.float().cpu() for g in grads)])
+    names = ["loss", "grad_index_q", "grad_index_k", "grad_index_weights"]
+    errors = {name: relative_error(got, want) for name, got, want in zip(names, *results)}
+    over = {name: f"{error:.2e}" for name, error in errors.items()
+            if not error <= TOLERANCE[case.dtype]}
+    assert not over, f"{case}: relative errors over {TOLERANCE[case.dtype]}: {over}"
+    return errors
 
 
 def _picks(batch, allowed, top_k, generator) -> torch.Tensor:
@@ -192,8 +270,8 @@ def check_case(case: Case, device) -> dict[str, float]:
 
 
 def check_indexer_loss(device, dtype=torch.float32) -> float:
-    """DSA's sparse-stage indexer loss with its target from the mass kernel (backend "triton")
-    against the reference: the loss and the gradients of index_q, index_k and index_weights
+    """DSA's sparse-stage indexer loss on the kernels (backend "triton": the target from the
+    mass kernel, the KL from ``selected_indexer_kl``) against the reference: the loss and the gradients of index_q, index_k and index_weights
     (T = 70, K = 67, 4 query heads on 2, 3 indexer heads of dim 16, a sink), and the loss as
     the sum of two shares of the queries (``QueryShares``). Returns the worst relative error;
     asserts it is within ``TOLERANCE``."""
@@ -210,12 +288,7 @@ def check_indexer_loss(device, dtype=torch.float32) -> float:
     selected = _picks(batch, torch.ones(seq_len, seq_len, dtype=torch.bool).tril(), top_k,
                       generator)
     results = []
-    budget = gathered.MAX_SCORES
-    gathered.MAX_SCORES = 4096  # chunks of 1 to 2 queries: the chunks slice the one target
-    try:
-        _indexer_losses(results, q, k, index, sink, selected, device, dtype)
-    finally:
-        gathered.MAX_SCORES = budget
+    _indexer_losses(results, q, k, index, sink, selected, device, dtype)
     worst = max(relative_error(got, want) for got, want in zip(*results))
     assert worst <= TOLERANCE[dtype], f"indexer loss on the mass kernel ({dtype}): {worst:.2e}"
     return worst
@@ -255,6 +328,11 @@ def test_indexer_loss_on_the_mass_kernel(dtype):
 @pytest.mark.parametrize("case", CASES + GPU_CASES, ids=str)
 def test_kernels_match_the_reference(case):
     check_case(case, "cuda")
+
+
+@pytest.mark.parametrize("case", KL_CASES + GPU_KL_CASES, ids=str)
+def test_indexer_kl_matches_the_reference(case):
+    check_kl_case(case, "cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
