@@ -159,3 +159,21 @@ def test_megatron_builder_freezes_all_but_the_indexers_in_dsa_dense_warmup(
     assert all(".indexer." in name for name in trained)
     assert model_config.experimental_attention_variant_loss_scale_func is (
         IndexerLoss.set_loss_scale)
+
+
+def test_every_rank_calls_the_datasets_provider(tmp_path):
+    """Megatron calls the datasets provider on every rank only when the provider says
+    ``is_distributed`` (megatron.training.training.build_train_valid_test_data_loaders), else
+    on tensor-parallel rank 0 alone; ours holds collectives over all ranks (the dataset
+    builder's barrier), so without the flag TP > 1 hangs before its first iteration (seen on 2
+    H200s, session 9)."""
+    import inspect
+
+    from megatron.training import training
+
+    from megatron_ext.pretrain import _datasets_provider
+
+    rule = inspect.getsource(training.build_train_valid_test_data_loaders)
+    assert 'getattr(build_train_valid_test_datasets_provider, "is_distributed", False)' in rule
+    provider = _datasets_provider(presets.load_settings("tiny-hybrid"), tmp_path)
+    assert provider.is_distributed is True
