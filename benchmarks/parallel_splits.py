@@ -32,9 +32,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -155,15 +157,42 @@ def summarize(records: list[dict], *, warmup: int, gpus: int, tokens_per_iterati
             "final_loss": timed[-1].get("loss")}
 
 
-def run_split(split: Split, command: list[str], log_path: pathlib.Path, timeout_s: int) -> dict:
+def kill_leftovers(marker: str) -> list[int]:
+    """SIGKILL every other process whose command line holds ``marker`` (a split's own run
+    directory); their PIDs. torchrun starts its ranks in sessions of their own, out of reach of
+    coreutils' timeout, which signals its command's process group: when a timeout killed
+    torchrun, ranks stuck in a collective kept running on the GPUs, orphaned, into the next
+    split and the next command (seen on 2 H200s, session 9)."""
+    killed = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            command_line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                errors="replace")
+            if marker in command_line:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return killed
+
+
+def run_split(split: Split, command: list[str], log_path: pathlib.Path, timeout_s: int,
+              run_dir: str) -> dict:
     """Run one split under coreutils' timeout (status 124, or 137 after SIGKILL, when it ran
-    out of time)."""
+    out of time); once its launcher has exited, kill what is left of it
+    (:func:`kill_leftovers`: ranks left running would also keep its output open, and this
+    call waiting)."""
     limited = ["timeout", "--kill-after", "30", str(timeout_s), *command]
-    phase = pretrain_run.run_phase(limited, log_path, None)
+    killed = []
+    phase = pretrain_run.run_phase(limited, log_path, None,
+                                   on_exit=lambda: killed.extend(kill_leftovers(run_dir)))
     result = {**split._asdict(), "command": shlex.join(command),
               "returncode": phase["returncode"], "timed_out": phase["returncode"] in (124, 137),
               "wall_s": phase["wall_s"], "log": phase["log"],
-              "peak_allocated_mib": phase["peak_allocated_mib"], "records": phase["records"]}
+              "peak_allocated_mib": phase["peak_allocated_mib"], "records": phase["records"],
+              "killed_leftovers": killed}
     if phase["returncode"] != 0:
         result["log_tail"] = log_path.read_text(errors="replace").splitlines()[-LOG_TAIL:]
     return result
@@ -239,7 +268,7 @@ def main(argv=None) -> int:
             log(f"split {number}/{len(splits)} {split.name} (TP {split.tp}, PP {split.pp}, "
                 f"CP {split.cp}, DP {split.dp}): {shlex.join(command)}")
             log_path = out.with_name(f"{out.stem}_{split.name.replace(':', '_')}.log")
-            result = run_split(split, command, log_path, args.split_timeout)
+            result = run_split(split, command, log_path, args.split_timeout, run_dir)
         result.update(summarize(result["records"], warmup=args.warmup, gpus=args.gpus,
                                 tokens_per_iteration=args.global_batch_size * seq,
                                 flops_per_token=flops, peak_tflops=args.peak_tflops))
@@ -248,6 +277,9 @@ def main(argv=None) -> int:
         log(f"split {split.name}: exit {result['returncode']}, {result['wall_s']} s, "
             f"{result.get('median_ms_per_iteration')} ms/iteration, "
             f"{result.get('tokens_per_s')} tokens/s")
+        if result["killed_leftovers"]:
+            log(f"  killed {len(result['killed_leftovers'])} processes left running by the "
+                f"split: {result['killed_leftovers']}")
         for line in result.get("log_tail", [])[-5:]:
             log(f"  {line}")
     print(table(report["splits"]), flush=True)

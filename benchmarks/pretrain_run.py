@@ -28,6 +28,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 from megatron_ext.launch.presets import load_settings, parameter_count
@@ -67,14 +68,21 @@ def model_flops_per_token(preset: str, vocab_size: int) -> float:
     return flops
 
 
-def run_phase(command: list[str], log_path: pathlib.Path, stop_at: int | None) -> dict:
+def run_phase(command: list[str], log_path: pathlib.Path, stop_at: int | None,
+              on_exit=None) -> dict:
     """Run ``command``, tee its output to log_path, parse Megatron's iteration lines; with
-    stop_at, send SIGUSR1 once an iteration >= stop_at is logged."""
+    stop_at, send SIGUSR1 once an iteration >= stop_at is logged. ``on_exit()``, if given, runs
+    as soon as ``command`` exits, while its output may still be open: processes it left
+    running hold that pipe, and the phase ends when they close it (e.g. killed by on_exit)."""
     records, peak_mib, signalled = [], None, None
     start = time.time()
     with open(log_path, "w") as out:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        watcher = None
+        if on_exit is not None:
+            watcher = threading.Thread(target=lambda: (process.wait(), on_exit()), daemon=True)
+            watcher.start()
         for line in process.stdout:
             out.write(line)
             match = ITERATION.search(line)
@@ -95,6 +103,8 @@ def run_phase(command: list[str], log_path: pathlib.Path, stop_at: int | None) -
             if memory:
                 peak_mib = max(peak_mib or 0.0, float(memory.group(1)))
         returncode = process.wait()
+        if watcher is not None:
+            watcher.join()
     return {"command": command, "returncode": returncode, "records": records,
             "signalled_after": signalled, "peak_allocated_mib": peak_mib,
             "wall_s": round(time.time() - start, 1), "log": log_path.name}

@@ -139,7 +139,8 @@ def test_a_run_is_summarised_from_megatron_log_lines(bench, tmp_path):
              MEMORY.format(1, 2048), _iteration(3, 100.0), _iteration(4, 110.0),
              _iteration(5, 120.0)]
     split = bench.parse_split("pp2", 2)
-    result = bench.run_split(split, _fake(lines), tmp_path / "pp2.log", timeout_s=60)
+    result = bench.run_split(split, _fake(lines), tmp_path / "pp2.log", timeout_s=60,
+                             run_dir=str(tmp_path / "run"))
     assert result["returncode"] == 0 and "log_tail" not in result
     assert result["peak_allocated_mib"] == 2048.0  # the largest over the ranks' reports
     summary = bench.summarize(result["records"], warmup=2, gpus=2, tokens_per_iteration=8 * 4096,
@@ -151,6 +152,31 @@ def test_a_run_is_summarised_from_megatron_log_lines(bench, tmp_path):
     assert summary["model_tflops_per_gpu"] == round(2e9 * tokens_per_s / 2 / 1e12, 1)
     assert summary["mfu"] == round(2e9 * tokens_per_s / 2 / 1e12 / 989.0, 4)
     assert summary["megatron_tflops_per_gpu"] == 50.0 and summary["final_loss"] == 10.0
+
+
+def test_ranks_left_running_by_a_split_are_killed(bench, tmp_path):
+    """A split whose launcher exits leaving a "rank" running in a session of its own (as
+    torchrun's are, out of reach of coreutils' timeout) with the split's run directory in its
+    command line: run_split kills it and records its PID."""
+    import os
+    import time
+
+    run_dir = str(tmp_path / "parallel_splits_x")
+    rank = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', "
+            f"'import time; time.sleep(600)', '--run-dir', {run_dir!r}], start_new_session=True);"
+            f" print('rank', p.pid)")
+    result = bench.run_split(bench.parse_split("dp2", 2), [sys.executable, "-c", rank],
+                             tmp_path / "dp2.log", timeout_s=60, run_dir=run_dir)
+    pid = int((tmp_path / "dp2.log").read_text().split()[-1])
+    assert result["killed_leftovers"] == [pid]
+    for _ in range(100):  # reaped by init once killed
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"process {pid} still runs")
 
 
 def test_a_failed_split_is_recorded_and_the_next_still_runs(bench, tmp_path, monkeypatch, capsys):
