@@ -1,7 +1,8 @@
-"""benchmarks/sparse_attention.py on the CPU: the flash and fla ops are skipped with the reason, --resume
-measures only the missing (op, T) rows, and the check before an fla op's timing passes a kernel
-with fla-core's documented semantics (fla-core 0.6.0's parallel_attn, written out densely here:
-fla-core itself needs CUDA) and keeps a wrong one from being timed."""
+"""benchmarks/sparse_attention.py on the CPU: the flash and fla ops are skipped with the reason,
+--resume measures only the missing (op, T) rows, and the check before an fla op's timing passes a
+kernel with fla-core's documented semantics (fla-core 0.6.0's parallel_attn, written out densely
+here: fla-core itself needs CUDA) and keeps a wrong one from being timed; and
+benchmarks/dsa_stages.py on the CPU."""
 
 import json
 import pathlib
@@ -115,3 +116,15 @@ def test_slow_ops_are_timed_once_and_not_run_at_longer_lengths(benchmark, tmp_pa
     benchmark.main(args + ["--warmup", "2", "--reps", "3"])  # the default, 10 s
     rows = json.loads(out.read_text())["results"]
     assert len(rows) == 4 and all(r["fwd_reps"] == r["fwd_bwd_reps"] == 3 for r in rows)
+
+
+def test_dsa_stages_on_the_cpu(tmp_path):
+    """benchmarks/dsa_stages.py with the docstring's CPU shapes: every stage timed at each T."""
+    stages = harness.load_script(ROOT / "benchmarks" / "dsa_stages.py", "dsa_stages_benchmark")
+    out = tmp_path / "stages.json"
+    stages.main(["--device", "cpu", "--seq-lens", "64,128", "--batch-tokens", "256", "--heads",
+                 "2", "--head-dim", "16", "--dsa", "16,2,8", "--reps", "1", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert [(r["seq_len"], r["batch"]) for r in results] == [(64, 4), (128, 2)]
+    names = ["select", "attention_fwd", "attention_fwd_bwd", "loss_fwd", "loss_fwd_bwd"]
+    assert all(r[name] > 0 for r in results for name in names)

@@ -1,0 +1,103 @@
+"""Where a DSA layer's sparse stage spends its time: the selection (``dsa_select``), the
+attention over it (``dsa_attention``, forward and forward+backward) and the indexer loss
+(``dsa_indexer_loss`` on the selected keys, forward and forward+backward), each timed alone on
+the backends "auto" picks (on CUDA: our Triton kernels for the attention and the loss once
+their first-use check passed; PyTorch chunks for the selection).
+
+Shapes as ``benchmarks/sparse_attention.py``'s dsa op: B = batch_tokens / T, H heads for q, k and
+v, head dim D, bf16; ``--dsa`` = top-k, indexer heads, indexer dim (the paper's 2048,64,128).
+Each stage: the fastest of ``--reps`` calls after one untimed call, from an idle GPU.
+
+    source benchmarks/gpu_setup.sh && python benchmarks/dsa_stages.py     # on the GPU machine
+    python benchmarks/dsa_stages.py --device cpu --seq-lens 128 --batch-tokens 512 --heads 2 \\
+        --head-dim 16 --dsa 16,2,8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import torch
+
+from megatron_ext.kernels import sparse
+
+
+def fastest_ms(fn, device: torch.device, reps: int) -> float:
+    """The fastest of ``reps`` calls of ``fn`` after one untimed call, in ms."""
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return min(times)
+
+
+def stages(seq_len: int, args) -> dict[str, float]:
+    """The stages' ms at one T."""
+    device = torch.device(args.device)
+    batch = args.batch_tokens // seq_len
+    top_k, index_heads, index_dim = args.dsa
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=device).bfloat16().requires_grad_()
+
+    q, k, v = (leaf(batch, seq_len, args.heads, args.head_dim) for _ in range(3))
+    index = (leaf(batch, seq_len, index_heads, index_dim), leaf(batch, seq_len, index_dim),
+             leaf(batch, seq_len, index_heads))
+    sink = torch.randn(args.heads, device=device, requires_grad=True)
+    selected = sparse.dsa_select(*index, top_k=top_k)
+
+    def attention():
+        return sparse.dsa_attention(q, k, v, selected, sink=sink)
+
+    def loss():
+        return sparse.dsa_indexer_loss(q, k, *index, selected=selected, sink=sink)
+
+    calls = {"select": lambda: sparse.dsa_select(*index, top_k=top_k),
+             "attention_fwd": attention,
+             "attention_fwd_bwd": lambda: attention().sum().backward(),
+             "loss_fwd": loss,
+             "loss_fwd_bwd": lambda: loss().backward()}
+    return {name: round(fastest_ms(fn, device, args.reps), 2) for name, fn in calls.items()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", default="4096,16384", help="comma-separated T values")
+    parser.add_argument("--batch-tokens", type=int, default=32768, help="B * T, for every T")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dsa", default="2048,64,128", help="top-k, indexer heads, indexer dim")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", help="also write the results here (JSON)")
+    args = parser.parse_args(argv)
+    args.dsa = [int(value) for value in args.dsa.split(",")]
+    if len(args.dsa) != 3:
+        parser.error("--dsa takes 3 numbers: top-k, indexer heads, indexer dim")
+    results = []
+    for seq_len in (int(value) for value in args.seq_lens.split(",")):
+        ms = stages(seq_len, args)
+        results.append({"seq_len": seq_len, "batch": args.batch_tokens // seq_len, **ms})
+        print(f"DSA T={seq_len} B={args.batch_tokens // seq_len}: "
+              + ", ".join(f"{name} {value:.1f} ms" for name, value in ms.items()), flush=True)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(
+            {"settings": {k: v for k, v in vars(args).items() if k != "out"},
+             "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
