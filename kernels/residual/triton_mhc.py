@@ -78,7 +78,11 @@ Launch configuration (fixed, no autotuning):
   op's forward (with the Sinkhorn's kernel) took 0.46 ms a call and its backward (with the
   Sinkhorn's backward and the dW matmul) 0.21 ms, where one pass over X (~64 MB) takes ~16 us
   at HBM bandwidth. The slabs give 8 times the programs (4096 there), for one more launch and
-  one torch sum in each direction of the pre op. **The new grids are not yet timed on a GPU.**
+  one torch sum in each direction of the pre op. **Timed since** (session 9, the same 350M
+  step, ``benchmarks/residual_step.py --mhc-kernels``): ``_StreamUpdateBackward`` (this kernel
+  and the torch sum of its partial sums) still took 61.0 ms of device time a step over 40
+  calls, 1.53 ms a call, as before the slabs. The latency explanation above does not hold,
+  and the cause is not yet found; "auto" keeps these kernels off.
 - Registers, from ptxas's report for sm_90 (triton.compile for target cuda 90 with the launch's
   divisibility hints, no GPU): at n = 4 no spills, <= 78 registers a thread and <= 25 KB of
   shared memory in every kernel, fp32 or bf16 (the pre op's four kernels: 50, 32, 40 and 70
