@@ -22,9 +22,9 @@ Ops (``--ops`` takes families, e.g. ``moba``, backends, e.g. ``flex``, or single
 each with the backends of ``megatron_ext.kernels.sparse``: flex (FlexAttention, compiled; CUDA
 only, its CPU form has no backward) and gathered (PyTorch); swa_sink, causal_sink, moba and nsa
 also with flash (torch's FlashAttention-2 kernels, the sink through their log-sum-exp; NSA's
-compressed branch on flex; CUDA only); dsa and csa also with triton (our selected-attention
-kernels, kernels/sparse/triton.py, for the attention and the indexer loss's target; the
-selection and the rest of the loss in PyTorch; CUDA only);
+compressed branch on flex; CUDA only); dsa and csa also with triton (our Triton kernels,
+kernels/sparse/triton.py and triton_indexer.py, for the attention and the indexer loss's
+target and KL; the selection in PyTorch; CUDA only);
 swa_sink and causal_sink also with fla (fla-core's ``parallel_attn`` with ``window_size`` and ``sink_bias``; CUDA only, skipped
 where fla-core does not import). Before an fla op's first timing, fla's op and ours (flex) are
 each compared with the fp32 reference on one sequence of 2 * ``--window`` tokens, output and

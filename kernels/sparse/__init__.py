@@ -277,7 +277,7 @@ def _check_selected(selected, q):
 
 def _selected_kernels(backend: str, q, k, v):
     """triton.py's module where the per-token selected ops (the attention of dsa_attention and
-    csa_attention, the sparse target of their indexer losses) run on its kernels, else None:
+    csa_attention, the sparse stage of their indexer losses) run on its kernels, else None:
     where asked for ("triton", which raises ValueError with the reason where they cannot run
     the call) or, under "auto" on CUDA, where they can and have passed their first-use check
     on this device in q's dtype. Elsewhere the gathered form of selected.py runs."""

@@ -147,6 +147,31 @@ def _kv_base(ptr, batch, key_len, kv_heads, kv_head, D: tl.constexpr):
 
 
 @triton.jit
+def _token_program(k_ptr, v_ptr, seq_len, key_len, kv_heads, D: tl.constexpr):
+    """A [B T Hkv] grid's program: its token (b T + t, int64), key/value head, and the
+    :func:`_kv_base` pointers of that head's keys and values."""
+    pid = tl.program_id(0).to(tl.int64)
+    token, kv_head = pid // kv_heads, pid % kv_heads
+    keys = _kv_base(k_ptr, token // seq_len, key_len, kv_heads, kv_head, D)
+    values = _kv_base(v_ptr, token // seq_len, key_len, kv_heads, kv_head, D)
+    return token, kv_head, keys, values
+
+
+@triton.jit
+def _softmax_start(sink_ptr, kv_head, group, real, ROWS: tl.constexpr, HAS_SINK: tl.constexpr):
+    """The online softmax's start for the group's rows: the running maximum and the running sum
+    of exp(score - maximum). The sink is one more logit per row with a zero value, so the
+    softmax starts from it (without a sink, from nothing: a sum of 0)."""
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + kv_head * group + tl.arange(0, ROWS), mask=real,
+                       other=float("-inf"))
+    else:
+        sink = tl.full([ROWS], float("-inf"), tl.float32)
+    top = tl.maximum(sink, _FLOOR)
+    return top, tl.exp(sink - top)
+
+
+@triton.jit
 def _selected_keys(sel_ptr, token, start, top_k, kv_heads, BLOCK_K: tl.constexpr):
     """Keys ``start .. start + BLOCK_K - 1`` of ``token``'s selection: their rows ``s Hkv``
     (int32) from :func:`_kv_base` in rows of D, and which are real (inside K, not -1)."""
@@ -180,19 +205,9 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, sink_ptr, o_ptr, lse_ptr, seq_
                     ROWS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SINK: tl.constexpr,
                     PRECISION: tl.constexpr):
     """o and L of one token (b T + t) and key/value head, grid [B T Hkv]."""
-    pid = tl.program_id(0).to(tl.int64)
-    token, kv_head = pid // kv_heads, pid % kv_heads
-    keys = _kv_base(k_ptr, token // seq_len, key_len, kv_heads, kv_head, D)
-    values = _kv_base(v_ptr, token // seq_len, key_len, kv_heads, kv_head, D)
+    token, kv_head, keys, values = _token_program(k_ptr, v_ptr, seq_len, key_len, kv_heads, D)
     q, rows, real = _group_rows(q_ptr, token, kv_head, kv_heads * group, group, D, DP, ROWS)
-    # The sink is one more logit per row with a zero value: the softmax starts from it.
-    if HAS_SINK:
-        sink = tl.load(sink_ptr + kv_head * group + tl.arange(0, ROWS), mask=real,
-                       other=float("-inf"))
-    else:
-        sink = tl.full([ROWS], float("-inf"), tl.float32)
-    top = tl.maximum(sink, _FLOOR)  # running maximum of each row
-    total = tl.exp(sink - top)  # running sum of exp(score - top)
+    top, total = _softmax_start(sink_ptr, kv_head, group, real, ROWS, HAS_SINK)
     acc = tl.zeros([ROWS, DP], dtype=tl.float32)
     for start in range(0, top_k, BLOCK_K):
         key_rows, valid = _selected_keys(sel_ptr, token, start, top_k, kv_heads, BLOCK_K)
@@ -220,10 +235,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, 
                DP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                PRECISION: tl.constexpr):
     """delta and dq of one token and key/value head, grid [B T Hkv]."""
-    pid = tl.program_id(0).to(tl.int64)
-    token, kv_head = pid // kv_heads, pid % kv_heads
-    keys = _kv_base(k_ptr, token // seq_len, key_len, kv_heads, kv_head, D)
-    values = _kv_base(v_ptr, token // seq_len, key_len, kv_heads, kv_head, D)
+    token, kv_head, keys, values = _token_program(k_ptr, v_ptr, seq_len, key_len, kv_heads, D)
     q_heads = kv_heads * group
     q, rows, real = _group_rows(q_ptr, token, kv_head, q_heads, group, D, DP, ROWS)
     d_out, _, _ = _group_rows(do_ptr, token, kv_head, q_heads, group, D, DP, ROWS)
@@ -297,13 +309,7 @@ def _mass_kernel(q_ptr, k_ptr, sel_ptr, sink_ptr, mass_ptr, seq_len, key_len, kv
     for kv_head in range(kv_heads):
         keys = _kv_base(k_ptr, token // seq_len, key_len, kv_heads, kv_head, D)
         q, rows, real = _group_rows(q_ptr, token, kv_head, q_heads, group, D, DP, ROWS)
-        if HAS_SINK:
-            sink = tl.load(sink_ptr + kv_head * group + tl.arange(0, ROWS), mask=real,
-                           other=float("-inf"))
-        else:
-            sink = tl.full([ROWS], float("-inf"), tl.float32)
-        top = tl.maximum(sink, _FLOOR)
-        total = tl.exp(sink - top)
+        top, total = _softmax_start(sink_ptr, kv_head, group, real, ROWS, HAS_SINK)
         for start in range(0, top_k, BLOCK_K):
             key_rows, valid = _selected_keys(sel_ptr, token, start, top_k, kv_heads, BLOCK_K)
             scores = tl.dot(q, _key_tile(keys, key_rows, valid, D, DP, True),
