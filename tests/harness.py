@@ -437,6 +437,21 @@ def run_layout(rank, world_size, ckpt_dir, ext, tp=1, pp=1, vpp=None, sequence_p
                 grads=global_grads(chunks, config))
 
 
+def run_layouts(rank, world_size, jobs):
+    """:func:`run_layout` for each ``(name, ckpt_dir, ext, kwargs)`` of ``jobs`` in turn, in
+    this one process; results by name."""
+    return {name: run_layout(rank, world_size, ckpt_dir, ext, **kwargs)
+            for name, ckpt_dir, ext, kwargs in jobs}
+
+
+def spawn_layouts(world_size, jobs):
+    """Every job of :func:`run_layouts` in one spawn of ``world_size`` ranks (process start-up,
+    NCCL set-up and kernel compilation are paid once, not per layout); merged results
+    (:func:`merge_layout`) by name."""
+    per_rank = spawn(run_layouts, world_size, jobs)
+    return {name: merge_layout([r[name] for r in per_rank]) for name, *_ in jobs}
+
+
 def save_or_load(chunks, ckpt_dir, save, perturb=None):
     """The reference run saves its weights (after ``perturb``, see :func:`run_layout`) as a
     dist checkpoint; every other layout loads them, resharded to its own split."""

@@ -5,7 +5,8 @@ TP=2 + SP, PP=2, PP=2 x VPP=2, the `hybrid_layer` spec object, and cross-layer r
 The single-process run saves a Megatron dist checkpoint; every parallel layout starts from
 random weights of its own and loads that checkpoint, resharded to its TP/PP/VPP split. (Fresh
 initialisation cannot be compared across PP: each stage draws only its own layers' weights.)
-So these tests are also the checkpoint save -> load -> reshard tests.
+So these tests are also the checkpoint save -> load -> reshard tests. All layouts run in one
+two-process spawn, after one single-process spawn for the references.
 The model is a tiny hybrid with every linear mixer kind of the registry and '*'. The helpers (building a
 layout, running Megatron's schedule, gathering gradients) live in tests/harness.py.
 """
@@ -20,6 +21,19 @@ import harness
 PATTERN = "GK*QN*AR*LM*"
 
 
+# name -> (tp, pp, vpp, sequence_parallel, spec, routing)
+LAYOUTS = {
+    "tp2": (2, 1, None, False, "block", "none"),              # tensor parallel
+    "tp2-sp": (2, 1, None, True, "block", "none"),            # + sequence parallel
+    "pp2": (1, 2, None, False, "block", "none"),              # pipeline parallel, 1F1B
+    "pp2-vpp2": (1, 2, 2, False, "block", "none"),            # interleaved virtual pipeline
+    "pp2-hybrid_layer": (1, 2, None, False, "layer", "none"),  # `--spec ... hybrid_layer` object
+    "tp2-sp-clvr": (2, 1, None, True, "block", "clvr"),       # cross-layer value routing
+    "tp2-hybrid_layer-cler_h": (2, 1, None, False, "layer", "cler_h"),  # write-residual routing
+}
+ROUTINGS = ("none", "clvr", "cler_h")
+
+
 def _ext(routing):
     from megatron_ext.config import ExtConfig
 
@@ -27,35 +41,24 @@ def _ext(routing):
 
 
 @pytest.fixture(scope="module")
-def single_process(tmp_path_factory):
-    """The one-process run for a routing setting (saved checkpoint, merged results), cached.
-    Routing projections start at zero; the saved weights give them values, so the term is
-    tested."""
-    runs = {}
+def runs(tmp_path_factory):
+    """The one-process run of each routing setting (saving its checkpoint), then every
+    two-process layout (loading it): two spawns in all. Routing projections start at zero;
+    the saved weights give them values, so the term is tested."""
+    root = tmp_path_factory.mktemp("parallel_equivalence")
+    for routing in ROUTINGS:
+        (root / routing).mkdir()
+    single = harness.spawn_layouts(1, [
+        (routing, str(root / routing), _ext(routing),
+         dict(save=True, perturb="routing_projection")) for routing in ROUTINGS])
+    parallel = harness.spawn_layouts(2, [
+        (name, str(root / routing), _ext(routing),
+         dict(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, spec=spec))
+        for name, (tp, pp, vpp, sp, spec, routing) in LAYOUTS.items()])
+    return single, parallel
 
-    def run(routing):
-        if routing not in runs:
-            ckpt = str(tmp_path_factory.mktemp(f"tp1_pp1_{routing}"))
-            runs[routing] = ckpt, harness.merge_layout(harness.spawn(
-                harness.run_layout, 1, ckpt, _ext(routing), 1, 1, None, False, True, "block",
-                "routing_projection"))
-        return runs[routing]
 
-    return run
-
-
-@pytest.mark.parametrize("tp,pp,vpp,sp,spec,routing", [
-    (2, 1, None, False, "block", "none"),   # tensor parallel
-    (2, 1, None, True, "block", "none"),    # + sequence parallel
-    (1, 2, None, False, "block", "none"),   # pipeline parallel, 1F1B
-    (1, 2, 2, False, "block", "none"),      # interleaved virtual pipeline
-    (1, 2, None, False, "layer", "none"),   # the `--spec ... hybrid_layer` object across stages
-    (2, 1, None, True, "block", "clvr"),    # cross-layer value routing under TP + SP
-    (2, 1, None, False, "layer", "cler_h"),  # write-residual routing under TP
-])
-def test_layout_from_single_process_checkpoint_matches(single_process, tp, pp, vpp, sp, spec,
-                                                       routing):
-    ckpt, reference = single_process(routing)
-    parallel = harness.merge_layout(harness.spawn(harness.run_layout, tp * pp, ckpt,
-                                                  _ext(routing), tp, pp, vpp, sp, False, spec))
-    harness.assert_same_run(reference, parallel)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_from_single_process_checkpoint_matches(runs, layout):
+    single, parallel = runs
+    harness.assert_same_run(single[LAYOUTS[layout][-1]], parallel[layout])

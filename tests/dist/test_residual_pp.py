@@ -4,7 +4,7 @@ the packed state sent between stages; every layout loads the single process's di
 so a checkpoint saved at PP=1 also loads at PP=2 with identical loss.
 
 The model is tiny (4 layers, hidden 32) with a linear mixer ('G') and softmax attention ('*').
-All layouts of one world size run in one spawn, to keep process start-up to two spawns.
+All layouts of one world size run in one spawn (harness.spawn_layouts): two spawns in all.
 """
 
 import pytest
@@ -45,31 +45,24 @@ def _ext(scheme, **extra):
     return ExtConfig(pattern=PATTERN, **SCHEMES[scheme], **extra)
 
 
-def run_all(rank, world_size, ckpt_root, jobs, save):
-    """Each job ``(name, scheme, layout, ext extras, config extras)`` in turn; by name."""
-    import os
-
-    results = {}
-    for name, scheme, (tp, pp, vpp, sp, spec), ext_extra, config_extra in jobs:
-        results[name] = harness.run_layout(
-            rank, world_size, os.path.join(ckpt_root, scheme), _ext(scheme, **ext_extra),
-            tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, save=save, spec=spec,
-            perturb="residual.", config_overrides={**CONFIG, **config_extra})
-    return results
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Single-process references (saving the checkpoints) and every two-process layout."""
+    """Single-process references (saving the checkpoints) and every two-process layout: two
+    spawns in all."""
     root = tmp_path_factory.mktemp("residual_pp")
+
+    def job(name, scheme, layout, ext_extra, config_extra, save=False):
+        tp, pp, vpp, sp, spec = layout
+        return (name, str(root / scheme), _ext(scheme, **ext_extra),
+                dict(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, save=save, spec=spec,
+                     perturb="residual.", config_overrides={**CONFIG, **config_extra}))
+
     for scheme in SCHEMES:
         (root / scheme).mkdir()
-    single = harness.spawn(run_all, 1, str(root),
-                           [(s, s, (1, 1, None, False, "block"), {}, {}) for s in SCHEMES], True)
-    jobs = [(name, *case) for name, case in CASES.items()]
-    parallel = harness.spawn(run_all, 2, str(root), jobs, False)
-    return ({s: harness.merge_layout([r[s] for r in single]) for s in SCHEMES},
-            {n: harness.merge_layout([r[n] for r in parallel]) for n in CASES})
+    single = harness.spawn_layouts(1, [job(s, s, (1, 1, None, False, "block"), {}, {}, save=True)
+                                       for s in SCHEMES])
+    parallel = harness.spawn_layouts(2, [job(name, *case) for name, case in CASES.items()])
+    return single, parallel
 
 
 @pytest.mark.parametrize("case", list(CASES))

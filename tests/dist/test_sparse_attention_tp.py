@@ -7,6 +7,8 @@ CSA indexers, whose loss targets are summed over the ranks' heads). The layers a
 pipeline stage; PP is tested with the other mixers (test_parallel_equivalence.py). Helpers:
 tests/harness.py."""
 
+import pathlib
+
 import pytest
 
 import harness
@@ -17,52 +19,55 @@ OPTIONS = dict(softmax_type="learnable", attention_output_gate=True, qk_layernor
                window_size=(9, 0), window_attn_skip_freq=[1, 0, 0, 0, 0, 1])
 
 
-def _ext():
+def _ext(**extra):
     from megatron_ext.config import ExtConfig
 
-    return ExtConfig(pattern=PATTERN, **SPARSE)
+    return ExtConfig(**{"pattern": PATTERN, **SPARSE, **extra})
+
+
+# The dense warm-up of DSA and CSA under TP=2 + SP: the indexers' losses over every causal key
+# (every complete entry), whose targets each recomputed chunk sums over the ranks' heads (in
+# backward too).
+WARMUP_EXT = dict(pattern="DC*", dsa_stage="dense_warmup")
+WARMUP_OPTIONS = dict(OPTIONS, window_attn_skip_freq=[0, 0, 1])
 
 
 @pytest.fixture(scope="module")
-def no_compile():
-    # Megatron compiles the output gate with torch.compile: ~30 s per process on two CPU cores
-    # for the same math. The spawned ranks inherit the environment.
+def runs(tmp_path_factory):
+    """The single-process runs (saving their checkpoints), then every TP=2 layout (loading
+    them): two spawns in all. Before saving, the sink (near 0 at init), the NSA compression
+    weights (at the mean) and the CSA / HCA compressors' position biases and norm weights (0
+    and 1 for every head) get noise, so that each head's values differ and a shard in the wrong
+    place shows."""
+    root = tmp_path_factory.mktemp("sparse_tp")
+    sparse, warmup = str(root / "sparse"), str(root / "warmup")
+    for path in (sparse, warmup):
+        pathlib.Path(path).mkdir()
     with pytest.MonkeyPatch.context() as patch:
+        # Megatron compiles the output gate with torch.compile: ~30 s per process on two CPU
+        # cores for the same math. The spawned ranks inherit the environment.
         patch.setenv("TORCH_COMPILE_DISABLE", "1")
-        yield
+        single = harness.spawn_layouts(1, [
+            ("sparse", sparse, _ext(), dict(save=True, perturb=("core_attention", "compressor"),
+                                            config_overrides=OPTIONS)),
+            ("warmup", warmup, _ext(**WARMUP_EXT), dict(save=True, perturb="core_attention",
+                                                        config_overrides=WARMUP_OPTIONS))])
+        parallel = harness.spawn_layouts(2, [
+            ("tp2", sparse, _ext(), dict(tp=2, config_overrides=OPTIONS)),
+            ("tp2-sp", sparse, _ext(), dict(tp=2, sequence_parallel=True,
+                                            config_overrides=OPTIONS)),
+            ("warmup-tp2-sp", warmup, _ext(**WARMUP_EXT),
+             dict(tp=2, sequence_parallel=True, config_overrides=WARMUP_OPTIONS))])
+    return single, parallel
 
 
-@pytest.fixture(scope="module")
-def single_process(no_compile, tmp_path_factory):
-    ckpt = str(tmp_path_factory.mktemp("sparse_tp1"))
-    # The sink starts near 0, the NSA compression weights at the mean and the CSA / HCA
-    # compressors' position biases and norm weights at 0 and 1 for every head: noise makes
-    # each head's values differ, so that a shard in the wrong place shows.
-    return ckpt, harness.merge_layout(harness.spawn(
-        harness.run_layout, 1, ckpt, _ext(), 1, 1, None, False, True, "block",
-        ("core_attention", "compressor"), OPTIONS))
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp"])
+def test_tp2_equals_single_process(runs, layout):
+    single, parallel = runs
+    harness.assert_same_run(single["sparse"], parallel[layout])
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_tp2_equals_single_process(no_compile, single_process, sp):
-    ckpt, reference = single_process
-    parallel = harness.merge_layout(harness.spawn(
-        harness.run_layout, 2, ckpt, _ext(), 2, 1, None, sp, False, "block", None, OPTIONS))
-    harness.assert_same_run(reference, parallel)
-
-
-def test_dsa_dense_warmup_tp2_sp_equals_single_process(no_compile, tmp_path):
-    """The dense warm-up of DSA and CSA under TP=2 + SP: the indexers' losses over every causal
-    key (every complete entry), whose targets each recomputed chunk sums over the ranks' heads
-    (in backward too)."""
-    from megatron_ext.config import ExtConfig
-
-    ext = ExtConfig(pattern="DC*", dsa_stage="dense_warmup", **SPARSE)
-    options = dict(OPTIONS, window_attn_skip_freq=[0, 0, 1])
-    ckpt = str(tmp_path)
-    reference = harness.merge_layout(harness.spawn(
-        harness.run_layout, 1, ckpt, ext, 1, 1, None, False, True, "block", "core_attention",
-        options))
-    parallel = harness.merge_layout(harness.spawn(
-        harness.run_layout, 2, ckpt, ext, 2, 1, None, True, False, "block", None, options))
-    harness.assert_same_run(reference, parallel)
+def test_dsa_dense_warmup_tp2_sp_equals_single_process(runs):
+    """The dense warm-up (WARMUP_EXT) under TP=2 + SP."""
+    single, parallel = runs
+    harness.assert_same_run(single["warmup"], parallel["warmup-tp2-sp"])
