@@ -10,7 +10,8 @@ attention in every layer (pattern ``*``) so that only the residual scheme differ
 in a process of its own (nothing of the one before is held). It also records
 the summed GPU kernel time and the number of GPU launches of one step (torch.profiler), since at
 this size the host launching kernels can set the wall time, and the peak memory above the model
-and optimizer state.
+and optimizer state. ``--sync-debug`` adds where one step makes the host wait for the GPU (torch's
+sync debug mode; each place by its innermost Megatron or megatron-ext frame, with counts).
 
     python benchmarks/residual_step.py --out benchmarks/results/residual_step_h200.json
     python benchmarks/residual_step.py --tiny --out /tmp/residual_step_tiny.json   # CPU smoke
@@ -105,6 +106,9 @@ def measure(args, variant, runtime):
                   mhc_triton_kernels=efficient.triton_enabled() and efficient.triton_mhc_enabled())
     if runtime.cuda:
         peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        if args.sync_debug:
+            result["host_syncs"] = host_syncs(step)
+            log(f"{variant}: host syncs in one step: {result['host_syncs']}")
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.profile else [])
@@ -128,6 +132,36 @@ def measure(args, variant, runtime):
            f"{peak_gib:.2f} GiB ({peak_gib - static_gib:.2f} above weights + optimizer)"
            if runtime.cuda else ""))
     return result
+
+
+def host_syncs(step) -> list[dict]:
+    """Where one ``step()`` synchronises the host with the GPU: torch's sync debug mode warns at
+    each synchronising call; each warning is counted at its innermost frame in Megatron or
+    megatron-ext (else its innermost frame), most frequent first. Ops that C++ autograd nodes
+    run on the engine's own threads warn outside Python and are not counted."""
+    import collections
+    import traceback
+    import warnings
+
+    counts = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = traceback.extract_stack()[:-1]
+        ours = [f for f in frames if "megatron" in f.filename] or frames
+        where = ours[-1]
+        path = where.filename.split("site-packages/")[-1]
+        counts[f"{path}:{where.lineno} {where.name}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record  # restored by catch_warnings
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return [dict(where=where, count=count) for where, count in counts.most_common()]
 
 
 def _measure_in_child(variant: str) -> dict:
@@ -237,6 +271,8 @@ def main():
     p.add_argument("--tiny", action="store_true",
                    help="a 4-layer, hidden-64 model on whatever device there is (smoke test)")
     p.add_argument("--out", default="benchmarks/results/residual_step.json")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="also record where one step synchronises the host with the GPU")
     p.add_argument("--profile", action="store_true",
                    help="on a GPU, also record the host-side profile of one step (the top ops "
                         "by own CPU time)")

@@ -114,7 +114,7 @@ MIN_N, MAX_N = 2, 8
 H_MULTIPLE = 16
 BLOCK_T = 16
 _TILE = 128  # NP * BLOCK_H: columns of all streams in one step
-_SLAB_CHUNKS = 4  # update_backward: chunks of BLOCK_H columns in one program's slab
+_UPDATE_COLS = 128  # update_backward: columns of h (of every stream) a program
 _PRE_COLS = 128  # the pre op: columns of h (of every stream) a program; a multiple of BLOCK_H
 _LAUNCH = dict(num_warps=8, num_stages=2)
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -153,12 +153,10 @@ def _column_scale(gate, cols, N: tl.constexpr):
 
 
 @triton.jit
-def _pre_by_stream(pre_cols, cols, N: tl.constexpr, NP: tl.constexpr):
-    """The H_pre columns of a [BLOCK_T, MP] tile as [BLOCK_T, NP] (0 for padded streams): an
-    exact selection (one term of each sum is not zero)."""
-    ns = tl.arange(0, NP)
-    pick = (cols[None, None, :] == ns[None, :, None]) & (ns[None, :, None] < N)
-    return tl.sum(tl.where(pick, pre_cols[:, None, :], 0.0), 2)
+def _column(tile, cols, m: tl.constexpr):
+    """Column m of a [BLOCK_T, MP] tile as [BLOCK_T]: an exact selection (one term of each sum
+    is not zero)."""
+    return tl.sum(tl.where(cols[None, :] == m, tile, 0.0), 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +198,7 @@ def _pre_project_kernel(x_ptr, w_ptr, partial_ptr, T, H, N: tl.constexpr, M: tl.
 
 @triton.jit(do_not_specialize=["T"])
 def _pre_mix_kernel(x_ptr, sums_ptr, bias_ptr, gate_ptr, u_ptr, post_ptr, res_ptr, mixes_ptr, T, H,
-                    eps, N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+                    eps, N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, COLS: tl.constexpr,
                     DOT: tl.constexpr, IEEE: tl.constexpr):
     """The rest of the pre op's forward on BLOCK_T tokens, given pass 1 summed over the slabs
@@ -233,21 +231,20 @@ def _pre_mix_kernel(x_ptr, sums_ptr, bias_ptr, gate_ptr, u_ptr, post_ptr, res_pt
              mask=writes[:, None] & is_post[None, :])
     tl.store(res_ptr + tok[:, None] * (N * N) + (cols - 2 * N)[None, :], z,
              mask=writes[:, None] & is_res[None, :])
-    pre = _pre_by_stream(s + eps, cols, N, NP)  # [BLOCK_T, NP]
+    pre = s + eps  # H_pre[m] is column m
 
-    # Pass 2: u = sum_m H_pre[m] X[m] on the slab's columns.
+    # Pass 2: u = sum_m H_pre[m] X[m] on the slab's columns, in 2-D tiles (streams unrolled).
     hs = tl.arange(0, BLOCK_H)
-    ns = tl.arange(0, NP)
     x_rows = x_ptr + tok[:, None] * N * H
     for c0 in range(0, COLS, BLOCK_H):
         c = slab * COLS + c0 + hs
-        in_h = c < H
-        x = tl.load(x_rows[:, :, None] + ns[None, :, None] * H + c[None, None, :],
-                    mask=live[:, None, None] & (ns < N)[None, :, None] & in_h[None, None, :],
-                    other=0.0).to(tl.float32)
-        u = tl.sum(pre[:, :, None] * x, 1)
+        live_h = live[:, None] & (c < H)[None, :]
+        u = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        for m in tl.static_range(N):
+            xm = tl.load(x_rows + m * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
+            u += _column(pre, cols, m)[:, None] * xm
         tl.store(u_ptr + tok[:, None] * H + c[None, :], u.to(u_ptr.dtype.element_ty),
-                 mask=live[:, None] & in_h[None, :])
+                 mask=live_h)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -261,22 +258,19 @@ def _pre_backward_sums_kernel(x_ptr, du_ptr, partial_ptr, T, H, N: tl.constexpr,
     slab = tl.program_id(1)
     hs = tl.arange(0, BLOCK_H)
     ns = tl.arange(0, NP)
-    in_n = ns < N
     x_rows = x_ptr + tok[:, None] * N * H
     dpre = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
     for c0 in range(0, COLS, BLOCK_H):
         c = slab * COLS + c0 + hs
-        in_h = c < H
-        x = tl.load(x_rows[:, :, None] + ns[None, :, None] * H + c[None, None, :],
-                    mask=live[:, None, None] & in_n[None, :, None] & in_h[None, None, :],
-                    other=0.0).to(tl.float32)
-        du = tl.load(du_ptr + tok[:, None] * H + c[None, :], mask=live[:, None] & in_h[None, :],
-                     other=0.0).to(tl.float32)
-        sumsq += tl.sum(tl.sum(x * x, 2), 1)
-        dpre += tl.sum(x * du[:, None, :], 2)
+        live_h = live[:, None] & (c < H)[None, :]
+        du = tl.load(du_ptr + tok[:, None] * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
+        for m in tl.static_range(N):  # 2-D tiles, streams unrolled
+            xm = tl.load(x_rows + m * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
+            sumsq += tl.sum(xm * xm, 1)
+            dpre += tl.where(ns[None, :] == m, tl.sum(xm * du, 1)[:, None], 0.0)
     part = partial_ptr + (slab.to(tl.int64) * T + tok) * (N + 1)
-    tl.store(part[:, None] + ns[None, :], dpre, mask=live[:, None] & in_n[None, :])
+    tl.store(part[:, None] + ns[None, :], dpre, mask=live[:, None] & (ns < N)[None, :])
     tl.store(part + N, sumsq, mask=live)
 
 
@@ -333,7 +327,7 @@ def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, sums_ptr, 
     tl.store(row + M, tl.sum(tl.where(is_pre[None, :], dzm, 0.0), 1), mask=writes)
     tl.store(row + M + 1, tl.sum(tl.where(is_post[None, :], dzm, 0.0), 1), mask=writes)
     tl.store(row + M + 2, tl.sum(tl.where(is_res[None, :], dzm, 0.0), 1), mask=writes)
-    pre = _pre_by_stream(s + eps, cols, N, NP)
+    pre = s + eps  # H_pre[m] is column m
 
     # Pass 2 on the slab's columns: dX[m] = [(r dmixes) @ W[:, m] - coef x[m]] (the
     # projection's part, rounded to x's dtype as _rms_project_vjp returns it) + H_pre[m] du.
@@ -350,8 +344,7 @@ def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, sums_ptr, 
             projected = _dot(grad_r, w, tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32), DOT, IEEE)
             xm = tl.load(x_rows + m * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
             dflat = _in_dtype(_in_dtype(projected, DOT, IEEE) - coef[:, None] * xm, DOT, IEEE)
-            pre_m = tl.sum(tl.where(ns[None, :] == m, pre, 0.0), 1)
-            dxm = pre_m[:, None] * du + dflat
+            dxm = _column(pre, cols, m)[:, None] * du + dflat
             tl.store(dx_ptr + tok[:, None] * N * H + m * H + c[None, :],
                      dxm.to(dx_ptr.dtype.element_ty), mask=live_h)
 
@@ -383,51 +376,39 @@ def _update_forward_kernel(x_ptr, y_ptr, post_ptr, res_ptr, out_ptr, T, H, N: tl
 
 @triton.jit(do_not_specialize=["T"])
 def _update_backward_kernel(x_ptr, y_ptr, post_ptr, res_ptr, g_ptr, dx_ptr, dy_ptr, partial_ptr,
-                            T, H, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
-                            BLOCK_H: tl.constexpr, COLS: tl.constexpr):
-    """dX and dy of BLOCK_T tokens and one slab of COLS columns given g = dout, and the slab's
-    share of dH_post and dH_res: ``partial[slab, token] = (dH_post [N], dH_res [N, N])`` summed
-    over the slab's columns only."""
+                            T, H, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """dX and dy of BLOCK_T tokens and one chunk of BLOCK_H columns given g = dout, and the
+    chunk's share of dH_post and dH_res: ``partial[chunk, token] = (dH_post [N], dH_res [N, N])``
+    summed over the chunk's columns only.
+
+    Only 2-D [BLOCK_T, BLOCK_H] tiles: the sums over streams are unrolled (N is a constexpr),
+    every sum over columns reduces axis 1 of such a tile, and each (m, j) share is stored as it
+    is made. g[j] is loaded once a stream m (N times; the later loads come from the cache)."""
     tok, live = block_tokens(T, BLOCK_T)
-    slab = tl.program_id(1)
-    hs = tl.arange(0, BLOCK_H)
-    ns = tl.arange(0, NP)
-    in_n = ns < N
-    live_n = live[:, None] & in_n[None, :]
-    live_nn = live_n[:, :, None] & in_n[None, None, :]
-    post = tl.load(post_ptr + tok[:, None] * N + ns[None, :], mask=live_n, other=0.0).to(tl.float32)
-    # H_res [token, m, j], loaded once for all the slab's columns.
-    res = tl.load(res_ptr + tok[:, None, None] * (N * N) + ns[None, :, None] * N
-                  + ns[None, None, :], mask=live_nn, other=0.0).to(tl.float32)
-    dpost = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
-    dres = tl.zeros([BLOCK_T, NP, NP], dtype=tl.float32)  # [token, m, j]
-    # A fixed trip count (COLS / BLOCK_H chunks); in the last slab the chunks past h are masked.
-    for c0 in range(0, COLS, BLOCK_H):
-        c = slab * COLS + c0 + hs
-        in_h = c < H
-        live_h = live[:, None] & in_h[None, :]
-        g = tl.load(g_ptr + tok[:, None, None] * N * H + ns[None, :, None] * H + c[None, None, :],
-                    mask=live_n[:, :, None] & in_h[None, None, :], other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + tok[:, None] * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
-        dy = tl.sum(post[:, :, None] * g, 1)
-        tl.store(dy_ptr + tok[:, None] * H + c[None, :], dy.to(dy_ptr.dtype.element_ty),
-                 mask=live_h)
-        dpost += tl.sum(g * y[:, None, :], 2)
-        for m in tl.static_range(N):
-            xm = tl.load(x_ptr + tok[:, None] * N * H + m * H + c[None, :], mask=live_h,
-                         other=0.0).to(tl.float32)
-            is_m = ns[None, :, None] == m
-            res_m = tl.sum(tl.where(is_m, res, 0.0), 1)  # H_res[m, :], an exact selection
-            dxm = tl.sum(res_m[:, :, None] * g, 1)
-            tl.store(dx_ptr + tok[:, None] * N * H + m * H + c[None, :],
-                     dxm.to(dx_ptr.dtype.element_ty), mask=live_h)
-            dres_m = tl.sum(xm[:, None, :] * g, 2)  # [token, j]
-            dres += tl.where(is_m, dres_m[:, None, :], 0.0)
-    # int64 rows: slabs x T may pass 2^31 elements of the buffer.
-    part = partial_ptr + (slab.to(tl.int64) * T + tok) * (N + N * N)
-    tl.store(part[:, None] + ns[None, :], dpost, mask=live_n)
-    tl.store(part[:, None, None] + N + ns[None, :, None] * N + ns[None, None, :], dres,
-             mask=live_nn)
+    chunk = tl.program_id(1)
+    c = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    live_h = live[:, None] & (c < H)[None, :]
+    column = tok[:, None] * N * H + c[None, :]  # column c of stream 0 of each token
+    # int64 rows: chunks x T may pass 2^31 elements of the buffer.
+    part = partial_ptr + (chunk.to(tl.int64) * T + tok) * (N + N * N)
+    y = tl.load(y_ptr + tok[:, None] * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
+    dy = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(N):
+        gj = tl.load(g_ptr + column + j * H, mask=live_h, other=0.0).to(tl.float32)
+        post_j = tl.load(post_ptr + tok * N + j, mask=live, other=0.0).to(tl.float32)
+        dy += post_j[:, None] * gj
+        tl.store(part + j, tl.sum(gj * y, 1), mask=live)  # dH_post[j]
+    tl.store(dy_ptr + tok[:, None] * H + c[None, :], dy.to(dy_ptr.dtype.element_ty), mask=live_h)
+    for m in tl.static_range(N):
+        xm = tl.load(x_ptr + column + m * H, mask=live_h, other=0.0).to(tl.float32)
+        dxm = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(N):
+            gj = tl.load(g_ptr + column + j * H, mask=live_h, other=0.0).to(tl.float32)
+            res_mj = tl.load(res_ptr + tok * (N * N) + m * N + j, mask=live,
+                             other=0.0).to(tl.float32)
+            dxm += res_mj[:, None] * gj
+            tl.store(part + N + m * N + j, tl.sum(xm * gj, 1), mask=live)  # dH_res[m, j]
+        tl.store(dx_ptr + column + m * H, dxm.to(dx_ptr.dtype.element_ty), mask=live_h)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,7 +469,7 @@ def pre_forward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     [..., n], H_res logits [..., n, n], mixes [..., (2 + n) n])``, the last three fp32."""
     x, n, h, lead = _streams(streams)
     weight, bias, gate = _parameters(weight, bias, gate, n, h)
-    padded, width, width_padded, block_h = _padded(n)
+    _, width, width_padded, block_h = _padded(n)
     tokens = x.shape[0]
     slabs = triton.cdiv(h, _PRE_COLS)
     u = torch.empty((tokens, h), dtype=x.dtype, device=x.device)
@@ -505,7 +486,7 @@ def pre_forward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
         with launch_device(x.device):
             _pre_project_kernel[grid](x, weight, partial, tokens, h, N=n, **shapes)
             _pre_mix_kernel[grid](x, partial.sum(0), bias, gate, u, post, res, mixes, tokens, h,
-                                  float(eps), N=n, NP=padded, **shapes)
+                                  float(eps), N=n, **{**shapes, "BLOCK_H": _PRE_COLS})
     return (u.view(*lead, h), post.view(*lead, n), res.view(*lead, n, n),
             mixes.view(*lead, width))
 
@@ -533,7 +514,8 @@ def pre_backward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         grid = (triton.cdiv(tokens, BLOCK_T), slabs)
         shapes = dict(N=n, NP=padded, BLOCK_T=BLOCK_T, BLOCK_H=block_h, COLS=_PRE_COLS, **_LAUNCH)
         with launch_device(x.device):
-            _pre_backward_sums_kernel[grid](x, grad_u, partial, tokens, h, **shapes)
+            _pre_backward_sums_kernel[grid](x, grad_u, partial, tokens, h,
+                                            **{**shapes, "BLOCK_H": _PRE_COLS})
             _pre_backward_kernel[grid](
                 x, weight, bias, gate, mixes, partial.sum(0), grad_u, grad_post, dres, dx, grad_r,
                 per_token, tokens, h, float(eps), M=width, MP=width_padded, **shapes,
@@ -574,19 +556,17 @@ def update_backward(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
     post = _tokens_of("post", post, lead, (n,))
     res = _tokens_of("res", res, lead, (n, n))
     grad = _tokens_of("grad", grad, lead, (n, h))
-    padded, _, _, block_h = _padded(n)
-    cols = _SLAB_CHUNKS * block_h
-    slabs = triton.cdiv(h, cols)
+    chunks = triton.cdiv(h, _UPDATE_COLS)
     tokens = x.shape[0]
     dx, dy = torch.empty_like(x), torch.empty_like(y)
-    # Per slab of columns and token: dH_post [n] and dH_res [n, n], fp32, summed over the slabs
-    # below (in a fixed order: deterministic, no atomics).
-    partial = torch.empty((slabs, tokens, n + n * n), dtype=torch.float32, device=x.device)
+    # Per chunk of columns and token: dH_post [n] and dH_res [n, n], fp32, summed over the
+    # chunks below (in a fixed order: deterministic, no atomics).
+    partial = torch.empty((chunks, tokens, n + n * n), dtype=torch.float32, device=x.device)
     if tokens:
         with launch_device(x.device):
-            _update_backward_kernel[(triton.cdiv(tokens, BLOCK_T), slabs)](
-                x, y, post, res, grad, dx, dy, partial, tokens, h, N=n, NP=padded,
-                BLOCK_T=BLOCK_T, BLOCK_H=block_h, COLS=cols, **_LAUNCH)
+            _update_backward_kernel[(triton.cdiv(tokens, BLOCK_T), chunks)](
+                x, y, post, res, grad, dx, dy, partial, tokens, h, N=n, BLOCK_T=BLOCK_T,
+                BLOCK_H=_UPDATE_COLS, **_LAUNCH)
     sums = partial.sum(0)
     dpost = sums[:, :n].to(post.dtype).contiguous()
     dres = sums[:, n:].to(res.dtype).contiguous()

@@ -1,0 +1,171 @@
+"""Time each fused mHC stream op (kernels/residual/triton_mhc.py) against its PyTorch body, alone.
+
+One op at a time on one GPU, the shapes of a training step of ``benchmarks/residual_step.py``
+by default (T = 2 x 4096 tokens, n = 4 streams of h = 1024, bf16 streams, fp32 coefficients):
+``pre_forward``, ``pre_backward``, ``update_forward`` and ``update_backward``, each as the Triton
+launcher and as the eager PyTorch body of kernels/residual/efficient.py it equals. Per op: the
+mean of ``--reps`` calls after ``--warmup`` (CUDA events), and the bandwidth that time implies
+for the bytes the op must move at least (its inputs read once, its outputs written once): an
+op far below the GPU's HBM bandwidth (~4.8 TB/s on an H200) is bound by something else.
+Each op's row also lists the GPU kernels of one Triton call and their time (torch.profiler).
+``--block-tokens`` and ``--warps`` time the Triton ops again at each pair of those launch
+settings (the module's ``BLOCK_T`` and ``num_warps``, overridden for this run only).
+
+    python benchmarks/mhc_ops.py --out benchmarks/results/mhc_ops.json
+    python benchmarks/mhc_ops.py --tokens 64 --hidden 64 --out /tmp/mhc_ops.json  # small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import torch
+
+EPS = 1e-6
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def inputs(tokens, n, h, dtype, device):
+    """Streams-like tensors in ``dtype``; parameters and coefficients fp32."""
+    g = torch.Generator().manual_seed(0)
+    width = (2 + n) * n
+
+    def randn(*shape, scale=1.0, dtype=torch.float32):
+        return (scale * torch.randn(*shape, generator=g)).to(dtype).to(device)
+
+    return dict(streams=randn(tokens, n, h, dtype=dtype), y=randn(tokens, h, dtype=dtype),
+                grad_u=randn(tokens, h, dtype=dtype), grad=randn(tokens, n, h, dtype=dtype),
+                weight=randn(width, n * h, scale=(n * h) ** -0.5), bias=randn(width),
+                gate=randn(3, scale=0.5), grad_post=randn(tokens, n), dres=randn(tokens, n, n),
+                post=randn(tokens, n), res=torch.softmax(randn(tokens, n, n), -2))
+
+
+def nbytes(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def ops(x):
+    """name -> (triton call, PyTorch body call, the bytes the op moves at least)."""
+    from megatron_ext.kernels.residual import efficient, triton_mhc
+
+    s, w, b, gate = x["streams"], x["weight"], x["bias"], x["gate"]
+    y, post, res, grad = x["y"], x["post"], x["res"], x["grad"]
+    forward = efficient._mhc_pre_forward_body(s, w, b, gate, EPS)
+    mixes = forward[3]
+    pre_grads = (s, w, b, gate, mixes, x["grad_u"], x["grad_post"], x["dres"], EPS)
+    update = (s, y, post, res)
+    return {
+        "pre_forward": (lambda: triton_mhc.pre_forward(s, w, b, gate, EPS),
+                        lambda: efficient._mhc_pre_forward_body(s, w, b, gate, EPS),
+                        nbytes(s, w, *forward)),
+        "pre_backward": (lambda: triton_mhc.pre_backward(*pre_grads),
+                         lambda: efficient._mhc_pre_vjp(*pre_grads),
+                         nbytes(s, w, mixes, x["grad_u"], x["grad_post"], x["dres"], s, w)),
+        "update_forward": (lambda: triton_mhc.update_forward(*update),
+                           lambda: efficient._stream_update_forward_body(*update),
+                           nbytes(*update, s)),
+        "update_backward": (lambda: triton_mhc.update_backward(*update, grad),
+                            lambda: efficient._stream_update_vjp(*update, grad),
+                            nbytes(*update, grad, s, y, post, res)),
+    }
+
+
+def kernel_times(fn, reps=5) -> list[dict]:
+    """The GPU kernels ``fn()`` launches and their mean time per call, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages()
+              if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [dict(kernel=e.key[:80], calls=e.count / reps, ms=e.self_device_time_total / 1e3 / reps)
+            for e in events]
+
+
+def _ints(text):
+    return [int(v) for v in text.split(",") if v]
+
+
+def timed_ms(fn, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--block-tokens", default="", help="comma-separated BLOCK_T values to try")
+    p.add_argument("--warps", default="", help="comma-separated num_warps values to try")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("mhc_ops.py times CUDA kernels: no CUDA device here", file=sys.stderr)
+        return 2
+    from megatron_ext.kernels.residual import triton_mhc
+
+    x = inputs(args.tokens, args.streams, args.hidden, getattr(torch, args.dtype), "cuda")
+    rows = []
+    for name, (kernel, body, moved) in ops(x).items():
+        row = dict(op=name, min_bytes=moved)
+        for impl, fn in (("triton", kernel), ("pytorch", body)):
+            ms = timed_ms(fn, args.warmup, args.reps)
+            row[f"{impl}_ms"] = ms
+            row[f"{impl}_gb_per_s"] = moved / ms / 1e6
+        row["triton_kernels"] = kernel_times(kernel)
+        rows.append(row)
+        log(f"{name}: triton {row['triton_ms']:.3f} ms ({row['triton_gb_per_s']:.0f} GB/s), "
+            f"pytorch {row['pytorch_ms']:.3f} ms ({row['pytorch_gb_per_s']:.0f} GB/s), "
+            f"{moved / 1e6:.1f} MB at least")
+        for k in row["triton_kernels"]:
+            log(f"    {k['ms']:.3f} ms  {k['kernel']}")
+    launch = dict(block_tokens=triton_mhc.BLOCK_T, warps=triton_mhc._LAUNCH["num_warps"])
+    rows_by_op = {row["op"]: row for row in rows}
+    for block_tokens in _ints(args.block_tokens) or [launch["block_tokens"]]:
+        for warps in _ints(args.warps) or [launch["warps"]]:
+            if (block_tokens, warps) == tuple(launch.values()):
+                continue
+            triton_mhc.BLOCK_T, triton_mhc._LAUNCH["num_warps"] = block_tokens, warps
+            try:
+                for name, (kernel, _, moved) in ops(x).items():
+                    ms = timed_ms(kernel, args.warmup, args.reps)
+                    rows_by_op[name].setdefault("launch_settings", []).append(
+                        dict(block_tokens=block_tokens, warps=warps, triton_ms=ms))
+                    log(f"{name} at BLOCK_T {block_tokens}, {warps} warps: {ms:.3f} ms "
+                        f"({moved / ms / 1e6:.0f} GB/s)")
+            finally:
+                triton_mhc.BLOCK_T, triton_mhc._LAUNCH["num_warps"] = launch.values()
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                   settings=vars(args), launch=launch, results=rows), indent=1))
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
