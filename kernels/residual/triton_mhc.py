@@ -27,9 +27,10 @@ the stream tensor ``[T, n h]`` in its own dtype once or twice and make no fp32 c
                        H_res[m, j] X[m].                     Reads X and y, writes out.
     update_backward  = efficient._stream_update_vjp: dX[m] = sum_j H_res[m, j] g[j], dy = sum_j
                        H_post[j] g[j], and per token dH_post[j] = <g[j], y>, dH_res[m, j] =
-                       <X[m], g[j]>. Each program takes one slab of columns of h, so the last
-                       two are written as per-slab partial sums (fp32) and summed over the slabs
-                       outside the kernel in one torch sum.  Reads X, g and y, writes dX and dy.
+                       <X[m], g[j]>. Each program takes one chunk of 128 columns of h, so the last
+                       two are written as per-chunk partial sums (fp32) and summed over the
+                       chunks outside the kernel in one torch sum.  Reads X, g and y, writes dX
+                       and dy.
 
 (The Sinkhorn iterations between the pre op's forward logits and its backward run in the
 kernels of :mod:`.triton_sinkhorn`.) Everything else, per token, is [BLOCK_T, (2 + n) n] or
@@ -52,44 +53,43 @@ bitwise.
 
 Launch configuration (fixed, no autotuning):
 
-- Tiles: ``BLOCK_T = 16`` tokens a program (the smallest tile tl.dot takes); the columns of one
-  stream in chunks of ``BLOCK_H = 128 / NP`` (32 at n = 4, 16 at n = 8), so that an n-stream
-  tile [BLOCK_T, NP, BLOCK_H] is 2048 values; 8 warps, 2 pipeline stages. NP is n rounded up to
-  a power of two and MP = (2 + n) n rounded up to one (at least 16, for tl.dot); the padding is
-  masked (loads give 0, stores are skipped).
+- Tiles: ``BLOCK_T = 16`` tokens a program (the smallest tile tl.dot takes). The kernels with a
+  tl.dot (the pre op's x @ W^T and (r dmixes) @ W) take the columns of one stream in chunks of
+  ``BLOCK_H = 128 / NP`` (32 at n = 4, 16 at n = 8); every other pass over the streams works on
+  2-D [BLOCK_T, 128] tiles of one stream at a time, the sums over streams unrolled (n is a
+  constexpr), and only update_forward, which reduces nothing, keeps n-stream tiles
+  [BLOCK_T, NP, 128 / NP]. NP is n rounded up to a power of two and MP = (2 + n) n rounded up
+  to one (at least 16, for tl.dot); the padding is masked (loads give 0, stores are skipped).
+  8 warps and 2 pipeline stages, but 4 warps for the pre op's forward (0.136 ms a call against
+  0.220 at 8, timed as below).
 - Grids: every one is [cdiv(T, BLOCK_T), slabs of columns of h], a program looping over the
   chunks of its slab (a fixed trip count; in the last slab the chunks past h are masked).
-  Slabs are one chunk for the elementwise update_forward; ``COLS = 4 BLOCK_H`` columns (128 at
-  n = 4, 64 at n = 8) for update_backward, which loads H_res once before its loop; and
-  ``_PRE_COLS = 128`` columns at every n (128 n columns of x) for the pre op's kernels.
+  Slabs are ``_PRE_COLS = 128`` columns at every n (128 n columns of x) for the pre op's
+  kernels, and one chunk for update_forward and update_backward (128 / NP and 128 columns).
 - Sums over h: the first kernel of each pre direction and update_backward write per-slab sums
   to an fp32 buffer that torch sums over its first axis (deterministic; no atomics):
   [cdiv(h, 128), T, (2 + n) n + 1] (pre forward: x @ W^T and sum(x^2)), [cdiv(h, 128), T, n + 1]
-  (pre backward: dH_pre and sum(x^2)), [cdiv(h, COLS), T, n + n n] (update_backward: dH_post,
-  dH_res). At T = 8192, h = 1024, n = 4: 6.6, 1.3 and 5 MB; at n = 8 the pre forward's is 21 MB
-  (its sums grow as n^2, hence 128 columns there rather than COLS, which would double it). The
-  pre op's second kernels recompute the coefficients, or their backward, from the summed tile
-  in every slab's program (a few operations on a [BLOCK_T, MP] tile, for a third launch saved),
-  and only slab 0's programs write them.
-- Why slabs: the pre op's kernels and update_backward had grids of [cdiv(T, BLOCK_T)], each
-  program looping over all of h (at T = 8192, n = 4, h = 1024: 512 programs, 32 chunks in
-  series a pass), latency-bound. On an H200 at those sizes in bf16, update_backward took
-  1.53 ms a call where update_forward took 0.09 ms; in a 350M model's training step the pre
-  op's forward (with the Sinkhorn's kernel) took 0.46 ms a call and its backward (with the
-  Sinkhorn's backward and the dW matmul) 0.21 ms, where one pass over X (~64 MB) takes ~16 us
-  at HBM bandwidth. The slabs give 8 times the programs (4096 there), for one more launch and
-  one torch sum in each direction of the pre op. **Timed since** (session 9, the same 350M
-  step, ``benchmarks/residual_step.py --mhc-kernels``): ``_StreamUpdateBackward`` (this kernel
-  and the torch sum of its partial sums) still took 61.0 ms of device time a step over 40
-  calls, 1.53 ms a call, as before the slabs. The latency explanation above does not hold,
-  and the cause is not yet found; "auto" keeps these kernels off.
-- Registers, from ptxas's report for sm_90 (triton.compile for target cuda 90 with the launch's
-  divisibility hints, no GPU): at n = 4 no spills, <= 78 registers a thread and <= 25 KB of
-  shared memory in every kernel, fp32 or bf16 (the pre op's four kernels: 50, 32, 40 and 70
-  registers in fp32, 61, 32, 40 and 64 in bf16; update_backward 78 and 64); at n = 2 .. 8 at
-  most 8 bytes of spills (update_backward at n = 7 in bf16), up to 235 registers (the second
-  pre backward kernel at n = 8 in fp32) and 74 KB of shared memory. 4096-value tiles, or 4
-  warps, took all 255 registers.
+  (pre backward: dH_pre and sum(x^2)), [cdiv(h, 128), T, n + n n] (update_backward: dH_post,
+  dH_res). At T = 8192, h = 1024, n = 4: 6.6, 1.3 and 5 MB; at n = 8 the pre forward's is 21 MB.
+  The pre op's second kernels recompute the coefficients, or their backward, from the summed
+  tile in every slab's program (a few operations on a [BLOCK_T, MP] tile, for a third launch
+  saved), and only slab 0's programs write them.
+- Why 2-D tiles: update_backward used to reduce one [BLOCK_T, NP, BLOCK_H] tile of g over its
+  stream axis (dy, dX) and over its column axis (dH_post, dH_res) in every chunk, and took
+  1.53 ms a call on an H200 (T = 8192, n = 4, h = 1024, bf16; 61 ms of a 350M model's training
+  step over 40 calls), where update_forward, which reduces nothing, took 0.09 ms. More programs
+  (slabs of columns) did not change it (session 9). Written in 2-D tiles its kernel takes
+  0.092 ms, 2.5 TB/s of the bytes it must move, and the step's update backward 3.7 ms
+  (session 10, ``benchmarks/mhc_ops.py`` and ``benchmarks/residual_step.py --mhc-kernels``).
+  The pre op's u pass and backward sums, which reduced n-stream tiles over one axis, went to
+  2-D tiles with it: the pre forward's call from 0.460 to 0.220 ms (its second kernel 0.022 ms).
+  Its first kernel (0.136 ms at 8 warps) and the pre backward's second (0.229 ms), both tl.dot
+  kernels on 16-row tiles, are now the slowest.
+- Registers, from ptxas's report for sm_90 (triton.compile for target cuda 90, no GPU; bf16 and
+  fp32, session 10): update_backward 197-199 at n = 2, 255 at n = 4 (no spills), 254-255 at
+  n = 8 with 24 (bf16) and 64 (fp32) bytes of spills; the pre backward's sums 77-160, no spills;
+  the pre forward's first kernel at 4 warps 72-255, no spills; the pre backward's second kernel
+  at 8 warps 78-254, no spills (at 4 warps it spilled 1.3 KB at n = 8 in fp32, hence 8 there).
 - T is not specialised on: one compiled kernel serves every token count, which the first-use
   check in :mod:`.efficient` therefore covers.
 
@@ -117,6 +117,9 @@ _TILE = 128  # NP * BLOCK_H: columns of all streams in one step
 _UPDATE_COLS = 128  # update_backward: columns of h (of every stream) a program
 _PRE_COLS = 128  # the pre op: columns of h (of every stream) a program; a multiple of BLOCK_H
 _LAUNCH = dict(num_warps=8, num_stages=2)
+# The pre op's forward (its [BLOCK_T, BLOCK_H] x [BLOCK_H, MP] dots) at 4 warps: 0.136 ms a call
+# against 0.220 at 8 on an H200 (session 10, n = 4, h = 1024, T = 8192, bf16).
+_PRE_FORWARD_LAUNCH = dict(_LAUNCH, num_warps=4)
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -482,7 +485,7 @@ def pre_forward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     if tokens:
         grid = (triton.cdiv(tokens, BLOCK_T), slabs)
         shapes = dict(M=width, MP=width_padded, BLOCK_T=BLOCK_T, BLOCK_H=block_h, COLS=_PRE_COLS,
-                      **_LAUNCH, **_dot_flags(x.dtype))
+                      **_PRE_FORWARD_LAUNCH, **_dot_flags(x.dtype))
         with launch_device(x.device):
             _pre_project_kernel[grid](x, weight, partial, tokens, h, N=n, **shapes)
             _pre_mix_kernel[grid](x, partial.sum(0), bias, gate, u, post, res, mixes, tokens, h,
