@@ -146,6 +146,8 @@ def host_syncs(step) -> list[dict]:
     counts = collections.Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):  # other warnings of the step
+            return
         frames = traceback.extract_stack()[:-1]
         ours = [f for f in frames if "megatron" in f.filename] or frames
         where = ours[-1]

@@ -22,16 +22,17 @@ the Sinkhorn iterations (two kernels, :mod:`.triton_sinkhorn`) and :func:`depth_
 (one kernel each way for all source groups of a call, :mod:`.triton_depth`). The two mHC
 stream ops, :func:`mhc_pre` and :func:`stream_update`, have fused kernels too (forward and
 backward, :mod:`.triton_mhc`), off unless :func:`use_triton_mhc` turns them on: in a 350M-model
-step on an H200 they made mHC slower (GPU time 170.7 ms a step against 110.3 ms with the
-compiled bodies; benchmarks/results/README.md, session 6; they have been reworked since, not
-yet timed). Kernels are used on a device only after passing a first-use check there (small
-random inputs against the PyTorch bodies); where they cannot run (the CPU, no Triton, a failed
-check, sizes or dtypes they do not take) the PyTorch bodies do. Those bodies, and the ops
-without kernels (rms_project, stream_mix), can be compiled with ``torch.compile`` on CUDA
-(:func:`use_compile`): they are small elementwise and reduction chains whose cost in eager mode
-is mostly kernel launches. If compiling fails, the eager bodies are used and the reason is
-logged once. The Sinkhorn iterations are never part of a compiled body (see the Sinkhorn
-section): compiled, they would be unrolled into one kernel per normalisation.
+step on an H200 (session 10, benchmarks/results/README.md) they take 101.7 ms of GPU time a step
+against 96.2 ms with the compiled bodies, but less wall time (163.6 against 203.9 ms, the step
+being bound by the host's launches). Kernels are used on a device only after passing a
+first-use check there (small random inputs against the PyTorch bodies); where they cannot run
+(the CPU, no Triton, a failed check, sizes or dtypes they do not take) the PyTorch bodies do.
+Those bodies, and the ops without kernels (rms_project, stream_mix), can be compiled with
+``torch.compile`` on CUDA (:func:`use_compile`): they are small elementwise and reduction
+chains whose cost in eager mode is mostly kernel launches. If compiling fails, the eager bodies
+are used and the reason is logged once. The Sinkhorn iterations are never part of a compiled
+body (see the Sinkhorn section): compiled, they would be unrolled into one kernel per
+normalisation.
 """
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def triton_enabled() -> bool:
     return _triton_enabled
 
 
-# The fused mHC kernels (triton_mhc.py) are off by default: measured slower than the compiled
+# The fused mHC kernels (triton_mhc.py) are off by default: more GPU time than the compiled
 # bodies (module docstring). use_triton_mhc(True) turns them on, to measure or test them.
 _triton_mhc_enabled = False
 

@@ -83,8 +83,8 @@ Launch configuration (fixed, no autotuning):
   (session 10, ``benchmarks/mhc_ops.py`` and ``benchmarks/residual_step.py --mhc-kernels``).
   The pre op's u pass and backward sums, which reduced n-stream tiles over one axis, went to
   2-D tiles with it: the pre forward's call from 0.460 to 0.220 ms (its second kernel 0.022 ms).
-  Its first kernel (0.136 ms at 8 warps) and the pre backward's second (0.229 ms), both tl.dot
-  kernels on 16-row tiles, are now the slowest.
+  Its first kernel took 0.136 ms at 8 warps and takes 0.075 at 4; the pre backward's second
+  (0.230 ms), a tl.dot kernel on 16-row tiles like it, is now the slowest of all.
 - Registers, from ptxas's report for sm_90 (triton.compile for target cuda 90, no GPU; bf16 and
   fp32, session 10): update_backward 197-199 at n = 2, 255 at n = 4 (no spills), 254-255 at
   n = 8 with 24 (bf16) and 64 (fp32) bytes of spills; the pre backward's sums 77-160, no spills;
