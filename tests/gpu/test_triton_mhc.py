@@ -32,6 +32,8 @@ from the body's at all: both sides round fp32 values that differ in their last b
 all agree bitwise (on the interpreter in fp16, 0.1% differ; with the rounding of a GEMM result
 or of the projection's dx left out of the kernels, 9% to 13%; with x @ W^T rounded per slab of
 columns rather than after the sum over the slabs, 4% of u).
+The launchers and bodies run with cuBLAS's reduced-precision bf16 reductions off
+(:func:`fp32_reductions`): the bodies mean fp32 accumulation, as the kernels do.
 
 ``check_ops`` runs efficient.mhc_pre and efficient.stream_update with the Triton kernels in place
 (their launches counted) and with them off (``efficient.use_triton(False)``: the PyTorch bodies,
