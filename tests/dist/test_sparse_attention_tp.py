@@ -7,8 +7,6 @@ CSA indexers, whose loss targets are summed over the ranks' heads). The layers a
 pipeline stage; PP is tested with the other mixers (test_parallel_equivalence.py). Helpers:
 tests/harness.py."""
 
-import pathlib
-
 import pytest
 
 import harness
@@ -40,9 +38,9 @@ def runs(tmp_path_factory):
     and 1 for every head) get noise, so that each head's values differ and a shard in the wrong
     place shows."""
     root = tmp_path_factory.mktemp("sparse_tp")
+    for name in ("sparse", "warmup"):
+        (root / name).mkdir()
     sparse, warmup = str(root / "sparse"), str(root / "warmup")
-    for path in (sparse, warmup):
-        pathlib.Path(path).mkdir()
     with pytest.MonkeyPatch.context() as patch:
         # Megatron compiles the output gate with torch.compile: ~30 s per process on two CPU
         # cores for the same math. The spawned ranks inherit the environment.
