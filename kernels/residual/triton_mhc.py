@@ -43,7 +43,10 @@ streams' dtype as in the bodies: with bf16 (fp16) streams, the operands of x @ W
 (r dmixes) @ W are rounded to bf16 (W cast in the kernel), accumulated in fp32 and the GEMM
 results rounded to bf16 once, as PyTorch's bf16 matmul returns them (x @ W^T after its sum over
 the slabs, not per slab); so are the dX of the projection before H_pre du is added, as in
-efficient._rms_project_vjp. With fp32 streams the dots run in full fp32
+efficient._rms_project_vjp. (PyTorch's bf16 matmul does so with
+``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` off; with it on, the
+default, cuBLAS may reduce in lower precision, and 3.4% of the body's bf16 dX differed in their
+last bit at n = 3, h = 272 on an H200.) With fp32 streams the dots run in full fp32
 (``input_precision="ieee"``, not TF32), as kernels/delta_rule/triton.py does. The backward uses
 the mixes kept from the forward where efficient._rms_project_vjp recomputes them (the same
 GEMM). Sums run in another order than PyTorch's (per chunk of h, then over the chunks of a
