@@ -65,8 +65,9 @@ Launch configuration (fixed, no autotuning):
   to one (at least 16, for tl.dot); the padding is masked (loads give 0, stores are skipped).
   8 warps and 2 pipeline stages, but 4 warps for the pre op's forward (0.136 ms a call against
   0.220 at 8, timed as below).
-- Grids: every one is [cdiv(T, BLOCK_T), slabs of columns of h], a program looping over the
-  chunks of its slab (a fixed trip count; in the last slab the chunks past h are masked).
+- Grids: every one is [cdiv(T, BLOCK_T), slabs of columns of h]. A tl.dot kernel's program
+  loops over the BLOCK_H chunks of its slab (a fixed trip count; in the last slab the chunks
+  past h are masked); the others take their slab's columns as one tile.
   Slabs are ``_PRE_COLS = 128`` columns at every n (128 n columns of x) for the pre op's
   kernels, and one chunk for update_forward and update_backward (128 / NP and 128 columns).
 - Sums over h: the first kernel of each pre direction and update_backward write per-slab sums
@@ -119,6 +120,7 @@ BLOCK_T = 16
 _TILE = 128  # NP * BLOCK_H: columns of all streams in one step
 _UPDATE_COLS = 128  # update_backward: columns of h (of every stream) a program
 _PRE_COLS = 128  # the pre op: columns of h (of every stream) a program; a multiple of BLOCK_H
+# (a power of two: the passes without a tl.dot take them as one tile)
 _LAUNCH = dict(num_warps=8, num_stages=2)
 # The pre op's forward (its [BLOCK_T, BLOCK_H] x [BLOCK_H, MP] dots) at 4 warps: 0.136 ms a call
 # against 0.220 at 8 on an H200 (session 10, n = 4, h = 1024, T = 8192, bf16).
@@ -205,8 +207,8 @@ def _pre_project_kernel(x_ptr, w_ptr, partial_ptr, T, H, N: tl.constexpr, M: tl.
 @triton.jit(do_not_specialize=["T"])
 def _pre_mix_kernel(x_ptr, sums_ptr, bias_ptr, gate_ptr, u_ptr, post_ptr, res_ptr, mixes_ptr, T, H,
                     eps, N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, COLS: tl.constexpr,
-                    DOT: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_T: tl.constexpr, COLS: tl.constexpr, DOT: tl.constexpr,
+                    IEEE: tl.constexpr):
     """The rest of the pre op's forward on BLOCK_T tokens, given pass 1 summed over the slabs
     (``sums [T, M + 1]``: x @ W^T and sum(x^2)): the mixes and coefficients (written by the
     programs of slab 0), and u = sum_m H_pre[m] X[m] on one slab of COLS columns."""
@@ -239,42 +241,36 @@ def _pre_mix_kernel(x_ptr, sums_ptr, bias_ptr, gate_ptr, u_ptr, post_ptr, res_pt
              mask=writes[:, None] & is_res[None, :])
     pre = s + eps  # H_pre[m] is column m
 
-    # Pass 2: u = sum_m H_pre[m] X[m] on the slab's columns, in 2-D tiles (streams unrolled).
-    hs = tl.arange(0, BLOCK_H)
+    # Pass 2: u = sum_m H_pre[m] X[m] on the slab's columns, one 2-D tile of them a stream.
+    c = slab * COLS + tl.arange(0, COLS)
+    live_h = live[:, None] & (c < H)[None, :]
     x_rows = x_ptr + tok[:, None] * N * H
-    for c0 in range(0, COLS, BLOCK_H):
-        c = slab * COLS + c0 + hs
-        live_h = live[:, None] & (c < H)[None, :]
-        u = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-        for m in tl.static_range(N):
-            xm = tl.load(x_rows + m * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
-            u += _column(pre, cols, m)[:, None] * xm
-        tl.store(u_ptr + tok[:, None] * H + c[None, :], u.to(u_ptr.dtype.element_ty),
-                 mask=live_h)
+    u = tl.zeros([BLOCK_T, COLS], dtype=tl.float32)
+    for m in tl.static_range(N):
+        xm = tl.load(x_rows + m * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
+        u += _column(pre, cols, m)[:, None] * xm
+    tl.store(u_ptr + tok[:, None] * H + c[None, :], u.to(u_ptr.dtype.element_ty), mask=live_h)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _pre_backward_sums_kernel(x_ptr, du_ptr, partial_ptr, T, H, N: tl.constexpr,
-                              NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                              COLS: tl.constexpr):
+                              NP: tl.constexpr, BLOCK_T: tl.constexpr, COLS: tl.constexpr):
     """Pass 1 of the pre op's backward on BLOCK_T tokens and one slab of COLS columns of h:
     ``partial[slab, token] = (dH_pre [N], sum(x^2))`` with dH_pre[m] = <X[m], du>, summed over
     the slab's columns only."""
     tok, live = block_tokens(T, BLOCK_T)
     slab = tl.program_id(1)
-    hs = tl.arange(0, BLOCK_H)
     ns = tl.arange(0, NP)
+    c = slab * COLS + tl.arange(0, COLS)
+    live_h = live[:, None] & (c < H)[None, :]
     x_rows = x_ptr + tok[:, None] * N * H
+    du = tl.load(du_ptr + tok[:, None] * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
     dpre = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for c0 in range(0, COLS, BLOCK_H):
-        c = slab * COLS + c0 + hs
-        live_h = live[:, None] & (c < H)[None, :]
-        du = tl.load(du_ptr + tok[:, None] * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
-        for m in tl.static_range(N):  # 2-D tiles, streams unrolled
-            xm = tl.load(x_rows + m * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
-            sumsq += tl.sum(xm * xm, 1)
-            dpre += tl.where(ns[None, :] == m, tl.sum(xm * du, 1)[:, None], 0.0)
+    for m in tl.static_range(N):  # one 2-D tile of the slab's columns a stream
+        xm = tl.load(x_rows + m * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
+        sumsq += tl.sum(xm * xm, 1)
+        dpre += tl.where(ns[None, :] == m, tl.sum(xm * du, 1)[:, None], 0.0)
     part = partial_ptr + (slab.to(tl.int64) * T + tok) * (N + 1)
     tl.store(part[:, None] + ns[None, :], dpre, mask=live[:, None] & (ns < N)[None, :])
     tl.store(part + N, sumsq, mask=live)
@@ -487,12 +483,12 @@ def pre_forward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     partial = torch.empty((slabs, tokens, width + 1), dtype=torch.float32, device=x.device)
     if tokens:
         grid = (triton.cdiv(tokens, BLOCK_T), slabs)
-        shapes = dict(M=width, MP=width_padded, BLOCK_T=BLOCK_T, BLOCK_H=block_h, COLS=_PRE_COLS,
+        shapes = dict(N=n, M=width, MP=width_padded, BLOCK_T=BLOCK_T, COLS=_PRE_COLS,
                       **_PRE_FORWARD_LAUNCH, **_dot_flags(x.dtype))
         with launch_device(x.device):
-            _pre_project_kernel[grid](x, weight, partial, tokens, h, N=n, **shapes)
+            _pre_project_kernel[grid](x, weight, partial, tokens, h, BLOCK_H=block_h, **shapes)
             _pre_mix_kernel[grid](x, partial.sum(0), bias, gate, u, post, res, mixes, tokens, h,
-                                  float(eps), N=n, **{**shapes, "BLOCK_H": _PRE_COLS})
+                                  float(eps), **shapes)
     return (u.view(*lead, h), post.view(*lead, n), res.view(*lead, n, n),
             mixes.view(*lead, width))
 
@@ -518,14 +514,13 @@ def pre_backward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     partial = torch.empty((slabs, tokens, n + 1), dtype=torch.float32, device=x.device)
     if tokens:
         grid = (triton.cdiv(tokens, BLOCK_T), slabs)
-        shapes = dict(N=n, NP=padded, BLOCK_T=BLOCK_T, BLOCK_H=block_h, COLS=_PRE_COLS, **_LAUNCH)
+        shapes = dict(N=n, NP=padded, BLOCK_T=BLOCK_T, COLS=_PRE_COLS, **_LAUNCH)
         with launch_device(x.device):
-            _pre_backward_sums_kernel[grid](x, grad_u, partial, tokens, h,
-                                            **{**shapes, "BLOCK_H": _PRE_COLS})
+            _pre_backward_sums_kernel[grid](x, grad_u, partial, tokens, h, **shapes)
             _pre_backward_kernel[grid](
                 x, weight, bias, gate, mixes, partial.sum(0), grad_u, grad_post, dres, dx, grad_r,
-                per_token, tokens, h, float(eps), M=width, MP=width_padded, **shapes,
-                **_dot_flags(x.dtype))
+                per_token, tokens, h, float(eps), M=width, MP=width_padded, BLOCK_H=block_h,
+                **shapes, **_dot_flags(x.dtype))
     # As efficient._rms_project_vjp: dW = (r dmixes)^T x, the GEMM in x's dtype.
     dweight = (grad_r.t().to(x.dtype) @ x.view(tokens, n * h)).to(weight.dtype)
     sums = per_token.sum(0)
