@@ -44,7 +44,7 @@ import torch
 
 from . import flash
 from .compressed import (compress_blocks, compressed_entries, compressed_layout, first_tokens,
-                         window_and_selected, with_entries)
+                         tiled_compressed_layout, window_and_selected, with_entries)
 from .flex import flex_attention_layout
 from .gathered import gathered_attention
 from .layout import (allowed_rule, both, compress, document_rule, interval_layout, moba_chosen,
@@ -512,7 +512,11 @@ def compressed_attention(q, k, v, compressed_k, compressed_v, *, rate, window, s
         return softmax_attention(q, k, v, window=(window - 1, 0), sink=sink, scale=scale,
                                  cu_seqlens=cu_seqlens, backend=name,
                                  layout_blocks=layout_blocks)
-    layout, padded = compressed_layout(entries, seq_len, window, *_blocks(name, layout_blocks))
+    blocks = _blocks(name, layout_blocks)
+    if cu_seqlens is None:
+        layout, padded = tiled_compressed_layout(seq_len, rate, window, *blocks, q.device)
+    else:
+        layout, padded = compressed_layout(entries, seq_len, window, *blocks)
     keys, values = with_entries(k, v, compressed_k, compressed_v, padded)
     return _EXECUTORS[name](q, keys, values, layout, sink=sink, scale=scale)
 

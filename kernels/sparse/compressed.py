@@ -4,25 +4,34 @@ any device; autograd gives the backward.
 
 - :class:`Entries`: where the compressed entries of a batch row (or pack) lie: one per complete
   block of ``rate`` tokens of each sequence, and which queries see them.
-- :func:`compress_blocks`: the compression, every entry at once (one gather of its 2 * rate or
-  rate tokens): memory linear in T.
+- :func:`compress_blocks`: the compression, every entry at once: memory linear in T. Without
+  packed sequences the blocks are a view of the tokens (no gather), and on CUDA the arithmetic
+  runs through ``torch.compile`` (one fused kernel each way instead of a dozen eager ones that
+  each read or write ``[B, N, rate, H, D]`` in fp32); with packed sequences each entry gathers
+  its 2 * rate or rate tokens.
+
+Nothing here reads a GPU tensor on the host when the sequences are not packed (``cu_seqlens``
+None): the entries are arange's, so a layer's compression and attention never wait for the GPU.
 - :func:`compressed_layout`: HCA's attention (and CSA's dense warm-up) as a block layout over
-  the raw keys followed by the entries, for the gathered or the FlexAttention executor.
+  the raw keys followed by the entries, for the gathered or the FlexAttention executor; kept
+  per shape where the sequences are not packed (:func:`tiled_compressed_layout`).
 - :func:`window_and_selected`: CSA's keys per query, the window's raw tokens and the selected
   entries, as the index list that DSA's per-token gathered attention (selected.py) takes.
 """
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .flex import compiled_on_cuda
 from .layout import BlockLayout, interval_layout
 from .reference import keys_with_entries
 from .selected import Keys
 
 __all__ = ["Entries", "first_tokens", "compressed_entries", "compress_blocks", "compressed_layout",
-           "with_entries", "window_and_selected"]
+           "tiled_compressed_layout", "with_entries", "window_and_selected"]
 
 
 @dataclass
@@ -36,6 +45,9 @@ class Entries:
     - ``has_previous``: bool, whether the block before it is in the same sequence;
     - ``first_token``: the first token of each token's sequence.
 
+    ``tiled``: one sequence per batch row (no packing), so that entry i is block i of every row,
+    tokens ``i * rate .. (i + 1) * rate - 1``.
+
     Query t sees entry i iff ``ends[i] <= t`` and ``starts[i] >= first_token[t]``.
     """
 
@@ -44,6 +56,7 @@ class Entries:
     positions: torch.Tensor
     has_previous: torch.Tensor
     first_token: torch.Tensor
+    tiled: bool = False
 
     @property
     def ends(self) -> torch.Tensor:
@@ -80,10 +93,11 @@ def first_tokens(seq_len: int, cu_seqlens=None, device=None) -> torch.Tensor:
 
 def compressed_entries(seq_len: int, rate: int, cu_seqlens=None, device=None) -> Entries:
     """The :class:`Entries` of T tokens (one sequence, or those packed at ``cu_seqlens``)."""
-    if cu_seqlens is None:
-        bounds = torch.tensor([0, seq_len], device=device)
-    else:
-        bounds = cu_seqlens.to(device=device, dtype=torch.int64)
+    if cu_seqlens is None:  # arange's: nothing to read back from the device
+        starts = torch.arange(0, seq_len // rate * rate, rate, device=device)
+        return Entries(rate, starts, starts, starts > 0, first_tokens(seq_len, None, device),
+                       tiled=True)
+    bounds = cu_seqlens.to(device=device, dtype=torch.int64)
     firsts = bounds[:-1]
     counts = (bounds[1:] - firsts) // rate
     sequence = torch.repeat_interleave(torch.arange(counts.shape[0], device=device), counts)
@@ -93,20 +107,45 @@ def compressed_entries(seq_len: int, rate: int, cu_seqlens=None, device=None) ->
                    first_tokens(seq_len, cu_seqlens, device))
 
 
+def _compress(values, logits, bias, lent_values, lent_logits, lent_bias, has_previous, shift):
+    """The compression's arithmetic over blocks ``[B, N, rate, H, D]`` (fp32 softmax over the
+    block's slots per channel, the weighted sum): ``values``, ``logits`` of the entry's own block
+    (bias ``[rate, H, D]``), and for CSA the previous block's ``lent_*`` (None for HCA), whose
+    slots count only where ``has_previous [N]``; with ``shift`` the ``lent_*`` given are those
+    of the entry's own block, moved here by one block."""
+    logits = logits.float() + bias
+    values = values.float()
+    if lent_values is not None:
+        if shift:  # entry 0 gets the last block's, which has_previous masks out
+            lent_values, lent_logits = (torch.roll(x, 1, dims=1) for x in (lent_values, lent_logits))
+        lent = (lent_logits.float() + lent_bias).masked_fill(
+            ~has_previous.view(-1, 1, 1, 1), float("-inf"))
+        logits = torch.cat([lent, logits], dim=2)
+        values = torch.cat([lent_values.float(), values], dim=2)
+    return (logits.softmax(2) * values).sum(2)
+
+
+_compress_body = compiled_on_cuda(_compress, "the KV compression")
+
+
 def compress_blocks(kv, gate, position_bias, entries: Entries, overlap: bool) -> torch.Tensor:
     """Same contract as ``compress_kv_reference``: ``[B, N, H, D]`` in kv's dtype."""
     dim = kv.shape[-1] // (2 if overlap else 1)
     bias = position_bias.float().transpose(0, 1)  # [rate, H, C]
-    own = entries.starts[:, None] + torch.arange(entries.rate, device=kv.device)  # [N, rate]
-    logits = gate[:, own, :, -dim:].float() + bias[..., -dim:]  # [B, N, rate, H, D]
-    values = kv[:, own, :, -dim:].float()
-    if overlap:
-        before = (own - entries.rate).clamp(min=0)
-        lent = gate[:, before, :, :dim].float() + bias[..., :dim]
-        lent = lent.masked_fill(~entries.has_previous.view(-1, 1, 1, 1), float("-inf"))
-        logits = torch.cat([lent, logits], dim=2)
-        values = torch.cat([kv[:, before, :, :dim].float(), values], dim=2)
-    return (logits.softmax(2) * values).sum(2).to(kv.dtype)
+    rate, count = entries.rate, len(entries)
+    if entries.tiled:  # block i of every row: a view
+        blocks = [x[:, :count * rate].unflatten(1, (count, rate)) for x in (kv, gate)]
+        own = [x[..., -dim:] for x in blocks]
+        lent = [x[..., :dim] for x in blocks]
+    else:  # one gather per entry
+        tokens = entries.starts[:, None] + torch.arange(rate, device=kv.device)  # [N, rate]
+        before = (tokens - rate).clamp(min=0)
+        own = [x[:, tokens, :, -dim:] for x in (kv, gate)]
+        lent = [x[:, before, :, :dim] for x in (kv, gate)] if overlap else None
+    lent_part = (*lent, bias[..., :dim]) if overlap else (None, None, None)
+    out = _compress_body(*own, bias[..., -dim:], *lent_part, entries.has_previous,
+                         entries.tiled)
+    return out.to(kv.dtype)
 
 
 def compressed_layout(entries: Entries, seq_len: int, window: int, q_block: int,
@@ -131,6 +170,16 @@ def compressed_layout(entries: Entries, seq_len: int, window: int, q_block: int,
                                  entries.last_seen, rule, device)
     active = torch.cat([raw.active, compressed.active], dim=-1)
     return BlockLayout(q_block, kv_block, active, rule), padded
+
+
+@functools.lru_cache(maxsize=16)
+def tiled_compressed_layout(seq_len: int, rate: int, window: int, q_block: int, kv_block: int,
+                            device: torch.device):
+    """:func:`compressed_layout` of rows that are one sequence each (no packing), kept: it
+    depends on nothing but these arguments, so its host work (and the BlockMasks that
+    FlexAttention makes from it, which it keeps) is done once per shape."""
+    return compressed_layout(compressed_entries(seq_len, rate, None, device), seq_len, window,
+                             q_block, kv_block)
 
 
 def with_entries(k, v, compressed_k, compressed_v, padded: int | None = None):

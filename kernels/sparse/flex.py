@@ -5,20 +5,63 @@ Programming Model for Generating Optimized Attention Kernels", 2024): the layout
 ``o * sigmoid(lse - sink) = o * sum exp / (sum exp + exp sink)``, which FlexAttention
 differentiates.
 
-On CUDA the kernel is compiled once per shape and token rule (``torch.compile``). On the CPU,
+On CUDA the kernel is compiled once per shape and token rule (``torch.compile``), and so is
+the sink's rescaling (one fused kernel each way). A layout keeps the BlockMasks made from it, so
+a layout that is itself kept (HCA's, for sequences that are not packed) costs its host work
+once. On the CPU,
 torch 2.11's FlexAttention runs forward only and unfused: it evaluates the token rule on every
 (query, key) pair and ignores the block sparsity, and it refuses inputs that require grad; so
 "auto" picks the gathered executor there, and this backend serves CPU inference and tests of
 the rule.
 """
+import logging
+from typing import Callable
+
 import torch
 
 from .layout import BlockLayout
 from .reference import OP
 
-__all__ = ["flex_attention_layout", "block_mask"]
+__all__ = ["flex_attention_layout", "block_mask", "compiled_on_cuda"]
 
+_log = logging.getLogger(__name__)
 _compiled = None
+
+
+def compiled_on_cuda(fn: Callable, what: str) -> Callable:
+    """``fn`` through ``torch.compile`` (static shapes) for CUDA tensors, eager for others; a
+    compiler failure is logged once (naming ``what``) and the eager ``fn``, which computes the
+    same, runs from then on. The first tensor argument decides the device."""
+    state = {}
+
+    def call(*args):
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        if device.type == "cuda" and not state.get("failed"):
+            if "compiled" not in state:
+                state["compiled"] = torch.compile(fn, dynamic=False)
+            try:
+                return state["compiled"](*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as error:
+                state["failed"] = True
+                _log.warning("torch.compile of %s failed (%s: %s); it runs in eager PyTorch from "
+                             "now on", what, type(error).__name__, error)
+        return fn(*args)
+
+    return call
+
+
+def _rescale_by_sink(out, lse, sink):
+    """``o * sigmoid(lse - sink) = o * sum exp / (sum exp + exp sink)``, per query head; a query
+    with no key has o = 0 and lse = -inf, which any finite lse keeps 0 (and avoids NaN out of
+    -inf - sink, for a sink of -inf)."""
+    lse = lse.masked_fill(lse == float("-inf"), 0.0)
+    keep = torch.sigmoid(lse - sink.float().view(1, -1, 1))
+    return (out.float() * keep.unsqueeze(-1)).to(out.dtype)
+
+
+_rescale_by_sink_body = compiled_on_cuda(_rescale_by_sink, "the sink's rescaling")
 
 
 def _flex_attention():
@@ -42,13 +85,16 @@ def block_mask(layout: BlockLayout, heads: int, seq_len: int, key_len: int):
     """The layout as a FlexAttention BlockMask over ``heads`` query heads."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    active = layout.active
-    if active.shape[1] not in (1, heads):  # one layout per key/value group -> per query head
-        active = active.repeat_interleave(heads // active.shape[1], dim=1)
-    counts, order = layout.kv_blocks(active)
-    return BlockMask.from_kv_blocks(
-        counts, order, BLOCK_SIZE=(layout.q_block, layout.kv_block), mask_mod=layout.mask_mod,
-        seq_lengths=(seq_len, key_len))
+    key = (heads, seq_len, key_len)
+    if key not in layout.block_masks:
+        active = layout.active
+        if active.shape[1] not in (1, heads):  # one layout per key/value group -> per query head
+            active = active.repeat_interleave(heads // active.shape[1], dim=1)
+        counts, order = layout.kv_blocks(active)
+        layout.block_masks[key] = BlockMask.from_kv_blocks(
+            counts, order, BLOCK_SIZE=(layout.q_block, layout.kv_block),
+            mask_mod=layout.mask_mod, seq_lengths=(seq_len, key_len))
+    return layout.block_masks[key]
 
 
 def flex_attention_layout(q, k, v, layout: BlockLayout, *, sink=None, scale=None):
@@ -68,9 +114,5 @@ def flex_attention_layout(q, k, v, layout: BlockLayout, *, sink=None, scale=None
                    block_mask=block_mask(layout, heads, q.shape[1], k.shape[1]), scale=scale,
                    enable_gqa=heads != kv_heads, return_aux=AuxRequest(lse=True))
     if sink is not None:
-        # A query with no key has o = 0 and lse = -inf; any finite lse keeps it 0 (and NaN out
-        # of -inf - sink, for a sink of -inf).
-        lse = aux.lse.masked_fill(aux.lse == float("-inf"), 0.0)
-        keep = torch.sigmoid(lse - sink.float().view(1, heads, 1))
-        out = (out.float() * keep.unsqueeze(-1)).to(out.dtype)
+        out = _rescale_by_sink_body(out, aux.lse, sink)
     return out.transpose(1, 2).to(v.dtype)

@@ -12,7 +12,7 @@ Also here: the discrete selections (MoBA's and NSA's top-k blocks, computed with
 and by chunks of queries, never as a ``[T, T]`` matrix) and NSA's compression.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -34,12 +34,14 @@ SELECTION_CHUNK = 4096
 @dataclass
 class BlockLayout:
     """``active``: bool ``[B | 1, Hm, Tq / q_block, S / kv_block]`` (blocks rounded up), Hm one
-    of 1, the key/value heads or the query heads; ``mask_mod``: the token rule."""
+    of 1, the key/value heads or the query heads; ``mask_mod``: the token rule;
+    ``block_masks``: the FlexAttention BlockMasks made from it (flex.py), by heads and lengths."""
 
     q_block: int
     kv_block: int
     active: torch.Tensor
     mask_mod: MaskMod
+    block_masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     def kv_blocks(self, active: torch.Tensor | None = None):
         """FlexAttention's form of ``active`` (or of a broadcast of it): the number of visited

@@ -236,6 +236,21 @@ def test_hca_flex_forward_matches_reference(case):
     torch.testing.assert_close(out["flex"], out["reference"], rtol=1e-4, atol=1e-5)
 
 
+def test_unpacked_layout_and_its_block_mask_are_made_once():
+    """Without packed sequences HCA's layout depends on the shape alone: a second call reuses
+    it, and the BlockMask FlexAttention made from it (no host work per call)."""
+    sparse.tiled_compressed_layout.cache_clear()
+    x = {name: t.detach() for name, t in _inputs(HCA_RATE).items()}
+    for _ in range(2):
+        sparse.compressed_attention(x["q"], x["k"], x["v"], x["compressed_k"], x["compressed_v"],
+                                    rate=HCA_RATE, window=HCA_WINDOW, backend="flex",
+                                    layout_blocks=(16, 16))
+    assert sparse.tiled_compressed_layout.cache_info().hits == 1
+    layout, _ = sparse.tiled_compressed_layout(T, HCA_RATE, HCA_WINDOW, 16, 16, x["q"].device)
+    padded = -(-T // 16) * 16  # the raw keys, padded to whole key blocks, then the entries
+    assert list(layout.block_masks) == [(HQ, T, padded + _entries(HCA_RATE))]
+
+
 @pytest.mark.parametrize("top_k", [TOP_K, 50])
 @pytest.mark.parametrize("packed", [False, True])
 def test_csa_selection_matches_reference(packed, top_k, chunks):

@@ -1,7 +1,8 @@
 """CUDA checks (skipped without a GPU) of the sparse attention ops (window and sink, MoBA, NSA,
 HCA's attention over its window and compressed entries): compiled FlexAttention and the
 gathered path, forward and backward, against the dense fp32 reference, at lengths that span
-several 128-token blocks and are multiples of none of the block sizes; and bf16 inputs.
+several 128-token blocks and are multiples of none of the block sizes; and bf16 inputs. Also
+DeepSeek-V4's KV compression, which runs compiled on CUDA (``compress_kv``).
 
 fp32 tolerances as on the CPU (1e-4 relative, 1e-5 absolute; TF32 is off in PyTorch's default
 matmul precision for fp32). bf16: the kernels round probabilities and outputs to bf16, each
@@ -91,3 +92,34 @@ def test_small_head_dim_auto_runs_gathered_and_flex_refuses():
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="head dim of at least 16"):
         sparse.moba_attention(q, k, v, block_size=16, top_k=2, backend="flex")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("overlap,rate", [(False, 32), (True, 4)])
+def test_compiled_compression_matches_reference(overlap, rate, packed, dtype):
+    """compress_kv on CUDA (torch.compile'd arithmetic; blocks as a view of the tokens, or
+    gathered per entry for packed sequences) against the fp32 reference, forward and backward,
+    on 1000 tokens (a partial last block; packed: three sequences of lengths no multiple of
+    the rate). bf16: the inputs rounded, the fp32 arithmetic of both the same but for order."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    rows, channels = (1 if packed else B), (2 * D if overlap else D)
+    cu_seqlens = torch.tensor([0, 333, 701, 1000], device="cuda") if packed else None
+    x = {"kv": torch.randn(rows, 1000, HKV, channels, device="cuda", generator=g).to(dtype),
+         "gate": torch.randn(rows, 1000, HKV, channels, device="cuda", generator=g).to(dtype),
+         "bias": torch.randn(HKV, rate, channels, device="cuda", generator=g)}
+    results = []
+    for backend, cast in (("reference", torch.float32), ("auto", dtype)):
+        leaves = {n: t.detach().to(cast if n != "bias" else torch.float32).requires_grad_()
+                  for n, t in x.items()}
+        out = sparse.compress_kv(leaves["kv"], leaves["gate"], leaves["bias"], rate=rate,
+                                 overlap=overlap, cu_seqlens=cu_seqlens, backend=backend)
+        weights = torch.randn(out.shape, device="cuda", generator=torch.Generator(
+            device="cuda").manual_seed(3))
+        grads = torch.autograd.grad((out.float() * weights).sum(), list(leaves.values()))
+        results.append([out.float(), *(grad.float() for grad in grads)])
+    # fp32: the same sums in another order; bf16: the output and gradients rounded once
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+    for name, got, want in zip(("out", "kv", "gate", "bias"), *results[::-1]):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol * max(1.0, want.abs().max().item()),
+                                   msg=f"{name}")
