@@ -31,14 +31,20 @@ _compiled = None
 def compiled_on_cuda(fn: Callable, what: str) -> Callable:
     """``fn`` through ``torch.compile`` (static shapes) for CUDA tensors, eager for others; a
     compiler failure is logged once (naming ``what``) and the eager ``fn``, which computes the
-    same, runs from then on. The first tensor argument decides the device."""
+    same, runs from then on. The first tensor argument decides the device.
+
+    Inductor's comprehensive padding (strides padded for alignment) is off: with it, torch 2.11
+    gave a wrong gradient through the sink's rescaling into FlexAttention's backward on an H200
+    (session 11: at T = 300 in fp32, q's gradient off by 0.46; right without padding, and at
+    T = 1000 either way), at no measured cost to speed."""
     state = {}
 
     def call(*args):
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         if device.type == "cuda" and not state.get("failed"):
             if "compiled" not in state:
-                state["compiled"] = torch.compile(fn, dynamic=False)
+                state["compiled"] = torch.compile(fn, dynamic=False,
+                                                  options={"comprehensive_padding": False})
             try:
                 return state["compiled"](*args)
             except torch.OutOfMemoryError:
