@@ -31,7 +31,9 @@ block from the selected ones) chooses per query head; NSA's selected branch (Yua
 "Native Sparse Attention", 2025) per key/value head, so that each row of that call carries
 the query heads of a group. The work is then that of the chosen blocks, where a block mask over
 128-query tiles covers the union of what every query of the tile chose. NSA's sliding-window
-branch is :func:`flash_attention`; its compressed branch keeps the block layout.
+branch is :func:`flash_attention`; its compressed branch keeps the block layout. Where Triton
+runs (CUDA), the merge of the two calls' outputs and the sum of their query gradients run in two
+Triton kernels (triton_merge.py), each reading its inputs once; elsewhere in PyTorch.
 
 The kernels run only after a first-use check per device and dtype (:func:`check`, run once by
 :func:`checked`; ``megatron-ext doctor`` shows its errors): small
@@ -168,13 +170,33 @@ class _SelectionPlan:
     head, block) and then token; ``rows`` is each pair's row in the token-major ``[B * T * Hs]``
     order (each row the ``Hq / Hs`` query heads of a selection head); ``pairs_cu`` cuts the pairs
     into one sequence per (batch, selection head, block), and ``keys_cu`` cuts the
-    selection-head-major ``[B * Hs * T]`` keys into the same blocks."""
+    selection-head-major ``[B * Hs * T]`` keys into the same blocks. ``pairs_of_row``, only
+    where the Triton merge runs (else None): ``[B * T * Hs, S]`` int32, the pairs of each row
+    (-1 for none), S the most any row has."""
     own_cu: torch.Tensor
     block_len: int
     rows: torch.Tensor
     pairs_cu: torch.Tensor
     keys_cu: torch.Tensor
     max_pairs: int
+    pairs_of_row: torch.Tensor | None = None
+
+
+# The device types whose block selections merge in Triton (triton_merge.py); tests add "cpu"
+# under Triton's interpreter.
+MERGE_DEVICE_TYPES = {"cuda"}
+
+
+def _pairs_of_row(rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``[num_rows, S]`` int32: the pairs (indices into ``rows``) of each row, -1 for none."""
+    order = torch.argsort(rows, stable=True)
+    by_row = rows[order]
+    counts = torch.bincount(rows, minlength=num_rows)
+    slot = torch.arange(rows.numel(), device=rows.device) - (counts.cumsum(0) - counts)[by_row]
+    pairs = torch.full((num_rows, int(counts.max()) if rows.numel() else 0), -1,
+                       dtype=torch.int32, device=rows.device)
+    pairs[by_row, slot] = order.int()
+    return pairs
 
 
 def _selection_plan(chosen: torch.Tensor, block_size: int) -> _SelectionPlan:
@@ -187,12 +209,59 @@ def _selection_plan(chosen: torch.Tensor, block_size: int) -> _SelectionPlan:
     earlier = torch.arange(num_blocks, device=device)[None, :] < own_block[:, None]  # [T, n]
     b, h, j, t = (chosen & earlier).permute(0, 1, 3, 2).nonzero().unbind(1)  # by (b, h, j), then t
     counts = torch.bincount((b * heads + h) * num_blocks + j, minlength=batch * heads * num_blocks)
+    rows = (b * seq_len + t) * heads + h
+    merge_in_triton = device.type in MERGE_DEVICE_TYPES
     return _SelectionPlan(own_cu=torch.cat([zero, lengths.repeat(batch).cumsum(0)]).int(),
                           block_len=min(block_size, seq_len),
-                          rows=(b * seq_len + t) * heads + h,
+                          rows=rows,
                           pairs_cu=torch.cat([zero, counts.cumsum(0)]).int(),
                           keys_cu=torch.cat([zero, lengths.repeat(batch * heads).cumsum(0)]).int(),
-                          max_pairs=int(counts.max()) if counts.numel() else 0)
+                          max_pairs=int(counts.max()) if counts.numel() else 0,
+                          pairs_of_row=(_pairs_of_row(rows, batch * seq_len * heads)
+                                        if merge_in_triton else None))
+
+
+def _merge_kernels():
+    from . import triton_merge
+
+    return triton_merge
+
+
+def _merge(pieces, sink, tokens: int, group: int, dtype):
+    """The PyTorch merge: ``pieces`` ``(out, lse, rows)`` (rows None: every row, in order),
+    each ``out [rows, group, D]``, ``lse [rows, group]``, and the sink -> ``(out [R, group, D]
+    in dtype, lse [R, group] fp32)`` (the module docstring's identity)."""
+    sink_rows = None if sink is None else sink.float().view(-1, group).repeat(tokens, 1)
+    # L = logsumexp over the pieces (and the sink), per row and head.
+    top = pieces[0][1].clone()
+    for _, piece_lse, at in pieces[1:]:
+        top.index_reduce_(0, at, piece_lse, "amax")
+    if sink_rows is not None:
+        top = torch.maximum(top, sink_rows)
+    total = torch.zeros_like(top) if sink_rows is None else torch.exp(sink_rows - top)
+    for _, piece_lse, at in pieces:
+        weight = torch.exp(piece_lse - (top if at is None else top[at]))
+        total = total + weight if at is None else total.index_add(0, at, weight)
+    full_lse = top + torch.log(total)
+    wide = torch.promote_types(dtype, torch.float32)
+    out = torch.zeros(*pieces[0][0].shape, dtype=wide, device=top.device)
+    for piece_out, piece_lse, at in pieces:
+        weight = torch.exp(piece_lse - (full_lse if at is None else full_lse[at]))[..., None]
+        piece = piece_out.to(wide) * weight
+        out = out + piece if at is None else out.index_add(0, at, piece)
+    return out.to(dtype), full_lse
+
+
+def _add_heads(own: torch.Tensor, per_head: torch.Tensor, repeat: int) -> torch.Tensor:
+    """The own call's key (or value) gradient ``[B, T, Hkv, D]`` plus the selected call's,
+    ``per_head`` selection-head-major ``[B * Hs * T, 1, D]`` with Hs = Hkv * repeat (summed over
+    each key/value head's ``repeat`` selection heads), added in fp32 and rounded once."""
+    batch, seq_len, kv_heads, dim = own.shape
+    if repeat == 1:
+        return own + per_head.view(batch, kv_heads, seq_len, dim).transpose(1, 2)
+    wide = torch.promote_types(own.dtype, torch.float32)
+    summed = per_head.view(batch, kv_heads, repeat, seq_len, dim).to(wide).sum(2)
+    return (own.to(wide) + summed.transpose(1, 2)).to(own.dtype)
 
 
 class _FlashBlockSelection(torch.autograd.Function):
@@ -208,8 +277,6 @@ class _FlashBlockSelection(torch.autograd.Function):
                                   for x in (q, k, v))
         own = (plan.own_cu, plan.own_cu, plan.block_len, plan.block_len, True, -1, 0, scale)
         out_own, lse_own = _kernel_forward(q_rows, k_rows, v_rows, *own)
-        # Rows of `group` query heads (one selection head each): [B * T * Hs, group].
-        pieces = [(out_own.reshape(-1, group, dim), lse_own.t().reshape(-1, group), None)]
         # The earlier blocks' call: keys and values selection-head-major, one head per
         # selection head (a key/value head repeated where selection heads are finer).
         k_heads, v_heads = (x.repeat_interleave(selection_heads // kv_heads, dim=2).transpose(1, 2)
@@ -217,36 +284,29 @@ class _FlashBlockSelection(torch.autograd.Function):
         selected = (plan.pairs_cu, plan.keys_cu, plan.max_pairs, plan.block_len, False, -1, -1,
                     scale)
         rows = plan.rows
+        # Rows of `group` query heads (one selection head each): [B * T * Hs, group].
+        out_sel, lse_sel = out_own, lse_own  # (stand-ins when no query chose an earlier block)
         if rows.numel():
             q_pairs = q_rows.view(-1, group, dim)[rows]
             out_sel, lse_sel = _kernel_forward(q_pairs, k_heads, v_heads, *selected)
-            pieces.append((out_sel, lse_sel.t(), rows))
-        sink_rows = None if sink is None else sink.float().view(-1, group).repeat(batch * seq_len, 1)
-        # L = logsumexp over the pieces (and the sink), per row and head.
-        top = pieces[0][1].clone()
-        for _, piece_lse, at in pieces[1:]:
-            top.index_reduce_(0, at, piece_lse, "amax")
-        if sink_rows is not None:
-            top = torch.maximum(top, sink_rows)
-        total = torch.zeros_like(top) if sink_rows is None else torch.exp(sink_rows - top)
-        for _, piece_lse, at in pieces:
-            weight = torch.exp(piece_lse - (top if at is None else top[at]))
-            total = total + weight if at is None else total.index_add(0, at, weight)
-        full_lse = top + torch.log(total)
-        wide = torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros(batch * seq_len * selection_heads, group, dim, dtype=wide, device=q.device)
-        for piece_out, piece_lse, at in pieces:
-            weight = torch.exp(piece_lse - (full_lse if at is None else full_lse[at]))[..., None]
-            piece = piece_out.to(wide) * weight
-            out = out + piece if at is None else out.index_add(0, at, piece)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q_rows, k_rows, v_rows, k_heads, v_heads, out, full_lse, rows, sink)
+        if plan.pairs_of_row is not None:
+            out, full_lse = _merge_kernels().merge_forward(
+                out_own, lse_own, out_sel, lse_sel, plan.pairs_of_row,
+                None if sink is None else sink.float(), selection_heads)
+        else:
+            pieces = [(out_own.reshape(-1, group, dim), lse_own.t().reshape(-1, group), None)]
+            if rows.numel():
+                pieces.append((out_sel, lse_sel.t(), rows))
+            out, full_lse = _merge(pieces, sink, batch * seq_len, group, q.dtype)
+        ctx.save_for_backward(q_rows, k_rows, v_rows, k_heads, v_heads, out, full_lse, rows, sink,
+                              plan.pairs_of_row)
         ctx.options = (own, selected, (batch, seq_len, heads, kv_heads, selection_heads, dim))
         return out.view(batch, seq_len, heads, dim)
 
     @staticmethod
     def backward(ctx, d_out):
-        q_rows, k_rows, v_rows, k_heads, v_heads, out, full_lse, rows, sink = ctx.saved_tensors
+        (q_rows, k_rows, v_rows, k_heads, v_heads, out, full_lse, rows, sink,
+         pairs_of_row) = ctx.saved_tensors
         own, selected, (batch, seq_len, heads, kv_heads, selection_heads, dim) = ctx.options
         group = heads // selection_heads
         shaped = (batch * seq_len, heads, dim)
@@ -255,26 +315,27 @@ class _FlashBlockSelection(torch.autograd.Function):
         # of the one softmax over all the query's keys, restricted to the call's keys.
         dq, dk, dv = _kernel_backward(d_out, q_rows, k_rows, v_rows, out.view(shaped),
                                       full_lse.view(batch * seq_len, heads).t().contiguous(), *own)
-        wide = torch.promote_types(q_rows.dtype, torch.float32)
-        dq = dq.reshape(-1, group, dim).to(wide)
-        dk, dv = (x.reshape(batch, seq_len, kv_heads, dim).to(wide) for x in (dk, dv))
+        dk, dv = (x.reshape(batch, seq_len, kv_heads, dim) for x in (dk, dv))
+        dq_pairs = None
         if rows.numel():
             by_row = lambda x: x.reshape(-1, group, dim)[rows]  # noqa: E731
             dq_pairs, dk_heads, dv_heads = _kernel_backward(
                 by_row(d_out), by_row(q_rows), k_heads, v_heads, out[rows],
                 full_lse[rows].t().contiguous(), *selected)
-            dq = dq.index_add(0, rows, dq_pairs.to(wide))
             repeat = selection_heads // kv_heads
-            for grad, part in ((dk, dk_heads), (dv, dv_heads)):
-                per_head = part.reshape(batch, kv_heads, repeat, seq_len, dim).to(wide).sum(2)
-                grad += per_head.transpose(1, 2)
+            dk, dv = _add_heads(dk, dk_heads, repeat), _add_heads(dv, dv_heads, repeat)
+        if pairs_of_row is not None:
+            dq = _merge_kernels().sum_query_gradients(
+                dq, dq if dq_pairs is None else dq_pairs, pairs_of_row, selection_heads)
+        elif dq_pairs is not None:
+            wide = torch.promote_types(q_rows.dtype, torch.float32)
+            dq = dq.reshape(-1, group, dim).to(wide).index_add(0, rows, dq_pairs.to(wide))
+            dq = dq.to(q_rows.dtype)
         d_sink = None
         if sink is not None and ctx.needs_input_grad[3]:
             d_sink = _sink_gradient(sink, d_out, out.view(shaped),
                                     full_lse.view(batch * seq_len, heads))
-        dtype = q_rows.dtype
-        return (dq.view(batch, seq_len, heads, dim).to(dtype), dk.to(dtype), dv.to(dtype), d_sink,
-                None, None, None)
+        return dq.view(batch, seq_len, heads, dim), dk, dv, d_sink, None, None, None
 
 
 def block_selection_attention(q, k, v, chosen, block_size, *, sink=None, scale=None):

@@ -1,0 +1,138 @@
+"""Merging the two FlashAttention calls of a block selection (flash.py: MoBA, NSA's selected
+branch) in Triton: one kernel for the forward's merge by log-sum-exp, one for the backward's sum
+of the query gradients.
+
+flash.py splits each query's softmax over disjoint sets of keys: its own block (one call over
+all rows) and each earlier block it chose (one call over the (row, block) pairs, the rows
+gathered). A row is a token and selection head; it carries the G query heads of that selection
+head. Given the own call's output ``o_0`` and log-sum-exp ``L_0`` and the pairs' ``o_p``, ``L_p``
+(``pairs [R, S]``: the row's pairs, -1 for none), the merge is, per row and query head,
+
+    L = m + log(exp(L_0 - m) + sum_p exp(L_p - m) + exp(sink - m)),   m the largest of them,
+    o = exp(L_0 - L) o_0 + sum_p exp(L_p - L) o_p,
+
+in fp32, o written in the outputs' dtype and L in fp32 (each call's backward then takes the
+merged o and L: flash.py's docstring). The backward's query gradient is the own call's plus the
+row's pairs': ``dq = dq_0 + sum_p dq_p``, summed in fp32 and written once.
+
+In PyTorch the same merge took a dozen kernels over ``[R, G, D]`` fp32 copies (index_reduce,
+index_add, exp, casts) and the sum an fp32 copy and an index_add; here each reads its inputs
+once. Layouts: ``o_0``, dq_0 ``[N, Hq, D]`` (tokens N, read as ``[R, G, D]`` with R = N Hs),
+``L_0 [Hq, N]``, ``o_p``, ``dq_p [P, G, D]``, ``L_p [G, P]`` (FlashAttention's), made
+contiguous (as the kernels return them); D up to 256. One program per block of BLOCK_R rows and one query head; S, G and the padded D
+are compile-time constants. CUDA tensors, or CPU tensors under Triton's interpreter
+(tests/cpu/test_triton_interpret_merge.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["merge_forward", "sum_query_gradients"]
+
+BLOCK_R = 32
+_LAUNCH = dict(num_warps=4)
+
+
+@triton.jit
+def _merge_kernel(own_o, own_lse, sel_o, sel_lse, pairs, sink, out, out_lse,
+                  rows, num_pairs, tokens, selection_heads, dim,
+                  G: tl.constexpr, S: tl.constexpr, HAS_SINK: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    live = r < rows
+    cols = live[:, None] & (d < dim)[None, :]
+    head = (r % selection_heads) * G + g
+    lse_0 = tl.load(own_lse + head.to(tl.int64) * tokens + r // selection_heads, mask=live,
+                    other=0.0)
+    top = lse_0
+    for s in tl.static_range(S):
+        p = tl.load(pairs + r.to(tl.int64) * S + s, mask=live, other=-1)
+        lse_p = tl.load(sel_lse + g.to(tl.int64) * num_pairs + p, mask=p >= 0,
+                        other=float("-inf"))
+        top = tl.maximum(top, lse_p)
+    if HAS_SINK:
+        sink_h = tl.load(sink + head, mask=live, other=float("-inf"))
+        top = tl.maximum(top, sink_h)
+    total = tl.exp(lse_0 - top)
+    for s in tl.static_range(S):
+        p = tl.load(pairs + r.to(tl.int64) * S + s, mask=live, other=-1)
+        lse_p = tl.load(sel_lse + g.to(tl.int64) * num_pairs + p, mask=p >= 0,
+                        other=float("-inf"))
+        total += tl.exp(lse_p - top)
+    if HAS_SINK:
+        total += tl.exp(sink_h - top)
+    lse = top + tl.log(total)
+    row_offset = (r.to(tl.int64) * G + g) * dim
+    acc = tl.exp(lse_0 - lse)[:, None] * tl.load(own_o + row_offset[:, None] + d[None, :],
+                                                   mask=cols, other=0.0).to(tl.float32)
+    for s in tl.static_range(S):
+        p = tl.load(pairs + r.to(tl.int64) * S + s, mask=live, other=-1)
+        chosen = p >= 0
+        lse_p = tl.load(sel_lse + g.to(tl.int64) * num_pairs + p, mask=chosen,
+                        other=float("-inf"))
+        pair_offset = (p.to(tl.int64) * G + g) * dim
+        o_p = tl.load(sel_o + pair_offset[:, None] + d[None, :],
+                      mask=chosen[:, None] & cols, other=0.0).to(tl.float32)
+        acc += tl.exp(lse_p - lse)[:, None] * o_p
+    tl.store(out + row_offset[:, None] + d[None, :], acc.to(out.dtype.element_ty), mask=cols)
+    tl.store(out_lse + r.to(tl.int64) * G + g, lse, mask=live)
+
+
+@triton.jit
+def _sum_kernel(own, sel, pairs, out, rows, dim,
+                G: tl.constexpr, S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    live = r < rows
+    cols = live[:, None] & (d < dim)[None, :]
+    row_offset = (r.to(tl.int64) * G + g) * dim
+    acc = tl.load(own + row_offset[:, None] + d[None, :], mask=cols, other=0.0).to(tl.float32)
+    for s in tl.static_range(S):
+        p = tl.load(pairs + r.to(tl.int64) * S + s, mask=live, other=-1)
+        pair_offset = (p.to(tl.int64) * G + g) * dim
+        acc += tl.load(sel + pair_offset[:, None] + d[None, :],
+                       mask=(p >= 0)[:, None] & cols, other=0.0).to(tl.float32)
+    tl.store(out + row_offset[:, None] + d[None, :], acc.to(out.dtype.element_ty), mask=cols)
+
+
+def _launch(rows: int, group: int, dim: int):
+    return (triton.cdiv(rows, BLOCK_R), group), dict(BLOCK_R=BLOCK_R,
+                                                      BLOCK_D=max(16, triton.next_power_of_2(dim)))
+
+
+def merge_forward(own_out, own_lse, sel_out, sel_lse, pairs, sink, selection_heads: int):
+    """``own_out [N, Hq, D]``, ``own_lse [Hq, N]`` (fp32), ``sel_out [P, G, D]``, ``sel_lse
+    [G, P]`` (fp32), ``pairs [R, S]`` int32 (R = N * selection_heads), ``sink [Hq]`` fp32 or
+    None -> the merged ``o [R, G, D]`` in own_out's dtype and ``L [R, G]`` fp32."""
+    own_out, own_lse, sel_out, sel_lse, pairs = (
+        x.contiguous() for x in (own_out, own_lse, sel_out, sel_lse, pairs))
+    tokens, heads, dim = own_out.shape
+    group = heads // selection_heads
+    rows, slots = pairs.shape
+    out = torch.empty(rows, group, dim, dtype=own_out.dtype, device=own_out.device)
+    out_lse = torch.empty(rows, group, dtype=torch.float32, device=own_out.device)
+    grid, blocks = _launch(rows, group, dim)
+    _merge_kernel[grid](own_out, own_lse, sel_out, sel_lse, pairs,
+                        own_lse if sink is None else sink, out, out_lse, rows, sel_out.shape[0],
+                        tokens, selection_heads, dim, G=group, S=slots, HAS_SINK=sink is not None,
+                        **blocks, **_LAUNCH)
+    return out, out_lse
+
+
+def sum_query_gradients(own_dq, sel_dq, pairs, selection_heads: int):
+    """``own_dq [N, Hq, D]`` + each row's pairs' ``sel_dq [P, G, D]`` -> ``[N, Hq, D]`` in
+    own_dq's dtype, summed in fp32."""
+    own_dq, sel_dq, pairs = (x.contiguous() for x in (own_dq, sel_dq, pairs))
+    tokens, heads, dim = own_dq.shape
+    group = heads // selection_heads
+    rows, slots = pairs.shape
+    out = torch.empty_like(own_dq)
+    grid, blocks = _launch(rows, group, dim)
+    _sum_kernel[grid](own_dq, sel_dq, pairs, out, rows, dim, G=group, S=slots, **blocks,
+                      **_LAUNCH)
+    return out

@@ -1,0 +1,51 @@
+"""The Triton kernels that merge a block selection's two FlashAttention calls
+(kernels/sparse/triton_merge.py) on Triton's CPU interpreter, inside flash.py's MoBA and block
+selection with the FlashAttention kernels emulated (flash_emulation.py), forward and backward,
+against the fp32 reference; skipped where Triton is not installed.
+
+Run as a script under TRITON_INTERPRET=1 (triton_interpreter.run_as_script), every load and
+store checked to stay inside the tensors of its launch: test_sparse_flash_emulated.py's MoBA
+calls (a partial last block, every earlier block chosen, the own block only: no pairs at all,
+one partial block) and its block selections per query head and per key/value head (G = 2 query
+heads per row), with and without a sink, on that file's fp64 inputs and its 1e-6 relative
+tolerance (the kernels sum in fp32: ~1e-7). The same calls with the PyTorch merge are that
+file's tests; the kernels on a GPU, in bf16 and with the real FlashAttention kernels, are
+tests/gpu/test_sparse_flash.py's.
+"""
+import types
+
+import triton_interpreter
+from triton_interpreter import needs_triton
+
+
+def main() -> None:
+    triton_interpreter.setup()
+    import flash_emulation
+    import test_sparse_flash_emulated as calls
+    from megatron_ext.kernels.sparse import flash
+
+    flash_emulation.emulate(types.SimpleNamespace(setattr=setattr))
+    flash.MERGE_DEVICE_TYPES.add("cpu")
+    merges = []
+    merge_forward = flash._merge_kernels().merge_forward
+    flash._merge_kernels().merge_forward = lambda *args: merges.append(1) or merge_forward(*args)
+    count = 0
+    for call in calls.MOBA_CALLS:
+        calls.test_moba_equals_the_reference(None, call)
+        count += 1
+        print(f"moba {call}: ok", flush=True)
+    for selection_heads in (2, 4):
+        calls.test_block_selection_equals_the_reference(None, selection_heads)
+        count += 1
+        print(f"block selection, {selection_heads} selection heads: ok", flush=True)
+    assert len(merges) >= count, (len(merges), count)  # the Triton merge ran in every call
+    print(f"all {count} interpreter cases passed")
+
+
+@needs_triton
+def test_kernels_on_the_interpreter():
+    triton_interpreter.run_as_script(__file__)
+
+
+if __name__ == "__main__":
+    main()
