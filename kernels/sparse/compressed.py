@@ -23,7 +23,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .flex import compiled_on_cuda
 from .layout import BlockLayout, interval_layout
@@ -91,12 +90,21 @@ def first_tokens(seq_len: int, cu_seqlens=None, device=None) -> torch.Tensor:
     return bounds[torch.searchsorted(bounds[1:], tokens, right=True)]
 
 
+@functools.lru_cache(maxsize=16)
+@torch.inference_mode(False)  # kept tensors must serve training after an inference first use
+def _tiled_entries(seq_len: int, rate: int, device: torch.device) -> Entries:
+    """The entries of rows that are one sequence each: arange's, kept per shape (nothing to
+    read back from the device, nothing to launch again)."""
+    starts = torch.arange(0, seq_len // rate * rate, rate, device=device)
+    return Entries(rate, starts, starts, starts > 0, first_tokens(seq_len, None, device),
+                   tiled=True)
+
+
 def compressed_entries(seq_len: int, rate: int, cu_seqlens=None, device=None) -> Entries:
     """The :class:`Entries` of T tokens (one sequence, or those packed at ``cu_seqlens``)."""
-    if cu_seqlens is None:  # arange's: nothing to read back from the device
-        starts = torch.arange(0, seq_len // rate * rate, rate, device=device)
-        return Entries(rate, starts, starts, starts > 0, first_tokens(seq_len, None, device),
-                       tiled=True)
+    if cu_seqlens is None:
+        return _tiled_entries(seq_len, rate, torch.device(device) if device is not None
+                              else torch.device("cpu"))
     bounds = cu_seqlens.to(device=device, dtype=torch.int64)
     firsts = bounds[:-1]
     counts = (bounds[1:] - firsts) // rate
@@ -173,6 +181,7 @@ def compressed_layout(entries: Entries, seq_len: int, window: int, q_block: int,
 
 
 @functools.lru_cache(maxsize=16)
+@torch.inference_mode(False)  # kept tensors must serve training after an inference first use
 def tiled_compressed_layout(seq_len: int, rate: int, window: int, q_block: int, kv_block: int,
                             device: torch.device):
     """:func:`compressed_layout` of rows that are one sequence each (no packing), kept: it
@@ -183,10 +192,13 @@ def tiled_compressed_layout(seq_len: int, rate: int, window: int, q_block: int, 
 
 
 def with_entries(k, v, compressed_k, compressed_v, padded: int | None = None):
-    """Raw keys and values (zero-padded to ``padded`` tokens) followed by the entries."""
-    if padded is not None:
-        k, v = (F.pad(x, (0, 0, 0, 0, 0, padded - x.shape[1])) for x in (k, v))
-    return keys_with_entries(k, v, compressed_k, compressed_v)
+    """Raw keys and values (zero-padded to ``padded`` tokens) followed by the entries: one
+    concatenation each, the padding a block of zeros in it."""
+    if padded is None:
+        return keys_with_entries(k, v, compressed_k, compressed_v)
+    gap = k.new_zeros(k.shape[0], padded - k.shape[1], *k.shape[2:])
+    return tuple(torch.cat([x, gap, entries.to(x.dtype)], dim=1)
+                 for x, entries in ((k, compressed_k), (v, compressed_v)))
 
 
 def window_and_selected(selected: torch.Tensor, first_token: torch.Tensor,

@@ -88,19 +88,24 @@ def _compiled_flex_attention():
 
 
 def block_mask(layout: BlockLayout, heads: int, seq_len: int, key_len: int):
-    """The layout as a FlexAttention BlockMask over ``heads`` query heads."""
-    from torch.nn.attention.flex_attention import BlockMask
-
+    """The layout as a FlexAttention BlockMask over ``heads`` query heads, kept in the layout
+    (``block_masks``)."""
     key = (heads, seq_len, key_len)
     if key not in layout.block_masks:
-        active = layout.active
-        if active.shape[1] not in (1, heads):  # one layout per key/value group -> per query head
-            active = active.repeat_interleave(heads // active.shape[1], dim=1)
-        counts, order = layout.kv_blocks(active)
-        layout.block_masks[key] = BlockMask.from_kv_blocks(
-            counts, order, BLOCK_SIZE=(layout.q_block, layout.kv_block),
-            mask_mod=layout.mask_mod, seq_lengths=(seq_len, key_len))
+        with torch.inference_mode(False):  # a kept mask must serve training after inference
+            layout.block_masks[key] = _block_mask(layout, heads, seq_len, key_len)
     return layout.block_masks[key]
+
+
+def _block_mask(layout: BlockLayout, heads: int, seq_len: int, key_len: int):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    active = layout.active
+    if active.shape[1] not in (1, heads):  # one layout per key/value group -> per query head
+        active = active.repeat_interleave(heads // active.shape[1], dim=1)
+    counts, order = layout.kv_blocks(active)
+    return BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=(layout.q_block, layout.kv_block),
+                                    mask_mod=layout.mask_mod, seq_lengths=(seq_len, key_len))
 
 
 def flex_attention_layout(q, k, v, layout: BlockLayout, *, sink=None, scale=None):
