@@ -21,16 +21,20 @@ sublayer start from the uniform average of its sources.
   embedding e and the sum of the earlier outputs.
 
 Blocks may span pipeline stages: the partial sum travels in the packed state, so no block size
-is tied to the stage split. The sources are views into the packed input plus this layer's own
-outputs; :func:`megatron_ext.kernels.residual.efficient.depth_attention` keeps only references
-and per-token scalars for backward. The completed blocks are passed as the packed input with
-their slot count, ``(packed [s, b, 1 + k, h], k)``, rather than as a slice of it: the op returns
-the gradient of the whole packed input (zeros in the partial's slot), which spares autograd the
-slice's backward (a zero tensor of the packed state, a copy and an add) at every use.
+is tied to the stage split.
+
+Inside a layer the state stays one packed tensor ``[s, b, S * h]``, and each sublayer's depth
+attention reads all S slots of it in place (:func:`megatron_ext.kernels.residual.efficient.depth_attention`
+keeps only references and per-token scalars for backward). A sublayer's output either starts a
+slot of its own (full: every output; block: the first output of a block, after the commit) or
+is added to the last slot, the partial sum (:class:`_AddToLastSlot`). Both make a new packed
+tensor, never a view, whose gradient goes back to the one before it whole: the packed state
+gets one gradient tensor per use, with no slice of it to materialise (a zero tensor, a copy and
+an add, in autograd's backward of a slice).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -56,10 +60,26 @@ class DepthQuery(torch.nn.Module):
 
 @dataclass
 class _State:
-    # [s, b, k_i, h] groups, or (packed [s, b, S, h], k): its first k slots
-    sources: list = field(default_factory=list)
-    partial: torch.Tensor | None = None  # block: the current block's sum [s, b, h]
+    packed: torch.Tensor  # [s, b, S * h]: the sources (block: completed blocks, then the partial)
     sublayer: int = 0
+    new_slot: bool = False  # whether the next output starts a slot of its own
+
+
+class _AddToLastSlot(torch.autograd.Function):
+    """``packed [..., S * h]`` with ``x [..., h]`` added to its last h columns, as a new tensor.
+    Backward: packed's gradient is the incoming one as it is; x's a copy of its last slot (a
+    copy, not a view, so that autograd may add into packed's gradient in place)."""
+
+    @staticmethod
+    def forward(ctx, packed, x):
+        out = packed.clone()
+        out[..., -x.shape[-1]:] += x
+        ctx.width = x.shape[-1]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad[..., -ctx.width:].clone()
 
 
 class AttentionResiduals(ResidualScheme):
@@ -84,42 +104,28 @@ class AttentionResiduals(ResidualScheme):
         slots = self.slots_before(self.index)
         self.check_width(hidden_states, slots, "the embedding and earlier sources" if slots > 1
                          else "the embedding")
-        sources = hidden_states.unflatten(-1, (slots, self.hidden_size))
-        if self.block_layers is None:
-            return _State(sources=[sources])
-        completed = [(sources, slots - 1)] if slots > 1 else []
-        return _State(sources=completed, partial=sources[..., -1, :])
+        return _State(packed=hidden_states)
 
-    def _all_sources(self, state: _State) -> list:
-        if state.partial is None:
-            return state.sources
-        return state.sources + [state.partial.unsqueeze(-2)]
+    def _sources(self, state: _State) -> torch.Tensor:
+        return state.packed.unflatten(-1, (-1, self.hidden_size))  # [s, b, S, h]
 
     def sublayer_input(self, state: _State) -> torch.Tensor:
         query = (self.mixer, self.ffn)[state.sublayer]
-        x = query(self._all_sources(state))
-        if (self.block_layers is not None and state.sublayer == 0
-                and self.index % self.block_layers == 0):
-            state.sources, state.partial = self._all_sources(state), None  # commit the block
+        x = query([self._sources(state)])
+        # full: every output is a source; block: the first sublayer of a block commits the
+        # partial sum it read as a completed block, and its output starts the next partial.
+        state.new_slot = self.block_layers is None or (
+            state.sublayer == 0 and self.index % self.block_layers == 0)
         return x
 
     def sublayer_output(self, state: _State, output: torch.Tensor) -> None:
-        if self.block_layers is None:
-            state.sources = state.sources + [output.unsqueeze(-2)]
+        if state.new_slot:
+            state.packed = torch.cat([state.packed, output], dim=-1)
         else:
-            state.partial = output if state.partial is None else state.partial + output
+            state.packed = _AddToLastSlot.apply(state.packed, output)
         state.sublayer += 1
 
     def exit(self, state: _State) -> torch.Tensor:
-        sources = self._all_sources(state)
         if self.last:
-            return self.output(sources)
-        return torch.cat([_slots(s).flatten(-2) for s in sources], dim=-1)
-
-
-def _slots(group) -> torch.Tensor:
-    """A source group as ``[s, b, k, h]``: a ``(packed, k)`` pair as its first k slots."""
-    if isinstance(group, torch.Tensor):
-        return group
-    packed, count = group
-    return packed[..., :count, :]
+            return self.output([self._sources(state)])
+        return state.packed

@@ -163,18 +163,32 @@ def _attnres_reference(model, embedding, block_layers):
     ("mhc", {}),
 ])
 def test_scheme_equals_the_papers_loop(scheme, settings):
+    """Output and gradients (of every parameter and of the embedding) of our layers equal those
+    of the paper's loop written with the reference ops."""
     model = _model(_config(), residual=scheme, **settings)
     _perturb_residual(model)
     tokens = _tokens()[:, :-1]
-    embedding = model.embedding(tokens, torch.arange(SEQ).expand(BATCH, -1))
-    with torch.no_grad():
-        ours = model.decoder(embedding, attention_mask=None)
-        if scheme == "mhc":
-            theirs = _mhc_reference(model, embedding)
-        else:
-            theirs = _attnres_reference(model, embedding, settings.get("attnres_block_layers"))
-        theirs = model.decoder.final_layernorm(theirs)
+    embedding = model.embedding(tokens, torch.arange(SEQ).expand(BATCH, -1)).detach()
+    embedding.requires_grad_()
+    ours = model.decoder(embedding, attention_mask=None)
+    if scheme == "mhc":
+        theirs = _mhc_reference(model, embedding)
+    else:
+        theirs = _attnres_reference(model, embedding, settings.get("attnres_block_layers"))
+    theirs = model.decoder.final_layernorm(theirs)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    weights = torch.randn(ours.shape, generator=torch.Generator().manual_seed(5))
+    leaves = [embedding, *(p for p in model.decoder.parameters() if p.requires_grad)]
+    for name, a, b in zip(["embedding", *(n for n, p in model.decoder.named_parameters()
+                                          if p.requires_grad)],
+                          torch.autograd.grad((ours * weights).sum(), leaves, allow_unused=True),
+                          torch.autograd.grad((theirs * weights).sum(), leaves, allow_unused=True)):
+        if a is None or b is None:
+            assert a is None and b is None, name
+            continue
+        # fp32 sums in another order: 1e-5 of the gradient's scale (the embedding's reaches ~240)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * max(1.0, b.abs().max().item()),
+                                   msg=f"gradient of {name}")
 
 
 def test_one_attnres_block_is_the_standard_residual_plus_an_isolated_embedding():
