@@ -23,18 +23,24 @@ sublayer start from the uniform average of its sources.
 Blocks may span pipeline stages: the partial sum travels in the packed state, so no block size
 is tied to the stage split.
 
-Inside a layer the state stays one packed tensor ``[s, b, S * h]``, and each sublayer's depth
-attention reads all S slots of it in place (:func:`megatron_ext.kernels.residual.efficient.depth_attention`
-keeps only references and per-token scalars for backward). A sublayer's output either starts a
-slot of its own (full: every output; block: the first output of a block, after the commit) or
-is added to the last slot, the partial sum (:class:`_AddToLastSlot`). Both make a new packed
-tensor, never a view, whose gradient goes back to the one before it whole: the packed state
-gets one gradient tensor per use, with no slice of it to materialise (a zero tensor, a copy and
-an add, in autograd's backward of a slice).
+Inside a layer no slice of the packed input is taken, so that its gradient never has to be
+materialised slot by slot (a zero tensor, a copy and an add, in autograd's backward of a slice or
+of a selected slot); each use of it gets the gradient of the whole tensor:
+
+- a sublayer's depth attention reads the packed input in place, all its slots or a ``(packed,
+  k)`` pair of its first k (:func:`megatron_ext.kernels.residual.efficient.depth_attention`,
+  which keeps only references and per-token scalars for backward), plus the layer's own
+  outputs;
+- an output that starts a slot of its own (full: every output; block: the first output of a
+  block, after the commit) is appended at the exit, in one concatenation;
+- an output added to the partial sum that is the packed input's last slot makes a new packed
+  tensor with it added there (:class:`_AddToLastSlot`, and :class:`_Advance` where the next
+  sublayer reads the new partial sum, which it then gets as a tensor of its own, so that the
+  new packed tensor is not kept for backward).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,7 +66,9 @@ class DepthQuery(torch.nn.Module):
 
 @dataclass
 class _State:
-    packed: torch.Tensor  # [s, b, S * h]: the sources (block: completed blocks, then the partial)
+    packed: torch.Tensor  # [s, b, S * h]: the state so far, without `tail`
+    sources: list  # the groups the next sublayer's depth attention reads
+    tail: list = field(default_factory=list)  # outputs that start slots of their own, [s, b, h]
     sublayer: int = 0
     new_slot: bool = False  # whether the next output starts a slot of its own
 
@@ -79,6 +87,26 @@ class _AddToLastSlot(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        return grad, grad[..., -ctx.width:].clone()
+
+
+class _Advance(torch.autograd.Function):
+    """:class:`_AddToLastSlot`, also returning the new last slot as a tensor of its own
+    ``[..., h]`` (the partial sum the next sublayer reads)."""
+
+    @staticmethod
+    def forward(ctx, packed, x):
+        width = x.shape[-1]
+        partial = packed[..., -width:] + x
+        out = packed.clone()
+        out[..., -width:] = partial
+        ctx.width = width
+        return out, partial
+
+    @staticmethod
+    def backward(ctx, grad, grad_partial):
+        grad = grad.clone()
+        grad[..., -ctx.width:] += grad_partial
         return grad, grad[..., -ctx.width:].clone()
 
 
@@ -104,14 +132,14 @@ class AttentionResiduals(ResidualScheme):
         slots = self.slots_before(self.index)
         self.check_width(hidden_states, slots, "the embedding and earlier sources" if slots > 1
                          else "the embedding")
-        return _State(packed=hidden_states)
+        return _State(packed=hidden_states, sources=[self._slots(hidden_states)])
 
-    def _sources(self, state: _State) -> torch.Tensor:
-        return state.packed.unflatten(-1, (-1, self.hidden_size))  # [s, b, S, h]
+    def _slots(self, packed: torch.Tensor) -> torch.Tensor:
+        return packed.unflatten(-1, (-1, self.hidden_size))  # [s, b, S, h], a view
 
     def sublayer_input(self, state: _State) -> torch.Tensor:
         query = (self.mixer, self.ffn)[state.sublayer]
-        x = query([self._sources(state)])
+        x = query(state.sources)
         # full: every output is a source; block: the first sublayer of a block commits the
         # partial sum it read as a completed block, and its output starts the next partial.
         state.new_slot = self.block_layers is None or (
@@ -120,12 +148,21 @@ class AttentionResiduals(ResidualScheme):
 
     def sublayer_output(self, state: _State, output: torch.Tensor) -> None:
         if state.new_slot:
-            state.packed = torch.cat([state.packed, output], dim=-1)
+            state.tail.append(output)
+            state.sources = state.sources + [output.unsqueeze(-2)]
+        elif state.tail:  # block: the partial sum began in this layer
+            state.tail[-1] = state.tail[-1] + output
+            state.sources = state.sources[:-1] + [state.tail[-1].unsqueeze(-2)]
+        elif state.sublayer == 0:  # the partial sum is the input's last slot; the FFN reads it
+            completed = self._slots(state.packed)
+            state.packed, partial = _Advance.apply(state.packed, output)
+            state.sources = [(completed, completed.shape[-2] - 1), partial.unsqueeze(-2)]
         else:
             state.packed = _AddToLastSlot.apply(state.packed, output)
         state.sublayer += 1
 
     def exit(self, state: _State) -> torch.Tensor:
         if self.last:
-            return self.output([self._sources(state)])
-        return state.packed
+            return self.output([self._slots(state.packed),
+                                *(output.unsqueeze(-2) for output in state.tail)])
+        return torch.cat([state.packed, *state.tail], dim=-1) if state.tail else state.packed
