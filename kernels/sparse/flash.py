@@ -324,9 +324,8 @@ class _FlashBlockSelection(torch.autograd.Function):
                 full_lse[rows].t().contiguous(), *selected)
             repeat = selection_heads // kv_heads
             dk, dv = _add_heads(dk, dk_heads, repeat), _add_heads(dv, dv_heads, repeat)
-        if pairs_of_row is not None:
-            dq = _merge_kernels().sum_query_gradients(
-                dq, dq if dq_pairs is None else dq_pairs, pairs_of_row, selection_heads)
+        if dq_pairs is not None and pairs_of_row is not None:
+            dq = _merge_kernels().sum_query_gradients(dq, dq_pairs, pairs_of_row, selection_heads)
         elif dq_pairs is not None:
             wide = torch.promote_types(q_rows.dtype, torch.float32)
             dq = dq.reshape(-1, group, dim).to(wide).index_add(0, rows, dq_pairs.to(wide))

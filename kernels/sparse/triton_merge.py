@@ -19,9 +19,11 @@ In PyTorch the same merge took a dozen kernels over ``[R, G, D]`` fp32 copies (i
 index_add, exp, casts) and the sum an fp32 copy and an index_add; here each reads its inputs
 once. Layouts: ``o_0``, dq_0 ``[N, Hq, D]`` (tokens N, read as ``[R, G, D]`` with R = N Hs),
 ``L_0 [Hq, N]``, ``o_p``, ``dq_p [P, G, D]``, ``L_p [G, P]`` (FlashAttention's), made
-contiguous (as the kernels return them); D up to 256. One program per block of BLOCK_R rows and one query head; S, G and the padded D
-are compile-time constants. CUDA tensors, or CPU tensors under Triton's interpreter
-(tests/cpu/test_triton_interpret_merge.py).
+contiguous (as the kernels return them); D up to 256. One program per block of BLOCK_R rows
+and one query head; S, G and the padded D are compile-time constants (not tuned). CUDA
+tensors, or CPU tensors under Triton's interpreter (tests/cpu/test_triton_interpret_merge.py).
+On an H200 (session 11) MoBA's fwd+bwd at B*T = 32768, 16 heads, T = 16384 went from 18.6 to
+13.1 ms with these kernels and the key/value gradients added without fp32 copies.
 """
 from __future__ import annotations
 

@@ -37,6 +37,10 @@ of a selected slot); each use of it gets the gradient of the whole tensor:
   tensor with it added there (:class:`_AddToLastSlot`, and :class:`_Advance` where the next
   sublayer reads the new partial sum, which it then gets as a tensor of its own, so that the
   new packed tensor is not kept for backward).
+
+On an H200 (session 11: 20 layers, hidden 1024, seq 4096, micro-batch 2, blocks of 4 layers)
+this took block AttnRes's extra GPU time per training step from +24.2% to +20.6% of the
+standard residual's, at the same memory (+1.59 GiB against +1.51).
 """
 from __future__ import annotations
 
