@@ -127,7 +127,8 @@ def _compress(values, logits, bias, lent_values, lent_logits, lent_bias, has_pre
     values = values.float()
     if lent_values is not None:
         if shift:  # entry 0 gets the last block's, which has_previous masks out
-            lent_values, lent_logits = (torch.roll(x, 1, dims=1) for x in (lent_values, lent_logits))
+            lent_values, lent_logits = (torch.roll(x, 1, dims=1)
+                                        for x in (lent_values, lent_logits))
         lent = (lent_logits.float() + lent_bias).masked_fill(
             ~has_previous.view(-1, 1, 1, 1), float("-inf"))
         logits = torch.cat([lent, logits], dim=2)

@@ -130,5 +130,5 @@ def test_compiled_compression_matches_reference(overlap, rate, packed, dtype):
     # fp32: the same sums in another order; bf16: the output and gradients rounded once
     rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
     for name, got, want in zip(("out", "kv", "gate", "bias"), *results[::-1]):
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol * max(1.0, want.abs().max().item()),
-                                   msg=f"{name}")
+        scale = max(1.0, want.abs().max().item())
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol * scale, msg=name)
