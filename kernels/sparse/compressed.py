@@ -147,7 +147,7 @@ def compress_blocks(kv, gate, position_bias, entries: Entries, overlap: bool) ->
     if entries.tiled:  # block i of every row: a view
         blocks = [x[:, :count * rate].unflatten(1, (count, rate)) for x in (kv, gate)]
         own = [x[..., -dim:] for x in blocks]
-        lent = [x[..., :dim] for x in blocks]
+        lent = [x[..., :dim] for x in blocks] if overlap else None
     else:  # one gather per entry
         tokens = entries.starts[:, None] + torch.arange(rate, device=kv.device)  # [N, rate]
         before = (tokens - rate).clamp(min=0)

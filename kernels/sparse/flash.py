@@ -187,14 +187,13 @@ class _SelectionPlan:
 MERGE_DEVICE_TYPES = {"cuda"}
 
 
-def _pairs_of_row(rows: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``[num_rows, S]`` int32: the pairs (indices into ``rows``) of each row, -1 for none."""
+def _pairs_of_row(rows: torch.Tensor, per_row: torch.Tensor, slots: int) -> torch.Tensor:
+    """``[len(per_row), slots]`` int32: the pairs (indices into ``rows``) of each row, -1 for
+    none; ``per_row`` counts each row's pairs, ``slots`` is the largest count."""
     order = torch.argsort(rows, stable=True)
     by_row = rows[order]
-    counts = torch.bincount(rows, minlength=num_rows)
-    slot = torch.arange(rows.numel(), device=rows.device) - (counts.cumsum(0) - counts)[by_row]
-    pairs = torch.full((num_rows, int(counts.max()) if rows.numel() else 0), -1,
-                       dtype=torch.int32, device=rows.device)
+    slot = torch.arange(rows.numel(), device=rows.device) - (per_row.cumsum(0) - per_row)[by_row]
+    pairs = torch.full((per_row.numel(), slots), -1, dtype=torch.int32, device=rows.device)
     pairs[by_row, slot] = order.int()
     return pairs
 
@@ -211,13 +210,17 @@ def _selection_plan(chosen: torch.Tensor, block_size: int) -> _SelectionPlan:
     counts = torch.bincount((b * heads + h) * num_blocks + j, minlength=batch * heads * num_blocks)
     rows = (b * seq_len + t) * heads + h
     merge_in_triton = device.type in MERGE_DEVICE_TYPES
+    per_row = torch.bincount(rows, minlength=batch * seq_len * heads) if merge_in_triton else None
+    # the largest counts (per block sequence, per row), read back in one device-to-host copy
+    max_pairs, *slots = torch.stack([x.max() if x.numel() else zero[0]
+                                     for x in (counts, per_row) if x is not None]).tolist()
     return _SelectionPlan(own_cu=torch.cat([zero, lengths.repeat(batch).cumsum(0)]).int(),
                           block_len=min(block_size, seq_len),
                           rows=rows,
                           pairs_cu=torch.cat([zero, counts.cumsum(0)]).int(),
                           keys_cu=torch.cat([zero, lengths.repeat(batch * heads).cumsum(0)]).int(),
-                          max_pairs=int(counts.max()) if counts.numel() else 0,
-                          pairs_of_row=(_pairs_of_row(rows, batch * seq_len * heads)
+                          max_pairs=max_pairs,
+                          pairs_of_row=(_pairs_of_row(rows, per_row, *slots)
                                         if merge_in_triton else None))
 
 
