@@ -1,9 +1,12 @@
-"""Time each fused mHC stream op (kernels/residual/triton_mhc.py) against its PyTorch body, alone.
+"""Time each fused residual-stream op (kernels/residual/triton_mhc.py, triton_depth.py) against
+its PyTorch body, alone.
 
 One op at a time on one GPU, the shapes of a training step of ``benchmarks/residual_step.py``
-by default (T = 2 x 4096 tokens, n = 4 streams of h = 1024, bf16 streams, fp32 coefficients):
-``pre_forward``, ``pre_backward``, ``update_forward`` and ``update_backward``, each as the Triton
-launcher and as the eager PyTorch body of kernels/residual/efficient.py it equals. Per op: the
+by default (T = 2 x 4096 tokens, h = 1024, bf16): mHC's ``pre_forward``, ``pre_backward``,
+``update_forward`` and ``update_backward`` (n = 4 streams, fp32 coefficients), and Attention
+Residuals' ``depth_forward`` and ``depth_backward`` (``--depth-sources`` sources, in the groups
+block AttnRes passes: the packed state's slots and the partial sum), each as the Triton launcher
+and as the eager PyTorch body of kernels/residual/efficient.py it equals. Per op: the
 mean of ``--reps`` calls after ``--warmup`` (CUDA events), and the bandwidth that time implies
 for the bytes the op must move at least (its inputs read once, its outputs written once): an
 op far below the GPU's HBM bandwidth (~4.8 TB/s on an H200) is bound by something else.
@@ -32,7 +35,7 @@ def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def inputs(tokens, n, h, dtype, device):
+def inputs(tokens, n, h, dtype, device, depth_sources):
     """Streams-like tensors in ``dtype``; parameters and coefficients fp32."""
     g = torch.Generator().manual_seed(0)
     width = (2 + n) * n
@@ -44,16 +47,21 @@ def inputs(tokens, n, h, dtype, device):
                 grad_u=randn(tokens, h, dtype=dtype), grad=randn(tokens, n, h, dtype=dtype),
                 weight=randn(width, n * h, scale=(n * h) ** -0.5), bias=randn(width),
                 gate=randn(3, scale=0.5), grad_post=randn(tokens, n), dres=randn(tokens, n, n),
-                post=randn(tokens, n), res=torch.softmax(randn(tokens, n, n), -2))
+                post=randn(tokens, n), res=torch.softmax(randn(tokens, n, n), -2),
+                sources=randn(tokens, depth_sources, h, dtype=dtype), query=randn(h, scale=0.1))
 
 
 def nbytes(*tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def ops(x):
+DEPTH_CONFIGS = [dict(BLOCK_T=t, BLOCK_H=c, num_warps=w)
+                 for t in (8, 16, 32) for c in (128, 256) for w in (2, 4, 8)]
+
+
+def ops(x, depth_sources):
     """name -> (triton call, PyTorch body call, the bytes the op moves at least)."""
-    from megatron_ext.kernels.residual import efficient, triton_mhc
+    from megatron_ext.kernels.residual import efficient, triton_depth, triton_mhc
 
     s, w, b, gate = x["streams"], x["weight"], x["bias"], x["gate"]
     y, post, res, grad = x["y"], x["post"], x["res"], x["grad"]
@@ -61,6 +69,15 @@ def ops(x):
     mixes = forward[3]
     pre_grads = (s, w, b, gate, mixes, x["grad_u"], x["grad_post"], x["dres"], EPS)
     update = (s, y, post, res)
+    # Block AttnRes's FFN read: the packed state's first K - 1 slots (a pair of the whole
+    # state, whose gradient has zeros in its last slot) and the partial sum.
+    tokens, h = y.shape
+    packed = x["sources"]
+    groups = [(packed, depth_sources - 1), y.unsqueeze(-2)]
+    query = x["query"]
+    views = efficient._source_views(efficient._as_pairs(groups))
+    _, z, r, alpha = efficient._depth_forward(query, views, EPS)
+    g = x["grad_u"]
     return {
         "pre_forward": (lambda: triton_mhc.pre_forward(s, w, b, gate, EPS),
                         lambda: efficient._mhc_pre_forward_body(s, w, b, gate, EPS),
@@ -74,6 +91,12 @@ def ops(x):
         "update_backward": (lambda: triton_mhc.update_backward(*update, grad),
                             lambda: efficient._stream_update_vjp(*update, grad),
                             nbytes(*update, grad, s, y, post, res)),
+        "depth_forward": (lambda: triton_depth.forward(query, groups, EPS),
+                          lambda: efficient._depth_forward(query, views, EPS),
+                          nbytes(packed, y, g, z, r, alpha)),
+        "depth_backward": (lambda: triton_depth.backward(query, groups, g, z, r, alpha, EPS),
+                           lambda: efficient._depth_backward(query, views, g, z, r, alpha),
+                           nbytes(packed, y, g, z, r, alpha, packed, y)),
     }
 
 
@@ -107,22 +130,78 @@ def timed_ms(fn, warmup, reps):
     return start.elapsed_time(end) / reps
 
 
+def depth_autograd(x, depth_sources):
+    """efficient.depth_attention forward and backward, as a block AttnRes FFN calls it."""
+    from megatron_ext.kernels.residual import efficient
+
+    packed = x["sources"].detach().requires_grad_()
+    partial = x["y"].detach().requires_grad_()
+    query = x["query"].detach().requires_grad_()
+    out = efficient.depth_attention(query, [(packed, depth_sources - 1), partial.unsqueeze(-2)])
+    out.backward(x["grad_u"])
+
+
+def host_ms(fn, calls):
+    """The time of one call of ``fn`` among ``calls`` back-to-back ones (on tiny inputs: the
+    host's time)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e3
+
+
+def depth_sweep(x, depth_sources, reps):
+    """The depth kernels' GPU time (the kernels of a call, not the host's launch) at each
+    launch configuration of DEPTH_CONFIGS."""
+    from megatron_ext.kernels.residual import triton_depth
+
+    fixed = dict(BLOCK_T=triton_depth.BLOCK_T, BLOCK_H=triton_depth.BLOCK_H,
+                 launch=dict(triton_depth._LAUNCH))
+    rows = []
+    try:
+        for config in DEPTH_CONFIGS:
+            triton_depth.BLOCK_T, triton_depth.BLOCK_H = config["BLOCK_T"], config["BLOCK_H"]
+            triton_depth._LAUNCH = dict(num_warps=config["num_warps"])
+            row = dict(config)
+            for name in ("depth_forward", "depth_backward"):
+                kernels = kernel_times(ops(x, depth_sources)[name][0], reps)
+                row[f"{name}_ms"] = sum(k["ms"] for k in kernels)
+            rows.append(row)
+            log(f"depth sweep {config}: forward {row['depth_forward_ms']:.4f} ms, "
+                f"backward {row['depth_backward_ms']:.4f} ms")
+    finally:
+        triton_depth.BLOCK_T, triton_depth.BLOCK_H = fixed["BLOCK_T"], fixed["BLOCK_H"]
+        triton_depth._LAUNCH = fixed["launch"]
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--depth-sources", type=int, default=5,
+                   help="sources of the depth ops (block AttnRes, 20 layers in blocks of 4: 2-7)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--host-calls", type=int, default=0,
+                   help="also time this many back-to-back calls of each launcher on 16 tokens")
+    p.add_argument("--depth-sweep", action="store_true",
+                   help="also time the depth kernels at each launch configuration")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("mhc_ops.py times CUDA kernels: no CUDA device here", file=sys.stderr)
+        print("residual_ops.py times CUDA kernels: no CUDA device here", file=sys.stderr)
         return 2
-    x = inputs(args.tokens, args.streams, args.hidden, getattr(torch, args.dtype), "cuda")
+    dtype = getattr(torch, args.dtype)
+    x = inputs(args.tokens, args.streams, args.hidden, dtype, "cuda", args.depth_sources)
     rows = []
-    for name, (kernel, body, moved) in ops(x).items():
+    for name, (kernel, body, moved) in ops(x, args.depth_sources).items():
         row = dict(op=name, min_bytes=moved)
         for impl, fn in (("triton", kernel), ("pytorch", body)):
             ms = timed_ms(fn, args.warmup, args.reps)
@@ -138,10 +217,24 @@ def main(argv=None) -> int:
             f"{moved / 1e6:.1f} MB at least")
         for k in row["triton_kernels"]:
             log(f"    {k['ms']:.3f} ms  {k['kernel']}")
+    host = {}
+    if args.host_calls:
+        tiny = inputs(16, args.streams, args.hidden, dtype, "cuda", args.depth_sources)
+        for name, (kernel, body, _) in ops(tiny, args.depth_sources).items():
+            host[name] = dict(triton_ms=host_ms(kernel, args.host_calls),
+                              pytorch_ms=host_ms(body, args.host_calls))
+            log(f"host, {name}: triton launcher {host[name]['triton_ms'] * 1e3:.1f} us a call, "
+                f"pytorch body {host[name]['pytorch_ms'] * 1e3:.1f} us")
+        host["depth_attention_autograd"] = dict(triton_ms=host_ms(
+            lambda: depth_autograd(tiny, args.depth_sources), args.host_calls))
+        log(f"host, depth_attention forward + backward through autograd: "
+            f"{host['depth_attention_autograd']['triton_ms'] * 1e3:.1f} us a call")
+    sweep = depth_sweep(x, args.depth_sources, args.reps) if args.depth_sweep else []
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                                   settings=vars(args), results=rows), indent=1))
+                                   settings=vars(args), results=rows, host=host,
+                                   depth_sweep=sweep), indent=1))
     log(f"wrote {out}")
     return 0
 
