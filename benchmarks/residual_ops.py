@@ -4,8 +4,9 @@ its PyTorch body, alone.
 One op at a time on one GPU, the shapes of a training step of ``benchmarks/residual_step.py``
 by default (T = 2 x 4096 tokens, h = 1024, bf16): mHC's ``pre_forward``, ``pre_backward``,
 ``update_forward`` and ``update_backward`` (n = 4 streams, fp32 coefficients), and Attention
-Residuals' ``depth_forward`` and ``depth_backward`` (``--depth-sources`` sources, in the groups
-block AttnRes passes: the packed state's slots and the partial sum), each as the Triton launcher
+Residuals' ``depth_forward`` and ``depth_backward`` (``--depth-sources`` sources, as block
+AttnRes's FFN reads them: the packed state, its last slot plus the mixer's output, and the
+gradient the state has from its later use), each as the Triton launcher
 and as the eager PyTorch body of kernels/residual/efficient.py it equals. Per op: the
 mean of ``--reps`` calls after ``--warmup`` (CUDA events), and the bandwidth that time implies
 for the bytes the op must move at least (its inputs read once, its outputs written once): an
@@ -48,7 +49,8 @@ def inputs(tokens, n, h, dtype, device, depth_sources):
                 weight=randn(width, n * h, scale=(n * h) ** -0.5), bias=randn(width),
                 gate=randn(3, scale=0.5), grad_post=randn(tokens, n), dres=randn(tokens, n, n),
                 post=randn(tokens, n), res=torch.softmax(randn(tokens, n, n), -2),
-                sources=randn(tokens, depth_sources, h, dtype=dtype), query=randn(h, scale=0.1))
+                sources=randn(tokens, depth_sources, h, dtype=dtype), query=randn(h, scale=0.1),
+                sources_grad=randn(tokens, depth_sources, h, dtype=dtype))
 
 
 def nbytes(*tensors):
@@ -59,7 +61,7 @@ DEPTH_CONFIGS = [dict(BLOCK_T=t, BLOCK_H=c, num_warps=w)
                  for t in (8, 16, 32) for c in (128, 256) for w in (2, 4, 8)]
 
 
-def ops(x, depth_sources):
+def ops(x):
     """name -> (triton call, PyTorch body call, the bytes the op moves at least)."""
     from megatron_ext.kernels.residual import efficient, triton_depth, triton_mhc
 
@@ -69,15 +71,12 @@ def ops(x, depth_sources):
     mixes = forward[3]
     pre_grads = (s, w, b, gate, mixes, x["grad_u"], x["grad_post"], x["dres"], EPS)
     update = (s, y, post, res)
-    # Block AttnRes's FFN read: the packed state's first K - 1 slots (a pair of the whole
-    # state, whose gradient has zeros in its last slot) and the partial sum.
-    tokens, h = y.shape
-    packed = x["sources"]
-    groups = [(packed, depth_sources - 1), y.unsqueeze(-2)]
-    query = x["query"]
-    views = efficient._source_views(efficient._as_pairs(groups))
-    _, z, r, alpha = efficient._depth_forward(query, views, EPS)
-    g = x["grad_u"]
+    # Block AttnRes's FFN read: the packed state, its last slot plus the mixer's output y, and
+    # in backward the gradient the state has from its later use.
+    packed, query, g = x["sources"], x["query"], x["grad_u"]
+    groups = [packed]
+    _, z, r, alpha = efficient._depth_forward(query, efficient._with_last_plus(groups, y), EPS)
+    first_grad = x["sources_grad"]
     return {
         "pre_forward": (lambda: triton_mhc.pre_forward(s, w, b, gate, EPS),
                         lambda: efficient._mhc_pre_forward_body(s, w, b, gate, EPS),
@@ -91,12 +90,15 @@ def ops(x, depth_sources):
         "update_backward": (lambda: triton_mhc.update_backward(*update, grad),
                             lambda: efficient._stream_update_vjp(*update, grad),
                             nbytes(*update, grad, s, y, post, res)),
-        "depth_forward": (lambda: triton_depth.forward(query, groups, EPS),
-                          lambda: efficient._depth_forward(query, views, EPS),
+        "depth_forward": (lambda: triton_depth.forward(query, groups, EPS, y),
+                          lambda: efficient._depth_forward(
+                              query, efficient._with_last_plus(groups, y), EPS),
                           nbytes(packed, y, g, z, r, alpha)),
-        "depth_backward": (lambda: triton_depth.backward(query, groups, g, z, r, alpha, EPS),
-                           lambda: efficient._depth_backward(query, views, g, z, r, alpha),
-                           nbytes(packed, y, g, z, r, alpha, packed, y)),
+        "depth_backward": (lambda: triton_depth.backward(query, groups, g, z, r, alpha, EPS, y,
+                                                         first_grad),
+                           lambda: efficient._depth_backward_pytorch(
+                               query, groups, g, z, r, alpha, y, first_grad),
+                           nbytes(packed, y, g, z, r, alpha, first_grad, packed, y)),
     }
 
 
@@ -130,15 +132,16 @@ def timed_ms(fn, warmup, reps):
     return start.elapsed_time(end) / reps
 
 
-def depth_autograd(x, depth_sources):
+def depth_autograd(x):
     """efficient.depth_attention forward and backward, as a block AttnRes FFN calls it."""
     from megatron_ext.kernels.residual import efficient
 
     packed = x["sources"].detach().requires_grad_()
-    partial = x["y"].detach().requires_grad_()
+    mixer_output = x["y"].detach().requires_grad_()
     query = x["query"].detach().requires_grad_()
-    out = efficient.depth_attention(query, [(packed, depth_sources - 1), partial.unsqueeze(-2)])
-    out.backward(x["grad_u"])
+    out, passed = efficient.depth_attention(query, [packed], last_plus=mixer_output,
+                                            pass_through=True)
+    torch.autograd.backward([out, passed], [x["grad_u"], x["sources_grad"]])
 
 
 def host_ms(fn, calls):
@@ -154,28 +157,30 @@ def host_ms(fn, calls):
     return elapsed / calls * 1e3
 
 
-def depth_sweep(x, depth_sources, reps):
+def depth_sweep(x, reps):
     """The depth kernels' GPU time (the kernels of a call, not the host's launch) at each
     launch configuration of DEPTH_CONFIGS."""
     from megatron_ext.kernels.residual import triton_depth
 
     fixed = dict(BLOCK_T=triton_depth.BLOCK_T, BLOCK_H=triton_depth.BLOCK_H,
-                 launch=dict(triton_depth._LAUNCH))
+                 forward=triton_depth._FORWARD_LAUNCH, backward=triton_depth._BACKWARD_LAUNCH)
     rows = []
     try:
         for config in DEPTH_CONFIGS:
             triton_depth.BLOCK_T, triton_depth.BLOCK_H = config["BLOCK_T"], config["BLOCK_H"]
-            triton_depth._LAUNCH = dict(num_warps=config["num_warps"])
+            triton_depth._FORWARD_LAUNCH = dict(num_warps=config["num_warps"])
+            triton_depth._BACKWARD_LAUNCH = dict(num_warps=config["num_warps"])
             row = dict(config)
             for name in ("depth_forward", "depth_backward"):
-                kernels = kernel_times(ops(x, depth_sources)[name][0], reps)
+                kernels = kernel_times(ops(x)[name][0], reps)
                 row[f"{name}_ms"] = sum(k["ms"] for k in kernels)
             rows.append(row)
             log(f"depth sweep {config}: forward {row['depth_forward_ms']:.4f} ms, "
                 f"backward {row['depth_backward_ms']:.4f} ms")
     finally:
         triton_depth.BLOCK_T, triton_depth.BLOCK_H = fixed["BLOCK_T"], fixed["BLOCK_H"]
-        triton_depth._LAUNCH = fixed["launch"]
+        triton_depth._FORWARD_LAUNCH = fixed["forward"]
+        triton_depth._BACKWARD_LAUNCH = fixed["backward"]
     return rows
 
 
@@ -201,7 +206,7 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     x = inputs(args.tokens, args.streams, args.hidden, dtype, "cuda", args.depth_sources)
     rows = []
-    for name, (kernel, body, moved) in ops(x, args.depth_sources).items():
+    for name, (kernel, body, moved) in ops(x).items():
         row = dict(op=name, min_bytes=moved)
         for impl, fn in (("triton", kernel), ("pytorch", body)):
             ms = timed_ms(fn, args.warmup, args.reps)
@@ -220,16 +225,16 @@ def main(argv=None) -> int:
     host = {}
     if args.host_calls:
         tiny = inputs(16, args.streams, args.hidden, dtype, "cuda", args.depth_sources)
-        for name, (kernel, body, _) in ops(tiny, args.depth_sources).items():
+        for name, (kernel, body, _) in ops(tiny).items():
             host[name] = dict(triton_ms=host_ms(kernel, args.host_calls),
                               pytorch_ms=host_ms(body, args.host_calls))
             log(f"host, {name}: triton launcher {host[name]['triton_ms'] * 1e3:.1f} us a call, "
                 f"pytorch body {host[name]['pytorch_ms'] * 1e3:.1f} us")
         host["depth_attention_autograd"] = dict(triton_ms=host_ms(
-            lambda: depth_autograd(tiny, args.depth_sources), args.host_calls))
+            lambda: depth_autograd(tiny), args.host_calls))
         log(f"host, depth_attention forward + backward through autograd: "
             f"{host['depth_attention_autograd']['triton_ms'] * 1e3:.1f} us a call")
-    sweep = depth_sweep(x, args.depth_sources, args.reps) if args.depth_sweep else []
+    sweep = depth_sweep(x, args.reps) if args.depth_sweep else []
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

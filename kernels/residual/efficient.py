@@ -668,36 +668,58 @@ def _depth_backward(query, groups, grad, z, r, alpha):
 # sources not fp32/bf16/fp16) or failed their first-use check at (device, dtype, number of
 # groups, K rounded up to a power of two: what makes a different compiled kernel).
 #
-# A group may be a pair ``(tensor [..., S, h], k)``: the first k slots of ``tensor`` are the
-# sources, and the gradient is returned for the whole tensor (zeros in its last S - k slots,
-# written by the backward kernel) instead of autograd's backward of the slice
-# ``tensor[..., :k, :]``, which allocates a zero tensor of the whole shape, copies into it and
-# adds it to the tensor's other gradients (block AttnRes passes its packed input so).
+# Two options serve a packed residual state (block AttnRes) without the copies and additions
+# autograd would otherwise make of it (each the size of the whole state):
+# - ``last_plus``: the first group's last source is that slot plus ``last_plus`` (block AttnRes's
+#   FFN reads the partial sum as the packed input's last slot plus the mixer's output), without
+#   materialising the sum; its gradient goes to both;
+# - ``pass_through``: the op also returns its first group, so that the next use of the state
+#   takes it from here; the gradient reaching that output is added to the first group's dv by
+#   the backward kernel, instead of by autograd after the backward (one more pass over it).
 @functools.cache
 def _triton_depth_kernels():
     """The module of the Triton depth-attention kernels, or None (logged once)."""
     return _import_kernels("triton_depth", "depth-attention")
 
 
-def _triton_depth_for(query, pairs):
+def _triton_depth_for(query, groups, last_plus):
     """The Triton depth-attention kernels' module if they run this call, else None."""
-    first = pairs[0][0]
+    first = groups[0]
     if not _triton_runs(first):
         return None
     kernels = _triton_depth_kernels()
-    if kernels is None or kernels.unsupported_reason(query, pairs) is not None:
+    if kernels is None or kernels.unsupported_reason(query, groups, last_plus) is not None:
         return None
-    padded = kernels.padded_sources(sum(count for _, count in pairs))
-    return kernels if _triton_depth_checked(first.device, first.dtype, len(pairs),
+    padded = kernels.padded_sources(sum(group.shape[-2] for group in groups))
+    return kernels if _triton_depth_checked(first.device, first.dtype, len(groups),
                                             padded) else None
+
+
+def _with_last_plus(groups, last_plus) -> list:
+    """The groups with ``last_plus`` added to the first group's last source (a new tensor)."""
+    if last_plus is None:
+        return list(groups)
+    first = groups[0].clone()
+    first[..., -1, :] += last_plus
+    return [first, *groups[1:]]
+
+
+def _depth_backward_pytorch(query, groups, grad, z, r, alpha, last_plus, first_grad):
+    """The PyTorch path of triton_depth.backward (with its last_plus and first_grad)."""
+    dquery, dgroups = _depth_backward(query, _with_last_plus(groups, last_plus), grad, z, r,
+                                      alpha)
+    dplus = None if last_plus is None else dgroups[0][..., -1, :]
+    if first_grad is not None:
+        dgroups[0] = dgroups[0] + first_grad
+    return dquery, dgroups, dplus
 
 
 def _check_triton_depth(device: torch.device, dtype: torch.dtype, groups: int,
                         padded: int) -> None:
     """The depth-attention kernels' first-use check: forward and backward on 37 tokens, h = 144
     (a partial chunk of columns), ``groups`` groups of ``padded`` sources in all (K = KP, the
-    first group a ``(tensor, k)`` pair with a spare slot, the others strided views),
-    random sources and gradient in ``dtype`` and an fp32 query, against the PyTorch path (eager);
+    others strided views, the first with a ``last_plus`` and an incoming gradient), random
+    sources and gradient in ``dtype`` and an fp32 query, against the PyTorch path (eager);
     raises on a mismatch (``_CHECK_TOLERANCES``, relative to each output's largest value)."""
     kernels = _triton_depth_kernels()
     generator = torch.Generator(device=device).manual_seed(0)
@@ -707,16 +729,18 @@ def _check_triton_depth(device: torch.device, dtype: torch.dtype, groups: int,
 
     tokens, h = 37, 144
     sizes = [padded // groups + (i < padded % groups) for i in range(groups)]
-    pairs = [(randn(tokens, sizes[0] + 1, h), sizes[0])]
-    pairs += [(randn(tokens, size + 1, h)[:, 1:], size) for size in sizes[1:]]
+    sources = [randn(tokens, sizes[0], h)]
+    sources += [randn(tokens, size + 1, h)[:, 1:] for size in sizes[1:]]
+    plus, first_grad = randn(tokens, h), randn(tokens, sizes[0], h)
     query, grad = randn(h, dtype=torch.float32), randn(tokens, h)
-    views = _source_views(pairs)
-    forward = kernels.forward(query, pairs, EPS)
-    expected = _depth_forward(query, views, EPS)
-    dquery, dgroups = kernels.backward(query, pairs, grad, *forward[1:], EPS)
-    want_dquery, want_dviews = _depth_backward(query, views, grad, *expected[1:])
-    pairs_of = [(forward, expected), ((dquery, *dgroups),
-                                      (want_dquery, *_whole_gradients(pairs, want_dviews)))]
+    forward = kernels.forward(query, sources, EPS, plus)
+    expected = _depth_forward(query, _with_last_plus(sources, plus), EPS)
+    dquery, dgroups, dplus = kernels.backward(query, sources, grad, *forward[1:], EPS, plus,
+                                              first_grad)
+    want_dquery, want_dgroups, want_dplus = _depth_backward_pytorch(
+        query, sources, grad, *expected[1:], plus, first_grad)
+    pairs_of = [(forward, expected), ((dquery, dplus, *dgroups),
+                                      (want_dquery, want_dplus, *want_dgroups))]
     tolerance = _CHECK_TOLERANCES[dtype]
     for got, want_all in pairs_of:
         for value, want in zip(got, want_all, strict=True):
@@ -731,63 +755,38 @@ def _triton_depth_checked(device: torch.device, dtype: torch.dtype, groups: int,
     return _triton_checked("depth-attention", _check_triton_depth, device, dtype, groups, padded)
 
 
-def _as_pairs(sources) -> list:
-    """Each group as ``(tensor, k)``: a tensor ``[..., k, h]`` is ``(tensor, k)``."""
-    return [(group, group.shape[-2]) if isinstance(group, torch.Tensor) else tuple(group)
-            for group in sources]
-
-
-def _source_views(pairs) -> list:
-    """The groups' sources ``[..., k, h]`` (a slice of a pair's tensor where k < S)."""
-    return [tensor if count == tensor.shape[-2] else tensor[..., :count, :]
-            for tensor, count in pairs]
-
-
-def _whole_gradients(pairs, dviews) -> list:
-    """The gradients of the groups' tensors from those of their sources (zeros in the slots a
-    pair leaves out)."""
-    grads = []
-    for (tensor, count), dv in zip(pairs, dviews):
-        if count != tensor.shape[-2]:
-            whole = dv.new_zeros(tensor.shape)
-            whole[..., :count, :] = dv
-            dv = whole
-        grads.append(dv)
-    return grads
-
-
 class _DepthAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, eps, counts, *tensors):
-        pairs = list(zip(tensors, counts))
-        kernels = _triton_depth_for(query, pairs)
+    def forward(ctx, query, eps, pass_through, last_plus, *groups):
+        kernels = _triton_depth_for(query, groups, last_plus)
         if kernels is not None:
-            out, z, r, alpha = kernels.forward(query, pairs, eps)
+            out, z, r, alpha = kernels.forward(query, groups, eps, last_plus)
         else:
-            out, z, r, alpha = _depth_forward(query, _source_views(pairs), eps)
-        ctx.eps, ctx.counts = eps, counts
-        ctx.save_for_backward(query, z, r, alpha, *tensors)
-        return out
+            out, z, r, alpha = _depth_forward(query, _with_last_plus(groups, last_plus), eps)
+        ctx.eps = eps
+        ctx.save_for_backward(query, z, r, alpha, last_plus, *groups)
+        return (out, groups[0]) if pass_through else out
 
     @staticmethod
-    def backward(ctx, grad):
-        query, z, r, alpha, *tensors = ctx.saved_tensors
-        pairs = list(zip(tensors, ctx.counts))
-        kernels = _triton_depth_for(query, pairs)
+    def backward(ctx, grad, first_grad=None):
+        query, z, r, alpha, last_plus, *groups = ctx.saved_tensors
+        kernels = _triton_depth_for(query, groups, last_plus)
         if kernels is not None:
-            dquery, dgroups = kernels.backward(query, pairs, grad, z, r, alpha, ctx.eps)
+            dquery, dgroups, dplus = kernels.backward(query, groups, grad, z, r, alpha, ctx.eps,
+                                                      last_plus, first_grad)
         else:
-            dquery, dviews = _depth_backward(query, _source_views(pairs), grad, z, r, alpha)
-            dgroups = _whole_gradients(pairs, dviews)
-        return (dquery, None, None, *dgroups)
+            dquery, dgroups, dplus = _depth_backward_pytorch(query, groups, grad, z, r, alpha,
+                                                             last_plus, first_grad)
+        return (dquery, None, None, dplus, *dgroups)
 
 
-def depth_attention(query: torch.Tensor, sources: Sequence, eps: float = EPS) -> torch.Tensor:
+def depth_attention(query: torch.Tensor, sources: Sequence[torch.Tensor], eps: float = EPS, *,
+                    last_plus: torch.Tensor | None = None, pass_through: bool = False):
     """:func:`reference.depth_attention` over ``sources``, a list of ``[..., k_i, h]`` groups
     (views into a packed state need no copy), keeping only references and per-token scalars.
-    A group may also be a pair ``(tensor [..., S, h], k)``: the sources ``tensor[..., :k, :]``,
-    with the gradient of the whole tensor (zeros in its last S - k slots) returned directly
-    rather than through autograd's backward of the slice."""
-    pairs = _as_pairs(sources)
-    tensors, counts = zip(*pairs)
-    return _DepthAttention.apply(query, eps, tuple(counts), *tensors)
+
+    ``last_plus [..., h]``: the first group's last source is that slot plus ``last_plus``
+    (computed where it is read, never stored). ``pass_through``: return ``(out, sources[0])``;
+    a gradient reaching the second output is added to the first group's inside the backward
+    (see the comment above :func:`_triton_depth_kernels`)."""
+    return _DepthAttention.apply(query, eps, pass_through, last_plus, *sources)

@@ -7,10 +7,15 @@ input is a softmax over depth, ``h = sum_k alpha_k v_k``, ``alpha = softmax_k(z)
 ``q [h]`` (definition in :mod:`.reference`). The sources come in up to ``MAX_GROUPS`` = 4 groups
 ``[..., k_i, h]`` (views into the packed state between layers, and the layer's own outputs);
 each group is read in place through its own pointer, token stride and slot stride, so a view
-needs no copy, and the group sizes are kernel arguments. A group may also be given as
-``(tensor [..., S, h], k)``: its first k slots are the sources, and its gradient is returned for
-the whole tensor, zeros in slots k..S-1 written by the kernel (what autograd's backward of the
-slice ``tensor[..., :k, :]`` would otherwise materialise: a zero tensor, a copy and an add).
+needs no copy, and the group sizes are kernel arguments. Two options serve block AttnRes's
+packed state (efficient.py says why):
+
+- ``last_plus [..., h]``: the first group's last source is that slot plus ``last_plus``, the sum
+  made where it is read (rounded to the group's dtype, as PyTorch's addition would); backward
+  also writes that source's dv as the gradient of ``last_plus``;
+- ``first_grad`` (backward, the first group's shape, any strides): a gradient the first group
+  already has, added to its dv before it is written (in fp32 after rounding dv to the dtype, as
+  autograd's addition of the two would).
 
 The kernels compute exactly efficient._DepthAttention's PyTorch path (to fp32 rounding), one
 program per block of ``BLOCK_T`` tokens, the sources read in their own dtype, h in chunks of
@@ -24,9 +29,9 @@ program per block of ``BLOCK_T`` tokens, the sources read in their own dtype, h 
     backward   pass 1 over the sources and g: dalpha_k = <g, v_k>; dz = alpha (dalpha - sum_k
                alpha_k dalpha_k) in registers; pass 2 over the sources and g: dv_k = alpha_k g +
                dz_k r_k q - (dz_k z_k r_k / h) v_k written into one gradient tensor per group
-               (in the group's dtype), and the per-block partial sums over tokens of
-               dq = sum_k dz_k r_k v_k ([cdiv(T, BLOCK_T), h] fp32) reduced outside by one
-               torch sum. Reads every source twice and g K + 1 times (g's block is reused from
+               (in the group's dtype; plus first_grad for the first group), and the per-block
+               partial sums over tokens of dq = sum_k dz_k r_k v_k ([cdiv(T, BLOCK_T), h] fp32)
+               reduced outside by one torch sum. Reads every source twice and g K + 1 times (g's block is reused from
                cache), writes every dv_k.
 
 dquery goes through per-block partial sums rather than atomics: the result is deterministic
@@ -47,15 +52,18 @@ masked: z = -inf in the softmax, loads 0, stores skipped); a source's column is 
 tile with a masked sum (an exact selection), once per source in the passes that loop over
 sources outermost (forward pass 1, backward pass 1) and once per source and chunk in those that
 loop over columns outermost (forward and backward pass 2, which accumulate over the sources).
-Launch configuration (fixed, not tuned on a GPU): BLOCK_T = 16, BLOCK_H = 128, 4 warps; one
-compiled kernel per (number of groups, KP, dtypes); T, the group sizes and strides are not
+Launch configuration (fixed): BLOCK_T = 16, BLOCK_H = 128, 4 warps forward and 2 backward,
+chosen from 18 configurations timed on an H200 at T = 8192, h = 1024, bf16, 5 sources (session
+12, ``benchmarks/residual_ops.py --depth-sweep``: the backward took 0.132 ms of GPU time with 2
+warps against 0.179 with 4; the forward's times were within 0.07-0.09 ms for most). One compiled
+kernel per (number of groups, KP, dtypes, options); T, the group sizes and strides are not
 specialised on.
 
 Constraints: 1 <= number of groups <= 4, 1 <= K <= 64 sources in all, h a multiple of 16, the
-groups in one dtype among fp32, bf16 and fp16 with the same leading (token) dimensions, the
-query ``[h]``; a group whose leading dimensions cannot be viewed as one token dimension, or
-whose columns are strided, is copied. Anything else raises a ValueError naming the constraint
-(:func:`unsupported_reason`); efficient.py then runs the PyTorch path. CUDA tensors, or CPU
+groups (and last_plus) in one dtype among fp32, bf16 and fp16 with the same leading (token)
+dimensions, the query ``[h]``; a group whose leading dimensions cannot be viewed as one token
+dimension, or whose columns are strided, is copied. Anything else raises a ValueError naming the
+constraint (:func:`unsupported_reason`); efficient.py then runs the PyTorch path. CUDA tensors, or CPU
 tensors under Triton's interpreter (TRITON_INTERPRET=1).
 """
 from __future__ import annotations
@@ -76,9 +84,11 @@ MAX_SOURCES = 64
 H_MULTIPLE = 16
 BLOCK_T = 16
 BLOCK_H = 128
-_LAUNCH = dict(num_warps=4)
+_FORWARD_LAUNCH = dict(num_warps=4)
+_BACKWARD_LAUNCH = dict(num_warps=2)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_RUNTIME = ["T", "K"] + [f"{name}{i}" for i in range(MAX_GROUPS) for name in ("t", "s", "k", "n")]
+_RUNTIME = (["T", "K", "pt", "gt", "at_", "as_"]
+            + [f"{name}{i}" for i in range(MAX_GROUPS) for name in ("t", "s", "k")])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,8 +102,19 @@ def _column(tile, ks, index):
 
 
 @triton.jit
-def _group_logits(v_ptr, t_stride, s_stride, count, offset, q_ptr, tok, live, ks, z, r, H, eps,
-                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _source(rows, k, s_stride, c, mask, plus_rows, last, PLUS: tl.constexpr):
+    """Source k of a group on the columns c, in fp32: its slot, plus ``plus_rows`` where PLUS and
+    k == last (the sum rounded to the group's dtype first, as PyTorch's addition of the two)."""
+    v = tl.load(rows + k * s_stride + c[None, :], mask=mask, other=0.0)
+    if PLUS:
+        p = tl.load(plus_rows + c[None, :], mask=mask & (k == last), other=0.0)
+        v = (v.to(tl.float32) + p.to(tl.float32)).to(v.dtype)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _group_logits(v_ptr, t_stride, s_stride, count, offset, plus_rows, q_ptr, tok, live, ks, z,
+                  r, H, eps, PLUS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """z and r ([BLOCK_T, KP]) with the columns offset .. offset + count - 1 of one group set."""
     hs = tl.arange(0, BLOCK_H)
     rows = v_ptr + tok[:, None] * t_stride
@@ -103,8 +124,8 @@ def _group_logits(v_ptr, t_stride, s_stride, count, offset, q_ptr, tok, live, ks
         for c0 in range(0, H, BLOCK_H):
             c = c0 + hs
             in_h = c < H
-            v = tl.load(rows + k * s_stride + c[None, :], mask=live[:, None] & in_h[None, :],
-                        other=0.0).to(tl.float32)
+            v = _source(rows, k, s_stride, c, live[:, None] & in_h[None, :], plus_rows,
+                        count - 1, PLUS)
             q = tl.load(q_ptr + c, mask=in_h, other=0.0).to(tl.float32)
             sumsq += tl.sum(v * v, 1)
             dot += tl.sum(v * q[None, :], 1)
@@ -116,19 +137,20 @@ def _group_logits(v_ptr, t_stride, s_stride, count, offset, q_ptr, tok, live, ks
 
 
 @triton.jit
-def _group_sum(v_ptr, t_stride, s_stride, count, offset, alpha, acc, tok, live, ks, c, in_h):
+def _group_sum(v_ptr, t_stride, s_stride, count, offset, plus_rows, alpha, acc, tok, live, ks,
+               c, in_h, PLUS: tl.constexpr):
     """acc + sum_k alpha_k v_k over one group, on the columns c."""
     rows = v_ptr + tok[:, None] * t_stride
     for k in range(0, count):
-        v = tl.load(rows + k * s_stride + c[None, :], mask=live[:, None] & in_h[None, :],
-                    other=0.0).to(tl.float32)
+        v = _source(rows, k, s_stride, c, live[:, None] & in_h[None, :], plus_rows, count - 1,
+                    PLUS)
         acc += _column(alpha, ks, offset + k)[:, None] * v
     return acc
 
 
 @triton.jit
-def _group_dalpha(v_ptr, t_stride, s_stride, count, offset, g_ptr, tok, live, ks, dalpha, H,
-                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _group_dalpha(v_ptr, t_stride, s_stride, count, offset, plus_rows, g_rows, tok, live, ks,
+                  dalpha, H, PLUS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """dalpha ([BLOCK_T, KP]) with <g, v_k> set in one group's columns."""
     hs = tl.arange(0, BLOCK_H)
     rows = v_ptr + tok[:, None] * t_stride
@@ -137,32 +159,35 @@ def _group_dalpha(v_ptr, t_stride, s_stride, count, offset, g_ptr, tok, live, ks
         for c0 in range(0, H, BLOCK_H):
             c = c0 + hs
             live_h = live[:, None] & (c < H)[None, :]
-            v = tl.load(rows + k * s_stride + c[None, :], mask=live_h, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + tok[:, None] * H + c[None, :], mask=live_h,
-                        other=0.0).to(tl.float32)
+            v = _source(rows, k, s_stride, c, live_h, plus_rows, count - 1, PLUS)
+            g = tl.load(g_rows + c[None, :], mask=live_h, other=0.0).to(tl.float32)
             acc += tl.sum(v * g, 1)
         dalpha = tl.where(ks[None, :] == offset + k, acc[:, None], dalpha)
     return dalpha
 
 
 @triton.jit
-def _group_vjp(v_ptr, t_stride, s_stride, count, slots, d_ptr, offset, g, q, alpha, along, coef,
-               dq, tok, live, ks, c, in_h, H):
-    """dv_k of one group on the columns c, written (zeros in its slots count .. slots - 1), and
+def _group_vjp(v_ptr, t_stride, s_stride, count, d_ptr, offset, plus_rows, dplus_rows, a_rows,
+               a_slot, g, q, alpha, along, coef, dq, tok, live, ks, c, in_h, H,
+               PLUS: tl.constexpr, ACC: tl.constexpr):
+    """dv_k of one group on the columns c, written into d_ptr [T, count, H] (where ACC, plus the
+    incoming gradient at a_rows; where PLUS, the last source's dv also into dplus_rows), and
     dq + sum_k along_k v_k."""
     rows = v_ptr + tok[:, None] * t_stride
-    d_rows = d_ptr + tok[:, None] * slots * H
+    d_rows = d_ptr + tok[:, None] * count * H
     live_h = live[:, None] & in_h[None, :]
     for k in range(0, count):
-        v = tl.load(rows + k * s_stride + c[None, :], mask=live_h, other=0.0).to(tl.float32)
+        v = _source(rows, k, s_stride, c, live_h, plus_rows, count - 1, PLUS)
         along_k = _column(along, ks, offset + k)[:, None]
         dv = (_column(alpha, ks, offset + k)[:, None] * g + along_k * q[None, :]
-              - _column(coef, ks, offset + k)[:, None] * v)
-        tl.store(d_rows + k * H + c[None, :], dv.to(d_ptr.dtype.element_ty), mask=live_h)
+              - _column(coef, ks, offset + k)[:, None] * v).to(d_ptr.dtype.element_ty)
+        if PLUS:
+            tl.store(dplus_rows + c[None, :], dv, mask=live_h & (k == count - 1))
+        if ACC:
+            a = tl.load(a_rows + k * a_slot + c[None, :], mask=live_h, other=0.0)
+            dv = (dv.to(tl.float32) + a.to(tl.float32)).to(d_ptr.dtype.element_ty)
+        tl.store(d_rows + k * H + c[None, :], dv, mask=live_h)
         dq += along_k * v
-    for k in range(count, slots):
-        tl.store(d_rows + k * H + c[None, :], tl.zeros_like(g).to(d_ptr.dtype.element_ty),
-                 mask=live_h)
     return dq
 
 
@@ -171,29 +196,31 @@ def _group_vjp(v_ptr, t_stride, s_stride, count, slots, d_ptr, offset, g, q, alp
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=_RUNTIME)
-def _forward_kernel(q_ptr, out_ptr, z_ptr, r_ptr, alpha_ptr,
-                    v0, t0, s0, k0, n0, v1, t1, s1, k1, n1, v2, t2, s2, k2, n2,
-                    v3, t3, s3, k3, n3, T, K, H, eps, NG: tl.constexpr, KP: tl.constexpr,
+def _forward_kernel(q_ptr, out_ptr, z_ptr, r_ptr, alpha_ptr, p_ptr, pt,
+                    v0, t0, s0, k0, v1, t1, s1, k1, v2, t2, s2, k2, v3, t3, s3, k3,
+                    T, K, H, eps, NG: tl.constexpr, KP: tl.constexpr, PLUS: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """out, z, r, alpha of BLOCK_T tokens over the NG groups (vi [T, ki, H] at token stride ti,
-    slot stride si; ni, the slots of a group's gradient, unused here)."""
+    slot stride si); where PLUS, group 0's last source plus p [T, H] (token stride pt)."""
     tok, live = block_tokens(T, BLOCK_T)
     ks = tl.arange(0, KP)
     in_k = ks < K
+    p_rows = p_ptr + tok[:, None] * pt
 
     # Pass 1: r_k and z_k of every source.
     z = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
     r = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
-    z, r = _group_logits(v0, t0, s0, k0, 0, q_ptr, tok, live, ks, z, r, H, eps, BLOCK_T, BLOCK_H)
+    z, r = _group_logits(v0, t0, s0, k0, 0, p_rows, q_ptr, tok, live, ks, z, r, H, eps, PLUS,
+                         BLOCK_T, BLOCK_H)
     if NG > 1:
-        z, r = _group_logits(v1, t1, s1, k1, k0, q_ptr, tok, live, ks, z, r, H, eps, BLOCK_T,
-                             BLOCK_H)
+        z, r = _group_logits(v1, t1, s1, k1, k0, p_rows, q_ptr, tok, live, ks, z, r, H, eps,
+                             False, BLOCK_T, BLOCK_H)
     if NG > 2:
-        z, r = _group_logits(v2, t2, s2, k2, k0 + k1, q_ptr, tok, live, ks, z, r, H, eps,
-                             BLOCK_T, BLOCK_H)
+        z, r = _group_logits(v2, t2, s2, k2, k0 + k1, p_rows, q_ptr, tok, live, ks, z, r, H, eps,
+                             False, BLOCK_T, BLOCK_H)
     if NG > 3:
-        z, r = _group_logits(v3, t3, s3, k3, k0 + k1 + k2, q_ptr, tok, live, ks, z, r, H, eps,
-                             BLOCK_T, BLOCK_H)
+        z, r = _group_logits(v3, t3, s3, k3, k0 + k1 + k2, p_rows, q_ptr, tok, live, ks, z, r, H,
+                             eps, False, BLOCK_T, BLOCK_H)
 
     # The softmax over the K sources.
     masked = tl.where(in_k[None, :], z, float("-inf"))
@@ -211,24 +238,30 @@ def _forward_kernel(q_ptr, out_ptr, z_ptr, r_ptr, alpha_ptr,
         c = c0 + hs
         in_h = c < H
         acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-        acc = _group_sum(v0, t0, s0, k0, 0, alpha, acc, tok, live, ks, c, in_h)
+        acc = _group_sum(v0, t0, s0, k0, 0, p_rows, alpha, acc, tok, live, ks, c, in_h, PLUS)
         if NG > 1:
-            acc = _group_sum(v1, t1, s1, k1, k0, alpha, acc, tok, live, ks, c, in_h)
+            acc = _group_sum(v1, t1, s1, k1, k0, p_rows, alpha, acc, tok, live, ks, c, in_h,
+                             False)
         if NG > 2:
-            acc = _group_sum(v2, t2, s2, k2, k0 + k1, alpha, acc, tok, live, ks, c, in_h)
+            acc = _group_sum(v2, t2, s2, k2, k0 + k1, p_rows, alpha, acc, tok, live, ks, c, in_h,
+                             False)
         if NG > 3:
-            acc = _group_sum(v3, t3, s3, k3, k0 + k1 + k2, alpha, acc, tok, live, ks, c, in_h)
+            acc = _group_sum(v3, t3, s3, k3, k0 + k1 + k2, p_rows, alpha, acc, tok, live, ks, c,
+                             in_h, False)
         tl.store(out_ptr + tok[:, None] * H + c[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=live[:, None] & in_h[None, :])
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
-def _backward_kernel(q_ptr, g_ptr, z_ptr, r_ptr, alpha_ptr, dq_ptr,
-                     v0, t0, s0, k0, n0, d0, v1, t1, s1, k1, n1, d1, v2, t2, s2, k2, n2, d2,
-                     v3, t3, s3, k3, n3, d3, T, K, H, NG: tl.constexpr, KP: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """dv of every source of BLOCK_T tokens into di [T, ni, H] (contiguous), and this block's
-    partial sum of dq (dq_ptr [cdiv(T, BLOCK_T), H]), given g = dout [T, H]."""
+def _backward_kernel(q_ptr, g_ptr, gt, z_ptr, r_ptr, alpha_ptr, dq_ptr, p_ptr, pt, dp_ptr,
+                     a_ptr, at_, as_, v0, t0, s0, k0, d0, v1, t1, s1, k1, d1, v2, t2, s2, k2, d2,
+                     v3, t3, s3, k3, d3, T, K, H, NG: tl.constexpr, KP: tl.constexpr,
+                     PLUS: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
+    """dv of every source of BLOCK_T tokens into di [T, ki, H] (contiguous), and this block's
+    partial sum of dq (dq_ptr [cdiv(T, BLOCK_T), H]), given g = dout [T, H] (token stride gt).
+    Where PLUS (group 0's last source plus p), that source's dv also into dp [T, H]; where ACC,
+    d0 is dv plus a [T, k0, H] (token stride at_, slot stride as_)."""
     tok, live = block_tokens(T, BLOCK_T)
     ks = tl.arange(0, KP)
     live_k = live[:, None] & (ks < K)[None, :]
@@ -236,19 +269,24 @@ def _backward_kernel(q_ptr, g_ptr, z_ptr, r_ptr, alpha_ptr, dq_ptr,
     z = tl.load(z_ptr + at, mask=live_k, other=0.0)
     r = tl.load(r_ptr + at, mask=live_k, other=0.0)
     alpha = tl.load(alpha_ptr + at, mask=live_k, other=0.0)
+    g_rows = g_ptr + tok[:, None] * gt
+    p_rows = p_ptr + tok[:, None] * pt
+    dp_rows = dp_ptr + tok[:, None] * H
+    a_rows = a_ptr + tok[:, None] * at_
 
     # Pass 1: dalpha_k = <g, v_k>, then dz.
     dalpha = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
-    dalpha = _group_dalpha(v0, t0, s0, k0, 0, g_ptr, tok, live, ks, dalpha, H, BLOCK_T, BLOCK_H)
+    dalpha = _group_dalpha(v0, t0, s0, k0, 0, p_rows, g_rows, tok, live, ks, dalpha, H, PLUS,
+                           BLOCK_T, BLOCK_H)
     if NG > 1:
-        dalpha = _group_dalpha(v1, t1, s1, k1, k0, g_ptr, tok, live, ks, dalpha, H, BLOCK_T,
-                               BLOCK_H)
+        dalpha = _group_dalpha(v1, t1, s1, k1, k0, p_rows, g_rows, tok, live, ks, dalpha, H,
+                               False, BLOCK_T, BLOCK_H)
     if NG > 2:
-        dalpha = _group_dalpha(v2, t2, s2, k2, k0 + k1, g_ptr, tok, live, ks, dalpha, H,
-                               BLOCK_T, BLOCK_H)
+        dalpha = _group_dalpha(v2, t2, s2, k2, k0 + k1, p_rows, g_rows, tok, live, ks, dalpha, H,
+                               False, BLOCK_T, BLOCK_H)
     if NG > 3:
-        dalpha = _group_dalpha(v3, t3, s3, k3, k0 + k1 + k2, g_ptr, tok, live, ks, dalpha, H,
-                               BLOCK_T, BLOCK_H)
+        dalpha = _group_dalpha(v3, t3, s3, k3, k0 + k1 + k2, p_rows, g_rows, tok, live, ks,
+                               dalpha, H, False, BLOCK_T, BLOCK_H)
     dz = alpha * (dalpha - tl.sum(alpha * dalpha, 1)[:, None])
     along = dz * r
     coef = divide(along * z * r, H.to(tl.float32))
@@ -258,21 +296,21 @@ def _backward_kernel(q_ptr, g_ptr, z_ptr, r_ptr, alpha_ptr, dq_ptr,
     for c0 in range(0, H, BLOCK_H):
         c = c0 + hs
         in_h = c < H
-        g = tl.load(g_ptr + tok[:, None] * H + c[None, :], mask=live[:, None] & in_h[None, :],
+        g = tl.load(g_rows + c[None, :], mask=live[:, None] & in_h[None, :],
                     other=0.0).to(tl.float32)
         q = tl.load(q_ptr + c, mask=in_h, other=0.0).to(tl.float32)
         dq = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-        dq = _group_vjp(v0, t0, s0, k0, n0, d0, 0, g, q, alpha, along, coef, dq, tok, live, ks,
-                        c, in_h, H)
+        dq = _group_vjp(v0, t0, s0, k0, d0, 0, p_rows, dp_rows, a_rows, as_, g, q, alpha, along,
+                        coef, dq, tok, live, ks, c, in_h, H, PLUS, ACC)
         if NG > 1:
-            dq = _group_vjp(v1, t1, s1, k1, n1, d1, k0, g, q, alpha, along, coef, dq, tok, live,
-                            ks, c, in_h, H)
+            dq = _group_vjp(v1, t1, s1, k1, d1, k0, p_rows, dp_rows, a_rows, as_, g, q, alpha,
+                            along, coef, dq, tok, live, ks, c, in_h, H, False, False)
         if NG > 2:
-            dq = _group_vjp(v2, t2, s2, k2, n2, d2, k0 + k1, g, q, alpha, along, coef, dq, tok,
-                            live, ks, c, in_h, H)
+            dq = _group_vjp(v2, t2, s2, k2, d2, k0 + k1, p_rows, dp_rows, a_rows, as_, g, q,
+                            alpha, along, coef, dq, tok, live, ks, c, in_h, H, False, False)
         if NG > 3:
-            dq = _group_vjp(v3, t3, s3, k3, n3, d3, k0 + k1 + k2, g, q, alpha, along, coef, dq,
-                            tok, live, ks, c, in_h, H)
+            dq = _group_vjp(v3, t3, s3, k3, d3, k0 + k1 + k2, p_rows, dp_rows, a_rows, as_, g, q,
+                            alpha, along, coef, dq, tok, live, ks, c, in_h, H, False, False)
         tl.store(dq_ptr + tl.program_id(0) * H + c, tl.sum(dq, 0), mask=in_h)
 
 
@@ -280,26 +318,18 @@ def _backward_kernel(q_ptr, g_ptr, z_ptr, r_ptr, alpha_ptr, dq_ptr,
 # Launchers
 # ---------------------------------------------------------------------------------------------
 
-def _as_pair(group):
-    """``(tensor [..., S, h], k)`` for a group given as a tensor (k = S) or as such a pair."""
-    if isinstance(group, torch.Tensor):
-        return group, (group.shape[-2] if group.dim() >= 2 else 0)
-    tensor, count = group
-    return tensor, count
-
-
 def padded_sources(count: int) -> int:
     """KP: the number of sources K rounded up to a power of two (what the kernels compile for)."""
     return triton.next_power_of_2(max(1, count))
 
 
-def unsupported_reason(query: torch.Tensor, groups: Sequence) -> str | None:
-    """Why the kernels cannot run ``groups`` (tensors ``[..., k_i, h]`` or ``(tensor [..., S_i,
-    h], k_i)`` pairs) with ``query [h]``, or None if they can."""
+def unsupported_reason(query: torch.Tensor, groups: Sequence[torch.Tensor],
+                       last_plus: torch.Tensor | None = None) -> str | None:
+    """Why the kernels cannot run ``groups`` (tensors ``[..., k_i, h]``) with ``query [h]`` (and
+    ``last_plus [..., h]`` added to the first group's last source), or None if they can."""
     if not 1 <= len(groups) <= MAX_GROUPS:
         return f"triton depth: needs 1 to {MAX_GROUPS} source groups, got {len(groups)}"
-    pairs = [_as_pair(group) for group in groups]
-    first = pairs[0][0]
+    first = groups[0]
     if first.dim() < 2:
         return f"triton depth: needs source groups [..., k, h], got shape {tuple(first.shape)}"
     lead, h = first.shape[:-2], first.shape[-1]
@@ -307,59 +337,63 @@ def unsupported_reason(query: torch.Tensor, groups: Sequence) -> str | None:
         return f"triton depth: needs a hidden size h that is a multiple of {H_MULTIPLE}, got h = {h}"
     if tuple(query.shape) != (h,):
         return f"triton depth: needs a query [h] = [{h}], got shape {tuple(query.shape)}"
-    for tensor, count in pairs:
+    for tensor in groups:
         if tensor.dim() < 2 or tensor.shape[:-2] != lead or tensor.shape[-1] != h:
             return (f"triton depth: needs source groups of one shape [..., k, h] = "
                     f"{(*lead, 'k', h)} (no broadcasting), got {tuple(tensor.shape)}")
         if tensor.dtype != first.dtype:
             return f"triton depth: needs the groups in one dtype, got {first.dtype} and {tensor.dtype}"
-        if not 0 <= count <= tensor.shape[-2]:
-            return f"triton depth: a group of {tensor.shape[-2]} slots cannot give {count} sources"
     if first.dtype not in _DTYPES:
         return f"triton depth: needs fp32, bf16 or fp16 sources, got {first.dtype}"
-    total = sum(count for _, count in pairs)
+    if last_plus is not None and (tuple(last_plus.shape) != (*lead, h)
+                                  or last_plus.dtype != first.dtype or first.shape[-2] == 0):
+        return (f"triton depth: last_plus must be {first.dtype} {(*lead, h)} with a first group "
+                f"of at least one source, got {last_plus.dtype} {tuple(last_plus.shape)}")
+    total = sum(tensor.shape[-2] for tensor in groups)
     if not 1 <= total <= MAX_SOURCES:
         return f"triton depth: needs 1 to {MAX_SOURCES} sources in all, got {total}"
     return None
 
 
-def _tokens_view(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor [..., S, h]`` as ``[T, S, h]`` with unit column stride: a view where the leading
-    dimensions merge into one, a copy otherwise."""
-    slots, h = tensor.shape[-2:]
+def _tokens_view(tensor: torch.Tensor, *inner: int) -> torch.Tensor:
+    """``tensor [..., *inner]`` as ``[T, *inner]`` with unit column stride: a view where the
+    leading dimensions merge into one, a copy otherwise."""
     if tensor.stride(-1) != 1:
         tensor = tensor.contiguous()
     try:
-        return tensor.view(-1, slots, h)
+        return tensor.view(-1, *inner)
     except RuntimeError:
-        return tensor.reshape(-1, slots, h)
+        return tensor.reshape(-1, *inner)
 
 
-def _prepare(query, groups):
-    reason = unsupported_reason(query, groups)
+def _prepare(query, groups, last_plus):
+    reason = unsupported_reason(query, groups, last_plus)
     if reason is not None:
         raise ValueError(reason)
-    pairs = [(_tokens_view(tensor), count, tensor.shape) for tensor, count in map(_as_pair, groups)]
-    return query.contiguous(), pairs, sum(count for _, count, _ in pairs)
+    h = groups[0].shape[-1]
+    views = [_tokens_view(tensor, tensor.shape[-2], h) for tensor in groups]
+    plus = None if last_plus is None else _tokens_view(last_plus, h)
+    return query.contiguous(), views, plus, sum(v.shape[1] for v in views)
 
 
-def _group_arguments(pairs, grads=None):
+def _group_arguments(views, grads=None):
     """The kernels' per-group arguments, padded to MAX_GROUPS with empty groups."""
     arguments = []
     for i in range(MAX_GROUPS):
-        v, count, _ = pairs[min(i, len(pairs) - 1)]
-        count = count if i < len(pairs) else 0
-        arguments += [v, v.stride(0), v.stride(1), count, v.shape[1]]
+        v = views[min(i, len(views) - 1)]
+        arguments += [v, v.stride(0), v.stride(1), v.shape[1] if i < len(views) else 0]
         if grads is not None:
-            arguments.append(grads[min(i, len(pairs) - 1)])
+            arguments.append(grads[min(i, len(views) - 1)])
     return arguments
 
 
-def forward(query: torch.Tensor, groups: Sequence, eps: float):
+def forward(query: torch.Tensor, groups: Sequence[torch.Tensor], eps: float,
+            last_plus: torch.Tensor | None = None):
     """efficient._DepthAttention's forward: ``(out [..., h] in the groups' dtype, z, r, alpha
-    [..., K] fp32)``."""
-    query, pairs, total = _prepare(query, groups)
-    first, _, shape = pairs[0]
+    [..., K] fp32)``; with ``last_plus``, the first group's last source is that slot plus
+    ``last_plus``."""
+    query, views, plus, total = _prepare(query, groups, last_plus)
+    first, shape = views[0], groups[0].shape
     tokens, h = first.shape[0], shape[-1]
     lead = shape[:-2]
     out = torch.empty((tokens, h), dtype=first.dtype, device=first.device)
@@ -368,40 +402,53 @@ def forward(query: torch.Tensor, groups: Sequence, eps: float):
     if tokens:
         with launch_device(first.device):
             _forward_kernel[(triton.cdiv(tokens, BLOCK_T),)](
-                query, out, z, r, alpha, *_group_arguments(pairs), tokens, total, h, float(eps),
-                NG=len(pairs), KP=padded_sources(total), BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
-                **_LAUNCH)
+                query, out, z, r, alpha, first if plus is None else plus,
+                0 if plus is None else plus.stride(0), *_group_arguments(views), tokens, total,
+                h, float(eps), NG=len(views), KP=padded_sources(total), PLUS=plus is not None,
+                BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, **_FORWARD_LAUNCH)
     return (out.view(*lead, h), z.view(*lead, total), r.view(*lead, total),
             alpha.view(*lead, total))
 
 
-def backward(query: torch.Tensor, groups: Sequence, grad: torch.Tensor, z: torch.Tensor,
-             r: torch.Tensor, alpha: torch.Tensor, eps: float):
+def backward(query: torch.Tensor, groups: Sequence[torch.Tensor], grad: torch.Tensor,
+             z: torch.Tensor, r: torch.Tensor, alpha: torch.Tensor, eps: float,
+             last_plus: torch.Tensor | None = None, first_grad: torch.Tensor | None = None):
     """efficient._DepthAttention's backward given ``grad`` at the output and the forward's z, r,
-    alpha: ``(dquery in the query's dtype, [dv of each group in its dtype and shape, for a
-    (tensor, k) pair of the whole tensor with zeros in its slots k..]``. (``eps`` is not needed:
-    r is the forward's.)"""
+    alpha: ``(dquery in the query's dtype, [dv of each group in its dtype and shape], dv of the
+    first group's last source where last_plus is given, else None)``. With ``first_grad`` (the
+    first group's shape), the first group's gradient is its dv plus first_grad. (``eps`` is not
+    needed: r is the forward's.)"""
     del eps
-    query, pairs, total = _prepare(query, groups)
-    first, _, shape = pairs[0]
+    query, views, plus, total = _prepare(query, groups, last_plus)
+    first, shape = views[0], groups[0].shape
     tokens, h = first.shape[0], shape[-1]
     lead = shape[:-2]
     if tuple(grad.shape) != (*lead, h):
         raise ValueError(f"triton depth: grad must have shape {(*lead, h)}, got {tuple(grad.shape)}")
+    if first_grad is not None and first_grad.shape != shape:
+        raise ValueError(f"triton depth: first_grad must have shape {tuple(shape)}, got "
+                         f"{tuple(first_grad.shape)}")
     for name, tensor in (("z", z), ("r", r), ("alpha", alpha)):
         if tuple(tensor.shape) != (*lead, total) or tensor.dtype != torch.float32:
             raise ValueError(f"triton depth: {name} must be fp32 {(*lead, total)}")
-    grad = grad.reshape(tokens, h).contiguous()
+    grad = _tokens_view(grad, h)
     z, r, alpha = (x.reshape(tokens, total).contiguous() for x in (z, r, alpha))
-    grads = [torch.empty((tokens, v.shape[1], h), dtype=v.dtype, device=v.device)
-             for v, _, _ in pairs]
+    grads = [torch.empty((tokens, v.shape[1], h), dtype=v.dtype, device=v.device) for v in views]
+    dplus = None if plus is None else torch.empty((tokens, h), dtype=plus.dtype,
+                                                  device=plus.device)
+    acc = None if first_grad is None else _tokens_view(first_grad, shape[-2], h)
     blocks = triton.cdiv(tokens, BLOCK_T)
     partial = torch.empty((blocks, h), dtype=torch.float32, device=first.device)
     if tokens:
         with launch_device(first.device):
             _backward_kernel[(blocks,)](
-                query, grad, z, r, alpha, partial, *_group_arguments(pairs, grads), tokens,
-                total, h, NG=len(pairs), KP=padded_sources(total), BLOCK_T=BLOCK_T,
-                BLOCK_H=BLOCK_H, **_LAUNCH)
+                query, grad, grad.stride(0), z, r, alpha, partial,
+                first if plus is None else plus, 0 if plus is None else plus.stride(0),
+                first if dplus is None else dplus, first if acc is None else acc,
+                0 if acc is None else acc.stride(0), 0 if acc is None else acc.stride(1),
+                *_group_arguments(views, grads), tokens, total, h, NG=len(views),
+                KP=padded_sources(total), PLUS=plus is not None, ACC=acc is not None,
+                BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, **_BACKWARD_LAUNCH)
     dquery = partial.sum(0).to(query.dtype)
-    return dquery, [d.view(s) for d, (_, _, s) in zip(grads, pairs)]
+    return (dquery, [d.view(g.shape) for d, g in zip(grads, groups)],
+            None if dplus is None else dplus.view(*lead, h))

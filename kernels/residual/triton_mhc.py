@@ -84,7 +84,7 @@ Launch configuration (fixed, no autotuning):
   step over 40 calls), where update_forward, which reduces nothing, took 0.09 ms. More programs
   (slabs of columns) did not change it (session 9). Written in 2-D tiles its kernel takes
   0.092 ms, 2.5 TB/s of the bytes it must move, and the step's update backward 3.7 ms
-  (session 10, ``benchmarks/mhc_ops.py`` and ``benchmarks/residual_step.py --mhc-kernels``).
+  (session 10, ``benchmarks/residual_ops.py`` and ``benchmarks/residual_step.py --mhc-kernels``).
   The pre op's u pass and backward sums, which reduced n-stream tiles over one axis, went to
   2-D tiles with it: the pre forward's call from 0.460 to 0.220 ms (its second kernel 0.022 ms).
   Its first kernel took 0.136 ms at 8 warps and takes 0.075 at 4; the pre backward's second

@@ -23,24 +23,18 @@ sublayer start from the uniform average of its sources.
 Blocks may span pipeline stages: the partial sum travels in the packed state, so no block size
 is tied to the stage split.
 
-Inside a layer no slice of the packed input is taken, so that its gradient never has to be
-materialised slot by slot (a zero tensor, a copy and an add, in autograd's backward of a slice or
-of a selected slot); each use of it gets the gradient of the whole tensor:
+Inside a layer the packed input is never sliced, and its gradient never summed by autograd from
+several uses (each a pass over the whole state, and for a slice a zero tensor and a copy too):
 
-- a sublayer's depth attention reads the packed input in place, all its slots or a ``(packed,
-  k)`` pair of its first k (:func:`megatron_ext.kernels.residual.efficient.depth_attention`,
-  which keeps only references and per-token scalars for backward), plus the layer's own
-  outputs;
+- each sublayer's depth attention reads the packed input in place and passes it on to the next
+  use (``pass_through`` of :func:`megatron_ext.kernels.residual.efficient.depth_attention`), so
+  its backward adds its gradient to the one coming from later uses in the same pass;
+- where the mixer's output is added to the partial sum that is the packed input's last slot
+  (block AttnRes, except in a block's first layer), the FFN's depth attention reads that slot
+  plus the output (``last_plus``) rather than a new tensor holding the sum, and the exit makes
+  the one new packed tensor with both outputs added (:class:`_AddToLastSlot`);
 - an output that starts a slot of its own (full: every output; block: the first output of a
-  block, after the commit) is appended at the exit, in one concatenation;
-- an output added to the partial sum that is the packed input's last slot makes a new packed
-  tensor with it added there (:class:`_AddToLastSlot`, and :class:`_Advance` where the next
-  sublayer reads the new partial sum, which it then gets as a tensor of its own, so that the
-  new packed tensor is not kept for backward).
-
-On an H200 (session 11: 20 layers, hidden 1024, seq 4096, micro-batch 2, blocks of 4 layers)
-this took block AttnRes's extra GPU time per training step from +24.2% to +20.6% of the
-standard residual's, at the same memory (+1.59 GiB against +1.51).
+  block) is appended at the exit, in one concatenation.
 """
 from __future__ import annotations
 
@@ -62,56 +56,39 @@ class DepthQuery(torch.nn.Module):
         self.weight = replicated_parameter(config, torch.zeros(config.hidden_size))
         self.norm_weight = replicated_parameter(config, torch.ones(config.hidden_size))
 
-    def forward(self, sources: list) -> torch.Tensor:
-        """Attention over ``sources`` (``[s, b, k_i, h]`` groups, or ``(packed, k)`` pairs:
-        the first k slots of ``packed [s, b, S, h]``) -> ``[s, b, h]``."""
-        return ops.depth_attention(self.weight * self.norm_weight, sources, self.eps)
+    def forward(self, sources: list, **options):
+        """Attention over ``sources`` (``[s, b, k_i, h]`` groups) -> ``[s, b, h]``; ``options``
+        as :func:`megatron_ext.kernels.residual.efficient.depth_attention`'s."""
+        return ops.depth_attention(self.weight * self.norm_weight, sources, self.eps, **options)
 
 
 @dataclass
 class _State:
-    packed: torch.Tensor  # [s, b, S * h]: the state so far, without `tail`
-    sources: list  # the groups the next sublayer's depth attention reads
+    slots: torch.Tensor  # [s, b, S, h]: the packed input, as the last depth attention passed it
     tail: list = field(default_factory=list)  # outputs that start slots of their own, [s, b, h]
+    last_plus: torch.Tensor | None = None  # the mixer's output, added to the last slot
+    result: torch.Tensor | None = None  # the new packed state [s, b, S * h], once made
     sublayer: int = 0
     new_slot: bool = False  # whether the next output starts a slot of its own
 
 
 class _AddToLastSlot(torch.autograd.Function):
-    """``packed [..., S * h]`` with ``x [..., h]`` added to its last h columns, as a new tensor.
-    Backward: packed's gradient is the incoming one as it is; x's a copy of its last slot (a
-    copy, not a view, so that autograd may add into packed's gradient in place)."""
+    """``packed [..., S * h]`` with the ``addends [..., h]`` added to its last h columns in turn,
+    as a new tensor. Backward: packed's gradient is the incoming one as it is; each addend's a
+    copy of its last slot (a copy, not a view, so that autograd may add into it in place)."""
 
     @staticmethod
-    def forward(ctx, packed, x):
+    def forward(ctx, packed, *addends):
         out = packed.clone()
-        out[..., -x.shape[-1]:] += x
-        ctx.width = x.shape[-1]
+        last = out[..., -addends[0].shape[-1]:]
+        for addend in addends:
+            last += addend
+        ctx.width, ctx.count = addends[0].shape[-1], len(addends)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, grad[..., -ctx.width:].clone()
-
-
-class _Advance(torch.autograd.Function):
-    """:class:`_AddToLastSlot`, also returning the new last slot as a tensor of its own
-    ``[..., h]`` (the partial sum the next sublayer reads)."""
-
-    @staticmethod
-    def forward(ctx, packed, x):
-        width = x.shape[-1]
-        partial = packed[..., -width:] + x
-        out = packed.clone()
-        out[..., -width:] = partial
-        ctx.width = width
-        return out, partial
-
-    @staticmethod
-    def backward(ctx, grad, grad_partial):
-        grad = grad.clone()
-        grad[..., -ctx.width:] += grad_partial
-        return grad, grad[..., -ctx.width:].clone()
+        return grad, *[grad[..., -ctx.width:].clone()] * ctx.count
 
 
 class AttentionResiduals(ResidualScheme):
@@ -136,14 +113,15 @@ class AttentionResiduals(ResidualScheme):
         slots = self.slots_before(self.index)
         self.check_width(hidden_states, slots, "the embedding and earlier sources" if slots > 1
                          else "the embedding")
-        return _State(packed=hidden_states, sources=[self._slots(hidden_states)])
+        return _State(slots=hidden_states.unflatten(-1, (-1, self.hidden_size)))
 
-    def _slots(self, packed: torch.Tensor) -> torch.Tensor:
-        return packed.unflatten(-1, (-1, self.hidden_size))  # [s, b, S, h], a view
+    def _sources(self, state: _State) -> list:
+        return [state.slots, *(output.unsqueeze(-2) for output in state.tail)]
 
     def sublayer_input(self, state: _State) -> torch.Tensor:
         query = (self.mixer, self.ffn)[state.sublayer]
-        x = query(state.sources)
+        x, state.slots = query(self._sources(state), last_plus=state.last_plus,
+                               pass_through=True)
         # full: every output is a source; block: the first sublayer of a block commits the
         # partial sum it read as a completed block, and its output starts the next partial.
         state.new_slot = self.block_layers is None or (
@@ -153,20 +131,17 @@ class AttentionResiduals(ResidualScheme):
     def sublayer_output(self, state: _State, output: torch.Tensor) -> None:
         if state.new_slot:
             state.tail.append(output)
-            state.sources = state.sources + [output.unsqueeze(-2)]
         elif state.tail:  # block: the partial sum began in this layer
             state.tail[-1] = state.tail[-1] + output
-            state.sources = state.sources[:-1] + [state.tail[-1].unsqueeze(-2)]
         elif state.sublayer == 0:  # the partial sum is the input's last slot; the FFN reads it
-            completed = self._slots(state.packed)
-            state.packed, partial = _Advance.apply(state.packed, output)
-            state.sources = [(completed, completed.shape[-2] - 1), partial.unsqueeze(-2)]
+            state.last_plus = output
         else:
-            state.packed = _AddToLastSlot.apply(state.packed, output)
+            state.result = _AddToLastSlot.apply(state.slots.flatten(-2), state.last_plus, output)
         state.sublayer += 1
 
     def exit(self, state: _State) -> torch.Tensor:
+        packed = state.slots.flatten(-2) if state.result is None else state.result
         if self.last:
-            return self.output([self._slots(state.packed),
+            return self.output([packed.unflatten(-1, (-1, self.hidden_size)),
                                 *(output.unsqueeze(-2) for output in state.tail)])
-        return torch.cat([state.packed, *state.tail], dim=-1) if state.tail else state.packed
+        return torch.cat([packed, *state.tail], dim=-1) if state.tail else packed

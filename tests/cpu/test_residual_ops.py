@@ -98,19 +98,34 @@ def test_stream_ops_keep_the_stream_in_its_dtype_or_nothing():
     assert dropped == y.nbytes + small
 
 
-def test_depth_attention_takes_a_packed_tensor_and_a_slot_count():
-    """A group ``(packed [..., S, h], k)`` is the sources ``packed[..., :k, :]``; its gradient
-    comes for the whole tensor, zeros in the slots left out (as autograd's slice would give)."""
-    packed, extra, query = _leaf(3, 5, 4 * H), _leaf(3, 5, H), _leaf(H)
+def test_depth_attention_reads_a_last_slot_plus_an_output_and_passes_its_input_on():
+    """``last_plus`` reads the first group's last source as that slot plus a tensor, and
+    ``pass_through`` also returns the first group, whose gradient from later uses is added to
+    the op's own: as autograd through the sum, the copy and the sum of the two uses would give
+    (each option alone and both together, as block AttnRes's FFN calls it)."""
+    packed, plus, extra, query = _leaf(3, 5, 4 * H), _leaf(3, 5, H), _leaf(3, 5, H), _leaf(H)
+    weight = torch.randn(4, H)
 
-    def pairs(q, p, e):
-        return efficient.depth_attention(q, [(p.unflatten(-1, (4, H)), 3), e.unsqueeze(-2)])
+    def later_use(slots):  # any use of the passed-on state after the op
+        return (slots * weight).sum(-1)
 
-    def sliced(q, p, e):
-        return reference.depth_attention(q, [p.unflatten(-1, (4, H))[..., :3, :],
-                                             e.unsqueeze(-2)])
+    def fused(q, p, e, a=None, pass_through=False):
+        result = efficient.depth_attention(q, [p.unflatten(-1, (4, H)), e.unsqueeze(-2)],
+                                           last_plus=a, pass_through=pass_through)
+        return (result[0], later_use(result[1])) if pass_through else result
 
-    _same_values_and_grads(lambda: (query, packed, extra), pairs, sliced)
+    def unfused(q, p, e, a=None, pass_through=False):
+        slots = p.unflatten(-1, (4, H))
+        read = slots if a is None else torch.cat([slots[..., :3, :],
+                                                  (slots[..., 3, :] + a).unsqueeze(-2)], -2)
+        out = reference.depth_attention(q, [read, e.unsqueeze(-2)])
+        return (out, later_use(slots)) if pass_through else out
+
+    for inputs in ((query, packed, extra), (query, packed, extra, plus)):
+        for pass_through in (False, True):
+            _same_values_and_grads(lambda: inputs,
+                                   lambda *x: fused(*x, pass_through=pass_through),
+                                   lambda *x: unfused(*x, pass_through=pass_through))
 
 
 def test_depth_attention_keeps_references_and_scalars():

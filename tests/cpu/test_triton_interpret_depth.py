@@ -5,8 +5,8 @@ where Triton is not installed.
 
 As test_triton_interpret_mhc.py: this file run as a script under TRITON_INTERPRET=1 loads
 tests/gpu/test_triton_depth.py and runs its ``check_launchers`` on ``interpret_cases`` (K = 1, 2,
-6 and 41 sources in 1 to 4 groups of different sizes, a ``(packed, k)`` pair and strided views
-into packed tensors, 37 tokens (not a multiple of the 16 of a program), tokens as [3, 13], h not
+6 and 41 sources in 1 to 4 groups of different sizes, strided views into packed tensors, the
+first group's last source plus a tensor and an incoming gradient for it, or neither, 37 tokens (not a multiple of the 16 of a program), tokens as [3, 13], h not
 a multiple of the 128-column chunk, fp32 at 1e-5 of the largest magnitude and fp16 at 2^-6),
 every load and store checked to stay inside the tensors of its launch, then its ``check_ops``:
 efficient.depth_attention with the kernels running CPU tensors against it with them off, values
@@ -25,12 +25,13 @@ from triton_interpreter import needs_triton
 def interpret_cases(Case) -> list:
     """The cases run on the interpreter (Case from the GPU module): small enough for a CPU."""
     return [
-        Case(sizes=(1,), shape=(37,), h=80),  # K = 1: one pair with a spare slot
+        Case(sizes=(1,), shape=(37,), h=80),  # K = 1, its only source plus a tensor
         Case(sizes=(1, 1), shape=(37,), h=144),  # K = 2; a full and a partial chunk of columns
+        Case(sizes=(3, 1), shape=(37,), h=48, plus=False, first_grad=False),
         Case(sizes=(2, 3, 1), shape=(3, 13), h=48, separate=False),  # K = 6, strided views
         Case(sizes=(2, 1, 2, 1), shape=(37,), h=16),  # four groups
         Case(sizes=(40, 1), shape=(37,), h=48),  # K = 41 padded to 64: full AttnRes, 20 layers
-        Case(sizes=(0, 2), shape=(0,), h=16),  # no tokens; a pair giving no sources
+        Case(sizes=(1, 2), shape=(0,), h=16),  # no tokens
         Case(sizes=(3, 2, 1), shape=(37,), h=80, dtype=torch.float16),
     ]
 
@@ -61,19 +62,21 @@ def test_unsupported_calls_are_named_and_run_in_pytorch(monkeypatch):
             ([torch.zeros(3, 2, 16, dtype=torch.float64)], r"fp32, bf16 or fp16 sources"),
             ([torch.zeros(3, 2, 16), torch.zeros(3, 2, 16, dtype=torch.float16)],
              r"groups in one dtype"),
-            ([torch.zeros(3, 2, 16), torch.zeros(1, 2, 16)], r"no broadcasting"),
-            ([(torch.zeros(3, 2, 16), 3)], r"2 slots cannot give 3 sources")]:
+            ([torch.zeros(3, 2, 16), torch.zeros(1, 2, 16)], r"no broadcasting")]:
         with pytest.raises(ValueError, match=reason):
             triton_depth.forward(query, groups, 1e-6)
+    with pytest.raises(ValueError, match=r"last_plus must be torch.float32 \(3, 16\)"):
+        triton_depth.forward(query, [torch.zeros(3, 2, 16)], 1e-6, torch.zeros(3, 1, 16))
     # efficient runs such calls in the PyTorch path without checking the kernels.
     monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
     monkeypatch.setattr(efficient, "_triton_depth_checked",
                         lambda *key: pytest.fail(f"the kernels were checked at {key}"))
     query = torch.randn(24, requires_grad=True)
     packed = torch.randn(5, 3 * 24, requires_grad=True)
-    out = efficient.depth_attention(query, [(packed.unflatten(-1, (3, 24)), 2)])
-    out.sum().backward()
-    assert (packed.grad.unflatten(-1, (3, 24))[:, 2] == 0).all()
+    out, passed = efficient.depth_attention(query, [packed.unflatten(-1, (3, 24))],
+                                            last_plus=torch.randn(5, 24), pass_through=True)
+    (out.sum() + passed.sum()).backward()
+    assert packed.grad is not None
 
 
 def test_depth_kernels_that_fail_their_check_are_not_used(monkeypatch, caplog):
@@ -82,19 +85,17 @@ def test_depth_kernels_that_fail_their_check_are_not_used(monkeypatch, caplog):
     module whose forward is off by 1%."""
     from megatron_ext.kernels.residual import efficient
 
-    def off(query, groups, eps):
-        out, *rest = efficient._depth_forward(query, efficient._source_views(
-            efficient._as_pairs(groups)), eps)
+    def off(query, groups, eps, last_plus=None):
+        out, *rest = efficient._depth_forward(
+            query, efficient._with_last_plus(groups, last_plus), eps)
         return (1.01 * out, *rest)
 
-    def backward(query, groups, grad, z, r, alpha, eps):
-        pairs = efficient._as_pairs(groups)
-        dquery, dviews = efficient._depth_backward(query, efficient._source_views(pairs), grad,
-                                                   z, r, alpha)
-        return dquery, efficient._whole_gradients(pairs, dviews)
+    def backward(query, groups, grad, z, r, alpha, eps, last_plus=None, first_grad=None):
+        return efficient._depth_backward_pytorch(query, groups, grad, z, r, alpha, last_plus,
+                                                 first_grad)
 
     wrong = types.SimpleNamespace(
-        unsupported_reason=lambda query, groups: None, padded_sources=lambda k: 4,
+        unsupported_reason=lambda query, groups, last_plus: None, padded_sources=lambda k: 4,
         forward=off, backward=backward)
     monkeypatch.setattr(efficient, "_triton_depth_kernels", lambda: wrong)
     monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})

@@ -6,10 +6,11 @@ and efficient.depth_attention with them in place, on CUDA (skipped without a GPU
 also runs them on the CPU under Triton's interpreter (small fp32 and fp16 cases).
 
 ``check_launchers`` runs triton_depth.forward / backward and the PyTorch path (eager) on the same
-device and inputs: the sources as groups of given sizes, the first a ``(packed, k)`` pair whose
-packed tensor has a spare slot (its gradient: zeros there), the others strided views into a
-packed tensor (``packed[..., 1:, :]``) or, with ``separate``, the last one a tensor of its own;
-sources and the output gradient in the case's dtype, the query fp32. Cases on CUDA: h = 1024,
+device and inputs: the sources as groups of given sizes, strided views into packed tensors
+(``packed[..., 1:, :]``) or, with ``separate``, the last one a tensor of its own; with ``plus``
+the first group's last source read as that slot plus a tensor (``last_plus``), and with
+``first_grad`` an incoming gradient for the first group (strided, as a slice of a concatenation's
+gradient) added to its dv; sources and gradients in the case's dtype, the query fp32. Cases on CUDA: h = 1024,
 T = 8192 + 37 (a partial block of tokens), block AttnRes's groups (2 + 1 sources) and full
 AttnRes's (40 + 1), fp32 and bf16; tokens as [3, 13].
 
@@ -18,9 +19,10 @@ another order, the GPU's exp and rsqrt; a slip is 1e-2 or more); bf16 / fp16 2^-
 rounded to the dtype from fp32 values that differ in their last bits).
 
 ``check_ops`` runs efficient.depth_attention with the kernels in place (their launches counted)
-and with them off (the PyTorch path), groups as the model passes them (block: a pair plus the
-partial sum; full: the packed input plus outputs), and compares values and autograd gradients
-at the tolerances of tests/cpu/test_residual_ops.py in fp32 (2^-6 in bf16).
+and with them off (the PyTorch path), called as the model calls it (block: the packed input,
+its last slot plus the mixer's output, passed on to a later use; full: the packed input plus an
+output), and compares values and autograd gradients at the tolerances of
+tests/cpu/test_residual_ops.py in fp32 (2^-6 in bf16).
 """
 import dataclasses
 import zlib
@@ -44,11 +46,14 @@ class Case:
     h: int = 1024
     dtype: torch.dtype = torch.float32
     separate: bool = True  # the last group a tensor of its own (else a view as the others)
+    plus: bool = True  # the first group's last source plus a tensor (last_plus)
+    first_grad: bool = True  # an incoming gradient for the first group
 
     def __str__(self) -> str:
         parts = ["k" + "+".join(map(str, self.sizes)), "x".join(map(str, self.shape)),
                  f"h{self.h}", str(self.dtype)[6:]]
-        return "-".join(parts + ["views"] * (not self.separate))
+        return "-".join(parts + ["views"] * (not self.separate) + ["plain"] * (not self.plus)
+                        + ["nograd"] * (not self.first_grad))
 
 
 CASES = [
@@ -57,6 +62,7 @@ CASES = [
     Case(sizes=(40, 1)),
     Case(sizes=(40, 1), dtype=torch.bfloat16),
     Case(sizes=(3, 2, 4, 1), shape=(3, 13), h=272, separate=False),
+    Case(sizes=(5,), dtype=torch.bfloat16, plus=False, first_grad=False),
 ]
 
 
@@ -67,13 +73,17 @@ def _inputs(case: Case, device):
         return torch.randn(*shape, generator=generator).to(dtype).to(device)
 
     lead, h = case.shape, case.h
-    groups = [(randn(*lead, case.sizes[0] + 1, h), case.sizes[0])]
-    for i, size in enumerate(case.sizes[1:]):
-        if case.separate and i == len(case.sizes) - 2:
+    groups = []
+    for i, size in enumerate(case.sizes):
+        if case.separate and i == len(case.sizes) - 1:
             groups.append(randn(*lead, size, h))
         else:
             groups.append(randn(*lead, size + 1, h)[..., 1:, :])
-    return randn(h, dtype=torch.float32), groups, randn(*lead, h)
+    plus = randn(*lead, h) if case.plus else None
+    # As the slice of a concatenation's gradient: [..., k, h] inside [..., (k + 1) h].
+    first_grad = (randn(*lead, (case.sizes[0] + 1) * h)[..., :case.sizes[0] * h]
+                  .unflatten(-1, (case.sizes[0], h)) if case.first_grad else None)
+    return randn(h, dtype=torch.float32), groups, randn(*lead, h), plus, first_grad
 
 
 def check_launchers(case: Case, device) -> dict[str, float]:
@@ -81,14 +91,13 @@ def check_launchers(case: Case, device) -> dict[str, float]:
     differences (relative to each output's largest magnitude) of each."""
     from megatron_ext.kernels.residual import triton_depth
 
-    query, groups, grad = _inputs(case, device)
-    pairs = efficient._as_pairs(groups)
-    views = efficient._source_views(pairs)
-    got = triton_depth.forward(query, groups, EPS)
-    expected = efficient._depth_forward(query, views, EPS)
-    dquery, dgroups = triton_depth.backward(query, groups, grad, *expected[1:], EPS)
-    want_dquery, want_dviews = efficient._depth_backward(query, views, grad, *expected[1:])
-    want_dgroups = efficient._whole_gradients(pairs, want_dviews)
+    query, groups, grad, plus, first_grad = _inputs(case, device)
+    got = triton_depth.forward(query, groups, EPS, plus)
+    expected = efficient._depth_forward(query, efficient._with_last_plus(groups, plus), EPS)
+    dquery, dgroups, dplus = triton_depth.backward(query, groups, grad, *expected[1:], EPS, plus,
+                                                   first_grad)
+    want_dquery, want_dgroups, want_dplus = efficient._depth_backward_pytorch(
+        query, groups, grad, *expected[1:], plus, first_grad)
     tolerance = TOLERANCES[case.dtype]
     errors = {"forward": max(compare(a, b, tolerance, f"{case} forward {name}")
                              for a, b, name in zip(got, expected, ("out", "z", "r", "alpha"),
@@ -97,8 +106,10 @@ def check_launchers(case: Case, device) -> dict[str, float]:
     for i, (a, b) in enumerate(zip(dgroups, want_dgroups, strict=True)):
         errors["backward"] = max(errors["backward"],
                                  compare(a, b, tolerance, f"{case} dgroup {i}"))
-    # The spare slot of the pair's tensor gets a gradient of exactly zero.
-    assert (dgroups[0][..., case.sizes[0]:, :] == 0).all()
+    assert (dplus is None) == (plus is None)
+    if plus is not None:
+        errors["backward"] = max(errors["backward"],
+                                 compare(dplus, want_dplus, tolerance, f"{case} dplus"))
     return errors
 
 
@@ -128,19 +139,20 @@ def check_ops(device, dtype=torch.float32, h: int = 48, sizes=(1, 2, 6, 41)) -> 
         query = leaf(h, dtype=torch.float32)
         if k == 1:  # the first sublayer: the embedding only
             calls.append((f"K={k}", (query, leaf(*lead, h)),
-                          lambda q, p: [p.unflatten(-1, (1, h))]))
+                          lambda q, p: ([p.unflatten(-1, (1, h))], {})))
         elif k % 2:  # full: the packed input and the layer's first output
             calls.append((f"K={k} full", (query, leaf(*lead, (k - 1) * h), leaf(*lead, h)),
-                          lambda q, p, e, k=k: [p.unflatten(-1, (k - 1, h)), e.unsqueeze(-2)]))
-        else:  # block: the completed blocks as (packed, k - 1) and the updated partial sum
+                          lambda q, p, e, k=k: ([p.unflatten(-1, (k - 1, h)), e.unsqueeze(-2)],
+                                                {})))
+        else:  # block's FFN: the packed input, its last slot plus the mixer's output, passed on
             calls.append((f"K={k} block", (query, leaf(*lead, k * h), leaf(*lead, h)),
-                          lambda q, p, e, k=k: [(p.unflatten(-1, (k, h)), k - 1),
-                                                (p.unflatten(-1, (k, h))[..., -1, :] + e)
-                                                .unsqueeze(-2)]))
+                          lambda q, p, e, k=k: ([p.unflatten(-1, (k, h))],
+                                                dict(last_plus=e, pass_through=True))))
     # The kernels' first-use checks at these keys (not counted below), which they must pass.
     with triton_kernels(True), torch.no_grad():
         for _, inputs, groups_of in calls:
-            efficient.depth_attention(inputs[0], groups_of(*inputs), EPS)
+            sources, options = groups_of(*inputs)
+            efficient.depth_attention(inputs[0], sources, EPS, **options)
     for name in originals:
         setattr(triton_depth, name, counted(name))
     try:
@@ -148,10 +160,14 @@ def check_ops(device, dtype=torch.float32, h: int = 48, sizes=(1, 2, 6, 41)) -> 
             results = []
             for enabled in (True, False):
                 with triton_kernels(enabled):
-                    out = efficient.depth_attention(inputs[0], groups_of(*inputs), EPS)
-                    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
-                    grads = torch.autograd.grad(out, inputs, grad.to(out.dtype).to(device))
-                    results.append((out, grads))
+                    sources, options = groups_of(*inputs)
+                    outs = efficient.depth_attention(inputs[0], sources, EPS, **options)
+                    outs = outs if isinstance(outs, tuple) else (outs,)
+                    generator = torch.Generator().manual_seed(2)
+                    grads = torch.autograd.grad(
+                        outs, inputs, [torch.randn(o.shape, generator=generator).to(o.dtype)
+                                       .to(device) for o in outs])
+                    results.append((outs[0], grads))
             (out_fast, grads_fast), (out_slow, grads_slow) = results
             for what, fast, slow, tolerance in (("value", (out_fast,), (out_slow,), rtol),
                                                 ("gradient", grads_fast, grads_slow, grad_rtol)):
