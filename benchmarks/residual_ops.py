@@ -6,16 +6,17 @@ by default (T = 2 x 4096 tokens, h = 1024, bf16): mHC's ``pre_forward``, ``pre_b
 ``update_forward`` and ``update_backward`` (n = 4 streams, fp32 coefficients), and Attention
 Residuals' ``depth_forward`` and ``depth_backward`` (``--depth-sources`` sources, as block
 AttnRes's FFN reads them: the packed state, its last slot plus the mixer's output, and the
-gradient the state has from its later use), each as the Triton launcher and as the eager
-PyTorch body of kernels/residual/efficient.py it equals. Per op: the mean of ``--reps`` calls after ``--warmup`` (CUDA events), and the bandwidth that time implies
+gradient the state has from its later use), each as the Triton launcher
+and as the eager PyTorch body of kernels/residual/efficient.py it equals. Per op: the
+mean of ``--reps`` calls after ``--warmup`` (CUDA events), and the bandwidth that time implies
 for the bytes the op must move at least (its inputs read once, its outputs written once): an
 op far below the GPU's HBM bandwidth (~4.8 TB/s on an H200) is bound by something else.
 Each op's row also lists the GPU kernels of one Triton call and their time (torch.profiler),
 and their sum: where the launcher's host work takes longer than its kernels, the calls' time
 is the host's, and the kernels' sum is what the op costs the GPU.
 
-    python benchmarks/residual_ops.py --out benchmarks/results/residual_ops.json
-    python benchmarks/residual_ops.py --tokens 1024 --out /tmp/residual_ops.json  # a quick run
+    python benchmarks/mhc_ops.py --out benchmarks/results/mhc_ops.json
+    python benchmarks/mhc_ops.py --tokens 1024 --out /tmp/mhc_ops.json  # a quick run
 """
 
 from __future__ import annotations
@@ -56,10 +57,8 @@ def nbytes(*tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-FORWARD_ROWS = (1024, 2048, 4096, 8192)
-BACKWARD_TILE_ROWS = (4, 16, 64)
-BACKWARD_CONFIGS = [dict(BLOCK_T=t, BLOCK_H=c, num_warps=w)
-                    for t in (8, 16, 32) for c in (128, 256) for w in (2, 4, 8)]
+DEPTH_CONFIGS = [dict(BLOCK_T=t, BLOCK_H=c, num_warps=w)
+                 for t in (8, 16, 32) for c in (128, 256) for w in (2, 4, 8)]
 
 
 def ops(x):
@@ -159,33 +158,29 @@ def host_ms(fn, calls):
 
 
 def depth_sweep(x, reps):
-    """The depth kernels' GPU time (the kernels of a call, not the host's launch) at each launch
-    configuration: the forward at each ROW_ELEMENTS of FORWARD_ROWS; the backward in tiles at
-    each TILE_ROWS of BACKWARD_TILE_ROWS, and in chunks at each of BACKWARD_CONFIGS."""
+    """The depth kernels' GPU time (the kernels of a call, not the host's launch) at each
+    launch configuration of DEPTH_CONFIGS."""
     from megatron_ext.kernels.residual import triton_depth
 
-    names = ("ROW_ELEMENTS", "TILE_ELEMENTS", "TILE_ROWS", "BLOCK_T", "BLOCK_H",
-             "_BACKWARD_LAUNCH")
-    fixed = {name: getattr(triton_depth, name) for name in names}
-    sweeps = ([("depth_forward", dict(ROW_ELEMENTS=n)) for n in FORWARD_ROWS]
-              + [("depth_backward", dict(TILE_ROWS=n)) for n in BACKWARD_TILE_ROWS]
-              + [("depth_backward", dict(TILE_ELEMENTS=0, BLOCK_T=c["BLOCK_T"],
-                                         BLOCK_H=c["BLOCK_H"],
-                                         _BACKWARD_LAUNCH=dict(num_warps=c["num_warps"])))
-                 for c in BACKWARD_CONFIGS])
+    fixed = dict(BLOCK_T=triton_depth.BLOCK_T, BLOCK_H=triton_depth.BLOCK_H,
+                 forward=triton_depth._FORWARD_LAUNCH, backward=triton_depth._BACKWARD_LAUNCH)
     rows = []
     try:
-        for op, config in sweeps:
-            for name, value in config.items():
-                setattr(triton_depth, name, value)
-            kernels = kernel_times(ops(x)[op][0], reps)
-            rows.append(dict(op=op, **config, ms=sum(k["ms"] for k in kernels)))
-            log(f"depth sweep, {op}, {config}: {rows[-1]['ms']:.4f} ms")
-            for name in config:
-                setattr(triton_depth, name, fixed[name])
+        for config in DEPTH_CONFIGS:
+            triton_depth.BLOCK_T, triton_depth.BLOCK_H = config["BLOCK_T"], config["BLOCK_H"]
+            triton_depth._FORWARD_LAUNCH = dict(num_warps=config["num_warps"])
+            triton_depth._BACKWARD_LAUNCH = dict(num_warps=config["num_warps"])
+            row = dict(config)
+            for name in ("depth_forward", "depth_backward"):
+                kernels = kernel_times(ops(x)[name][0], reps)
+                row[f"{name}_ms"] = sum(k["ms"] for k in kernels)
+            rows.append(row)
+            log(f"depth sweep {config}: forward {row['depth_forward_ms']:.4f} ms, "
+                f"backward {row['depth_backward_ms']:.4f} ms")
     finally:
-        for name, value in fixed.items():
-            setattr(triton_depth, name, value)
+        triton_depth.BLOCK_T, triton_depth.BLOCK_H = fixed["BLOCK_T"], fixed["BLOCK_H"]
+        triton_depth._FORWARD_LAUNCH = fixed["forward"]
+        triton_depth._BACKWARD_LAUNCH = fixed["backward"]
     return rows
 
 

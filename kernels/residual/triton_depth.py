@@ -17,50 +17,47 @@ packed state (efficient.py says why):
   already has, added to its dv before it is written (in fp32 after rounding dv to the dtype, as
   autograd's addition of the two would).
 
-The kernels compute exactly efficient._DepthAttention's PyTorch path (to fp32 rounding), the
-sources read in their own dtype:
+The kernels compute exactly efficient._DepthAttention's PyTorch path (to fp32 rounding), one
+program per block of ``BLOCK_T`` tokens, the sources read in their own dtype, h in chunks of
+``BLOCK_H`` columns:
 
-    forward    one pass over the sources, one program per ROW_ELEMENTS / HP tokens (HP = h
-               rounded up to a power of two; whole rows in registers): per source, r_k and z_k
-               (fp32), then an online softmax over the sources (the running maximum m, the sum l
-               of exp(z_k - m) and the sum of exp(z_k - m) v_k, rescaled when m grows); out =
-               that sum / l in the sources' dtype; z, r and alpha = exp(z - m) / l written
-               ([T, K] fp32, kept for backward). Reads every source once, writes out.
-    backward   dalpha_k = <g, v_k>; dz = alpha (dalpha - sum_k alpha_k dalpha_k); dv_k =
-               alpha_k g + dz_k r_k q - (dz_k z_k r_k / h) v_k written into one gradient tensor
-               per group (in the group's dtype; plus first_grad for the first group); per-program
-               partial sums over tokens of dq = sum_k dz_k r_k v_k ([programs, h] fp32) reduced
-               outside by one torch sum. Two kernels:
-               - in tiles, where KP x HP <= TILE_ELEMENTS (block AttnRes: K <= 16 at h = 1024):
-                 one program per TILE_ROWS tokens, one token at a time, all its sources in
-                 registers as a [KP, HP] tile: reads every source once;
-               - in chunks, otherwise: one program per BLOCK_T tokens, h in chunks of BLOCK_H
-                 columns, pass 1 over the sources and g for dalpha and dz, pass 2 for dv_k and
-                 dq: reads every source twice (and g K + 1 times, from cache).
+    forward    pass 1 over the sources: r_k and z_k (fp32, per source); the softmax over the K
+               sources of a token in registers ([BLOCK_T, KP] tiles); z, r, alpha written
+               ([T, K] fp32, kept for backward); pass 2 over the sources: out = sum_k alpha_k
+               v_k, accumulated in fp32 and written in the sources' dtype.
+               Reads every source twice, writes out.
+    backward   pass 1 over the sources and g: dalpha_k = <g, v_k>; dz = alpha (dalpha - sum_k
+               alpha_k dalpha_k) in registers; pass 2 over the sources and g: dv_k = alpha_k g +
+               dz_k r_k q - (dz_k z_k r_k / h) v_k written into one gradient tensor per group
+               (in the group's dtype; plus first_grad for the first group), and the per-block
+               partial sums over tokens of dq = sum_k dz_k r_k v_k ([cdiv(T, BLOCK_T), h] fp32)
+               reduced outside by one torch sum. Reads every source twice and g K + 1 times (g's block is reused from
+               cache), writes every dv_k.
 
-dquery goes through per-program partial sums rather than atomics: the result is deterministic
+dquery goes through per-block partial sums rather than atomics: the result is deterministic
 (run to run, as the PyTorch path), and the partials are small (T / 16 rows of h fp32: 2 MB at
 T = 8192, h = 1024) next to the sources (K T h values).
 
 Numerics, as the PyTorch bodies: every sum and product in fp32 after reading its operands in
 their dtype (r_k = rsqrt(sum(v^2) / h + eps), the division rounded to nearest as PyTorch's
-mean; the softmax with its maximum subtracted, online in the forward); results written in the dtype of the tensor they
+mean; the softmax with its maximum subtracted); results written in the dtype of the tensor they
 are the value or gradient of (out in the first group's dtype, dv_k in its group's, dquery in the
 query's; z, r, alpha fp32). Sums run in another order than PyTorch's (per chunk of columns, then
 over chunks; dquery per block of tokens, then over blocks), and on a GPU exp and rsqrt are
 approximate and multiply-adds may fuse, so results equal the PyTorch path to fp32 rounding, not
 bitwise.
 
-Per-source scalars live in [tokens, KP] tiles (KP = K rounded up to a power of two, the padding
-masked: loads 0, stores skipped); in the backward in chunks, a source's column is picked out of
-a tile with a masked sum (an exact selection), once per source in pass 1 and once per source and
-chunk in pass 2. Launch configuration (fixed): forward ROW_ELEMENTS = 4096 (4 tokens a program
-at h = 1024), 4 warps (8 beyond h = 4096); backward in tiles 4 warps (8 beyond 4096 elements);
-backward in chunks BLOCK_T = 16, BLOCK_H = 128, 2 warps, chosen from
-18 configurations timed on an H200 at T = 8192, h = 1024, bf16, 5 sources (session 12,
-``benchmarks/residual_ops.py --depth-sweep``, before first_grad and last_plus existed: 0.132 ms
-of GPU time with 2 warps against 0.179 with 4). One compiled kernel per (number of groups, KP, dtypes, options, HP); T, the group sizes
-and strides are not specialised on.
+Per-source scalars live in [BLOCK_T, KP] tiles (KP = K rounded up to a power of two, the padding
+masked: z = -inf in the softmax, loads 0, stores skipped); a source's column is picked out of a
+tile with a masked sum (an exact selection), once per source in the passes that loop over
+sources outermost (forward pass 1, backward pass 1) and once per source and chunk in those that
+loop over columns outermost (forward and backward pass 2, which accumulate over the sources).
+Launch configuration (fixed): BLOCK_T = 16, BLOCK_H = 128, 4 warps forward and 2 backward,
+chosen from 18 configurations timed on an H200 at T = 8192, h = 1024, bf16, 5 sources (session
+12, ``benchmarks/residual_ops.py --depth-sweep``: the backward took 0.132 ms of GPU time with 2
+warps against 0.179 with 4; the forward's times were within 0.07-0.09 ms for most). One compiled
+kernel per (number of groups, KP, dtypes, options); T, the group sizes and strides are not
+specialised on.
 
 Constraints: 1 <= number of groups <= 4, 1 <= K <= 64 sources in all, h a multiple of 16, the
 groups (and last_plus) in one dtype among fp32, bf16 and fp16 with the same leading (token)
@@ -85,11 +82,9 @@ __all__ = ["forward", "backward", "unsupported_reason", "MAX_GROUPS", "MAX_SOURC
 MAX_GROUPS = 4
 MAX_SOURCES = 64
 H_MULTIPLE = 16
-ROW_ELEMENTS = 4096  # forward: tokens per program x h rounded up to a power of two
-TILE_ELEMENTS = 16384  # backward: the largest K x h (each rounded up to a power of two) in tiles
-TILE_ROWS = 16  # backward in tiles: tokens per program
-BLOCK_T = 16  # backward in chunks: tokens per program
-BLOCK_H = 128  # backward in chunks: columns per chunk
+BLOCK_T = 16
+BLOCK_H = 128
+_FORWARD_LAUNCH = dict(num_warps=4)
 _BACKWARD_LAUNCH = dict(num_warps=2)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _RUNTIME = (["T", "K", "pt", "gt", "at_", "as_"]
@@ -118,27 +113,39 @@ def _source(rows, k, s_stride, c, mask, plus_rows, last, PLUS: tl.constexpr):
 
 
 @triton.jit
-def _group_online(v_ptr, t_stride, s_stride, count, offset, plus_rows, q, tok, live, ks, c, in_h,
-                  z, r, m, l, acc, H, eps, PLUS: tl.constexpr):
-    """The online softmax over one group's sources (whole rows of BLOCK_T tokens, columns c):
-    z, r ([BLOCK_T, KP]) set in the group's columns; m, l ([BLOCK_T]) the running maximum and
-    sum of exp(z - m); acc ([BLOCK_T, HP]) the running sum of exp(z_k - m) v_k."""
+def _group_logits(v_ptr, t_stride, s_stride, count, offset, plus_rows, q_ptr, tok, live, ks, z,
+                  r, H, eps, PLUS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """z and r ([BLOCK_T, KP]) with the columns offset .. offset + count - 1 of one group set."""
+    hs = tl.arange(0, BLOCK_H)
+    rows = v_ptr + tok[:, None] * t_stride
+    for k in range(0, count):
+        sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+        dot = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for c0 in range(0, H, BLOCK_H):
+            c = c0 + hs
+            in_h = c < H
+            v = _source(rows, k, s_stride, c, live[:, None] & in_h[None, :], plus_rows,
+                        count - 1, PLUS)
+            q = tl.load(q_ptr + c, mask=in_h, other=0.0).to(tl.float32)
+            sumsq += tl.sum(v * v, 1)
+            dot += tl.sum(v * q[None, :], 1)
+        rk = tl.math.rsqrt(divide(sumsq, H.to(tl.float32)) + eps)
+        pick = ks[None, :] == offset + k
+        z = tl.where(pick, (dot * rk)[:, None], z)
+        r = tl.where(pick, rk[:, None], r)
+    return z, r
+
+
+@triton.jit
+def _group_sum(v_ptr, t_stride, s_stride, count, offset, plus_rows, alpha, acc, tok, live, ks,
+               c, in_h, PLUS: tl.constexpr):
+    """acc + sum_k alpha_k v_k over one group, on the columns c."""
     rows = v_ptr + tok[:, None] * t_stride
     for k in range(0, count):
         v = _source(rows, k, s_stride, c, live[:, None] & in_h[None, :], plus_rows, count - 1,
                     PLUS)
-        rk = tl.math.rsqrt(divide(tl.sum(v * v, 1), H.to(tl.float32)) + eps)
-        zk = tl.sum(v * q[None, :], 1) * rk
-        m_new = tl.maximum(m, zk)
-        scale = tl.exp(m - m_new)
-        w = tl.exp(zk - m_new)
-        acc = acc * scale[:, None] + w[:, None] * v
-        l = l * scale + w
-        m = m_new
-        pick = ks[None, :] == offset + k
-        z = tl.where(pick, zk[:, None], z)
-        r = tl.where(pick, rk[:, None], r)
-    return z, r, m, l, acc
+        acc += _column(alpha, ks, offset + k)[:, None] * v
+    return acc
 
 
 @triton.jit
@@ -192,41 +199,57 @@ def _group_vjp(v_ptr, t_stride, s_stride, count, d_ptr, offset, plus_rows, dplus
 def _forward_kernel(q_ptr, out_ptr, z_ptr, r_ptr, alpha_ptr, p_ptr, pt,
                     v0, t0, s0, k0, v1, t1, s1, k1, v2, t2, s2, k2, v3, t3, s3, k3,
                     T, K, H, eps, NG: tl.constexpr, KP: tl.constexpr, PLUS: tl.constexpr,
-                    BLOCK_T: tl.constexpr, HP: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """out, z, r, alpha of BLOCK_T tokens over the NG groups (vi [T, ki, H] at token stride ti,
-    slot stride si); where PLUS, group 0's last source plus p [T, H] (token stride pt). One pass
-    over the sources, whole rows (HP = H rounded up to a power of two) in registers."""
+    slot stride si); where PLUS, group 0's last source plus p [T, H] (token stride pt)."""
     tok, live = block_tokens(T, BLOCK_T)
     ks = tl.arange(0, KP)
-    c = tl.arange(0, HP)
-    in_h = c < H
-    q = tl.load(q_ptr + c, mask=in_h, other=0.0).to(tl.float32)
+    in_k = ks < K
     p_rows = p_ptr + tok[:, None] * pt
+
+    # Pass 1: r_k and z_k of every source.
     z = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
     r = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
-    m = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([BLOCK_T], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_T, HP], dtype=tl.float32)
-    z, r, m, l, acc = _group_online(v0, t0, s0, k0, 0, p_rows, q, tok, live, ks, c, in_h, z, r,
-                                    m, l, acc, H, eps, PLUS)
+    z, r = _group_logits(v0, t0, s0, k0, 0, p_rows, q_ptr, tok, live, ks, z, r, H, eps, PLUS,
+                         BLOCK_T, BLOCK_H)
     if NG > 1:
-        z, r, m, l, acc = _group_online(v1, t1, s1, k1, k0, p_rows, q, tok, live, ks, c, in_h, z,
-                                        r, m, l, acc, H, eps, False)
+        z, r = _group_logits(v1, t1, s1, k1, k0, p_rows, q_ptr, tok, live, ks, z, r, H, eps,
+                             False, BLOCK_T, BLOCK_H)
     if NG > 2:
-        z, r, m, l, acc = _group_online(v2, t2, s2, k2, k0 + k1, p_rows, q, tok, live, ks, c,
-                                        in_h, z, r, m, l, acc, H, eps, False)
+        z, r = _group_logits(v2, t2, s2, k2, k0 + k1, p_rows, q_ptr, tok, live, ks, z, r, H, eps,
+                             False, BLOCK_T, BLOCK_H)
     if NG > 3:
-        z, r, m, l, acc = _group_online(v3, t3, s3, k3, k0 + k1 + k2, p_rows, q, tok, live, ks,
-                                        c, in_h, z, r, m, l, acc, H, eps, False)
-    alpha = divide(tl.exp(z - m[:, None]), l[:, None])
-    live_k = live[:, None] & (ks < K)[None, :]
+        z, r = _group_logits(v3, t3, s3, k3, k0 + k1 + k2, p_rows, q_ptr, tok, live, ks, z, r, H,
+                             eps, False, BLOCK_T, BLOCK_H)
+
+    # The softmax over the K sources.
+    masked = tl.where(in_k[None, :], z, float("-inf"))
+    e = tl.exp(masked - tl.max(masked, 1)[:, None])
+    alpha = divide(e, tl.sum(e, 1)[:, None])
+    live_k = live[:, None] & in_k[None, :]
     at = tok[:, None] * K + ks[None, :]
     tl.store(z_ptr + at, z, mask=live_k)
     tl.store(r_ptr + at, r, mask=live_k)
     tl.store(alpha_ptr + at, alpha, mask=live_k)
-    tl.store(out_ptr + tok[:, None] * H + c[None, :],
-             divide(acc, l[:, None]).to(out_ptr.dtype.element_ty),
-             mask=live[:, None] & in_h[None, :])
+
+    # Pass 2: out = sum_k alpha_k v_k.
+    hs = tl.arange(0, BLOCK_H)
+    for c0 in range(0, H, BLOCK_H):
+        c = c0 + hs
+        in_h = c < H
+        acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        acc = _group_sum(v0, t0, s0, k0, 0, p_rows, alpha, acc, tok, live, ks, c, in_h, PLUS)
+        if NG > 1:
+            acc = _group_sum(v1, t1, s1, k1, k0, p_rows, alpha, acc, tok, live, ks, c, in_h,
+                             False)
+        if NG > 2:
+            acc = _group_sum(v2, t2, s2, k2, k0 + k1, p_rows, alpha, acc, tok, live, ks, c, in_h,
+                             False)
+        if NG > 3:
+            acc = _group_sum(v3, t3, s3, k3, k0 + k1 + k2, p_rows, alpha, acc, tok, live, ks, c,
+                             in_h, False)
+        tl.store(out_ptr + tok[:, None] * H + c[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & in_h[None, :])
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
@@ -289,83 +312,6 @@ def _backward_kernel(q_ptr, g_ptr, gt, z_ptr, r_ptr, alpha_ptr, dq_ptr, p_ptr, p
             dq = _group_vjp(v3, t3, s3, k3, d3, k0 + k1 + k2, p_rows, dp_rows, a_rows, as_, g, q,
                             alpha, along, coef, dq, tok, live, ks, c, in_h, H, False, False)
         tl.store(dq_ptr + tl.program_id(0) * H + c, tl.sum(dq, 0), mask=in_h)
-
-
-@triton.jit
-def _group_tile(v_ptr, t_stride, s_stride, lo, count, t, ks, c, m_h):
-    """The sources lo .. lo + count - 1 of a [KP, HP] tile (one token's sources) from one
-    group, in the group's dtype; zeros elsewhere."""
-    mine = (ks >= lo) & (ks < lo + count)
-    return tl.load(v_ptr + t * t_stride + (ks - lo)[:, None] * s_stride + c[None, :],
-                   mask=mine[:, None] & m_h[None, :], other=0.0)
-
-
-@triton.jit
-def _store_group(d_ptr, dv, lo, count, t, ks, c, m_h, H):
-    """The rows lo .. lo + count - 1 of a [KP, HP] tile into d_ptr [T, count, H]."""
-    mine = (ks >= lo) & (ks < lo + count)
-    tl.store(d_ptr + t * count * H + (ks - lo)[:, None] * H + c[None, :], dv,
-             mask=mine[:, None] & m_h[None, :])
-
-
-@triton.jit(do_not_specialize=_RUNTIME)
-def _backward_tile_kernel(q_ptr, g_ptr, gt, z_ptr, r_ptr, alpha_ptr, dq_ptr, p_ptr, pt, dp_ptr,
-                          a_ptr, at_, as_, v0, t0, s0, k0, d0, v1, t1, s1, k1, d1,
-                          v2, t2, s2, k2, d2, v3, t3, s3, k3, d3, T, K, H,
-                          NG: tl.constexpr, KP: tl.constexpr, PLUS: tl.constexpr,
-                          ACC: tl.constexpr, ROWS: tl.constexpr, HP: tl.constexpr):
-    """_backward_kernel's results for ROWS tokens, one token at a time with all its K sources
-    in registers as a [KP, HP] tile (each source read once); this program's partial sum of dq
-    into dq_ptr [cdiv(T, ROWS), H]."""
-    ks = tl.arange(0, KP)
-    c = tl.arange(0, HP)
-    in_h = c < H
-    in_k = ks < K
-    q = tl.load(q_ptr + c, mask=in_h, other=0.0).to(tl.float32)
-    dq = tl.zeros([HP], dtype=tl.float32)
-    for i in range(ROWS):
-        t = (tl.program_id(0) * ROWS + i).to(tl.int64)
-        m_h = in_h & (t < T)
-        m_k = in_k & (t < T)
-        first = _group_tile(v0, t0, s0, 0, k0, t, ks, c, m_h)
-        if PLUS:
-            last = ks[:, None] == k0 - 1
-            p = tl.load(p_ptr + t * pt + c[None, :] + 0 * ks[:, None], mask=last & m_h[None, :],
-                        other=0.0)
-            first = (first.to(tl.float32) + p.to(tl.float32)).to(first.dtype)
-        v = first.to(tl.float32)
-        if NG > 1:
-            v += _group_tile(v1, t1, s1, k0, k1, t, ks, c, m_h).to(tl.float32)
-        if NG > 2:
-            v += _group_tile(v2, t2, s2, k0 + k1, k2, t, ks, c, m_h).to(tl.float32)
-        if NG > 3:
-            v += _group_tile(v3, t3, s3, k0 + k1 + k2, k3, t, ks, c, m_h).to(tl.float32)
-        g = tl.load(g_ptr + t * gt + c, mask=m_h, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + t * K + ks, mask=m_k, other=0.0)
-        r = tl.load(r_ptr + t * K + ks, mask=m_k, other=0.0)
-        alpha = tl.load(alpha_ptr + t * K + ks, mask=m_k, other=0.0)
-        dalpha = tl.sum(v * g[None, :], 1)
-        dz = alpha * (dalpha - tl.sum(alpha * dalpha, 0))
-        along = dz * r
-        coef = divide(along * z * r, H.to(tl.float32))
-        dq += tl.sum(along[:, None] * v, 0)
-        dv = (alpha[:, None] * g[None, :] + along[:, None] * q[None, :]
-              - coef[:, None] * v).to(d0.dtype.element_ty)
-        if PLUS:
-            tl.store(dp_ptr + t * H + c[None, :] + 0 * ks[:, None], dv,
-                     mask=(ks[:, None] == k0 - 1) & m_h[None, :])
-        if NG > 1:
-            _store_group(d1, dv, k0, k1, t, ks, c, m_h, H)
-        if NG > 2:
-            _store_group(d2, dv, k0 + k1, k2, t, ks, c, m_h, H)
-        if NG > 3:
-            _store_group(d3, dv, k0 + k1 + k2, k3, t, ks, c, m_h, H)
-        if ACC:
-            a = tl.load(a_ptr + t * at_ + ks[:, None] * as_ + c[None, :],
-                        mask=(ks < k0)[:, None] & m_h[None, :], other=0.0)
-            dv = (dv.to(tl.float32) + a.to(tl.float32)).to(d0.dtype.element_ty)
-        _store_group(d0, dv, 0, k0, t, ks, c, m_h, H)
-    tl.store(dq_ptr + tl.program_id(0) * H + c, dq, mask=in_h)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,13 +401,11 @@ def forward(query: torch.Tensor, groups: Sequence[torch.Tensor], eps: float,
                    for _ in range(3))
     if tokens:
         with launch_device(first.device):
-            padded_h = triton.next_power_of_2(h)
-            rows = max(1, ROW_ELEMENTS // padded_h)
-            _forward_kernel[(triton.cdiv(tokens, rows),)](
+            _forward_kernel[(triton.cdiv(tokens, BLOCK_T),)](
                 query, out, z, r, alpha, first if plus is None else plus,
                 0 if plus is None else plus.stride(0), *_group_arguments(views), tokens, total,
                 h, float(eps), NG=len(views), KP=padded_sources(total), PLUS=plus is not None,
-                BLOCK_T=rows, HP=padded_h, num_warps=4 if padded_h <= ROW_ELEMENTS else 8)
+                BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, **_FORWARD_LAUNCH)
     return (out.view(*lead, h), z.view(*lead, total), r.view(*lead, total),
             alpha.view(*lead, total))
 
@@ -493,21 +437,9 @@ def backward(query: torch.Tensor, groups: Sequence[torch.Tensor], grad: torch.Te
     dplus = None if plus is None else torch.empty((tokens, h), dtype=plus.dtype,
                                                   device=plus.device)
     acc = None if first_grad is None else _tokens_view(first_grad, shape[-2], h)
-    padded_h, padded_k = triton.next_power_of_2(h), padded_sources(total)
-    tiled = padded_k * padded_h <= TILE_ELEMENTS
-    blocks = triton.cdiv(tokens, TILE_ROWS if tiled else BLOCK_T)
+    blocks = triton.cdiv(tokens, BLOCK_T)
     partial = torch.empty((blocks, h), dtype=torch.float32, device=first.device)
-    if tokens and tiled:
-        with launch_device(first.device):
-            _backward_tile_kernel[(blocks,)](
-                query, grad, grad.stride(0), z, r, alpha, partial,
-                first if plus is None else plus, 0 if plus is None else plus.stride(0),
-                first if dplus is None else dplus, first if acc is None else acc,
-                0 if acc is None else acc.stride(0), 0 if acc is None else acc.stride(1),
-                *_group_arguments(views, grads), tokens, total, h, NG=len(views), KP=padded_k,
-                PLUS=plus is not None, ACC=acc is not None, ROWS=TILE_ROWS, HP=padded_h,
-                num_warps=4 if padded_k * padded_h <= ROW_ELEMENTS else 8)
-    elif tokens:
+    if tokens:
         with launch_device(first.device):
             _backward_kernel[(blocks,)](
                 query, grad, grad.stride(0), z, r, alpha, partial,
