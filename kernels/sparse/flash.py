@@ -32,8 +32,9 @@ block from the selected ones) chooses per query head; NSA's selected branch (Yua
 the query heads of a group. The work is then that of the chosen blocks, where a block mask over
 128-query tiles covers the union of what every query of the tile chose. NSA's sliding-window
 branch is :func:`flash_attention`; its compressed branch keeps the block layout. Where Triton
-runs (CUDA), the merge of the two calls' outputs and the sum of their query gradients run in two
-Triton kernels (triton_merge.py), each reading its inputs once; elsewhere in PyTorch.
+runs (CUDA), the merge of the two calls' outputs, the sum of their query gradients and the
+gathers of the pairs' rows run in Triton kernels (triton_merge.py), each reading its inputs once;
+elsewhere in PyTorch.
 
 The kernels run only after a first-use check per device and dtype (:func:`check`, run once by
 :func:`checked`; ``megatron-ext doctor`` shows its errors): small
@@ -230,6 +231,12 @@ def _merge_kernels():
     return triton_merge
 
 
+def _gather_for(in_triton: bool):
+    """How the pairs' call gathers its rows: in Triton where the merge runs there (the plan has
+    ``pairs_of_row``), else by PyTorch's indexing."""
+    return _merge_kernels().gather_rows if in_triton else (lambda x, rows: x[rows])
+
+
 def _merge(pieces, sink, tokens: int, group: int, dtype):
     """The PyTorch merge: ``pieces`` ``(out, lse, rows)`` (rows None: every row, in order),
     each ``out [rows, group, D]``, ``lse [rows, group]``, and the sink -> ``(out [R, group, D]
@@ -289,8 +296,9 @@ class _FlashBlockSelection(torch.autograd.Function):
         rows = plan.rows
         # Rows of `group` query heads (one selection head each): [B * T * Hs, group].
         out_sel, lse_sel = out_own, lse_own  # (stand-ins when no query chose an earlier block)
+        gather = _gather_for(plan.pairs_of_row is not None)
         if rows.numel():
-            q_pairs = q_rows.view(-1, group, dim)[rows]
+            q_pairs = gather(q_rows.view(-1, group, dim), rows)
             out_sel, lse_sel = _kernel_forward(q_pairs, k_heads, v_heads, *selected)
         if plan.pairs_of_row is not None:
             out, full_lse = _merge_kernels().merge_forward(
@@ -321,9 +329,10 @@ class _FlashBlockSelection(torch.autograd.Function):
         dk, dv = (x.reshape(batch, seq_len, kv_heads, dim) for x in (dk, dv))
         dq_pairs = None
         if rows.numel():
-            by_row = lambda x: x.reshape(-1, group, dim)[rows]  # noqa: E731
+            gather = _gather_for(pairs_of_row is not None)
+            by_row = lambda x: gather(x.reshape(-1, group, dim), rows)  # noqa: E731
             dq_pairs, dk_heads, dv_heads = _kernel_backward(
-                by_row(d_out), by_row(q_rows), k_heads, v_heads, out[rows],
+                by_row(d_out), by_row(q_rows), k_heads, v_heads, by_row(out),
                 full_lse[rows].t().contiguous(), *selected)
             repeat = selection_heads // kv_heads
             dk, dv = _add_heads(dk, dk_heads, repeat), _add_heads(dv, dv_heads, repeat)

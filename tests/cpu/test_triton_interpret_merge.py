@@ -1,7 +1,8 @@
-"""The Triton kernels that merge a block selection's two FlashAttention calls
-(kernels/sparse/triton_merge.py) on Triton's CPU interpreter, inside flash.py's MoBA and block
-selection with the FlashAttention kernels emulated (flash_emulation.py), forward and backward,
-against the fp32 reference; skipped where Triton is not installed.
+"""The Triton kernels that merge a block selection's two FlashAttention calls and gather the
+rows of its pairs' call (kernels/sparse/triton_merge.py) on Triton's CPU interpreter, inside
+flash.py's MoBA and block selection with the FlashAttention kernels emulated
+(flash_emulation.py), forward and backward, against the fp32 reference; skipped where Triton is
+not installed.
 
 Run as a script under TRITON_INTERPRET=1 (triton_interpreter.run_as_script), every load and
 store checked to stay inside the tensors of its launch: test_sparse_flash_emulated.py's MoBA
