@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .reference import chosen_blocks
+from . import reference
 
 __all__ = [
     "BlockLayout", "interval_layout", "selection_layout", "window_rule", "window_span",
@@ -29,6 +29,20 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 # Queries per step when a selection scores them (a [B, H, chunk, blocks] matrix at a time).
 SELECTION_CHUNK = 4096
+
+# The device types whose selections pick their top-k blocks in Triton (triton_select.py); tests
+# add "cpu" under Triton's interpreter.
+SELECT_DEVICE_TYPES = {"cuda"}
+
+
+def chosen_blocks(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """:func:`reference.chosen_blocks`, in Triton (triton_select.py) where it runs and the
+    scores are fp32 of at most its MAX_BLOCKS blocks."""
+    if scores.device.type in SELECT_DEVICE_TYPES and scores.dtype == torch.float32:
+        from . import triton_select
+        if scores.shape[-1] <= triton_select.MAX_BLOCKS:
+            return triton_select.chosen_blocks(scores, top_k)
+    return reference.chosen_blocks(scores, top_k)
 
 
 @dataclass

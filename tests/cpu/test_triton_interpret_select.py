@@ -1,0 +1,44 @@
+"""The Triton top-k block choice (kernels/sparse/triton_select.py) on Triton's CPU interpreter:
+tests/gpu/test_sparse_select.py's ``check`` (every load and store checked to stay inside the
+tensors of its launch), then MoBA's and NSA's selections (kernels/sparse/layout.py) with the
+kernel in place against them with it off. Skipped where Triton is not installed.
+"""
+import triton_interpreter
+from triton_interpreter import needs_triton
+
+
+def main() -> None:
+    import torch
+
+    triton_interpreter.setup()
+    checks = triton_interpreter.gpu_checks("test_sparse_select")
+    print(f"kernel: {checks.check('cpu')} cases ok", flush=True)
+    from megatron_ext.kernels.sparse import layout
+
+    generator = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, 300, 4, 16, generator=generator) for _ in range(2))
+    compressed = torch.randn(2, 17, 2, 16, generator=generator)
+    selections = {
+        "moba": lambda: layout.moba_chosen(q, k, 32, 3),
+        "nsa": lambda: layout.nsa_chosen(q, compressed, compress_block=32, compress_stride=16,
+                                         select_block=32, select_top_k=4, scale=0.25),
+    }
+    for name, select in selections.items():
+        want = select()
+        layout.SELECT_DEVICE_TYPES.add("cpu")
+        try:
+            got = select()
+        finally:
+            layout.SELECT_DEVICE_TYPES.discard("cpu")
+        assert torch.equal(got, want), name
+        print(f"{name} selection: ok", flush=True)
+    print("all interpreter cases passed")
+
+
+@needs_triton
+def test_kernel_on_the_interpreter():
+    triton_interpreter.run_as_script(__file__)
+
+
+if __name__ == "__main__":
+    main()
