@@ -245,8 +245,9 @@ def measure(op: Op, seq_len: int, args) -> dict:
 
 def kernel_times(fn, top: int = 12) -> dict[str, dict[str, float]]:
     """Where one call of ``fn`` spends its time, from torch.profiler: ``kernels``, GPU ms per
-    kernel (summed over its launches), and ``host``, the host's own ms per op, the ``top`` of
-    each; and ``wall_ms`` of the profiled call. The timings above include any time the GPU waits
+    kernel (summed over its launches, and over kernels whose names share their first 120
+    characters; before session 12 such kernels overwrote each other), and ``host``, the host's
+    own ms per op, the ``top`` of each; and ``wall_ms`` of the profiled call. The timings above include any time the GPU waits
     for the host (each timed call starts on an idle GPU), so a wall time well above the kernels'
     sum points at the host."""
     from torch.profiler import ProfilerActivity, profile
@@ -257,16 +258,21 @@ def kernel_times(fn, top: int = 12) -> dict[str, dict[str, float]]:
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) * 1e3
     events = prof.key_averages()
+
+    def longest(times: dict) -> dict:
+        # names cut to 120 characters: kernels whose names differ only after that are summed
+        cut = {}
+        for name, ms in times:
+            cut[name[:120]] = cut.get(name[:120], 0.0) + ms
+        return dict(sorted(cut.items(), key=lambda item: item[1], reverse=True)[:top])
+
     # the GPU's own events only: every host op also carries its kernels' device time
-    on_gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.self_device_time_total, reverse=True)
-    on_host = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
-                     key=lambda e: e.self_cpu_time_total, reverse=True)
-    return dict(kernels={e.key[:120]: e.self_device_time_total / 1e3 for e in on_gpu[:top]
-                         if e.self_device_time_total > 0},
-                kernels_total_ms=sum(e.self_device_time_total for e in on_gpu) / 1e3,
-                host={e.key[:120]: e.self_cpu_time_total / 1e3 for e in on_host[:top]},
-                wall_ms=wall_ms)
+    on_gpu = [(e.key, e.self_device_time_total / 1e3) for e in events
+              if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+    on_host = [(e.key, e.self_cpu_time_total / 1e3) for e in events
+               if e.device_type == torch.autograd.DeviceType.CPU]
+    return dict(kernels=longest(on_gpu), kernels_total_ms=sum(ms for _, ms in on_gpu),
+                host=longest(on_host), wall_ms=wall_ms)
 
 
 def environment(device: torch.device) -> dict:
