@@ -35,6 +35,11 @@ several uses (each a pass over the whole state, and for a slice a zero tensor an
   the one new packed tensor with both outputs added (:class:`_AddToLastSlot`);
 - an output that starts a slot of its own (full: every output; block: the first output of a
   block) is appended at the exit, in one concatenation.
+
+On an H200 (session 12: 20 layers, hidden 1024, seq 4096, blocks of 4 layers) block AttnRes
+takes +15.4% GPU time a training step over the standard residual at micro-batch 2 (+20.6% in
+session 11, when the FFN read a copy of the partial sum and autograd summed the packed input's
+gradients) and +16.5% at micro-batch 8; peak memory +1.59 and +6.37 GiB.
 """
 from __future__ import annotations
 
