@@ -31,8 +31,8 @@ program per block of ``BLOCK_T`` tokens, the sources read in their own dtype, h 
                dz_k r_k q - (dz_k z_k r_k / h) v_k written into one gradient tensor per group
                (in the group's dtype; plus first_grad for the first group), and the per-block
                partial sums over tokens of dq = sum_k dz_k r_k v_k ([cdiv(T, BLOCK_T), h] fp32)
-               reduced outside by one torch sum. Reads every source twice and g K + 1 times (g's block is reused from
-               cache), writes every dv_k.
+               reduced outside by one torch sum. Reads every source twice and g K + 1 times
+               (g's block is reused from cache), writes every dv_k.
 
 dquery goes through per-block partial sums rather than atomics: the result is deterministic
 (run to run, as the PyTorch path), and the partials are small (T / 16 rows of h fp32: 2 MB at
@@ -63,8 +63,8 @@ Constraints: 1 <= number of groups <= 4, 1 <= K <= 64 sources in all, h a multip
 groups (and last_plus) in one dtype among fp32, bf16 and fp16 with the same leading (token)
 dimensions, the query ``[h]``; a group whose leading dimensions cannot be viewed as one token
 dimension, or whose columns are strided, is copied. Anything else raises a ValueError naming the
-constraint (:func:`unsupported_reason`); efficient.py then runs the PyTorch path. CUDA tensors, or CPU
-tensors under Triton's interpreter (TRITON_INTERPRET=1).
+constraint (:func:`unsupported_reason`); efficient.py then runs the PyTorch path. CUDA tensors,
+or CPU tensors under Triton's interpreter (TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 

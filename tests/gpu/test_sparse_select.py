@@ -1,10 +1,11 @@
 """The Triton top-k block choice (kernels/sparse/triton_select.py) against
-``reference.chosen_blocks``, on CUDA (skipped without a GPU); tests/cpu/test_triton_interpret_select.py
-runs ``check`` on the CPU under Triton's interpreter.
+``reference.chosen_blocks``, on CUDA (skipped without a GPU);
+tests/cpu/test_triton_interpret_select.py runs ``check`` on the CPU under Triton's interpreter.
 
-``check`` draws scores with some blocks barred (-inf) and up to min(k, 2) forced (+inf) per row,
-as MoBA's and NSA's selections make them, for block counts that are and are not powers of two and k from 1
-to more than the blocks, and asserts the same chosen set, bit for bit (the scores are distinct).
+``check`` draws scores with some blocks barred (-inf) and up to min(k, 2) forced (+inf) per
+row, as MoBA's and NSA's selections make them, for block counts that are and are not powers of
+two and k from 1 to more than the blocks, and asserts the same chosen set, bit for bit (the
+scores are distinct).
 It also checks rows of equal finite scores: as many chosen as torch.topk's, the lowest columns.
 """
 import pytest

@@ -10,9 +10,9 @@ device and inputs: the sources as groups of given sizes, strided views into pack
 (``packed[..., 1:, :]``) or, with ``separate``, the last one a tensor of its own; with ``plus``
 the first group's last source read as that slot plus a tensor (``last_plus``), and with
 ``first_grad`` an incoming gradient for the first group (strided, as a slice of a concatenation's
-gradient) added to its dv; sources and gradients in the case's dtype, the query fp32. Cases on CUDA: h = 1024,
-T = 8192 + 37 (a partial block of tokens), block AttnRes's groups (2 + 1 sources) and full
-AttnRes's (40 + 1), fp32 and bf16; tokens as [3, 13].
+gradient) added to its dv; sources and gradients in the case's dtype, the query fp32. Cases on
+CUDA: h = 1024, T = 8192 + 37 (a partial block of tokens), 2 + 1 and 40 + 1 sources, fp32 and
+bf16, and 5 sources in one group without either option; tokens as [3, 13] with four groups.
 
 Tolerances, rtol and atol relative to each output's largest magnitude: fp32 1e-5 (sums in
 another order, the GPU's exp and rsqrt; a slip is 1e-2 or more); bf16 / fp16 2^-6 (out and dv
