@@ -29,7 +29,8 @@ The pairs' call reads its queries (and in backward the output gradients, queries
 outputs) as rows gathered from the token-major ones: ``x[rows]`` for ``x [R, G, D]``. PyTorch's
 indexing kernel moved these 256-byte rows at about 0.85 TB/s on an H200 (session 12's MoBA
 profile: 2.4 ms for the four gathers of MoBA's call at T = 16384; 18.3 ms of NSA's 81);
-:func:`gather_rows` copies BLOCK_P whole rows per program.
+:func:`gather_rows` copies BLOCK_P whole rows per program: at MoBA's size (1,048,576 rows)
+0.64 -> 0.10 ms a gather, at NSA's (7,864,320) 4.73 -> 0.57 ms (session 12).
 """
 from __future__ import annotations
 
