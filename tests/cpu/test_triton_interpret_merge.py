@@ -8,7 +8,8 @@ Run as a script under TRITON_INTERPRET=1 (triton_interpreter.run_as_script), eve
 store checked to stay inside the tensors of its launch: test_sparse_flash_emulated.py's MoBA
 calls (a partial last block, every earlier block chosen, the own block only: no pairs at all,
 one partial block) and its block selections per query head and per key/value head (G = 2 query
-heads per row), with and without a sink, on that file's fp64 inputs and its 1e-6 relative
+heads per row), with and without a sink, and the row gather alone (rows wider than a chunk of
+columns, repeated rows, no rows), on that file's fp64 inputs and its 1e-6 relative
 tolerance (the kernels sum in fp32: ~1e-7). The same calls with the PyTorch merge are that
 file's tests; the kernels on a GPU, in bf16 and with the real FlashAttention kernels, are
 tests/gpu/test_sparse_flash.py's.
@@ -40,6 +41,16 @@ def main() -> None:
         count += 1
         print(f"block selection, {selection_heads} selection heads: ok", flush=True)
     assert len(merges) >= count, (len(merges), count)  # the Triton merge ran in every call
+    # the row gather on its own: rows wider than one chunk of columns, repeated rows, none
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    for shape, picks in (((37, 3, 200), 50), ((11, 600), 29), ((5, 2, 8), 0)):
+        x = torch.randn(*shape, generator=generator)
+        rows = torch.randint(0, shape[0], (picks,), generator=generator)
+        assert torch.equal(flash._merge_kernels().gather_rows(x, rows), x[rows]), shape
+        count += 1
+        print(f"gather_rows {shape}, {picks} rows: ok", flush=True)
     print(f"all {count} interpreter cases passed")
 
 
