@@ -164,6 +164,7 @@ def depth_sweep(x, reps):
 
     fixed = dict(BLOCK_T=triton_depth.BLOCK_T, BLOCK_H=triton_depth.BLOCK_H,
                  forward=triton_depth._FORWARD_LAUNCH, backward=triton_depth._BACKWARD_LAUNCH)
+    launchers = ops(x)  # the launchers read the configuration when called
     rows = []
     try:
         for config in DEPTH_CONFIGS:
@@ -172,7 +173,7 @@ def depth_sweep(x, reps):
             triton_depth._BACKWARD_LAUNCH = dict(num_warps=config["num_warps"])
             row = dict(config)
             for name in ("depth_forward", "depth_backward"):
-                kernels = kernel_times(ops(x)[name][0], reps)
+                kernels = kernel_times(launchers[name][0], reps)
                 row[f"{name}_ms"] = sum(k["ms"] for k in kernels)
             rows.append(row)
             log(f"depth sweep {config}: forward {row['depth_forward_ms']:.4f} ms, "
