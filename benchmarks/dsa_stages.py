@@ -1,12 +1,15 @@
-"""Where a DSA layer's sparse stage spends its time: the selection (``dsa_select``), the
-attention over it (``dsa_attention``, forward and forward+backward) and the indexer loss
-(``dsa_indexer_loss`` on the selected keys, forward and forward+backward), each timed alone on
-the backends "auto" picks (on CUDA: our Triton kernels for the attention and the loss once
-their first-use check passed; PyTorch chunks for the selection).
+"""Where a DSA layer's sparse stage spends its time: the selection (``dsa_select``: the
+indexer's scores, in Triton on CUDA, and the top-k), the attention over it (``dsa_attention``,
+forward and forward+backward, on each backend of ``--attention``: "triton", our kernels that
+gather each query's keys; "flex", FlexAttention over the selection's bitmap, whose making is
+also timed alone as ``flex_bitmap``) and the indexer loss (``dsa_indexer_loss`` on the
+selected keys, forward and forward+backward, on the backend "auto" picks: on CUDA our Triton
+kernels once their first-use check passed), each timed alone.
 
-Shapes as ``benchmarks/sparse_attention.py``'s dsa op: B = batch_tokens / T, H heads for q, k and
-v, head dim D, bf16; ``--dsa`` = top-k, indexer heads, indexer dim (the paper's 2048,64,128).
-Each stage: the fastest of ``--reps`` calls after one untimed call, from an idle GPU.
+Shapes as ``benchmarks/sparse_attention.py``'s dsa op: B = batch_tokens / T, H heads for q and
+(``--kv-heads``, default H) for k and v, head dim D, bf16; ``--dsa`` = top-k, indexer heads,
+indexer dim (the paper's 2048,64,128). Each stage: the fastest of ``--reps`` calls after one
+untimed call, from an idle GPU.
 
     source benchmarks/gpu_setup.sh && python benchmarks/dsa_stages.py     # on the GPU machine
     python benchmarks/dsa_stages.py --device cpu --seq-lens 128 --batch-tokens 512 --heads 2 \\
@@ -22,6 +25,7 @@ import time
 import torch
 
 from megatron_ext.kernels import sparse
+from megatron_ext.kernels.sparse import layout
 
 
 def fastest_ms(fn, device: torch.device, reps: int) -> float:
@@ -50,23 +54,26 @@ def stages(seq_len: int, args) -> dict[str, float]:
     def leaf(*shape):
         return torch.randn(*shape, device=device).bfloat16().requires_grad_()
 
-    q, k, v = (leaf(batch, seq_len, args.heads, args.head_dim) for _ in range(3))
+    q = leaf(batch, seq_len, args.heads, args.head_dim)
+    k, v = (leaf(batch, seq_len, args.kv_heads, args.head_dim) for _ in range(2))
     index = (leaf(batch, seq_len, index_heads, index_dim), leaf(batch, seq_len, index_dim),
              leaf(batch, seq_len, index_heads))
     sink = torch.randn(args.heads, device=device, requires_grad=True)
     selected = sparse.dsa_select(*index, top_k=top_k)
 
-    def attention():
-        return sparse.dsa_attention(q, k, v, selected, sink=sink)
+    def attention(backend):
+        return lambda: sparse.dsa_attention(q, k, v, selected, sink=sink, backend=backend)
 
     def loss():
         return sparse.dsa_indexer_loss(q, k, *index, selected=selected, sink=sink)
 
-    calls = {"select": lambda: sparse.dsa_select(*index, top_k=top_k),
-             "attention_fwd": attention,
-             "attention_fwd_bwd": lambda: attention().sum().backward(),
-             "loss_fwd": loss,
-             "loss_fwd_bwd": lambda: loss().backward()}
+    calls = {"select": lambda: sparse.dsa_select(*index, top_k=top_k)}
+    for backend in args.attention:
+        calls[f"{backend}_attention_fwd"] = attention(backend)
+        calls[f"{backend}_attention_fwd_bwd"] = lambda run=attention(backend): run().sum().backward()
+    if "flex" in args.attention:
+        calls["flex_bitmap"] = lambda: layout.key_selection_layout(selected, seq_len, 128, 128)
+    calls.update(loss_fwd=loss, loss_fwd_bwd=lambda: loss().backward())
     return {name: round(fastest_ms(fn, device, args.reps), 2) for name, fn in calls.items()}
 
 
@@ -76,6 +83,10 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-lens", default="4096,16384", help="comma-separated T values")
     parser.add_argument("--batch-tokens", type=int, default=32768, help="B * T, for every T")
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
+    parser.add_argument("--attention",
+                        help="the attention's backends to time, of auto, triton and flex "
+                             "(default: triton,flex on CUDA, else auto)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dsa", default="2048,64,128", help="top-k, indexer heads, indexer dim")
     parser.add_argument("--reps", type=int, default=2)
@@ -83,13 +94,16 @@ def main(argv=None) -> None:
     parser.add_argument("--out", help="also write the results here (JSON)")
     args = parser.parse_args(argv)
     args.dsa = [int(value) for value in args.dsa.split(",")]
+    args.kv_heads = args.kv_heads or args.heads
+    args.attention = (args.attention or ("triton,flex" if args.device == "cuda" else "auto")
+                      ).split(",")
     if len(args.dsa) != 3:
         parser.error("--dsa takes 3 numbers: top-k, indexer heads, indexer dim")
     results = []
     for seq_len in (int(value) for value in args.seq_lens.split(",")):
         ms = stages(seq_len, args)
         results.append({"seq_len": seq_len, "batch": args.batch_tokens // seq_len, **ms})
-        print(f"DSA T={seq_len} B={args.batch_tokens // seq_len}: "
+        print(f"DSA T={seq_len} B={args.batch_tokens // seq_len} H={args.heads} on {args.kv_heads}: "
               + ", ".join(f"{name} {value:.1f} ms" for name, value in ms.items()), flush=True)
         if args.device == "cuda":
             torch.cuda.empty_cache()

@@ -24,7 +24,9 @@ only, its CPU form has no backward) and gathered (PyTorch); swa_sink, causal_sin
 also with flash (torch's FlashAttention-2 kernels, the sink through their log-sum-exp; NSA's
 compressed branch on flex; CUDA only); dsa and csa also with triton (our Triton kernels,
 kernels/sparse/triton.py and triton_indexer.py, for the attention and the indexer loss's
-target and KL; the selection in PyTorch; CUDA only);
+target and KL; the selection's scores in triton_indexer.py, its top-k in PyTorch; CUDA only);
+dsa/flex and csa/flex run the attention on FlexAttention over the selection's bitmap and the
+rest as "auto" does;
 swa_sink and causal_sink also with fla (fla-core's ``parallel_attn`` with ``window_size`` and ``sink_bias``; CUDA only, skipped
 where fla-core does not import). Before an fla op's first timing, fla's op and ours (flex) are
 each compared with the fp32 reference on one sequence of 2 * ``--window`` tokens, output and
@@ -245,9 +247,7 @@ def build_ops(args) -> list:
         make = lambda *shape, family=family: make_inputs(args, family, *shape)  # noqa: E731
         for backend in BACKENDS:
             skip = None
-            if backend == "flex" and family in ("dsa", "csa"):
-                skip = f"{family.upper()} has no FlexAttention form (a per-token selection is no block mask)"
-            elif backend == "flex" and device.type != "cuda":
+            if backend == "flex" and device.type != "cuda":
                 skip = "FlexAttention has no backward on the CPU"
             ops.append(bench.Op(family, backend, make, family_run(family, backend, args), skip))
         if family in FLASH_FAMILIES:

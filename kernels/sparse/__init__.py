@@ -24,12 +24,15 @@ on the device (NSA runs flash only when asked for: see nsa_attention).
 for flex, 64 x 64 for gathered; 16 x 64 for NSA's selected branch in gathered, whose queries
 pick their own blocks); the result does not depend on them.
 
-DSA selects keys per token, which no block layout describes; its ops (``dsa_select``,
-``dsa_attention``, ``dsa_indexer_loss``) run the reference or, for every other backend, the
-per-token gathered form of selected.py; but ``dsa_attention`` (and CSA's ``csa_attention``),
-and the indexer losses' sparse stage, run triton.py's kernels with "triton", and
-with "auto" on CUDA where they take the call and have passed their first-use check on the device
-in the call's dtype.
+DSA selects keys per token; its ops (``dsa_select``, ``dsa_attention``, ``dsa_indexer_loss``)
+run the reference or, for every other backend, the per-token gathered form of selected.py (the
+selection's scores in triton_indexer.py's kernel on CUDA); but ``dsa_attention`` (and CSA's
+``csa_attention``), and the indexer losses' sparse stage, run triton.py's kernels with
+"triton", and with "auto" on CUDA where they take the call and have passed their first-use
+check on the device in the call's dtype. With "flex", ``dsa_attention`` and ``csa_attention``
+run FlexAttention over the selection written as a bitmap (``layout.key_selection_layout``):
+dense tiles on tensor cores instead of a gather of each query's keys per key/value head (the
+indexer losses' sparse stage then runs as under "auto").
 
 DeepSeek-V4's compressed attentions (compressed.py): ``compress_kv`` makes one entry per block
 of tokens; HCA's ``compressed_attention`` (all the entries a query sees, plus a sliding window)
@@ -47,8 +50,9 @@ from .compressed import (compress_blocks, compressed_entries, compressed_layout,
                          tiled_compressed_layout, window_and_selected, with_entries)
 from .flex import flex_attention_layout
 from .gathered import gathered_attention
-from .layout import (allowed_rule, both, compress, document_rule, interval_layout, moba_chosen,
-                     nsa_chosen, selection_layout, window_rule, window_span)
+from .layout import (allowed_rule, both, compress, document_rule, interval_layout,
+                     key_selection_layout, moba_chosen, nsa_chosen, selection_layout, window_rule,
+                     window_span)
 from .reference import (OP, _masked_probs, causal_mask, check_qkv, compress_kv_reference,
                         compressed_attention_reference, compressed_visibility,
                         csa_attention_reference, csa_indexer_loss_reference,
@@ -298,6 +302,10 @@ def _selected_kernels(backend: str, q, k, v):
 
 def _selected_attention(backend: str, q, k, v, selected, sink, scale):
     """dsa_attention's and csa_attention's per-token attention (backend not "reference")."""
+    if backend == "flex":
+        _backend(backend, q)  # raises where FlexAttention's kernels cannot take the call
+        layout = key_selection_layout(selected, k.shape[1], *_blocks("flex", None))
+        return flex_attention_layout(q, k, v, layout, sink=sink, scale=scale)
     kernels = _selected_kernels(backend, q, k, v)
     run = selected_attention if kernels is None else kernels.selected_attention
     return run(q, k, v, selected, sink=sink, scale=scale)
@@ -309,7 +317,9 @@ def _loss_kernels(backend: str, q, k, selected, index_q, index_k):
     else None (the chunked PyTorch form)."""
     if selected is None:
         return None
-    kernels = _selected_kernels(backend, q, k, k)
+    # The loss has no FlexAttention form: under "flex" (which runs the attention over the
+    # selection's bitmap) its sparse stage runs as under "auto".
+    kernels = _selected_kernels("auto" if backend == "flex" else backend, q, k, k)
     if kernels is None:
         return None
     reason = kernels.indexer_unavailable_reason(index_q, index_k)

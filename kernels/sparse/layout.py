@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from . import reference
 
 __all__ = [
-    "BlockLayout", "interval_layout", "selection_layout", "window_rule", "window_span",
-    "document_rule", "allowed_rule", "both", "moba_chosen", "compress", "nsa_chosen",
+    "BlockLayout", "interval_layout", "selection_layout", "key_selection_layout", "window_rule",
+    "window_span", "document_rule", "allowed_rule", "both", "moba_chosen", "compress",
+    "nsa_chosen",
 ]
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -142,6 +143,49 @@ def selection_layout(chosen: torch.Tensor, select_block: int, key_len: int, q_bl
                & (select_end[:, None] >= kv_start[None, :]))  # [n, nk]
     active = (per_q_block.float() @ overlap.float()) > 0
     return BlockLayout(q_block, kv_block, active, mask_mod)
+
+
+# Query rows (times the padded keys) a key selection's layout packs at a time.
+_BITS_CHUNK_VALUES = 2**26
+
+
+@torch.no_grad()
+def key_selection_layout(selected: torch.Tensor, key_len: int, q_block: int,
+                         kv_block: int) -> BlockLayout:
+    """The layout of a per-token key selection ``selected [B, T, K]`` (DSA's and CSA's: key
+    positions shared by every head, -1 for none): a key block is visited when a query of the
+    block listed one of its keys, and the token rule reads one bit per (query, key) from a
+    bitmap ``[B, T', S' / 8]`` uint8 (T and S rounded up to the blocks). A key listed twice
+    counts once, as in the reference's mask.
+
+    The bitmap is the one part of this attention's memory that grows as T S: an eighth of a
+    byte per pair (256 MB at B T = 32768 and S = 65536), against the gathered kernels' O(T K).
+    It is made by chunks of queries, never holding a ``[B, T, S]`` bool at once."""
+    batch, seq_len, _ = selected.shape
+    device = selected.device
+    num_q, num_kv = math.ceil(seq_len / q_block), math.ceil(key_len / kv_block)
+    rows, cols = num_q * q_block, math.lcm(num_kv * kv_block, 8)
+    bits = torch.zeros(batch, rows, cols // 8, dtype=torch.uint8, device=device)
+    active = torch.zeros(batch, 1, num_q, num_kv, dtype=torch.bool, device=device)
+    weights = 2 ** torch.arange(8, device=device, dtype=torch.uint8)
+    step = max(1, _BITS_CHUNK_VALUES // (batch * cols * q_block)) * q_block
+    for start in range(0, seq_len, step):
+        end = min(start + step, seq_len)
+        padded = math.ceil((end - start) / q_block) * q_block
+        index = selected[:, start:end].long()
+        listed = torch.zeros(batch, padded, cols + 1, dtype=torch.bool, device=device)
+        listed[:, :end - start].scatter_(-1, torch.where(index < 0, cols, index), True)
+        listed = listed[..., :cols]  # column ``cols`` took the -1 slots
+        packed = listed.view(batch, padded, cols // 8, 8).to(torch.uint8) * weights
+        bits[:, start:start + padded] = packed.sum(-1, dtype=torch.uint8)
+        blocks = listed[..., :num_kv * kv_block].view(batch, padded // q_block, q_block, num_kv,
+                                                     kv_block)
+        active[:, 0, start // q_block:(start + padded) // q_block] = blocks.any(-1).any(2)
+
+    def rule(b, h, q, kv):
+        return ((bits[b, q, kv // 8].to(torch.int32) >> (kv % 8)) & 1) == 1
+
+    return BlockLayout(q_block, kv_block, active, rule)
 
 
 @torch.no_grad()

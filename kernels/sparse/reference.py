@@ -260,14 +260,29 @@ def lightning_index_scores(index_q, index_k, index_weights) -> torch.Tensor:
     return torch.einsum("bths,bth->bts", dots, index_weights.float())
 
 
+def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
+    """int32 that orders as the fp32 ``x`` does (-0.0 made +0.0, so that the two tie): the
+    magnitude bits of negative floats flipped."""
+    bits = (x.float() + 0.0).contiguous().view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
 def top_k_keys(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    """int32 indices ``[..., K]`` of the ``K = min(top_k, S)`` highest scores of each row (ties
-    go to the earlier key, so that every path picks the same set); -1 where a row has fewer
-    than K keys that may be chosen (score above ``-inf``)."""
-    count = min(top_k, scores.shape[-1])
-    order = scores.sort(dim=-1, descending=True, stable=True)
-    indices = order.indices[..., :count].int()
-    return indices.masked_fill(order.values[..., :count] == float("-inf"), -1)
+    """int32 indices ``[..., K]`` of the ``K = min(top_k, S)`` highest scores of each row, best
+    first (ties go to the earlier key, so that every path picks the same set); -1 where a row
+    has fewer than K keys that may be chosen (score above ``-inf``).
+
+    One ``topk`` over int64 keys ``(ordered score bits << 32) | (S - 1 - index)``: distinct for
+    every key of a row, so the order, ties included, is exact and deterministic, without the
+    full sort of the S scores that a stable order would otherwise take."""
+    key_len = scores.shape[-1]
+    count = min(top_k, key_len)
+    reverse = key_len - 1 - torch.arange(key_len, device=scores.device)
+    keys = (_ordered_bits(scores).long() << 32) | reverse
+    top = keys.topk(count, dim=-1).values
+    indices = (key_len - 1 - (top & 0xFFFFFFFF)).int()
+    never = _ordered_bits(torch.tensor(float("-inf"))).item()
+    return indices.masked_fill((top >> 32) == never, -1)
 
 
 def selected_mask(selected: torch.Tensor, key_len: int) -> torch.Tensor:

@@ -2,8 +2,9 @@
 the backward.
 
 - :func:`select_keys`: the lightning indexer's scores and the top-k keys of each query, without
-  gradient. A chunk of queries scores the keys up to its last query only, ``[B, c, HI, S]``
-  values at a time, never a ``[T, T]`` matrix at once.
+  gradient. A chunk of queries scores the keys up to its last query only, never a ``[T, T]``
+  matrix at once: on CUDA in one Triton kernel (triton_indexer.py's ``index_scores``), ``[B, c,
+  S]`` values at a time; elsewhere in PyTorch, ``[B, c, HI, S]`` products at a time.
 - :func:`selected_attention`: a chunk gathers its queries' K keys and values
   (``[B, c, K, Hkv, D]``) and takes one softmax over them: memory O(T K), not O(T^2).
 - :func:`indexer_loss`: the indexer's KL loss, chunk by chunk, over the selected keys (gathered)
@@ -95,6 +96,24 @@ def _maybe_checkpoint(fn, *args):
     return fn(*args)
 
 
+# The device types whose indexer scores run in Triton (triton_indexer.index_scores); tests add
+# "cpu" under Triton's interpreter.
+SCORE_DEVICE_TYPES = {"cuda"}
+# The values a query's chunk holds per key with the fused scores: the fp32 scores, their masked
+# copy and top_k_keys's int64 keys (in PyTorch, the [B, c, HI, S] products bound the chunk).
+_FUSED_VALUES = 8
+
+
+def _scores_function(index_q, index_k):
+    """``triton_indexer.index_scores`` where it runs these tensors, else
+    ``lightning_index_scores`` (the same scores, with ``[B, c, HI, S]`` products in PyTorch)."""
+    if index_q.device.type in SCORE_DEVICE_TYPES:
+        from . import triton_indexer
+        if triton_indexer.unavailable_reason(index_q, index_k) is None:
+            return triton_indexer.index_scores
+    return lightning_index_scores
+
+
 @torch.no_grad()
 def select_keys(index_q, index_k, index_weights, *, top_k, cu_seqlens=None,
                 keys: Keys | None = None) -> torch.Tensor:
@@ -107,11 +126,13 @@ def select_keys(index_q, index_k, index_weights, *, top_k, cu_seqlens=None,
     selected = torch.empty(batch, seq_len, count, dtype=torch.int32, device=index_q.device)
     if count == 0:
         return selected
-    for start, end in _query_chunks(seq_len, batch, index_heads * index_k.shape[1],
-                                     index_q.device):
+    scores_of = _scores_function(index_q, index_k)
+    per_query = index_k.shape[1] * (_FUSED_VALUES if scores_of is not lightning_index_scores
+                                    else index_heads)
+    for start, end in _query_chunks(seq_len, batch, per_query, index_q.device):
         key_len = max(keys.reach(end), count)  # keys beyond the chunk's reach are never chosen
-        scores = lightning_index_scores(index_q[:, start:end], index_k[:, :key_len],
-                                        index_weights[:, start:end])
+        scores = scores_of(index_q[:, start:end], index_k[:, :key_len],
+                           index_weights[:, start:end])
         allowed = _allowed(keys.rule, start, end, key_len, index_q.device)
         selected[:, start:end] = top_k_keys(scores.masked_fill(~allowed, float("-inf")), count)
     return selected

@@ -50,12 +50,13 @@ import triton.language as tl
 
 from .reference import indexer_kl, lightning_index_scores
 
-__all__ = ["selected_indexer_kl", "reference_indexer_kl", "unavailable_reason", "MAX_HEADS",
-           "MAX_DIM"]
+__all__ = ["selected_indexer_kl", "reference_indexer_kl", "index_scores", "unavailable_reason",
+           "MAX_HEADS", "MAX_DIM"]
 
 MAX_HEADS = 128
 MAX_DIM = 256
 _BLOCK_K = 64
+_SCORE_TILE = (64, 64)  # queries x keys of index_scores's programs
 _MIN_DOT = 16  # the smallest tile side tl.dot takes
 _FLOOR = tl.constexpr(-1e30)  # as in triton.py: a running maximum that never meets exp(-inf + inf)
 
@@ -162,6 +163,53 @@ def _kl_backward_kernel(q_ptr, k_ptr, w_ptr, sel_ptr, target_ptr, lse_ptr, mass_
     tl.store(dq_ptr + (query * heads + h[:, None]) * DI + d[None, :],
              dq.to(dq_ptr.dtype.element_ty), mask=real[:, None] & in_dim[None, :])
     tl.store(dw_ptr + query * heads + h, dw.to(dw_ptr.dtype.element_ty), mask=real)
+
+
+@triton.jit(do_not_specialize=["queries", "key_len", "heads"])
+def _scores_kernel(q_ptr, k_ptr, w_ptr, out_ptr, queries, key_len, heads, DI: tl.constexpr,
+                   DP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """The ``[BLOCK_T, BLOCK_S]`` tile of one batch row's scores, grid [T tiles, S tiles, B]."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    batch = tl.program_id(2).to(tl.int64)
+    d = tl.arange(0, DP)
+    row_ok, col_ok, in_dim = rows < queries, cols < key_len, d < DI
+    k_t = tl.load(k_ptr + (batch * key_len + cols[None, :]) * DI + d[:, None],
+                  mask=col_ok[None, :] & in_dim[:, None], other=0.0)  # [DP, BLOCK_S]
+    query = batch * queries + rows  # [BLOCK_T]
+    acc = tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.float32)
+    for j in range(heads):
+        q = tl.load(q_ptr + (query[:, None] * heads + j) * DI + d[None, :],
+                    mask=row_ok[:, None] & in_dim[None, :], other=0.0)
+        w = tl.load(w_ptr + query * heads + j, mask=row_ok, other=0.0).to(tl.float32)
+        acc += tl.maximum(tl.dot(q, k_t, input_precision=PRECISION), 0.0) * w[:, None]
+    tl.store(out_ptr + query[:, None] * key_len + cols[None, :], acc,
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def index_scores(index_q, index_k, index_weights) -> torch.Tensor:
+    """``lightning_index_scores`` (``I[t, s] = sum_j w_tj relu(q_tj . k_s)``, ``[B, T, S]``
+    fp32) for index_k ``[B, S, DI]``, in one kernel: each program holds a tile of the keys and
+    adds every head's ``relu(q_j k^T) w_j`` into one fp32 tile (a ``tl.dot`` per head), so
+    that neither the ``[B, T, HI, S]`` products nor their ReLU is ever stored. Precision as the
+    loss's kernels (16-bit inputs on tensor cores with exact products and fp32 sums; fp32
+    inputs in full fp32); the sum's order differs from PyTorch's, by fp32 rounding. All three
+    in index_q's dtype; call only where :func:`unavailable_reason` is None."""
+    index_k, index_weights = index_k.to(index_q.dtype), index_weights.to(index_q.dtype)
+    batch, queries, heads, dim = index_q.shape
+    key_len = index_k.shape[1]
+    out = torch.empty(batch, queries, key_len, dtype=torch.float32, device=index_q.device)
+    if out.numel():
+        sizes = _sizes(index_q)
+        grid = (triton.cdiv(queries, _SCORE_TILE[0]), triton.cdiv(key_len, _SCORE_TILE[1]),
+                batch)
+        _scores_kernel[grid](index_q.contiguous(), index_k.contiguous(),
+                             index_weights.contiguous(), out, queries, key_len, heads,
+                             DI=dim, DP=sizes["DP"], BLOCK_T=_SCORE_TILE[0],
+                             BLOCK_S=_SCORE_TILE[1], PRECISION=sizes["PRECISION"],
+                             num_warps=4, num_stages=2)
+    return out
 
 
 def _sizes(index_q: torch.Tensor) -> dict:

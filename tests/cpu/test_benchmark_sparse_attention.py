@@ -126,5 +126,5 @@ def test_dsa_stages_on_the_cpu(tmp_path):
                  "2", "--head-dim", "16", "--dsa", "16,2,8", "--reps", "1", "--out", str(out)])
     results = json.loads(out.read_text())["results"]
     assert [(r["seq_len"], r["batch"]) for r in results] == [(64, 4), (128, 2)]
-    names = ["select", "attention_fwd", "attention_fwd_bwd", "loss_fwd", "loss_fwd_bwd"]
+    names = ["select", "auto_attention_fwd", "auto_attention_fwd_bwd", "loss_fwd", "loss_fwd_bwd"]
     assert all(r[name] > 0 for r in results for name in names)

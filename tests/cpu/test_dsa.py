@@ -270,6 +270,63 @@ def test_ties_go_to_the_earlier_key(backend):
     torch.testing.assert_close(selected, expected.int().expand(B, T, 3))
 
 
+def test_top_k_keys_equals_a_stable_sort():
+    """``top_k_keys`` (one topk over int64 keys) against the order its contract names, a stable
+    descending sort: many ties, -0.0 beside +0.0, negative scores, -inf (not choosable), K
+    beyond S."""
+    g = torch.Generator().manual_seed(3)
+    for key_len, top_k in ((1, 1), (5, 9), (64, 7), (257, 64), (300, 300)):
+        scores = torch.randint(-4, 4, (2, 9, key_len), generator=g).float() / 2
+        scores[torch.rand(scores.shape, generator=g) < 0.25] = float("-inf")
+        scores[0, 0] = -0.0
+        scores[0, 1, ::2] = 0.0
+        scores[0, 1, 1::2] = -0.0
+        order = scores.sort(dim=-1, descending=True, stable=True)
+        count = min(top_k, key_len)
+        expected = order.indices[..., :count].int().masked_fill(
+            order.values[..., :count] == float("-inf"), -1)
+        torch.testing.assert_close(reference.top_k_keys(scores, top_k), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("chunk_values", [2**26, 1], ids=["one chunk", "a block of rows each"])
+def test_key_selection_layout_marks_exactly_the_listed_keys(chunk_values, monkeypatch):
+    """The bitmap layout of FlexAttention's DSA/CSA path (layout.key_selection_layout): its
+    token rule is true exactly at the listed (query, key) pairs (-1 slots and a key listed twice
+    included), and a block pair is visited exactly when it holds one. T and S are multiples of
+    neither the blocks nor 8."""
+    from megatron_ext.kernels.sparse import layout
+
+    monkeypatch.setattr(layout, "_BITS_CHUNK_VALUES", chunk_values)
+    g = torch.Generator().manual_seed(4)
+    seq_len, key_len, q_block, kv_block = 37, 45, 16, 8
+    back = torch.randint(0, 12, (2, seq_len, 6), generator=g)  # keys near the query's own
+    selected = (torch.arange(seq_len)[:, None] + 8 - back).int().masked_fill(back == 0, -1)
+    selected[:, 5] = -1
+    selected[:, 3, 1] = selected[:, 3, 0].clamp(min=0)
+    result = layout.key_selection_layout(selected, key_len, q_block, kv_block)
+    listed = reference.selected_mask(selected, key_len)  # [B, T, S]
+    b, q, kv = torch.meshgrid(torch.arange(2), torch.arange(seq_len), torch.arange(key_len),
+                              indexing="ij")
+    assert torch.equal(result.mask_mod(b, 0, q, kv), listed)
+    padded = torch.nn.functional.pad(listed, (0, 48 - key_len, 0, 48 - seq_len))
+    blocks = padded.view(2, 3, q_block, 6, kv_block).any(-1).any(2)
+    assert torch.equal(result.active, blocks[:, None])
+    assert not blocks.all()
+
+
+@pytest.mark.parametrize("case", ["top-k", "top-k+sink"])
+def test_flex_forward_matches_reference(case):
+    """Backend "flex" (the bitmap layout through FlexAttention) forward on the CPU against the
+    reference; its backward runs on CUDA only (tests/gpu/test_sparse_triton.py)."""
+    x, top_k, sink, _ = _case(case, {n: t.detach() for n, t in _inputs().items()})
+    q, k, v = (torch.cat([t, t], dim=-1) for t in (x["q"], x["k"], x["v"]))  # D = 16
+    selected = _select(x, top_k, None, "reference")
+    selected[:, ::5] = -1
+    got = sparse.dsa_attention(q, k, v, selected, sink=sink, backend="flex")
+    want = sparse.dsa_attention(q, k, v, selected, sink=sink, backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_gathered_bf16_is_close_to_fp32_reference():
     x = {name: t.detach() for name, t in _inputs().items()}
     low = {name: t.bfloat16() for name, t in x.items()}

@@ -8,7 +8,8 @@ loads tests/gpu/test_sparse_triton.py and runs its ``check_case`` on every case 
 (causal selections padded with -1, all -1 rows, K of 40 and 67 against 64-key blocks, grouped
 heads and MHA, head dims 16 to 128, with and without a sink, CSA's window and entries; fp32,
 bf16 and fp16; that module's tolerances) and its ``check_kl_case`` on every case of
-``KL_CASES`` (the indexer loss's KL kernels), every load, store and atomic add checked to stay
+``KL_CASES`` (the indexer loss's KL kernels) and ``check_index_scores`` (the indexer's scores,
+and DSA's and CSA's selections on them), every load, store and atomic add checked to stay
 inside the tensors of its launch; then the kernels' own first-use check in fp32 and the whole
 indexer loss on them. bf16 dots are widened to fp32 first (triton_interpreter.widen_bf16_dots).
 ~2 minutes on two cores.
@@ -33,6 +34,16 @@ def main() -> None:
     checks = triton_interpreter.gpu_checks("test_sparse_triton")
     triton_interpreter.run_cases(checks.CASES, checks.check_case)
     triton_interpreter.run_cases(checks.KL_CASES, checks.check_kl_case)
+    from megatron_ext.kernels.sparse import selected
+
+    start = time.perf_counter()
+    selected.SCORE_DEVICE_TYPES.add("cpu")
+    try:
+        count = checks.check_index_scores("cpu")
+    finally:
+        selected.SCORE_DEVICE_TYPES.discard("cpu")
+    print(f"index scores and selections: {count} cases ok ({time.perf_counter() - start:.1f} s)",
+          flush=True)
     from megatron_ext.kernels.sparse import triton
 
     start = time.perf_counter()

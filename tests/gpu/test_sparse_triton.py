@@ -4,7 +4,12 @@ every gradient (q, k, v, the sink; CSA's entries too), on CUDA (skipped without 
 indexer loss's target from ``selected_mass`` (each DSA case), its KL from
 ``selected_indexer_kl`` (``KL_CASES``: indexer heads 3 to 64, dims 16 to 128, rows with no key
 or no target, one key in every row), and the whole loss on them (``check_indexer_loss``);
-their first-use check; and "auto" running them once it has passed.
+their first-use check; and "auto" running them once it has passed. The lightning indexer's
+scores in one kernel (triton_indexer.py's ``index_scores``, ``check_index_scores``), and DSA's
+and CSA's selections on it.
+
+The same cases on backend "flex" (FlexAttention with the selection as a bitmap,
+``layout.key_selection_layout``), at the same tolerances.
 
 ``CASES`` and ``check_case`` are shared with tests/cpu/test_triton_interpret_selected.py, which
 runs them on the CPU under Triton's interpreter, hence their small sizes; ``GPU_CASES`` adds
@@ -177,6 +182,45 @@ def check_kl_case(case: KLCase, device) -> dict[str, float]:
     return errors
 
 
+# (T, S, HI, DI, dtype) of triton_indexer.index_scores's checks: T and S not multiples of its
+# 64 x 64 tiles, one query, 64 heads, dims padded (48 -> 64) or not.
+SCORE_CASES = [(70, 70, 3, 16, torch.float32), (50, 130, 64, 48, torch.bfloat16),
+               (1, 5, 2, 16, torch.float16), (65, 129, 16, 128, torch.float32)]
+
+
+def check_index_scores(device) -> int:
+    """``index_scores`` against ``lightning_index_scores`` in fp32 on the CPU (same rounded
+    values; relative error 1e-5: the two add the same exact products in another order), and
+    DSA's and CSA's selections with it against their references. The selections' inputs are
+    small integers, so that every score is exact in both and the chosen keys must be equal,
+    ties included. Returns how many cases ran."""
+    from megatron_ext.kernels.sparse import selected as selected_ops
+    from megatron_ext.kernels.sparse import triton_indexer
+
+    generator = torch.Generator().manual_seed(5)
+    for seq_len, key_len, heads, dim, dtype in SCORE_CASES:
+        index = [torch.randn(*shape, generator=generator).to(dtype) for shape in
+                 ((2, seq_len, heads, dim), (2, key_len, dim), (2, seq_len, heads))]
+        got = triton_indexer.index_scores(*(x.to(device) for x in index)).cpu()
+        want = reference.lightning_index_scores(*index)
+        error = relative_error(got, want)
+        assert got.shape == want.shape and error <= 1e-5, (seq_len, key_len, heads, dim, error)
+    index = [torch.randint(-3, 4, shape, generator=generator).float() for shape in
+             ((2, 90, 5, 16), (2, 90, 16), (2, 90, 5))]
+    assert selected_ops._scores_function(index[0].to(device), index[1].to(device)) is \
+        triton_indexer.index_scores
+    on_device = [x.to(device) for x in index]
+    for top_k in (1, 7, 64):
+        got = sparse.dsa_select(*on_device, top_k=top_k).cpu()
+        want = sparse.dsa_select(*index, top_k=top_k, backend="reference")
+        assert torch.equal(got, want), ("dsa", top_k, (got != want).nonzero()[:5])
+    entries = [index[0], index[1][:, :22], index[2]]
+    got = sparse.csa_select(*(x.to(device) for x in entries), rate=4, top_k=5).cpu()
+    want = sparse.csa_select(*entries, rate=4, top_k=5, backend="reference")
+    assert torch.equal(got, want), ("csa", (got != want).nonzero()[:5])
+    return len(SCORE_CASES) + 4
+
+
 def _picks(batch, allowed, top_k, generator) -> torch.Tensor:
     """int32 ``[B, T, K]``: per query, K of its ``allowed [T, S]`` keys at random, in random
     order, -1 in the slots it has no key for (at random places)."""
@@ -241,16 +285,17 @@ def _outputs(run, leaves, grad, backend, dtype, device):
                                        for name, g in zip(inputs, grads)}}
 
 
-def check_case(case: Case, device) -> dict[str, float]:
-    """Run ``case`` on the kernels on ``device`` (backend "triton") and on the reference in
-    fp32 on the CPU; assert they agree (and that the queries with no key get 0). Returns the
-    relative errors."""
+def check_case(case: Case, device, backend="triton") -> dict[str, float]:
+    """Run ``case`` on ``backend`` (our kernels, "triton"; or "flex", FlexAttention over the
+    selection's bitmap) on ``device`` and on the reference in fp32 on the CPU; assert they
+    agree (and that the queries with no key get 0). Returns the relative errors."""
     generator = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
     leaves, grad, run, selected = _problem(case, generator)
-    got = _outputs(run, leaves, grad, "triton", case.dtype, device)
+    got = _outputs(run, leaves, grad, backend, case.dtype, device)
     want = _outputs(run, leaves, grad, "reference", torch.float32, "cpu")
     errors = {name: relative_error(got[name], want[name]) for name in want}
-    if case.csa_rate is None:  # the indexer loss's target: the probabilities summed over heads
+    if case.csa_rate is None and backend == "triton":  # the indexer loss's target: the
+        # probabilities summed over heads
         from megatron_ext.kernels.sparse import triton
 
         sink = leaves.get("sink")
@@ -330,9 +375,18 @@ def test_kernels_match_the_reference(case):
     check_case(case, "cuda")
 
 
+@pytest.mark.parametrize("case", CASES + GPU_CASES, ids=str)
+def test_flex_matches_the_reference(case):
+    check_case(case, "cuda", backend="flex")
+
+
 @pytest.mark.parametrize("case", KL_CASES + GPU_KL_CASES, ids=str)
 def test_indexer_kl_matches_the_reference(case):
     check_kl_case(case, "cuda")
+
+
+def test_index_scores_and_selections_match_the_reference():
+    check_index_scores("cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
