@@ -29,10 +29,11 @@ run the reference or, for every other backend, the per-token gathered form of se
 selection's scores in triton_indexer.py's kernel on CUDA); but ``dsa_attention`` (and CSA's
 ``csa_attention``), and the indexer losses' sparse stage, run triton.py's kernels with
 "triton", and with "auto" on CUDA where they take the call and have passed their first-use
-check on the device in the call's dtype. With "flex", ``dsa_attention`` and ``csa_attention``
-run FlexAttention over the selection written as a bitmap (``layout.key_selection_layout``):
-dense tiles on tensor cores instead of a gather of each query's keys per key/value head (the
-indexer losses' sparse stage then runs as under "auto").
+check on the device in the call's dtype. With "flex", and with "auto" on CUDA for up to
+``SELECTED_FLEX_MAX_KEYS`` keys, ``dsa_attention`` and ``csa_attention`` run FlexAttention over
+the selection written as a bitmap (``layout.key_selection_layout``): dense tiles on tensor
+cores instead of a gather of each query's keys per key/value head (the indexer losses' sparse
+stage runs as under "auto" then).
 
 DeepSeek-V4's compressed attentions (compressed.py): ``compress_kv`` makes one entry per block
 of tokens; HCA's ``compressed_attention`` (all the entries a query sees, plus a sliding window)
@@ -300,9 +301,20 @@ def _selected_kernels(backend: str, q, k, v):
     return None
 
 
+# The most keys for which "auto" runs dsa_attention and csa_attention on FlexAttention over the
+# selection's bitmap. Its dense tiles cost B Hq T S / 2 (query, key) products and its bitmap
+# B T S / 8 bytes, against B T K rows for the gathered kernels (triton.py): on an H200, B T =
+# 32768, 16 heads of 128, K = 2048 (session 13), flex took 19.9 / 71.2 ms fwd+bwd at T = 4096 /
+# 16384 against the kernels' 469 / 562 ms (357 ms with one key/value head at 16384), so flex
+# would still win up to about T = 80000 with one key/value head; beyond this limit, triton.
+SELECTED_FLEX_MAX_KEYS = 65536
+
+
 def _selected_attention(backend: str, q, k, v, selected, sink, scale):
     """dsa_attention's and csa_attention's per-token attention (backend not "reference")."""
-    if backend == "flex":
+    flex_fits = (q.device.type == "cuda" and q.shape[-1] >= FLEX_MIN_HEAD_DIM
+                 and k.shape[1] <= SELECTED_FLEX_MAX_KEYS)
+    if backend == "flex" or (backend == "auto" and flex_fits):
         _backend(backend, q)  # raises where FlexAttention's kernels cannot take the call
         layout = key_selection_layout(selected, k.shape[1], *_blocks("flex", None))
         return flex_attention_layout(q, k, v, layout, sink=sink, scale=scale)
@@ -400,8 +412,10 @@ def dsa_attention(q, k, v, selected, *, sink=None, scale=None, backend="auto"):
     """DSA's sparse attention: each query attends to its ``selected [B, T, K]`` keys
     (:func:`dsa_select`; shared by all heads, -1 skipped), with the sink and scale of
     :func:`softmax_attention`. q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` -> ``[B, T, Hq, D]``;
-    memory O(T K). Backends: the reference, triton.py's kernels ("triton", and "auto" where
-    they run) or else the gathered form of selected.py."""
+    memory O(T K), but O(T^2 / 8) bytes on flex. Backends: the reference; FlexAttention over
+    the selection's bitmap ("flex", and "auto" on CUDA up to ``SELECTED_FLEX_MAX_KEYS`` keys);
+    triton.py's kernels ("triton", and "auto" beyond, where they run); else the gathered form
+    of selected.py."""
     check_qkv(OP, q, k, v)
     _check_sink(sink, q)
     _check_selected(selected, q)

@@ -145,47 +145,60 @@ def selection_layout(chosen: torch.Tensor, select_block: int, key_len: int, q_bl
     return BlockLayout(q_block, kv_block, active, mask_mod)
 
 
-# Query rows (times the padded keys) a key selection's layout packs at a time.
+# Query rows (times the padded keys) whose bool ``selection_words_reference`` holds at a time.
 _BITS_CHUNK_VALUES = 2**26
+
+
+def selection_words_reference(selected: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``triton_select.selection_words`` in PyTorch: int32 ``[B, rows, width]``, bit ``s % 32``
+    of word ``s // 32`` of row t set where row t of ``selected [B, T, K]`` lists key s (-1:
+    none); a bool ``[B, c, 32 width]`` per chunk of rows, scattered and packed."""
+    batch, seq_len, _ = selected.shape
+    cols = 32 * width
+    words = torch.zeros(batch, rows, width, dtype=torch.int32, device=selected.device)
+    weights = torch.ones(32, dtype=torch.int32, device=selected.device) << torch.arange(
+        32, dtype=torch.int32, device=selected.device)
+    step = max(1, _BITS_CHUNK_VALUES // max(1, batch * cols))
+    for start in range(0, seq_len, step):
+        end = min(start + step, seq_len)
+        index = selected[:, start:end].long()
+        listed = torch.zeros(batch, end - start, cols + 1, dtype=torch.bool,
+                             device=selected.device)
+        listed.scatter_(-1, torch.where(index < 0, cols, index), True)  # -1: column ``cols``
+        packed = listed[..., :cols].view(batch, end - start, width, 32).int() * weights
+        words[:, start:end] = packed.sum(-1, dtype=torch.int32)  # distinct bits: sum = OR
+    return words
 
 
 @torch.no_grad()
 def key_selection_layout(selected: torch.Tensor, key_len: int, q_block: int,
                          kv_block: int) -> BlockLayout:
     """The layout of a per-token key selection ``selected [B, T, K]`` (DSA's and CSA's: key
-    positions shared by every head, -1 for none): a key block is visited when a query of the
-    block listed one of its keys, and the token rule reads one bit per (query, key) from a
-    bitmap ``[B, T', S' / 8]`` uint8 (T and S rounded up to the blocks). A key listed twice
-    counts once, as in the reference's mask.
+    positions shared by every head, -1 for none): the token rule reads one bit per (query, key)
+    from a bitmap of int32 words ``[B, T', S' / 32]`` (T and S rounded up to the blocks, and
+    ``kv_block`` a multiple of 32), and a key block is visited when a query of the block listed
+    one of its keys. A key listed twice counts once, as in the reference's mask. The bitmap is
+    made by triton_select.py's kernel where it runs (``SELECT_DEVICE_TYPES``), else in PyTorch.
 
     The bitmap is the one part of this attention's memory that grows as T S: an eighth of a
-    byte per pair (256 MB at B T = 32768 and S = 65536), against the gathered kernels' O(T K).
-    It is made by chunks of queries, never holding a ``[B, T, S]`` bool at once."""
+    byte per pair (256 MB at B T = 32768 and S = 65536), against the gathered kernels' O(T K)."""
+    if kv_block % 32:
+        raise ValueError(f"{reference.OP}: a key selection's layout takes key blocks of a "
+                         f"multiple of 32 keys (one bitmap word each); got {kv_block}")
     batch, seq_len, _ = selected.shape
-    device = selected.device
     num_q, num_kv = math.ceil(seq_len / q_block), math.ceil(key_len / kv_block)
-    rows, cols = num_q * q_block, math.lcm(num_kv * kv_block, 8)
-    bits = torch.zeros(batch, rows, cols // 8, dtype=torch.uint8, device=device)
-    active = torch.zeros(batch, 1, num_q, num_kv, dtype=torch.bool, device=device)
-    weights = 2 ** torch.arange(8, device=device, dtype=torch.uint8)
-    step = max(1, _BITS_CHUNK_VALUES // (batch * cols * q_block)) * q_block
-    for start in range(0, seq_len, step):
-        end = min(start + step, seq_len)
-        padded = math.ceil((end - start) / q_block) * q_block
-        index = selected[:, start:end].long()
-        listed = torch.zeros(batch, padded, cols + 1, dtype=torch.bool, device=device)
-        listed[:, :end - start].scatter_(-1, torch.where(index < 0, cols, index), True)
-        listed = listed[..., :cols]  # column ``cols`` took the -1 slots
-        packed = listed.view(batch, padded, cols // 8, 8).to(torch.uint8) * weights
-        bits[:, start:start + padded] = packed.sum(-1, dtype=torch.uint8)
-        blocks = listed[..., :num_kv * kv_block].view(batch, padded // q_block, q_block, num_kv,
-                                                     kv_block)
-        active[:, 0, start // q_block:(start + padded) // q_block] = blocks.any(-1).any(2)
+    shape = (num_q * q_block, num_kv * kv_block // 32)
+    if selected.device.type in SELECT_DEVICE_TYPES:
+        from . import triton_select
+        words = triton_select.selection_words(selected, *shape)
+    else:
+        words = selection_words_reference(selected, *shape)
+    active = (words.view(batch, num_q, q_block, num_kv, kv_block // 32) != 0).any(-1).any(2)
 
     def rule(b, h, q, kv):
-        return ((bits[b, q, kv // 8].to(torch.int32) >> (kv % 8)) & 1) == 1
+        return ((words[b, q, kv // 32] >> (kv % 32)) & 1) == 1
 
-    return BlockLayout(q_block, kv_block, active, rule)
+    return BlockLayout(q_block, kv_block, active[:, None], rule)
 
 
 @torch.no_grad()

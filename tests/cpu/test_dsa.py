@@ -288,30 +288,38 @@ def test_top_k_keys_equals_a_stable_sort():
         torch.testing.assert_close(reference.top_k_keys(scores, top_k), expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("chunk_values", [2**26, 1], ids=["one chunk", "a block of rows each"])
+def _near_selection(seq_len, key_len, generator):
+    """``[2, T, 6]``: keys up to 11 before query + 8 (so that far blocks hold none), some -1,
+    all -1 in row 5, one key listed twice in row 3."""
+    back = torch.randint(0, 12, (2, seq_len, 6), generator=generator)
+    selected = (torch.arange(seq_len)[:, None] + 8 - back).int().masked_fill(back == 0, -1)
+    selected[:, 5] = -1
+    selected[:, 3, 1] = selected[:, 3, 0].clamp(min=0)
+    return selected.clamp(max=key_len - 1)
+
+
+@pytest.mark.parametrize("chunk_values", [2**26, 1], ids=["one chunk", "a row each"])
 def test_key_selection_layout_marks_exactly_the_listed_keys(chunk_values, monkeypatch):
     """The bitmap layout of FlexAttention's DSA/CSA path (layout.key_selection_layout): its
     token rule is true exactly at the listed (query, key) pairs (-1 slots and a key listed twice
     included), and a block pair is visited exactly when it holds one. T and S are multiples of
-    neither the blocks nor 8."""
+    neither the blocks nor 32."""
     from megatron_ext.kernels.sparse import layout
 
     monkeypatch.setattr(layout, "_BITS_CHUNK_VALUES", chunk_values)
-    g = torch.Generator().manual_seed(4)
-    seq_len, key_len, q_block, kv_block = 37, 45, 16, 8
-    back = torch.randint(0, 12, (2, seq_len, 6), generator=g)  # keys near the query's own
-    selected = (torch.arange(seq_len)[:, None] + 8 - back).int().masked_fill(back == 0, -1)
-    selected[:, 5] = -1
-    selected[:, 3, 1] = selected[:, 3, 0].clamp(min=0)
+    seq_len, key_len, q_block, kv_block = 37, 45, 16, 32
+    selected = _near_selection(seq_len, key_len, torch.Generator().manual_seed(4))
     result = layout.key_selection_layout(selected, key_len, q_block, kv_block)
     listed = reference.selected_mask(selected, key_len)  # [B, T, S]
     b, q, kv = torch.meshgrid(torch.arange(2), torch.arange(seq_len), torch.arange(key_len),
                               indexing="ij")
     assert torch.equal(result.mask_mod(b, 0, q, kv), listed)
-    padded = torch.nn.functional.pad(listed, (0, 48 - key_len, 0, 48 - seq_len))
-    blocks = padded.view(2, 3, q_block, 6, kv_block).any(-1).any(2)
+    padded = torch.nn.functional.pad(listed, (0, 64 - key_len, 0, 48 - seq_len))
+    blocks = padded.view(2, 3, q_block, 2, kv_block).any(-1).any(2)
     assert torch.equal(result.active, blocks[:, None])
     assert not blocks.all()
+    with pytest.raises(ValueError, match="multiple of 32 keys"):
+        layout.key_selection_layout(selected, key_len, q_block, 16)
 
 
 @pytest.mark.parametrize("case", ["top-k", "top-k+sink"])

@@ -1,7 +1,8 @@
-"""The Triton top-k block choice (kernels/sparse/triton_select.py) on Triton's CPU interpreter:
-tests/gpu/test_sparse_select.py's ``check`` (every load and store checked to stay inside the
-tensors of its launch), then MoBA's and NSA's selections (kernels/sparse/layout.py) with the
-kernel in place against them with it off. Skipped where Triton is not installed.
+"""The Triton selection kernels (kernels/sparse/triton_select.py) on Triton's CPU interpreter:
+tests/gpu/test_sparse_select.py's ``check`` (the top-k block choice; every load and store
+checked to stay inside the tensors of its launch) and ``check_words`` (DSA's and CSA's
+bitmap), then MoBA's and NSA's selections (kernels/sparse/layout.py) with the kernel in place
+against them with it off. Skipped where Triton is not installed.
 """
 import triton_interpreter
 from triton_interpreter import needs_triton
@@ -13,6 +14,7 @@ def main() -> None:
     triton_interpreter.setup()
     checks = triton_interpreter.gpu_checks("test_sparse_select")
     print(f"kernel: {checks.check('cpu')} cases ok", flush=True)
+    print(f"bitmap words: {checks.check_words('cpu')} cases ok", flush=True)
     from megatron_ext.kernels.sparse import layout
 
     generator = torch.Generator().manual_seed(1)

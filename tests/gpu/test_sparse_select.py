@@ -7,6 +7,7 @@ row, as MoBA's and NSA's selections make them, for block counts that are and are
 two and k from 1 to more than the blocks, and asserts the same chosen set, bit for bit (the
 scores are distinct).
 It also checks rows of equal finite scores: as many chosen as torch.topk's, the lowest columns.
+``check_words`` checks the key-selection bitmap kernel (``selection_words``) the same way.
 """
 import pytest
 import torch
@@ -42,5 +43,32 @@ def check(device) -> int:
     return len(CASES) + 1
 
 
+def check_words(device) -> int:
+    """``selection_words`` (DSA's and CSA's bitmap, an atomic OR per listed key) against
+    ``layout.selection_words_reference``, bit for bit: -1 slots, a row of only -1, a key listed
+    twice, keys at bit 31 and in the last word, rows padded past T; and the layout made with
+    it against the one made without. Returns how many cases ran."""
+    from megatron_ext.kernels.sparse import layout, triton_select
+
+    generator = torch.Generator().manual_seed(2)
+    cases = [(2, 37, 6, 45, 48, 2), (1, 70, 300, 64, 128, 2), (3, 5, 1, 31, 5, 1)]
+    for batch, seq_len, top_k, key_len, rows, width in cases:
+        selected = torch.randint(-1, key_len, (batch, seq_len, top_k), generator=generator)
+        selected[:, 0] = -1
+        selected[:, -1, 0] = 31
+        selected[:, -1, -1] = key_len - 1
+        if top_k > 1:
+            selected[:, 1, 1] = selected[:, 1, 0]
+        selected = selected.int()
+        want = layout.selection_words_reference(selected, rows, width)
+        got = triton_select.selection_words(selected.to(device), rows, width).cpu()
+        assert torch.equal(got, want), (batch, seq_len, top_k, (got != want).nonzero()[:5])
+    return len(cases)
+
+
 def test_kernel_equals_the_reference():
     check("cuda")
+
+
+def test_words_equal_the_reference():
+    check_words("cuda")

@@ -4,7 +4,7 @@ every gradient (q, k, v, the sink; CSA's entries too), on CUDA (skipped without 
 indexer loss's target from ``selected_mass`` (each DSA case), its KL from
 ``selected_indexer_kl`` (``KL_CASES``: indexer heads 3 to 64, dims 16 to 128, rows with no key
 or no target, one key in every row), and the whole loss on them (``check_indexer_loss``);
-their first-use check; and "auto" running them once it has passed. The lightning indexer's
+their first-use check; and "auto" running flex, then them beyond flex's key limit. The lightning indexer's
 scores in one kernel (triton_indexer.py's ``index_scores``, ``check_index_scores``), and DSA's
 and CSA's selections on it.
 
@@ -399,21 +399,24 @@ def test_first_use_check_passes(dtype):
     assert triton.checked(torch.device("cuda", torch.cuda.current_device()), dtype)
 
 
-def test_auto_runs_the_kernels_after_the_check(monkeypatch):
+def test_auto_runs_flex_then_the_kernels_beyond_its_keys(monkeypatch):
+    """"auto" runs DSA's and CSA's attention on FlexAttention over the bitmap; beyond
+    ``SELECTED_FLEX_MAX_KEYS`` keys, on the kernels once their check has passed."""
     from megatron_ext.kernels.sparse import triton
 
     # The check first (it calls the kernels itself): the calls counted are the ops'.
     assert triton.checked(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
-    calls, kernels = [], triton.selected_attention
+    calls, kernels, flex_run = [], triton.selected_attention, sparse.flex_attention_layout
     monkeypatch.setattr(triton, "selected_attention",
-                        lambda *args, **kw: calls.append(args[0].dtype) or kernels(*args, **kw))
-    case = Case(dtype=torch.bfloat16)
-    leaves, _, run, _ = _problem(case, torch.Generator().manual_seed(0))
-    inputs = {name: (x if name == "sink" else x.bfloat16()).cuda() for name, x in leaves.items()}
-    run(inputs, "auto")
-    assert calls == [torch.bfloat16]
-    csa = Case(csa_rate=4, top_k=10, dtype=torch.bfloat16)
-    leaves, _, run, _ = _problem(csa, torch.Generator().manual_seed(0))
-    run({name: (x if name == "sink" else x.bfloat16()).cuda() for name, x in leaves.items()},
-        "auto")
-    assert calls == [torch.bfloat16] * 2
+                        lambda *args, **kw: calls.append("triton") or kernels(*args, **kw))
+    monkeypatch.setattr(sparse, "flex_attention_layout",
+                        lambda *args, **kw: calls.append("flex") or flex_run(*args, **kw))
+    problems = [_problem(case, torch.Generator().manual_seed(0)) for case in
+                (Case(dtype=torch.bfloat16), Case(csa_rate=4, top_k=10, dtype=torch.bfloat16))]
+    for limit, expected in ((sparse.SELECTED_FLEX_MAX_KEYS, "flex"), (69, "triton")):
+        monkeypatch.setattr(sparse, "SELECTED_FLEX_MAX_KEYS", limit)
+        calls.clear()
+        for leaves, _, run, _ in problems:
+            run({name: (x if name == "sink" else x.bfloat16()).cuda()
+                 for name, x in leaves.items()}, "auto")
+        assert calls == [expected] * 2, (limit, calls)
