@@ -108,8 +108,9 @@ def _block_mask(layout: BlockLayout, heads: int, seq_len: int, key_len: int):
                                     mask_mod=layout.mask_mod, seq_lengths=(seq_len, key_len))
 
 
-def flex_attention_layout(q, k, v, layout: BlockLayout, *, sink=None, scale=None):
-    """Same contract as ``gathered_attention``."""
+def flex_attention_layout(q, k, v, layout: BlockLayout, *, sink=None, scale=None,
+                          kernel_options=None):
+    """Same contract as ``gathered_attention``; ``kernel_options`` go to FlexAttention on CUDA."""
     from torch.nn.attention.flex_attention import AuxRequest
 
     heads, kv_heads = q.shape[2], k.shape[2]
@@ -123,10 +124,8 @@ def flex_attention_layout(q, k, v, layout: BlockLayout, *, sink=None, scale=None
     options = {}
     if q.device.type == "cuda":
         run = _compiled_flex_attention()
-        # The main kernel always: for fewer than 128 queries with grouped heads, Inductor would
-        # pick its decoding kernel, which found no valid configuration at T = 70 with 4 query
-        # heads per key/value head on an H200 (torch 2.11, session 13).
-        options["kernel_options"] = {"BACKEND": "TRITON"}
+        if kernel_options:
+            options["kernel_options"] = kernel_options
     else:
         run = _flex_attention()
     out, aux = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

@@ -175,7 +175,7 @@ def key_selection_layout(selected: torch.Tensor, key_len: int, q_block: int,
                          kv_block: int) -> BlockLayout:
     """The layout of a per-token key selection ``selected [B, T, K]`` (DSA's and CSA's: key
     positions shared by every head, -1 for none): the token rule reads one bit per (query, key)
-    from a bitmap of int32 words ``[B, T', S' / 32]`` (T and S rounded up to the blocks, and
+    from a bitmap made of int32 words ``[B, T', S' / 32]`` (T and S rounded up to the blocks, and
     ``kv_block`` a multiple of 32), and a key block is visited when a query of the block listed
     one of its keys. A key listed twice counts once, as in the reference's mask. The bitmap is
     made by triton_select.py's kernel where it runs (``SELECT_DEVICE_TYPES``), else in PyTorch.
@@ -194,9 +194,15 @@ def key_selection_layout(selected: torch.Tensor, key_len: int, q_block: int,
     else:
         words = selection_words_reference(selected, *shape)
     active = (words.view(batch, num_q, q_block, num_kv, kv_block // 32) != 0).any(-1).any(2)
+    # The rule reads bytes: byte s // 8 of a row holds bit s % 8 (int32 words are little-endian
+    # on every platform torch supports). FlexAttention loads the rule's word for every
+    # (query, key) of a tile and pipelines those loads through shared memory: reading int32
+    # words, its bf16 kernel at head dim 64 (128 x 128 tiles, 3 stages) asked for 240 KB of
+    # the H200's 227 KB (session 13); bytes take a quarter of the room.
+    bits = words.view(torch.uint8)
 
     def rule(b, h, q, kv):
-        return ((words[b, q, kv // 32] >> (kv % 32)) & 1) == 1
+        return ((bits[b, q, kv // 8].to(torch.int32) >> (kv % 8)) & 1) == 1
 
     return BlockLayout(q_block, kv_block, active[:, None], rule)
 
