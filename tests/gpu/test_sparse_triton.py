@@ -4,9 +4,9 @@ every gradient (q, k, v, the sink; CSA's entries too), on CUDA (skipped without 
 indexer loss's target from ``selected_mass`` (each DSA case), its KL from
 ``selected_indexer_kl`` (``KL_CASES``: indexer heads 3 to 64, dims 16 to 128, rows with no key
 or no target, one key in every row), and the whole loss on them (``check_indexer_loss``);
-their first-use check; and "auto" running flex, then them beyond flex's key limit. The lightning indexer's
-scores in one kernel (triton_indexer.py's ``index_scores``, ``check_index_scores``), and DSA's
-and CSA's selections on it.
+their first-use check; and "auto" running flex, then them beyond flex's key limit. The
+lightning indexer's scores in one kernel (triton_indexer.py's ``index_scores``,
+``check_index_scores``), and DSA's and CSA's selections on it.
 
 The same cases on backend "flex" (FlexAttention with the selection as a bitmap,
 ``layout.key_selection_layout``), at the same tolerances.
