@@ -152,7 +152,7 @@ _BITS_CHUNK_VALUES = 2**26
 def selection_words_reference(selected: torch.Tensor, rows: int, width: int) -> torch.Tensor:
     """``triton_select.selection_words`` in PyTorch: int32 ``[B, rows, width]``, bit ``s % 32``
     of word ``s // 32`` of row t set where row t of ``selected [B, T, K]`` lists key s (-1:
-    none); a bool ``[B, c, 32 width]`` per chunk of rows, scattered and packed."""
+    none); ``reference.selected_mask`` per chunk of rows, packed."""
     batch, seq_len, _ = selected.shape
     cols = 32 * width
     words = torch.zeros(batch, rows, width, dtype=torch.int32, device=selected.device)
@@ -161,11 +161,8 @@ def selection_words_reference(selected: torch.Tensor, rows: int, width: int) -> 
     step = max(1, _BITS_CHUNK_VALUES // max(1, batch * cols))
     for start in range(0, seq_len, step):
         end = min(start + step, seq_len)
-        index = selected[:, start:end].long()
-        listed = torch.zeros(batch, end - start, cols + 1, dtype=torch.bool,
-                             device=selected.device)
-        listed.scatter_(-1, torch.where(index < 0, cols, index), True)  # -1: column ``cols``
-        packed = listed[..., :cols].view(batch, end - start, width, 32).int() * weights
+        listed = reference.selected_mask(selected[:, start:end], cols)
+        packed = listed.view(batch, end - start, width, 32).int() * weights
         words[:, start:end] = packed.sum(-1, dtype=torch.int32)  # distinct bits: sum = OR
     return words
 

@@ -267,6 +267,9 @@ def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
+_ORDERED_MINUS_INF = _ordered_bits(torch.tensor(float("-inf"))).item()  # a key never chosen
+
+
 def top_k_keys(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """int32 indices ``[..., K]`` of the ``K = min(top_k, S)`` highest scores of each row, best
     first (ties go to the earlier key, so that every path picks the same set); -1 where a row
@@ -281,8 +284,7 @@ def top_k_keys(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     keys = (_ordered_bits(scores).long() << 32) | reverse
     top = keys.topk(count, dim=-1).values
     indices = (key_len - 1 - (top & 0xFFFFFFFF)).int()
-    never = _ordered_bits(torch.tensor(float("-inf"))).item()
-    return indices.masked_fill((top >> 32) == never, -1)
+    return indices.masked_fill((top >> 32) == _ORDERED_MINUS_INF, -1)
 
 
 def selected_mask(selected: torch.Tensor, key_len: int) -> torch.Tensor:
