@@ -49,10 +49,17 @@ Backward, with ``delta = rowsum(dO * o)`` per token and query head and ``p = exp
 The indexer loss's target (``_mass_kernel``, :func:`selected_mass`, no gradient; the loss over
 it is triton_indexer.py's :func:`selected_indexer_kl`, exported here and checked with these): the
 probabilities of this attention summed over the query heads, ``[B, T, K]`` fp32, which DSA's and
-CSA's indexer losses fit in their sparse stage. One program per token runs the key/value heads
-in turn, each with two passes over the selected keys (the first for L, the second adding
-``exp(s - L)`` over the group's rows into the token's row), so that no ``[T, K, H, D]`` gather
-and no atomics are needed.
+CSA's indexer losses fit in their sparse stage. It works on tiles of 64 queries by 64 keys, as
+FlashAttention does, not on gathered rows: the selection becomes a bitmap (one bit per query and
+key, ``triton_select.selection_words``), a tile whose queries list none of its keys is skipped,
+and each key row is loaded once for the tile's 64 queries. One program per tile of queries makes
+two passes over its key tiles: the log-sum-exp L of each query head (and its sink), then, per key
+tile, ``exp(s - L)`` summed over the heads, written to the slot of each listed key. A row's slots
+sorted by key (one ``argsort`` of the selection) give each key's slot from its rank among the
+row's bits, counted along the tiles. Until session 14 it ran one program per token and gathered
+every selected key row twice per head: 80.3 ms at T = 16384 (B T = 32768, 16 MHA heads, K =
+2048, bf16), where DSA's whole indexer loss forward now takes 51.5 ms, 27.2 at T = 4096
+(benchmarks/results, session 14).
 
 Memory: kept for backward are q, k, v, o, ``selected`` and L (``[B, T, Hq]`` fp32): O(T K) ints
 and O(T H D) activations, no ``[T, K, H, D]`` gather. The backward adds delta (as L) and, while
@@ -64,7 +71,8 @@ Semantics at the edges, the gathered path's (selected.py): a query with no valid
 sink (or a sink of -inf) outputs 0 and gets, and gives, zero gradients; its stored L is +inf,
 so that every probability recomputed from it, ``exp(s - L)``, is 0. A key listed twice in a
 row counts twice, as in the gathered path (the reference's mask counts it once); DSA's top-k
-and CSA's window-and-entries rows list each key at most once, so that they agree.
+and CSA's window-and-entries rows list each key at most once, so that they agree. The mass
+kernel needs that: it fills one slot per listed key.
 
 Precision: fp32 inputs run every ``tl.dot`` in full fp32 ("ieee", not TF32); bf16 and fp16 on
 tensor cores with fp32 accumulation, the probabilities (and ds) rounded to the inputs' dtype
@@ -81,10 +89,10 @@ offsets in the gathers, the forward spilled 152 bytes and dq 484); at D = 256 th
 there to check the algebra, not for speed. On an H200 (Triton 3.6) they pass
 tests/gpu/test_sparse_triton.py; not tuned. Profiled inside a DSA sparse stage
 (benchmarks/sparse_attention.py, session 9: B T = 32768, 16 MHA heads of 128, top-2048, bf16),
-GPU ms per fwd+bwd at T = 4096 / 32768: dk/dv 280 / 387, dq 93 / 106, forward 78 / 96, mass
-78 / 91. Their loads bound them: each pass gathers ``B T K Hkv D`` keys (and values), 0.5 TB
-here with MHA; with fewer key/value heads (GQA, MQA) that shrinks by the group size. Session 13
-(benchmarks/dsa_stages.py, the same shapes): attention fwd+bwd 469 / 562 ms at T = 4096 /
+GPU ms per fwd+bwd at T = 4096 / 32768: dk/dv 280 / 387, dq 93 / 106, forward 78 / 96 (and the
+per-token mass kernel of then, 78 / 91). Their loads bound them: each pass gathers ``B T K Hkv
+D`` keys (and values), 0.5 TB here with MHA; with fewer key/value heads (GQA, MQA) that
+shrinks by the group size. Session 13 (benchmarks/dsa_stages.py, the same shapes): attention fwd+bwd 469 / 562 ms at T = 4096 /
 16384, against 19.9 / 71.2 ms for FlexAttention over the selection's bitmap; with one key/value
 head 298 / 357 ms against 21.1 / 70.6 (the forward alone 5.5 ms here, 40 ms on flex)."""
 from __future__ import annotations
@@ -100,6 +108,7 @@ import triton.language as tl
 from .reference import OP, _masked_probs, dsa_attention_reference, selected_mask
 from .triton_indexer import reference_indexer_kl, selected_indexer_kl
 from .triton_indexer import unavailable_reason as indexer_unavailable_reason
+from .triton_select import selection_words
 
 __all__ = ["selected_attention", "selected_mass", "selected_indexer_kl", "unavailable_reason",
            "indexer_unavailable_reason", "check", "checked", "CHECK_TOLERANCE", "MAX_HEAD_DIM"]
@@ -110,6 +119,7 @@ MAX_HEAD_DIM = 256
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_K = 64
 _BLOCK_ROWS = 32
+_MASS_BLOCK = 64  # queries and keys per tile of the mass kernel
 _MIN_DOT = 16  # the smallest tile side tl.dot takes
 _NUM_WARPS = 4
 _NUM_STAGES = 2
@@ -301,37 +311,79 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, offsets_ptr, q
     tl.store(dv_ptr + key_row * D + d, dv.to(dv_ptr.dtype.element_ty), mask=in_dim)
 
 
-@triton.jit(do_not_specialize=["seq_len", "key_len", "kv_heads", "group", "top_k"])
-def _mass_kernel(q_ptr, k_ptr, sel_ptr, sink_ptr, mass_ptr, seq_len, key_len, kv_heads, group,
-                 top_k, scale, D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_K: tl.constexpr, HAS_SINK: tl.constexpr, PRECISION: tl.constexpr):
-    """One token's row of :func:`selected_mass`, grid [B T]: for each key/value head in turn,
-    a first pass over the selected keys for each query head's log-sum-exp L, a second for
-    ``exp(s - L)`` summed over the group's heads, added into the row."""
-    token = tl.program_id(0).to(tl.int64)
+@triton.jit
+def _selected_bits(words_ptr, token, width, keys, real, key_len):
+    """``[rows, keys]`` bool: whether row ``token`` (int64, ``[rows]``) of the selection's
+    bitmap (``triton_select.selection_words``: ``width`` int32 words a row) lists each key."""
+    word = tl.load(words_ptr + token[:, None] * width + (keys >> 5)[None, :],
+                   mask=real[:, None] & (keys < key_len)[None, :], other=0)
+    return ((word >> (keys & 31)[None, :]) & 1) != 0
+
+
+@triton.jit(do_not_specialize=["seq_len", "key_len", "width", "kv_heads", "group", "top_k"])
+def _mass_kernel(q_ptr, k_ptr, words_ptr, ends_ptr, order_ptr, sink_ptr, lse_ptr, mass_ptr,
+                 seq_len, key_len, width, kv_heads, group, top_k, scale, D: tl.constexpr,
+                 DP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                 HAS_SINK: tl.constexpr, PRECISION: tl.constexpr):
+    """:func:`selected_mass` for BLOCK_T queries, grid [B T / BLOCK_T], the latest tiles first:
+    over the ``[BLOCK_T, BLOCK_S]`` tiles of (query, key) pairs whose queries list any of the
+    keys (the selection's bitmap), up to the last key any of them lists, ``ends_ptr``. Phase 1,
+    one query head after the other: the head's log-sum-exp L over its rows' keys (and the sink),
+    kept in ``lse_ptr``. Phase 2, one key tile after the other: ``exp(s - L)`` summed over every
+    query head into the tile, stored at each listed key's slot: a row's listed keys in
+    ascending order are its slots ``order_ptr[rank]`` (rank: the keys it lists before)."""
+    tiles = tl.cdiv(seq_len, BLOCK_T)
+    pid = tl.program_id(0)
+    batch, tile = pid // tiles, tiles - 1 - pid % tiles
+    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    real = t < seq_len
+    token = batch.to(tl.int64) * seq_len + t
+    end = tl.load(ends_ptr + batch * tiles + tile)
+    d = tl.arange(0, DP)
     q_heads = kv_heads * group
-    for kv_head in range(kv_heads):
-        keys = _kv_base(k_ptr, token // seq_len, key_len, kv_heads, kv_head, D)
-        q, rows, real = _group_rows(q_ptr, token, kv_head, q_heads, group, D, DP, ROWS)
-        top, total = _softmax_start(sink_ptr, kv_head, group, real, ROWS, HAS_SINK)
-        for start in range(0, top_k, BLOCK_K):
-            key_rows, valid = _selected_keys(sel_ptr, token, start, top_k, kv_heads, BLOCK_K)
-            scores = tl.dot(q, _key_tile(keys, key_rows, valid, D, DP, True),
-                            input_precision=PRECISION) * scale
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            new_top = tl.maximum(top, tl.max(scores, 1))
-            total = total * tl.exp(top - new_top) + tl.sum(tl.exp(scores - new_top[:, None]), 1)
-            top = new_top
-        lse = tl.where(real & (total > 0), top + tl.log(total), float("inf"))
-        for start in range(0, top_k, BLOCK_K):
-            key_rows, valid = _selected_keys(sel_ptr, token, start, top_k, kv_heads, BLOCK_K)
-            scores = tl.dot(q, _key_tile(keys, key_rows, valid, D, DP, True),
-                            input_precision=PRECISION) * scale
-            p = tl.where(valid[None, :], tl.exp(scores - lse[:, None]), 0.0)
-            j = start + tl.arange(0, BLOCK_K)
-            at = mass_ptr + token * top_k + j
-            previous = tl.load(at, mask=j < top_k, other=0.0)
-            tl.store(at, previous + tl.sum(p, 0), mask=j < top_k)
+    q_rows = token[:, None] * q_heads * D + d[None, :]
+    q_mask = real[:, None] & (d < D)[None, :]
+    s_lanes = tl.arange(0, BLOCK_S)
+    for h in range(q_heads):
+        q = tl.load(q_ptr + q_rows + h * D, mask=q_mask, other=0.0)
+        keys = _kv_base(k_ptr, batch.to(tl.int64), key_len, kv_heads, h // group, D)
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + h + tl.zeros([BLOCK_T], tl.int32))
+        else:
+            sink = tl.full([BLOCK_T], float("-inf"), tl.float32)
+        top = tl.maximum(sink, _FLOOR)
+        total = tl.exp(sink - top)
+        for start in range(0, end, BLOCK_S):
+            s = start + s_lanes
+            listed = _selected_bits(words_ptr, token, width, s, real, key_len)
+            if tl.max(listed.to(tl.int32)) > 0:
+                scores = tl.dot(q, _key_tile(keys, s * kv_heads, s < key_len, D, DP, True),
+                                input_precision=PRECISION) * scale
+                scores = tl.where(listed, scores, float("-inf"))
+                new_top = tl.maximum(top, tl.max(scores, 1))
+                total = (total * tl.exp(top - new_top)
+                         + tl.sum(tl.exp(scores - new_top[:, None]), 1))
+                top = new_top
+        lse = tl.where(total > 0, top + tl.log(total), float("inf"))
+        tl.store(lse_ptr + token * q_heads + h, lse, mask=real)
+    before = tl.zeros([BLOCK_T], tl.int32)  # each row's keys listed in the tiles done
+    for start in range(0, end, BLOCK_S):
+        s = start + s_lanes
+        listed = _selected_bits(words_ptr, token, width, s, real, key_len)
+        count = listed.to(tl.int32)
+        if tl.max(count) > 0:
+            total = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
+            for h in range(q_heads):
+                q = tl.load(q_ptr + q_rows + h * D, mask=q_mask, other=0.0)
+                keys = _kv_base(k_ptr, batch.to(tl.int64), key_len, kv_heads, h // group, D)
+                scores = tl.dot(q, _key_tile(keys, s * kv_heads, s < key_len, D, DP, True),
+                                input_precision=PRECISION) * scale
+                lse = tl.load(lse_ptr + token * q_heads + h, mask=real, other=float("inf"))
+                total += tl.where(listed, tl.exp(scores - lse[:, None]), 0.0)
+            rank = before[:, None] + tl.cumsum(count, 1) - count
+            slot = tl.load(order_ptr + token[:, None] * top_k + rank, mask=listed, other=0)
+            tl.store(mass_ptr + token[:, None] * top_k + slot, total, mask=listed)
+        before += tl.sum(count, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,8 +495,13 @@ def selected_attention(q, k, v, selected, *, sink=None, scale=None) -> torch.Ten
 def selected_mass(q, k, selected, *, sink=None, scale=None) -> torch.Tensor:
     """The probabilities of ``selected_attention`` summed over the query heads, without
     gradient: ``[B, T, K]`` fp32, ``mass[b, t, j] = sum_h p_h(t, selected[b, t, j])`` (0 at -1).
-    DSA's indexer loss takes it as its target (arXiv 2512.02556, sec. 2.1). Call only where
-    :func:`unavailable_reason` is None (k for v)."""
+    DSA's indexer loss takes it as its target (arXiv 2512.02556, sec. 2.1). A row lists each
+    key at most once (as DSA's top-k and CSA's selections do). Call only where
+    :func:`unavailable_reason` is None (k for v).
+
+    On tiles of the selection's bitmap (``_mass_kernel``); besides the result it holds the
+    bitmap (``B T S / 8`` bytes), each row's slots in ascending key order (int32, as
+    ``selected``) and L (``[B, T, Hq]`` fp32)."""
     batch, seq_len, q_heads, dim = q.shape
     key_len, kv_heads = k.shape[1], k.shape[2]
     scale = dim ** -0.5 if scale is None else float(scale)
@@ -452,14 +509,23 @@ def selected_mass(q, k, selected, *, sink=None, scale=None) -> torch.Tensor:
     wide_sink = None if sink is None else sink.detach().float().contiguous()
     top_k = selected.shape[-1]
     mass = torch.zeros(batch, seq_len, top_k, dtype=torch.float32, device=q.device)
-    if mass.numel():
-        _mass_kernel[(batch * seq_len,)](
-            q, k, selected, mass if wide_sink is None else wide_sink, mass, seq_len, key_len,
-            kv_heads, q_heads // kv_heads, top_k, scale, D=dim,
-            DP=max(_MIN_DOT, triton.next_power_of_2(dim)),
-            ROWS=max(_MIN_DOT, triton.next_power_of_2(q_heads // kv_heads)), BLOCK_K=_BLOCK_K,
-            HAS_SINK=wide_sink is not None, PRECISION=_precision(q.dtype),
-            num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+    if not mass.numel() or not key_len:
+        return mass
+    width = triton.cdiv(key_len, 32)
+    words = selection_words(selected, seq_len, width)
+    # -1 (no key) sorts after every key, so that rank r of a row's listed keys is slot order[r]
+    order = selected.masked_fill(selected < 0, key_len).argsort(-1).int()
+    tiles = triton.cdiv(seq_len, _MASS_BLOCK)
+    last = torch.nn.functional.pad(selected.amax(-1), (0, tiles * _MASS_BLOCK - seq_len),
+                                   value=-1)
+    ends = (last.view(batch, tiles, _MASS_BLOCK).amax(-1) + 1).int()
+    lse = torch.empty(batch, seq_len, q_heads, dtype=torch.float32, device=q.device)
+    _mass_kernel[(batch * tiles,)](
+        q, k, words, ends, order, mass if wide_sink is None else wide_sink, lse, mass, seq_len,
+        key_len, width, kv_heads, q_heads // kv_heads, top_k, scale, D=dim,
+        DP=max(_MIN_DOT, triton.next_power_of_2(dim)), BLOCK_T=_MASS_BLOCK, BLOCK_S=_MASS_BLOCK,
+        HAS_SINK=wide_sink is not None, PRECISION=_precision(q.dtype), num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES)
     return mass
 
 
@@ -479,8 +545,8 @@ def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """The first-use check: the worst relative error (Frobenius norm) of the output ("o"), of
     each gradient ("grad_q", ...), of :func:`selected_mass` ("mass") and of
     :func:`selected_indexer_kl` ("indexer_kl", "grad_index_q", ...; :func:`_check_indexer_kl`)
-    over these calls in ``dtype`` against the fp32 reference on the same rounded values, 4 query heads on 2 key/value heads (and, without a sink, 2 on
-    2), head dims 64 and 128, 2 x 24 queries over 2 x 96 keys: query t picks 67 keys (one
+    over these calls in ``dtype`` against the fp32 reference on the same rounded values, 4
+    query heads on 2 key/value heads (and, without a sink, 2 on 2), head dims 64 and 128, 2 x 24 queries over 2 x 96 keys: query t picks 67 keys (one
     full block of 64 and a partial one) at random among the first 4 (t + 1), so that the rows
     of the first 16 queries are padded with -1 (at random places), and the rows of 2 queries
     are all -1."""
