@@ -89,12 +89,12 @@ offsets in the gathers, the forward spilled 152 bytes and dq 484); at D = 256 th
 there to check the algebra, not for speed. On an H200 (Triton 3.6) they pass
 tests/gpu/test_sparse_triton.py; not tuned. Profiled inside a DSA sparse stage
 (benchmarks/sparse_attention.py, session 9: B T = 32768, 16 MHA heads of 128, top-2048, bf16),
-GPU ms per fwd+bwd at T = 4096 / 32768: dk/dv 280 / 387, dq 93 / 106, forward 78 / 96 (and the
-per-token mass kernel of then, 78 / 91). Their loads bound them: each pass gathers ``B T K Hkv
-D`` keys (and values), 0.5 TB here with MHA; with fewer key/value heads (GQA, MQA) that
-shrinks by the group size. Session 13 (benchmarks/dsa_stages.py, the same shapes): attention fwd+bwd 469 / 562 ms at T = 4096 /
-16384, against 19.9 / 71.2 ms for FlexAttention over the selection's bitmap; with one key/value
-head 298 / 357 ms against 21.1 / 70.6 (the forward alone 5.5 ms here, 40 ms on flex)."""
+GPU ms per fwd+bwd at T = 4096 / 32768: dk/dv 280 / 387, dq 93 / 106, forward 78 / 96 (and the per-token mass kernel of then, 78 / 91). Their loads bound
+them: each pass gathers ``B T K Hkv D`` keys (and values), 0.5 TB here with MHA; with fewer
+key/value heads (GQA, MQA) that shrinks by the group size. Session 13 (benchmarks/dsa_stages.py,
+the same shapes): attention fwd+bwd 469 / 562 ms at T = 4096 / 16384, against 19.9 / 71.2 ms for
+FlexAttention over the selection's bitmap; with one key/value head 298 / 357 ms against 21.1 /
+70.6 (the forward alone 5.5 ms here, 40 ms on flex)."""
 from __future__ import annotations
 
 import functools
@@ -545,11 +545,11 @@ def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """The first-use check: the worst relative error (Frobenius norm) of the output ("o"), of
     each gradient ("grad_q", ...), of :func:`selected_mass` ("mass") and of
     :func:`selected_indexer_kl` ("indexer_kl", "grad_index_q", ...; :func:`_check_indexer_kl`)
-    over these calls in ``dtype`` against the fp32 reference on the same rounded values, 4
-    query heads on 2 key/value heads (and, without a sink, 2 on 2), head dims 64 and 128, 2 x 24 queries over 2 x 96 keys: query t picks 67 keys (one
-    full block of 64 and a partial one) at random among the first 4 (t + 1), so that the rows
-    of the first 16 queries are padded with -1 (at random places), and the rows of 2 queries
-    are all -1."""
+    over these calls in ``dtype`` against the fp32 reference on the same rounded values, 4 query
+    heads on 2 key/value heads (and, without a sink, 2 on 2), head dims 64 and 128, 2 x 24
+    queries over 2 x 96 keys: query t picks 67 keys (one full block of 64 and a partial one) at
+    random among the first 4 (t + 1), so that the rows of the first 16 queries are padded with
+    -1 (at random places), and the rows of 2 queries are all -1."""
     from ..selfcheck import relative_error
 
     generator = torch.Generator(device=device).manual_seed(0)
