@@ -89,8 +89,8 @@ offsets in the gathers, the forward spilled 152 bytes and dq 484); at D = 256 th
 there to check the algebra, not for speed. On an H200 (Triton 3.6) they pass
 tests/gpu/test_sparse_triton.py; not tuned. Profiled inside a DSA sparse stage
 (benchmarks/sparse_attention.py, session 9: B T = 32768, 16 MHA heads of 128, top-2048, bf16),
-GPU ms per fwd+bwd at T = 4096 / 32768: dk/dv 280 / 387, dq 93 / 106, forward 78 / 96 (and the per-token mass kernel of then, 78 / 91). Their loads bound
-them: each pass gathers ``B T K Hkv D`` keys (and values), 0.5 TB here with MHA; with fewer
+GPU ms per fwd+bwd at T = 4096 / 32768: dk/dv 280 / 387, dq 93 / 106, forward 78 / 96
+(and the per-token mass kernel of then, 78 / 91). Their loads bound them: each pass gathers ``B T K Hkv D`` keys (and values), 0.5 TB here with MHA; with fewer
 key/value heads (GQA, MQA) that shrinks by the group size. Session 13 (benchmarks/dsa_stages.py,
 the same shapes): attention fwd+bwd 469 / 562 ms at T = 4096 / 16384, against 19.9 / 71.2 ms for
 FlexAttention over the selection's bitmap; with one key/value head 298 / 357 ms against 21.1 /
