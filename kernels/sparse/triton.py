@@ -81,20 +81,20 @@ every accumulator are fp32. Head dims up to 256, padded to a power of two (at le
 masked loads.
 
 Launch configuration (fixed): 4 warps, 2 stages for every kernel; BLOCK_K = 64 keys per step
-(forward and dq), BLOCK_ROWS = 32 (query, head) rows per step of dk/dv (two fp32 tiles of
-``[32, D]`` per step). Compiled for sm_90 without a GPU (Triton 3.6 and its ptxas), in bf16 at
-D = 128 and G <= 16: forward 192 registers, dq 255, dk/dv 230 to 235, none spilled (with int64
-offsets in the gathers, the forward spilled 152 bytes and dq 484); at D = 256 they spill 0.1 to
-0.75 KB per thread; the fp32 path (dots on FMA units) spills 0.5 KB and more at D = 128: it is
-there to check the algebra, not for speed. On an H200 (Triton 3.6) they pass
-tests/gpu/test_sparse_triton.py; not tuned. Profiled inside a DSA sparse stage
-(benchmarks/sparse_attention.py, session 9: B T = 32768, 16 MHA heads of 128, top-2048, bf16),
-GPU ms per fwd+bwd at T = 4096 / 32768: dk/dv 280 / 387, dq 93 / 106, forward 78 / 96
-(and the per-token mass kernel of then, 78 / 91). Their loads bound them: each pass gathers ``B T K Hkv D`` keys (and values), 0.5 TB here with MHA; with fewer
-key/value heads (GQA, MQA) that shrinks by the group size. Session 13 (benchmarks/dsa_stages.py,
-the same shapes): attention fwd+bwd 469 / 562 ms at T = 4096 / 16384, against 19.9 / 71.2 ms for
-FlexAttention over the selection's bitmap; with one key/value head 298 / 357 ms against 21.1 /
-70.6 (the forward alone 5.5 ms here, 40 ms on flex)."""
+(forward and dq), BLOCK_ROWS = 32 (query, head) rows per step of dk/dv (two fp32 tiles of ``[32,
+D]`` per step). Compiled for sm_90 without a GPU (Triton 3.6 and its ptxas), in bf16 at D = 128 and
+G <= 16: forward 192 registers, dq 255, dk/dv 230 to 235, none spilled (with int64 offsets in the
+gathers, the forward spilled 152 bytes and dq 484); at D = 256 they spill 0.1 to 0.75 KB per
+thread; the fp32 path (dots on FMA units) spills 0.5 KB and more at D = 128: it is there to check
+the algebra, not for speed. On an H200 (Triton 3.6) they pass tests/gpu/test_sparse_triton.py; not
+tuned. Profiled inside a DSA sparse stage (benchmarks/sparse_attention.py, session 9: B T = 32768,
+16 MHA heads of 128, top-2048, bf16), GPU ms per fwd+bwd at T = 4096 / 32768: dk/dv 280 / 387, dq
+93 / 106, forward 78 / 96 (and the per-token mass kernel of then, 78 / 91). Their loads bound them:
+each pass gathers ``B T K Hkv D`` keys (and values), 0.5 TB here with MHA; with fewer key/value
+heads (GQA, MQA) that shrinks by the group size. Session 13 (benchmarks/dsa_stages.py, the same
+shapes): attention fwd+bwd 469 / 562 ms at T = 4096 / 16384, against 19.9 / 71.2 ms for
+FlexAttention over the selection's bitmap; with one key/value head 298 / 357 ms against 21.1 / 70.6
+(the forward alone 5.5 ms here, 40 ms on flex)."""
 from __future__ import annotations
 
 import functools
