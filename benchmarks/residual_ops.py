@@ -15,8 +15,12 @@ Each op's row also lists the GPU kernels of one Triton call and their time (torc
 and their sum: where the launcher's host work takes longer than its kernels, the calls' time
 is the host's, and the kernels' sum is what the op costs the GPU.
 
-    python benchmarks/mhc_ops.py --out benchmarks/results/mhc_ops.json
-    python benchmarks/mhc_ops.py --tokens 1024 --out /tmp/mhc_ops.json  # a quick run
+    python benchmarks/residual_ops.py --out benchmarks/results/residual_ops.json
+    python benchmarks/residual_ops.py --tokens 1024 --out /tmp/residual_ops.json  # a quick run
+
+``--depth-sweep`` and ``--mhc-sweep`` also time the depth and the mHC kernels at other launch
+configurations (the kernels' GPU time; for mHC with each result's difference from the current
+configuration's), which is how their sizes were chosen.
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ def nbytes(*tensors):
 
 DEPTH_CONFIGS = [dict(BLOCK_T=t, BLOCK_H=c, num_warps=w)
                  for t in (8, 16, 32) for c in (128, 256) for w in (2, 4, 8)]
+MHC_CONFIGS = [dict(BLOCK_T=t, BLOCK_H=c, num_warps=w)
+               for t in (16, 32, 64) for c in (32, 64, 128) for w in (4, 8)]
+MHC_SWEPT = ("pre_forward", "pre_backward", "update_forward", "update_backward")
 
 
 def ops(x):
@@ -185,6 +192,39 @@ def depth_sweep(x, reps):
     return rows
 
 
+def mhc_sweep(x, reps):
+    """The mHC kernels' GPU time (the kernels of a call) at each launch configuration of
+    MHC_CONFIGS, one launcher at a time (``triton_mhc.LAUNCH``), and the largest difference of
+    the results from those at the launcher's own configuration, relative to their largest
+    value (the sums run in another order: rounding, not a slip, for a few 1e-3 in bf16)."""
+    from megatron_ext.kernels.residual import triton_mhc
+
+    launchers = ops(x)
+    rows = []
+    for name in MHC_SWEPT:
+        fixed = triton_mhc.LAUNCH[name]
+        launcher = launchers[name][0]
+
+        def call():
+            out = launcher()
+            return out if isinstance(out, tuple) else (out,)
+
+        expected = [t.float() for t in call()]
+        try:
+            for config in MHC_CONFIGS:
+                triton_mhc.LAUNCH[name] = config
+                got = call()
+                diff = max(((a.float() - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+                           for a, b in zip(got, expected))
+                ms = sum(k["ms"] for k in kernel_times(call, reps))
+                rows.append(dict(op=name, **config, kernel_ms=ms, max_rel_diff=diff,
+                                 current=config == fixed))
+                log(f"mhc sweep {name} {config}: {ms * 1e3:.1f} us (max rel diff {diff:.1e})")
+        finally:
+            triton_mhc.LAUNCH[name] = fixed
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=8192)
@@ -199,6 +239,8 @@ def main(argv=None) -> int:
                    help="also time this many back-to-back calls of each launcher on 16 tokens")
     p.add_argument("--depth-sweep", action="store_true",
                    help="also time the depth kernels at each launch configuration")
+    p.add_argument("--mhc-sweep", action="store_true",
+                   help="also time the mHC kernels at each launch configuration")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -236,11 +278,12 @@ def main(argv=None) -> int:
         log(f"host, depth_attention forward + backward through autograd: "
             f"{host['depth_attention_autograd']['triton_ms'] * 1e3:.1f} us a call")
     sweep = depth_sweep(x, args.reps) if args.depth_sweep else []
+    mhc = mhc_sweep(x, args.reps) if args.mhc_sweep else []
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                                    settings=vars(args), results=rows, host=host,
-                                   depth_sweep=sweep), indent=1))
+                                   depth_sweep=sweep, mhc_sweep=mhc), indent=1))
     log(f"wrote {out}")
     return 0
 

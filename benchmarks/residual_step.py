@@ -8,8 +8,8 @@ attention in every layer (pattern ``*``) so that only the residual scheme differ
 (which also compiles the residual ops), then ``--windows`` windows of ``--steps`` timed steps
 (forward + backward + optimizer step, CUDA events); the median window counts. Each variant runs
 in a process of its own (nothing of the one before is held). It also records
-the summed GPU kernel time and the number of GPU launches of one step (torch.profiler), since at
-this size the host launching kernels can set the wall time, and the peak memory above the model
+the summed GPU kernel time, the number of GPU launches and the 25 costliest kernels of one step
+(torch.profiler), since at this size the host launching kernels can set the wall time, and the peak memory above the model
 and optimizer state. ``--sync-debug`` adds where one step makes the host wait for the GPU (torch's
 sync debug mode; each place by its innermost Megatron or megatron-ext frame, with counts).
 
@@ -123,8 +123,11 @@ def measure(args, variant, runtime):
         # The GPU's own events (kernels, copies, memsets): with --profile the host ops are
         # recorded too, and each carries its kernels' time again.
         on_gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        slowest = sorted(on_gpu, key=lambda e: e.self_device_time_total, reverse=True)[:25]
         result.update(gpu_kernel_ms_per_step=sum(e.self_device_time_total for e in on_gpu) / 1e3,
                       launches_per_step=sum(e.count for e in on_gpu),
+                      gpu_kernels=[dict(kernel=e.key[:100], calls=e.count,
+                                        ms=e.self_device_time_total / 1e3) for e in slowest],
                       peak_memory_gib=peak_gib, static_memory_gib=static_gib,
                       activation_peak_gib=peak_gib - static_gib)
     log(f"{variant}: {result['ms_per_step']:.1f} ms/step"

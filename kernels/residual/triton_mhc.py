@@ -56,20 +56,25 @@ bitwise.
 
 Launch configuration (fixed, no autotuning):
 
-- Tiles: ``BLOCK_T = 16`` tokens a program (the smallest tile tl.dot takes). The kernels with a
-  tl.dot (the pre op's x @ W^T and (r dmixes) @ W) take the columns of one stream in chunks of
-  ``BLOCK_H = 128 / NP`` (32 at n = 4, 16 at n = 8); every other pass over the streams works on
-  2-D [BLOCK_T, 128] tiles of one stream at a time, the sums over streams unrolled (n is a
-  constexpr), and only update_forward, which reduces nothing, keeps n-stream tiles
-  [BLOCK_T, NP, 128 / NP]. NP is n rounded up to a power of two and MP = (2 + n) n rounded up
-  to one (at least 16, for tl.dot); the padding is masked (loads give 0, stores are skipped).
-  8 warps and 2 pipeline stages, but 4 warps for the pre op's forward (0.136 ms a call against
-  0.220 at 8, timed as below).
+- Tiles (``LAUNCH``, per launcher): BLOCK_T = 16 tokens a program (the smallest tile tl.dot
+  takes), 64 in the pre op's forward. The kernels with a tl.dot (the pre op's x @ W^T and
+  (r dmixes) @ W) take the columns of one stream in chunks of BLOCK_H = 128 (one chunk a slab);
+  every other pass over the streams works on 2-D [BLOCK_T, 128] tiles of one stream at a time,
+  the sums over streams unrolled (n is a constexpr), and only update_forward, which reduces
+  nothing, keeps n-stream tiles [BLOCK_T, NP, 128]. NP is n rounded up to a power of two and
+  MP = (2 + n) n rounded up to one (at least 16, for tl.dot); the padding is masked (loads give
+  0, stores are skipped). 8 warps and 2 pipeline stages, but 4 warps for the pre op's forward.
+- These sizes come from a sweep (``benchmarks/residual_ops.py --mhc-sweep``: n = 4, h = 1024,
+  T = 8192, bf16, on an H200) of BLOCK_T in 16, 32, 64, BLOCK_H in 32, 64, 128 and 4 or 8
+  warps, in session 14. Until then the tl.dot kernels and update_forward took chunks of
+  128 / NP columns (32 at n = 4), which read 64 contiguous bytes of a bf16 row where 128
+  columns read 256. The kernels' time at the old and the new sizes is in benchmarks/results
+  (session 14).
 - Grids: every one is [cdiv(T, BLOCK_T), slabs of columns of h]. A tl.dot kernel's program
-  loops over the BLOCK_H chunks of its slab (a fixed trip count; in the last slab the chunks
-  past h are masked); the others take their slab's columns as one tile.
+  loops over the BLOCK_H chunks of its slab (one at the sizes above; in the last slab the
+  columns past h are masked); the others take their slab's columns as one tile.
   Slabs are ``_PRE_COLS = 128`` columns at every n (128 n columns of x) for the pre op's
-  kernels, and one chunk for update_forward and update_backward (128 / NP and 128 columns).
+  kernels, and one chunk of BLOCK_H columns for update_forward and update_backward.
 - Sums over h: the first kernel of each pre direction and update_backward write per-slab sums
   to an fp32 buffer that torch sums over its first axis (deterministic; no atomics):
   [cdiv(h, 128), T, (2 + n) n + 1] (pre forward: x @ W^T and sum(x^2)), [cdiv(h, 128), T, n + 1]
@@ -116,15 +121,17 @@ __all__ = ["pre_forward", "pre_backward", "update_forward", "update_backward",
 
 MIN_N, MAX_N = 2, 8
 H_MULTIPLE = 16
-BLOCK_T = 16
-_TILE = 128  # NP * BLOCK_H: columns of all streams in one step
-_UPDATE_COLS = 128  # update_backward: columns of h (of every stream) a program
-_PRE_COLS = 128  # the pre op: columns of h (of every stream) a program; a multiple of BLOCK_H
+# Each launcher's sizes (module docstring, "Launch configuration"): BLOCK_T tokens a program,
+# BLOCK_H columns of h a chunk (the pre op's: of its slab of _PRE_COLS, which BLOCK_H divides;
+# update_forward's and update_backward's: a program's), and its warps. Read at each launch:
+# ``benchmarks/residual_ops.py --mhc-sweep`` times other values by setting them.
+LAUNCH = {"pre_forward": dict(BLOCK_T=64, BLOCK_H=128, num_warps=4),
+          "pre_backward": dict(BLOCK_T=16, BLOCK_H=128, num_warps=8),
+          "update_forward": dict(BLOCK_T=16, BLOCK_H=128, num_warps=8),
+          "update_backward": dict(BLOCK_T=16, BLOCK_H=128, num_warps=8)}
+_STAGES = 2
+_PRE_COLS = 128  # the pre op: columns of h (of every stream) a program
 # (a power of two: the passes without a tl.dot take them as one tile)
-_LAUNCH = dict(num_warps=8, num_stages=2)
-# The pre op's forward (its [BLOCK_T, BLOCK_H] x [BLOCK_H, MP] dots) at 4 warps: 0.136 ms a call
-# against 0.220 at 8 on an H200 (session 10, n = 4, h = 1024, T = 8192, bf16).
-_PRE_FORWARD_LAUNCH = dict(_LAUNCH, num_warps=4)
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -449,10 +456,10 @@ def _tokens_of(name: str, tensor: torch.Tensor, lead, tail) -> torch.Tensor:
 
 
 def _padded(n: int):
-    """``(NP, M, MP, BLOCK_H)`` for n streams."""
+    """``(NP, M, MP)`` for n streams."""
     padded = triton.next_power_of_2(n)
     width = (2 + n) * n
-    return padded, width, max(16, triton.next_power_of_2(width)), _TILE // padded
+    return padded, width, max(16, triton.next_power_of_2(width))
 
 
 def _parameters(weight, bias, gate, n: int, h: int):
@@ -471,9 +478,10 @@ def pre_forward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     [..., n], H_res logits [..., n, n], mixes [..., (2 + n) n])``, the last three fp32."""
     x, n, h, lead = _streams(streams)
     weight, bias, gate = _parameters(weight, bias, gate, n, h)
-    _, width, width_padded, block_h = _padded(n)
+    _, width, width_padded = _padded(n)
     tokens = x.shape[0]
     slabs = triton.cdiv(h, _PRE_COLS)
+    launch = LAUNCH["pre_forward"]
     u = torch.empty((tokens, h), dtype=x.dtype, device=x.device)
     post = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
     res = torch.empty((tokens, n, n), dtype=torch.float32, device=x.device)
@@ -482,11 +490,12 @@ def pre_forward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     # slabs below (in a fixed order: deterministic, no atomics).
     partial = torch.empty((slabs, tokens, width + 1), dtype=torch.float32, device=x.device)
     if tokens:
-        grid = (triton.cdiv(tokens, BLOCK_T), slabs)
-        shapes = dict(N=n, M=width, MP=width_padded, BLOCK_T=BLOCK_T, COLS=_PRE_COLS,
-                      **_PRE_FORWARD_LAUNCH, **_dot_flags(x.dtype))
+        grid = (triton.cdiv(tokens, launch["BLOCK_T"]), slabs)
+        shapes = dict(N=n, M=width, MP=width_padded, BLOCK_T=launch["BLOCK_T"], COLS=_PRE_COLS,
+                      num_warps=launch["num_warps"], num_stages=_STAGES, **_dot_flags(x.dtype))
         with launch_device(x.device):
-            _pre_project_kernel[grid](x, weight, partial, tokens, h, BLOCK_H=block_h, **shapes)
+            _pre_project_kernel[grid](x, weight, partial, tokens, h, BLOCK_H=launch["BLOCK_H"],
+                                      **shapes)
             _pre_mix_kernel[grid](x, partial.sum(0), bias, gate, u, post, res, mixes, tokens, h,
                                   float(eps), **shapes)
     return (u.view(*lead, h), post.view(*lead, n), res.view(*lead, n, n),
@@ -500,26 +509,28 @@ def pre_backward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     streams, weight, bias and gate, given the gradients of u, H_post and the H_res logits."""
     x, n, h, lead = _streams(streams)
     weight, bias, gate = _parameters(weight, bias, gate, n, h)
-    padded, width, width_padded, block_h = _padded(n)
+    padded, width, width_padded = _padded(n)
     mixes = _tokens_of("mixes", mixes, lead, (width,))
     grad_u = _tokens_of("grad_u", grad_u, lead, (h,))
     grad_post = _tokens_of("grad_post", grad_post, lead, (n,))
     dres = _tokens_of("dres", dres, lead, (n, n))
     tokens = x.shape[0]
     slabs = triton.cdiv(h, _PRE_COLS)
+    launch = LAUNCH["pre_backward"]
     dx = torch.empty_like(x)
     grad_r = torch.empty((tokens, width), dtype=torch.float32, device=x.device)
     per_token = torch.empty((tokens, width + 3), dtype=torch.float32, device=x.device)
     # Per slab of columns and token: dH_pre [n] and sum(x^2), fp32, summed over the slabs below.
     partial = torch.empty((slabs, tokens, n + 1), dtype=torch.float32, device=x.device)
     if tokens:
-        grid = (triton.cdiv(tokens, BLOCK_T), slabs)
-        shapes = dict(N=n, NP=padded, BLOCK_T=BLOCK_T, COLS=_PRE_COLS, **_LAUNCH)
+        grid = (triton.cdiv(tokens, launch["BLOCK_T"]), slabs)
+        shapes = dict(N=n, NP=padded, BLOCK_T=launch["BLOCK_T"], COLS=_PRE_COLS,
+                      num_warps=launch["num_warps"], num_stages=_STAGES)
         with launch_device(x.device):
             _pre_backward_sums_kernel[grid](x, grad_u, partial, tokens, h, **shapes)
             _pre_backward_kernel[grid](
                 x, weight, bias, gate, mixes, partial.sum(0), grad_u, grad_post, dres, dx, grad_r,
-                per_token, tokens, h, float(eps), M=width, MP=width_padded, BLOCK_H=block_h,
+                per_token, tokens, h, float(eps), M=width, MP=width_padded, BLOCK_H=launch["BLOCK_H"],
                 **shapes, **_dot_flags(x.dtype))
     # As efficient._rms_project_vjp: dW = (r dmixes)^T x, the GEMM in x's dtype.
     dweight = (grad_r.t().to(x.dtype) @ x.view(tokens, n * h)).to(weight.dtype)
@@ -536,14 +547,15 @@ def update_forward(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
     y = _tokens_of("y", y, lead, (h,))
     post = _tokens_of("post", post, lead, (n,))
     res = _tokens_of("res", res, lead, (n, n))
-    padded, _, _, block_h = _padded(n)
+    padded = _padded(n)[0]
+    launch = LAUNCH["update_forward"]
     tokens = x.shape[0]
     out = torch.empty_like(x)
     if tokens:
+        grid = (triton.cdiv(tokens, launch["BLOCK_T"]), triton.cdiv(h, launch["BLOCK_H"]))
         with launch_device(x.device):
-            _update_forward_kernel[(triton.cdiv(tokens, BLOCK_T), triton.cdiv(h, block_h))](
-                x, y, post, res, out, tokens, h, N=n, NP=padded, BLOCK_T=BLOCK_T, BLOCK_H=block_h,
-                **_LAUNCH)
+            _update_forward_kernel[grid](x, y, post, res, out, tokens, h, N=n, NP=padded,
+                                         num_stages=_STAGES, **launch)
     return out.view(*lead, n, h)
 
 
@@ -557,7 +569,8 @@ def update_backward(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
     post = _tokens_of("post", post, lead, (n,))
     res = _tokens_of("res", res, lead, (n, n))
     grad = _tokens_of("grad", grad, lead, (n, h))
-    chunks = triton.cdiv(h, _UPDATE_COLS)
+    launch = LAUNCH["update_backward"]
+    chunks = triton.cdiv(h, launch["BLOCK_H"])
     tokens = x.shape[0]
     dx, dy = torch.empty_like(x), torch.empty_like(y)
     # Per chunk of columns and token: dH_post [n] and dH_res [n, n], fp32, summed over the
@@ -565,9 +578,9 @@ def update_backward(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
     partial = torch.empty((chunks, tokens, n + n * n), dtype=torch.float32, device=x.device)
     if tokens:
         with launch_device(x.device):
-            _update_backward_kernel[(triton.cdiv(tokens, BLOCK_T), chunks)](
-                x, y, post, res, grad, dx, dy, partial, tokens, h, N=n, BLOCK_T=BLOCK_T,
-                BLOCK_H=_UPDATE_COLS, **_LAUNCH)
+            _update_backward_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]), chunks)](
+                x, y, post, res, grad, dx, dy, partial, tokens, h, N=n, num_stages=_STAGES,
+                **launch)
     sums = partial.sum(0)
     dpost = sums[:, :n].to(post.dtype).contiguous()
     dres = sums[:, n:].to(res.dtype).contiguous()
