@@ -69,7 +69,7 @@ def measure(args, variant, runtime):
     from megatron_ext.kernels.residual import efficient
 
     settings = settings_for(args, variant)
-    efficient.use_triton_mhc(args.mhc_kernels)
+    efficient.use_triton_mhc(not args.mhc_bodies)
     torch.manual_seed(0)
     config = train.transformer_config(settings, runtime)
     model = train.build_model(settings, config, args.vocab)
@@ -266,9 +266,9 @@ def main():
                    help="ExtConfig.residual_backend: auto runs our Triton Sinkhorn and depth-"
                         "attention kernels on CUDA with compiled PyTorch bodies for the rest, "
                         "compile the compiled PyTorch bodies only")
-    p.add_argument("--mhc-kernels", action="store_true",
-                   help="with --residual-backend auto, also run mHC's stream ops in our fused Triton "
-                        "kernels (off by default: slower than the compiled bodies so far)")
+    p.add_argument("--mhc-bodies", action="store_true",
+                   help="with --residual-backend auto, run mHC's stream ops in the compiled PyTorch "
+                        "bodies instead of our fused Triton kernels (the default since session 14)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="steps per timed window")
     p.add_argument("--windows", type=int, default=3, help="timed windows; the median counts")

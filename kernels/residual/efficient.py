@@ -21,10 +21,11 @@ some run in Triton kernels of ours instead, each launched eagerly from its autog
 the Sinkhorn iterations (two kernels, :mod:`.triton_sinkhorn`) and :func:`depth_attention`
 (one kernel each way for all source groups of a call, :mod:`.triton_depth`). The two mHC
 stream ops, :func:`mhc_pre` and :func:`stream_update`, have fused kernels too (forward and
-backward, :mod:`.triton_mhc`), off unless :func:`use_triton_mhc` turns them on: in a 350M-model
-step on an H200 (session 10, benchmarks/results/README.md) they take 101.7 ms of GPU time a step
-against 96.2 ms with the compiled bodies, but less wall time (163.6 against 203.9 ms, the step
-being bound by the host's launches). Kernels are used on a device only after passing a
+backward, :mod:`.triton_mhc`), on unless :func:`use_triton_mhc` turns them off: in a training
+step of the 350M-class model at micro-batch 8 on an H200 (session 14, benchmarks/results) they
+take 289.5 ms of GPU time against 299.8 ms with the compiled bodies (the standard residual:
+222.4), and 303.9 against 314.2 ms of wall time. Until session 14's launch sizes they took more
+GPU time than the bodies. Kernels are used on a device only after passing a
 first-use check there (small random inputs against the PyTorch bodies); where they cannot run
 (the CPU, no Triton, a failed check, sizes or dtypes they do not take) the PyTorch bodies do.
 Those bodies, and the ops without kernels (rms_project, stream_mix), can be compiled with
@@ -114,14 +115,14 @@ def triton_enabled() -> bool:
     return _triton_enabled
 
 
-# The fused mHC kernels (triton_mhc.py) are off by default: more GPU time than the compiled
-# bodies (module docstring). use_triton_mhc(True) turns them on, to measure or test them.
-_triton_mhc_enabled = False
+# The fused mHC kernels (triton_mhc.py) are on by default since session 14 (module docstring);
+# use_triton_mhc(False) runs the PyTorch bodies instead, to compare.
+_triton_mhc_enabled = True
 
 
 def use_triton_mhc(enabled: bool) -> None:
-    """Run mhc_pre and stream_update of CUDA tensors in the fused Triton kernels (where
-    :func:`use_triton` has the kernels on) or in the PyTorch bodies (the default)."""
+    """Run mhc_pre and stream_update of CUDA tensors in the fused Triton kernels (the default,
+    where :func:`use_triton` has the kernels on) or in the PyTorch bodies."""
     global _triton_mhc_enabled
     _triton_mhc_enabled = enabled
 
@@ -187,7 +188,7 @@ def first_use_checks(device: torch.device) -> list:
     checks = [
         ("sinkhorn", "n=4, 20 iters", torch.float32, _triton_kernels, _check_triton_sinkhorn,
          (4,)),
-        *(("mhc", "n=4 (default off)", dtype, _triton_mhc_kernels, _check_triton_mhc, (4, dtype))
+        *(("mhc", "n=4", dtype, _triton_mhc_kernels, _check_triton_mhc, (4, dtype))
           for dtype in (torch.float32, torch.bfloat16)),
         *(("depth_attention", "2 groups of 4", dtype, _triton_depth_kernels,
            _check_triton_depth, (dtype, 2, 8)) for dtype in (torch.float32, torch.bfloat16)),

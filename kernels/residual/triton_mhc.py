@@ -64,6 +64,8 @@ Launch configuration (fixed, no autotuning):
   nothing, keeps n-stream tiles [BLOCK_T, NP, 128]. NP is n rounded up to a power of two and
   MP = (2 + n) n rounded up to one (at least 16, for tl.dot); the padding is masked (loads give
   0, stores are skipped). 8 warps and 2 pipeline stages, but 4 warps for the pre op's forward.
+  From 5 streams on (NP = 8), ``LAUNCH_WIDE``: 16 tokens and chunks of 16 columns, as before
+  session 14.
 - These sizes come from a sweep (``benchmarks/residual_ops.py --mhc-sweep``: n = 4, h = 1024,
   T = 8192, bf16, on an H200) of BLOCK_T in 16, 32, 64, BLOCK_H in 32, 64, 128 and 4 or 8
   warps, in session 14. Until then the tl.dot kernels and update_forward took chunks of
@@ -129,6 +131,14 @@ LAUNCH = {"pre_forward": dict(BLOCK_T=64, BLOCK_H=128, num_warps=4),
           "pre_backward": dict(BLOCK_T=16, BLOCK_H=128, num_warps=8),
           "update_forward": dict(BLOCK_T=16, BLOCK_H=128, num_warps=8),
           "update_backward": dict(BLOCK_T=16, BLOCK_H=128, num_warps=8)}
+# From 5 streams on (NP = 8) the tiles at those sizes hold 2 to 4 times as much (MP = 64 or 128
+# mix columns, n-stream tiles of 8); there the sizes of session 10 stay, under which the kernels
+# pass tests/gpu/test_triton_mhc.py (at the sizes above its n = 8 fp32 case did not finish in
+# 200 s on an H200, session 14).
+LAUNCH_WIDE = {"pre_forward": dict(BLOCK_T=16, BLOCK_H=16, num_warps=4),
+               "pre_backward": dict(BLOCK_T=16, BLOCK_H=16, num_warps=8),
+               "update_forward": dict(BLOCK_T=16, BLOCK_H=16, num_warps=8),
+               "update_backward": dict(BLOCK_T=16, BLOCK_H=128, num_warps=8)}
 _STAGES = 2
 _PRE_COLS = 128  # the pre op: columns of h (of every stream) a program
 # (a power of two: the passes without a tl.dot take them as one tile)
@@ -455,6 +465,11 @@ def _tokens_of(name: str, tensor: torch.Tensor, lead, tail) -> torch.Tensor:
     return tensor.reshape(-1, *tail).contiguous()
 
 
+def _launch(name: str, padded: int) -> dict:
+    """The launch sizes of launcher ``name`` at NP = ``padded`` streams."""
+    return (LAUNCH if padded <= 4 else LAUNCH_WIDE)[name]
+
+
 def _padded(n: int):
     """``(NP, M, MP)`` for n streams."""
     padded = triton.next_power_of_2(n)
@@ -478,10 +493,10 @@ def pre_forward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     [..., n], H_res logits [..., n, n], mixes [..., (2 + n) n])``, the last three fp32."""
     x, n, h, lead = _streams(streams)
     weight, bias, gate = _parameters(weight, bias, gate, n, h)
-    _, width, width_padded = _padded(n)
+    padded, width, width_padded = _padded(n)
     tokens = x.shape[0]
     slabs = triton.cdiv(h, _PRE_COLS)
-    launch = LAUNCH["pre_forward"]
+    launch = _launch("pre_forward", padded)
     u = torch.empty((tokens, h), dtype=x.dtype, device=x.device)
     post = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
     res = torch.empty((tokens, n, n), dtype=torch.float32, device=x.device)
@@ -516,7 +531,7 @@ def pre_backward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     dres = _tokens_of("dres", dres, lead, (n, n))
     tokens = x.shape[0]
     slabs = triton.cdiv(h, _PRE_COLS)
-    launch = LAUNCH["pre_backward"]
+    launch = _launch("pre_backward", padded)
     dx = torch.empty_like(x)
     grad_r = torch.empty((tokens, width), dtype=torch.float32, device=x.device)
     per_token = torch.empty((tokens, width + 3), dtype=torch.float32, device=x.device)
@@ -548,7 +563,7 @@ def update_forward(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
     post = _tokens_of("post", post, lead, (n,))
     res = _tokens_of("res", res, lead, (n, n))
     padded = _padded(n)[0]
-    launch = LAUNCH["update_forward"]
+    launch = _launch("update_forward", padded)
     tokens = x.shape[0]
     out = torch.empty_like(x)
     if tokens:
@@ -569,7 +584,7 @@ def update_backward(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
     post = _tokens_of("post", post, lead, (n,))
     res = _tokens_of("res", res, lead, (n, n))
     grad = _tokens_of("grad", grad, lead, (n, h))
-    launch = LAUNCH["update_backward"]
+    launch = _launch("update_backward", _padded(n)[0])
     chunks = triton.cdiv(h, launch["BLOCK_H"])
     tokens = x.shape[0]
     dx, dy = torch.empty_like(x), torch.empty_like(y)

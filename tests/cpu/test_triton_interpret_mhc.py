@@ -122,19 +122,18 @@ if __name__ == "__main__":
     main()
 
 
-def test_fused_mhc_kernels_are_off_unless_turned_on(monkeypatch):
-    """The fused mHC kernels were slower than the compiled bodies on an H200 (efficient's
-    docstring): where Triton runs, mhc_pre and stream_update still take the bodies until
-    use_triton_mhc(True); the other residual kernels are not affected."""
+def test_fused_mhc_kernels_are_on_unless_turned_off(monkeypatch):
+    """Where Triton runs, mhc_pre and stream_update take the fused mHC kernels (once checked)
+    until use_triton_mhc(False), which leaves the other residual kernels on."""
     from megatron_ext.kernels.residual import efficient
 
     monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
     monkeypatch.setattr(efficient, "_triton_mhc_checked", lambda *key: True)
     streams = torch.zeros(5, 4, 16)
-    assert efficient.triton_enabled() and not efficient.triton_mhc_enabled()
-    assert efficient._triton_mhc_for(streams) is None
-    efficient.use_triton_mhc(True)
+    assert efficient.triton_enabled() and efficient.triton_mhc_enabled()
+    assert efficient._triton_mhc_for(streams) is efficient._triton_mhc_kernels()
+    efficient.use_triton_mhc(False)
     try:
-        assert efficient._triton_mhc_for(streams) is efficient._triton_mhc_kernels()
+        assert efficient.triton_enabled() and efficient._triton_mhc_for(streams) is None
     finally:
-        efficient.use_triton_mhc(False)
+        efficient.use_triton_mhc(True)
