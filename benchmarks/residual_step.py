@@ -7,10 +7,11 @@ attention in every layer (pattern ``*``) so that only the residual scheme differ
 ``block_spec``, Megatron's DDP and optimizer, the pipeline schedule), runs ``--warmup`` steps
 (which also compiles the residual ops), then ``--windows`` windows of ``--steps`` timed steps
 (forward + backward + optimizer step, CUDA events); the median window counts. Each variant runs
-in a process of its own (nothing of the one before is held). It also records
-the summed GPU kernel time, the number of GPU launches and the 25 costliest kernels of one step
-(torch.profiler), since at this size the host launching kernels can set the wall time, and the peak memory above the model
-and optimizer state. ``--sync-debug`` adds where one step makes the host wait for the GPU (torch's
+in a process of its own (nothing of the one before is held). It also records the summed GPU kernel
+time, the number of GPU launches and the 25 costliest kernels of one step (torch.profiler), since
+at this size the host launching kernels can set the wall time, and the peak memory above the model
+and optimizer state.
+``--sync-debug`` adds where one step makes the host wait for the GPU (torch's
 sync debug mode; each place by its innermost Megatron or megatron-ext frame, with counts).
 
     python benchmarks/residual_step.py --out benchmarks/results/residual_step_h200.json
@@ -267,8 +268,8 @@ def main():
                         "attention kernels on CUDA with compiled PyTorch bodies for the rest, "
                         "compile the compiled PyTorch bodies only")
     p.add_argument("--mhc-bodies", action="store_true",
-                   help="with --residual-backend auto, run mHC's stream ops in the compiled PyTorch "
-                        "bodies instead of our fused Triton kernels (the default since session 14)")
+                   help="with --residual-backend auto, run mHC's stream ops in the compiled "
+                        "PyTorch bodies instead of our fused Triton kernels (the default)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="steps per timed window")
     p.add_argument("--windows", type=int, default=3, help="timed windows; the median counts")

@@ -91,16 +91,17 @@ Launch configuration (fixed, no autotuning):
   step over 40 calls), where update_forward, which reduces nothing, took 0.09 ms. More programs
   (slabs of columns) did not change it (session 9). Written in 2-D tiles its kernel takes
   0.092 ms, 2.5 TB/s of the bytes it must move, and the step's update backward 3.7 ms
-  (session 10, ``benchmarks/residual_ops.py`` and ``benchmarks/residual_step.py --mhc-kernels``).
+  (session 10, ``benchmarks/residual_ops.py`` and ``benchmarks/residual_step.py``).
   The pre op's u pass and backward sums, which reduced n-stream tiles over one axis, went to
   2-D tiles with it: the pre forward's call from 0.460 to 0.220 ms (its second kernel 0.022 ms).
-  Its first kernel took 0.136 ms at 8 warps and takes 0.075 at 4; the pre backward's second
-  (0.230 ms), a tl.dot kernel on 16-row tiles like it, is now the slowest of all.
+  In session 10 its first kernel took 0.136 ms at 8 warps and 0.075 at 4, and the pre
+  backward's second (0.230 ms), a tl.dot kernel on 16-row tiles then, was the slowest of all.
 - Registers, from ptxas's report for sm_90 (triton.compile for target cuda 90, no GPU; bf16 and
-  fp32, session 10): update_backward 197-199 at n = 2, 255 at n = 4 (no spills), 254-255 at
-  n = 8 with 24 (bf16) and 64 (fp32) bytes of spills; the pre backward's sums 77-160, no spills;
-  the pre forward's first kernel at 4 warps 72-255, no spills; the pre backward's second kernel
-  at 8 warps 78-254, no spills (at 4 warps it spilled 1.3 KB at n = 8 in fp32, hence 8 there).
+  fp32, session 10, at the sizes of then): update_backward 197-199 at n = 2, 255 at n = 4 (no
+  spills), 254-255 at n = 8 with 24 (bf16) and 64 (fp32) bytes of spills; the pre backward's
+  sums 77-160, no spills; the pre forward's first kernel at 4 warps 72-255, no spills; the pre
+  backward's second kernel at 8 warps 78-254, no spills (at 4 warps it spilled 1.3 KB at n = 8
+  in fp32, hence 8 there).
 - T is not specialised on: one compiled kernel serves every token count, which the first-use
   check in :mod:`.efficient` therefore covers.
 
@@ -545,7 +546,8 @@ def pre_backward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             _pre_backward_sums_kernel[grid](x, grad_u, partial, tokens, h, **shapes)
             _pre_backward_kernel[grid](
                 x, weight, bias, gate, mixes, partial.sum(0), grad_u, grad_post, dres, dx, grad_r,
-                per_token, tokens, h, float(eps), M=width, MP=width_padded, BLOCK_H=launch["BLOCK_H"],
+                per_token, tokens, h, float(eps), M=width, MP=width_padded,
+                BLOCK_H=launch["BLOCK_H"],
                 **shapes, **_dot_flags(x.dtype))
     # As efficient._rms_project_vjp: dW = (r dmixes)^T x, the GEMM in x's dtype.
     dweight = (grad_r.t().to(x.dtype) @ x.view(tokens, n * h)).to(weight.dtype)
