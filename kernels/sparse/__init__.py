@@ -414,7 +414,8 @@ def dsa_select(index_q, index_k, index_weights, *, top_k, cu_seqlens=None, backe
 
 def dsa_attention(q, k, v, selected, *, sink=None, scale=None, backend="auto"):
     """DSA's sparse attention: each query attends to its ``selected [B, T, K]`` keys
-    (:func:`dsa_select`; shared by all heads, -1 skipped), with the sink and scale of
+    (:func:`dsa_select`; shared by all heads, -1 skipped, each key at most once a row: the
+    backends may differ on a key listed twice), with the sink and scale of
     :func:`softmax_attention`. q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` -> ``[B, T, Hq, D]``;
     memory O(T K), but O(T^2 / 8) bytes on flex. Backends: the reference; FlexAttention over
     the selection's bitmap ("flex", and "auto" on CUDA up to ``SELECTED_FLEX_MAX_KEYS`` keys);
@@ -434,8 +435,9 @@ def dsa_indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu
     queries: ``KL(p_t || softmax(I_t))``, p the main attention of q, k (with sink and scale; no
     gradient reaches q, k or the sink) summed over the heads and L1-normalised, I the indexer's
     scores. ``selected=None`` (dense warm-up): over every causal key; else over the selected
-    keys only (sparse training). ``reduce_heads``: sums a ``[B, T', S']`` tensor over the query
-    heads of other processes (tensor parallelism) and returns the sum.
+    keys only (sparse training; each key at most once a row, as :func:`dsa_attention`).
+    ``reduce_heads``: sums a ``[B, T', S']`` tensor over the query heads of other processes
+    (tensor parallelism) and returns the sum.
 
     ``shares`` (:class:`QueryShares`; context parallelism, each process with the whole
     sequence of its own heads in q, k and selected): this process's share of the loss, over its
