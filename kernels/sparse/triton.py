@@ -81,10 +81,10 @@ every accumulator are fp32. Head dims up to 256, padded to a power of two (at le
 masked loads.
 
 Launch configuration (fixed): 4 warps, 2 stages for every kernel; BLOCK_K = 64 keys per step
-(forward and dq), BLOCK_ROWS = 32 (query, head) rows per step of dk/dv (two fp32 tiles of ``[32,
-D]`` per step). Compiled for sm_90 without a GPU (Triton 3.6 and its ptxas), in bf16 at D = 128 and
-G <= 16: forward 192 registers, dq 255, dk/dv 230 to 235, none spilled (with int64 offsets in the
-gathers, the forward spilled 152 bytes and dq 484); at D = 256 they spill 0.1 to 0.75 KB per
+(forward and dq), BLOCK_ROWS = 32 (query, head) rows per step of dk/dv (two fp32 tiles of
+``[32, D]`` per step). Compiled for sm_90 without a GPU (Triton 3.6 and its ptxas), in bf16 at D =
+128 and G <= 16: forward 192 registers, dq 255, dk/dv 230 to 235, none spilled (with int64 offsets
+in the gathers, the forward spilled 152 bytes and dq 484); at D = 256 they spill 0.1 to 0.75 KB per
 thread; the fp32 path (dots on FMA units) spills 0.5 KB and more at D = 128: it is there to check
 the algebra, not for speed. On an H200 (Triton 3.6) they pass tests/gpu/test_sparse_triton.py; not
 tuned. Profiled inside a DSA sparse stage (benchmarks/sparse_attention.py, session 9: B T = 32768,
