@@ -31,12 +31,13 @@ from triton_interpreter import needs_triton
 def interpret_cases(Case) -> list:
     """The cases run on the interpreter (Case from the GPU module): small enough for a CPU."""
     return [
-        Case(n=2, shape=(37,), h=144),  # chunks of 64: two full, one partial; pre op slabs 128, 16
-        Case(n=3, shape=(37,), h=80),  # n padded to 4; chunks of 32
+        # 37 tokens: a partial block of 64 (pre forward) and of 16 (the rest)
+        Case(n=2, shape=(37,), h=144),  # chunks and slabs of 128: one full, one of 16
+        Case(n=3, shape=(37,), h=80),  # n padded to 4; one partial chunk of 128
         Case(n=4, shape=(37,), h=80),
-        Case(n=4, shape=(37,), h=208),  # a slab of 128 columns and one of 80 (all but update_fwd)
+        Case(n=4, shape=(37,), h=208),  # a slab (chunk) of 128 columns and one of 80
         Case(n=4, shape=(3, 13), h=48, strided=True),
-        Case(n=8, shape=(20,), h=48),  # 80 mixes padded to 128; chunks of 16
+        Case(n=8, shape=(20,), h=48),  # 80 mixes padded to 128; LAUNCH_WIDE: chunks of 16
         Case(n=4, shape=(0,), h=16),
         Case(n=4, shape=(37,), h=208, dtype=torch.float16),  # x @ W^T rounded after the slab sum
     ]
