@@ -34,15 +34,13 @@ def megatron_on_cuda():
 
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     torch.cuda.set_device(0)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(harness._free_port())
         dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(0)
+    harness.init_parallel()
     yield
     parallel_state.destroy_model_parallel()
 
