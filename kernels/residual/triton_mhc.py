@@ -15,14 +15,14 @@ the stream tensor ``[T, n h]`` in its own dtype once or twice and make no fp32 c
                        coefficients as reference.mhc_coefficient_logits, then pass 2 over x per
                        slab: u = sum_m H_pre[m] X[m].        Reads X twice, writes u.
     pre_backward     = efficient._mhc_pre_vjp (given dres, the gradient of the H_res logits from
-                       the Sinkhorn's backward). Kernel 1, pass 1 over X and du per slab:
-                       dH_pre[m] = <X[m], du> and sum(x^2), summed over the slabs by torch;
-                       kernel 2: the coefficient backward (as efficient._coefficients_vjp)
-                       giving dmixes, then pass 2 over X and du per slab: dX = r (dmixes @ W) -
-                       (r^2 / D) (dmixes . mixes) x + H_pre[m] du.  Reads X twice, writes dX.
-                       Outside the kernels: dW = (r dmixes)^T x in one torch matmul (cuBLAS; a
+                       the Sinkhorn's backward). One kernel over whole rows of its tokens:
+                       pass 1 over X and du: dH_pre[m] = <X[m], du> and sum(x^2); the
+                       coefficient backward (as efficient._coefficients_vjp) giving dmixes;
+                       pass 2 over X and du again: dX = r (dmixes @ W) - (r^2 / D)
+                       (dmixes . mixes) x + H_pre[m] du.   Reads X twice, writes dX.
+                       Outside the kernel: dW = (r dmixes)^T x in one torch matmul (cuBLAS; a
                        third read of X), and the bias and gate gradients as one sum over tokens
-                       of a [T, (2 + n) n + 3] fp32 tensor kernel 2 writes.
+                       of a [T, (2 + n) n + 3] fp32 tensor the kernel writes.
     update_forward   = efficient._stream_update_forward_body: out[j] = H_post[j] y + sum_m
                        H_res[m, j] X[m].                     Reads X and y, writes out.
     update_backward  = efficient._stream_update_vjp: dX[m] = sum_j H_res[m, j] g[j], dy = sum_j
@@ -57,8 +57,8 @@ bitwise.
 Launch configuration (fixed, no autotuning):
 
 - Tiles (``LAUNCH``, per launcher): BLOCK_T = 16 tokens a program (the smallest tile tl.dot
-  takes), 64 in the pre op's forward. The kernels with a tl.dot (the pre op's x @ W^T and
-  (r dmixes) @ W) take the columns of one stream in chunks of BLOCK_H = 128 (one chunk a slab);
+  takes), 64 in the pre op's forward and 32 in its backward. The kernels with a tl.dot (the pre
+  op's x @ W^T and (r dmixes) @ W) take the columns of one stream in chunks of BLOCK_H = 128;
   every other pass over the streams works on 2-D [BLOCK_T, 128] tiles of one stream at a time,
   the sums over streams unrolled (n is a constexpr), and only update_forward, which reduces
   nothing, keeps n-stream tiles [BLOCK_T, NP, 128]. NP is n rounded up to a power of two and
@@ -71,20 +71,29 @@ Launch configuration (fixed, no autotuning):
   warps, in session 14. Until then the tl.dot kernels and update_forward took chunks of
   128 / NP columns (32 at n = 4), which read 64 contiguous bytes of a bf16 row where 128
   columns read 256. The kernels' time at the old and the new sizes is in benchmarks/results
-  (session 14).
-- Grids: every one is [cdiv(T, BLOCK_T), slabs of columns of h]. A tl.dot kernel's program
-  loops over the BLOCK_H chunks of its slab (one at the sizes above; in the last slab the
-  columns past h are masked); the others take their slab's columns as one tile.
-  Slabs are ``_PRE_COLS = 128`` columns at every n (128 n columns of x) for the pre op's
-  kernels, and one chunk of BLOCK_H columns for update_forward and update_backward.
-- Sums over h: the first kernel of each pre direction and update_backward write per-slab sums
-  to an fp32 buffer that torch sums over its first axis (deterministic; no atomics):
-  [cdiv(h, 128), T, (2 + n) n + 1] (pre forward: x @ W^T and sum(x^2)), [cdiv(h, 128), T, n + 1]
-  (pre backward: dH_pre and sum(x^2)), [cdiv(h, 128), T, n + n n] (update_backward: dH_post,
-  dH_res). At T = 8192, h = 1024, n = 4: 6.6, 1.3 and 5 MB; at n = 8 the pre forward's is 21 MB.
-  The pre op's second kernels recompute the coefficients, or their backward, from the summed
-  tile in every slab's program (a few operations on a [BLOCK_T, MP] tile, for a third launch
-  saved), and only slab 0's programs write them.
+  (session 14). The pre backward's single kernel and its sizes are session 15's (below).
+- Grids: the pre op's forward kernels and the update kernels run on [cdiv(T, BLOCK_T), slabs
+  of columns of h]. A tl.dot kernel's program loops over the BLOCK_H chunks of its slab (one at
+  the sizes above; in the last slab the columns past h are masked); the others take their
+  slab's columns as one tile. Slabs are ``_PRE_COLS = 128`` columns at every n (128 n columns
+  of x) for the pre op's forward, and one chunk of BLOCK_H columns for update_forward and
+  update_backward. The pre op's backward runs on [cdiv(T, BLOCK_T)]: each program loops over
+  all of h, in chunks of BLOCK_H, twice.
+- Sums over h: the pre forward's first kernel and update_backward write per-slab sums to an
+  fp32 buffer that torch sums over its first axis (deterministic; no atomics):
+  [cdiv(h, 128), T, (2 + n) n + 1] (pre forward: x @ W^T and sum(x^2)) and
+  [cdiv(h, 128), T, n + n n] (update_backward: dH_post, dH_res); at T = 8192, h = 1024, n = 4:
+  6.6 and 5 MB; at n = 8 the pre forward's is 21 MB. The pre forward's second kernel recomputes
+  the coefficients from the summed tile in every slab's program (a few operations on a
+  [BLOCK_T, MP] tile, for a third launch saved), and only slab 0's programs write them.
+- The pre op's backward in one kernel (session 15): it was two, as the forward still is (per
+  slab sums, then the coefficients' backward recomputed in every slab's program and dX), and
+  took 225 us a call with its dW and sums (the kernels 161 + 22 us) at T = 8192, n = 4,
+  h = 1024, bf16 on an H200; one kernel that loops over whole rows takes 133 us (the kernel
+  95 us), best of BLOCK_T 16, 32, 64 x BLOCK_H 64, 128, 256 x 4 or 8 warps x 2 or 3 stages;
+  at T = 4096 135 -> 100 us, at T = 32768 800 -> 459 us. Written the same way the forward was
+  slower (T = 8192: 73.6 us at best, against 67.7), so it keeps its slabs
+  (``benchmarks/results``, session 15).
 - Why 2-D tiles: update_backward used to reduce one [BLOCK_T, NP, BLOCK_H] tile of g over its
   stream axis (dy, dX) and over its column axis (dH_post, dH_res) in every chunk, and took
   1.53 ms a call on an H200 (T = 8192, n = 4, h = 1024, bf16; 61 ms of a 350M model's training
@@ -101,7 +110,7 @@ Launch configuration (fixed, no autotuning):
   spills), 254-255 at n = 8 with 24 (bf16) and 64 (fp32) bytes of spills; the pre backward's
   sums 77-160, no spills; the pre forward's first kernel at 4 warps 72-255, no spills; the pre
   backward's second kernel at 8 warps 78-254, no spills (at 4 warps it spilled 1.3 KB at n = 8
-  in fp32, hence 8 there).
+  in fp32, hence 8 there). Not re-read for session 15's single pre backward kernel.
 - T is not specialised on: one compiled kernel serves every token count, which the first-use
   check in :mod:`.efficient` therefore covers.
 
@@ -125,11 +134,12 @@ __all__ = ["pre_forward", "pre_backward", "update_forward", "update_backward",
 MIN_N, MAX_N = 2, 8
 H_MULTIPLE = 16
 # Each launcher's sizes (module docstring, "Launch configuration"): BLOCK_T tokens a program,
-# BLOCK_H columns of h a chunk (the pre op's: of its slab of _PRE_COLS, which BLOCK_H divides;
-# update_forward's and update_backward's: a program's), and its warps. Read at each launch:
+# BLOCK_H columns of h a chunk (pre_forward's: of its slab of _PRE_COLS, which BLOCK_H divides;
+# pre_backward's: of its loops over h; update_forward's and update_backward's: a program's),
+# and its warps. Read at each launch:
 # ``benchmarks/residual_ops.py --mhc-sweep`` times other values by setting them.
 LAUNCH = {"pre_forward": dict(BLOCK_T=64, BLOCK_H=128, num_warps=4),
-          "pre_backward": dict(BLOCK_T=16, BLOCK_H=128, num_warps=8),
+          "pre_backward": dict(BLOCK_T=32, BLOCK_H=128, num_warps=8),
           "update_forward": dict(BLOCK_T=16, BLOCK_H=128, num_warps=8),
           "update_backward": dict(BLOCK_T=16, BLOCK_H=128, num_warps=8)}
 # From 5 streams on (NP = 8) the tiles at those sizes hold 2 to 4 times as much (MP = 64 or 128
@@ -271,53 +281,36 @@ def _pre_mix_kernel(x_ptr, sums_ptr, bias_ptr, gate_ptr, u_ptr, post_ptr, res_pt
 
 
 @triton.jit(do_not_specialize=["T"])
-def _pre_backward_sums_kernel(x_ptr, du_ptr, partial_ptr, T, H, N: tl.constexpr,
-                              NP: tl.constexpr, BLOCK_T: tl.constexpr, COLS: tl.constexpr):
-    """Pass 1 of the pre op's backward on BLOCK_T tokens and one slab of COLS columns of h:
-    ``partial[slab, token] = (dH_pre [N], sum(x^2))`` with dH_pre[m] = <X[m], du>, summed over
-    the slab's columns only."""
-    tok, live = block_tokens(T, BLOCK_T)
-    slab = tl.program_id(1)
-    ns = tl.arange(0, NP)
-    c = slab * COLS + tl.arange(0, COLS)
-    live_h = live[:, None] & (c < H)[None, :]
-    x_rows = x_ptr + tok[:, None] * N * H
-    du = tl.load(du_ptr + tok[:, None] * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
-    dpre = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for m in tl.static_range(N):  # one 2-D tile of the slab's columns a stream
-        xm = tl.load(x_rows + m * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
-        sumsq += tl.sum(xm * xm, 1)
-        dpre += tl.where(ns[None, :] == m, tl.sum(xm * du, 1)[:, None], 0.0)
-    part = partial_ptr + (slab.to(tl.int64) * T + tok) * (N + 1)
-    tl.store(part[:, None] + ns[None, :], dpre, mask=live[:, None] & (ns < N)[None, :])
-    tl.store(part + N, sumsq, mask=live)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, sums_ptr, du_ptr, dpost_ptr,
+def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, du_ptr, dpost_ptr,
                          dres_ptr, dx_ptr, grad_r_ptr, per_token_ptr, T, H, eps, N: tl.constexpr,
                          NP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, COLS: tl.constexpr,
-                         DOT: tl.constexpr, IEEE: tl.constexpr):
-    """The rest of the pre op's backward on BLOCK_T tokens, given pass 1 summed over the slabs
-    (``sums [T, N + 1]``: dH_pre and sum(x^2)): dX on one slab of COLS columns, and (written by
-    the programs of slab 0) r dmixes (``grad_r [T, M]``, for dW) and ``per_token [T, M + 3]``:
-    dz (the gradient of the pre-activations, whose sum over tokens is the bias gradient) and the
-    three per-token sums of dz * mixes (whose sums over tokens are the gate gradient)."""
+                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, DOT: tl.constexpr,
+                         IEEE: tl.constexpr):
+    """The pre op's backward on BLOCK_T tokens. Pass 1 over the tokens' rows of X and du:
+    dH_pre[m] = <X[m], du> and sum(x^2); then the coefficients' backward, writing r dmixes
+    (``grad_r [T, M]``, for dW) and ``per_token [T, M + 3]``: dz (the gradient of the
+    pre-activations, whose sum over tokens is the bias gradient) and the three per-token sums
+    of dz * mixes (whose sums over tokens are the gate gradient); pass 2 over the rows again:
+    dX."""
     tok, live = block_tokens(T, BLOCK_T)
-    slab = tl.program_id(1)
     ns = tl.arange(0, NP)
-    in_n = ns < N
     cols = tl.arange(0, MP)
     in_m = cols < M
-    sums = sums_ptr + tok * (N + 1)
-    dpre = tl.load(sums[:, None] + ns[None, :], mask=live[:, None] & in_n[None, :], other=0.0)
-    sumsq = tl.load(sums + N, mask=live, other=0.0)
+    hs = tl.arange(0, BLOCK_H)
+    x_rows = x_ptr + tok[:, None] * N * H
+    dpre = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for c0 in range(0, H, BLOCK_H):  # one 2-D tile a stream
+        c = c0 + hs
+        live_h = live[:, None] & (c < H)[None, :]
+        du = tl.load(du_ptr + tok[:, None] * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
+        for m in tl.static_range(N):
+            xm = tl.load(x_rows + m * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
+            sumsq += tl.sum(xm * xm, 1)
+            dpre += tl.where(ns[None, :] == m, tl.sum(xm * du, 1)[:, None], 0.0)
     r = tl.math.rsqrt(divide(sumsq, (N * H).to(tl.float32)) + eps)
 
-    # The coefficients' backward (efficient._coefficients_vjp), one column per mix, computed by
-    # every slab's program (a [BLOCK_T, MP] tile) and written by slab 0's.
+    # The coefficients' backward (efficient._coefficients_vjp), one column per mix.
     live_m = live[:, None] & in_m[None, :]
     is_pre = cols < N
     is_post = (cols >= N) & (cols < 2 * N)
@@ -339,22 +332,18 @@ def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, sums_ptr, 
     along = tl.sum(dmixes * mixes, 1)  # dmixes . mixes
     coef = divide(r * r, (N * H).to(tl.float32)) * along
     dzm = dz * mixes
-    writes = live & (slab == 0)
-    tl.store(grad_r_ptr + tok[:, None] * M + cols[None, :], grad_r,
-             mask=writes[:, None] & in_m[None, :])
+    tl.store(grad_r_ptr + tok[:, None] * M + cols[None, :], grad_r, mask=live_m)
     row = per_token_ptr + tok * (M + 3)
-    tl.store(row[:, None] + cols[None, :], dz, mask=writes[:, None] & in_m[None, :])
-    tl.store(row + M, tl.sum(tl.where(is_pre[None, :], dzm, 0.0), 1), mask=writes)
-    tl.store(row + M + 1, tl.sum(tl.where(is_post[None, :], dzm, 0.0), 1), mask=writes)
-    tl.store(row + M + 2, tl.sum(tl.where(is_res[None, :], dzm, 0.0), 1), mask=writes)
+    tl.store(row[:, None] + cols[None, :], dz, mask=live_m)
+    tl.store(row + M, tl.sum(tl.where(is_pre[None, :], dzm, 0.0), 1), mask=live)
+    tl.store(row + M + 1, tl.sum(tl.where(is_post[None, :], dzm, 0.0), 1), mask=live)
+    tl.store(row + M + 2, tl.sum(tl.where(is_res[None, :], dzm, 0.0), 1), mask=live)
     pre = s + eps  # H_pre[m] is column m
 
-    # Pass 2 on the slab's columns: dX[m] = [(r dmixes) @ W[:, m] - coef x[m]] (the
-    # projection's part, rounded to x's dtype as _rms_project_vjp returns it) + H_pre[m] du.
-    hs = tl.arange(0, BLOCK_H)
-    x_rows = x_ptr + tok[:, None] * N * H
-    for c0 in range(0, COLS, BLOCK_H):
-        c = slab * COLS + c0 + hs
+    # Pass 2: dX[m] = [(r dmixes) @ W[:, m] - coef x[m]] (the projection's part, rounded to x's
+    # dtype as _rms_project_vjp returns it) + H_pre[m] du.
+    for c0 in range(0, H, BLOCK_H):
+        c = c0 + hs
         in_h = c < H
         live_h = live[:, None] & in_h[None, :]
         du = tl.load(du_ptr + tok[:, None] * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
@@ -531,24 +520,16 @@ def pre_backward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     grad_post = _tokens_of("grad_post", grad_post, lead, (n,))
     dres = _tokens_of("dres", dres, lead, (n, n))
     tokens = x.shape[0]
-    slabs = triton.cdiv(h, _PRE_COLS)
     launch = _launch("pre_backward", padded)
     dx = torch.empty_like(x)
     grad_r = torch.empty((tokens, width), dtype=torch.float32, device=x.device)
     per_token = torch.empty((tokens, width + 3), dtype=torch.float32, device=x.device)
-    # Per slab of columns and token: dH_pre [n] and sum(x^2), fp32, summed over the slabs below.
-    partial = torch.empty((slabs, tokens, n + 1), dtype=torch.float32, device=x.device)
     if tokens:
-        grid = (triton.cdiv(tokens, launch["BLOCK_T"]), slabs)
-        shapes = dict(N=n, NP=padded, BLOCK_T=launch["BLOCK_T"], COLS=_PRE_COLS,
-                      num_warps=launch["num_warps"], num_stages=_STAGES)
         with launch_device(x.device):
-            _pre_backward_sums_kernel[grid](x, grad_u, partial, tokens, h, **shapes)
-            _pre_backward_kernel[grid](
-                x, weight, bias, gate, mixes, partial.sum(0), grad_u, grad_post, dres, dx, grad_r,
-                per_token, tokens, h, float(eps), M=width, MP=width_padded,
-                BLOCK_H=launch["BLOCK_H"],
-                **shapes, **_dot_flags(x.dtype))
+            _pre_backward_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
+                x, weight, bias, gate, mixes, grad_u, grad_post, dres, dx, grad_r, per_token,
+                tokens, h, float(eps), N=n, NP=padded, M=width, MP=width_padded,
+                num_stages=_STAGES, **launch, **_dot_flags(x.dtype))
     # As efficient._rms_project_vjp: dW = (r dmixes)^T x, the GEMM in x's dtype.
     dweight = (grad_r.t().to(x.dtype) @ x.view(tokens, n * h)).to(weight.dtype)
     sums = per_token.sum(0)
