@@ -377,7 +377,9 @@ def _res_logits(mixes, bias, gate, n):
     return torch.addcmul(bias[2 * n:], mixes[..., 2 * n:], gate[2]).unflatten(-1, (n, n))
 
 
-def _mhc_pre_vjp(streams, weight, bias, gate, mixes, grad_u, grad_post, dres, eps):
+def _mhc_pre_vjp(streams, weight, bias, gate, mixes, grad_u, grad_post, dres, eps, plus=None):
+    """The pre op's gradients; ``plus`` (or None), a gradient the streams have from elsewhere,
+    is added to theirs in fp32 before the rounding to their dtype."""
     n = streams.shape[-2]
     dpre = (streams.float() * grad_u.float()[..., None, :]).sum(-1)
     dmixes, dbias, dgate, pre = _coefficients_vjp(mixes, bias, gate, dpre, grad_post, dres, n,
@@ -385,6 +387,8 @@ def _mhc_pre_vjp(streams, weight, bias, gate, mixes, grad_u, grad_post, dres, ep
     dflat, dweight = _rms_project_vjp(streams.flatten(-2), weight, dmixes, eps)
     dstreams = pre[..., :, None] * grad_u.float()[..., None, :] + dflat.float().unflatten(-1, (
         n, streams.shape[-1]))
+    if plus is not None:
+        dstreams = dstreams + plus.float()
     return dstreams.to(streams.dtype), dweight, dbias.to(bias.dtype), dgate.to(gate.dtype)
 
 
@@ -469,7 +473,8 @@ def _check_triton_mhc(device: torch.device, n: int, dtype: torch.dtype) -> None:
     post, res = randn(tokens, n), randn(tokens, n, n)
     forward = _mhc_pre_forward_body(streams, weight, bias, gate, EPS)
     mixes = forward[3]
-    pre_grads = (streams, weight, bias, gate, mixes, grad_u, grad_post, dres, EPS)
+    # With the gradient from the stream update added (mhc_pre's pass_through, as mHC runs).
+    pre_grads = (streams, weight, bias, gate, mixes, grad_u, grad_post, dres, EPS, grad)
     pairs = [(kernels.pre_forward(streams, weight, bias, gate, EPS), forward),
              (kernels.pre_backward(*pre_grads), _mhc_pre_vjp(*pre_grads)),
              ((kernels.update_forward(streams, y, post, res),),
@@ -504,24 +509,26 @@ def _kept(ctx):
 
 class _MHCPre(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, streams, weight, bias, gate, iters, eps, recompute_input):
+    def forward(ctx, streams, weight, bias, gate, iters, eps, recompute_input, pass_through):
         kernels = _triton_mhc_for(streams)
         forward = kernels.pre_forward if kernels is not None else _mhc_pre_forward
         u, post, res_logits, mixes = forward(streams, weight, bias, gate, eps)
         ctx.config = (iters, eps)
         _keep(ctx, streams, recompute_input, weight, bias, gate, mixes)
-        return u, post, _sinkhorn_values(res_logits, iters, eps)
+        res = _sinkhorn_values(res_logits, iters, eps)
+        return (u, post, res, streams) if pass_through else (u, post, res)
 
     @staticmethod
-    def backward(ctx, grad_u, grad_post, grad_res):
+    def backward(ctx, grad_u, grad_post, grad_res, grad_passed=None):
         streams, weight, bias, gate, mixes = _kept(ctx)
         iters, eps = ctx.config
         logits = _res_logits(mixes, bias, gate, streams.shape[-2])
         dres = _sinkhorn_gradient(logits, grad_res, iters, eps)
         kernels = _triton_mhc_for(streams)
         backward = kernels.pre_backward if kernels is not None else _mhc_pre_backward
-        grads = backward(streams, weight, bias, gate, mixes, grad_u, grad_post, dres, eps)
-        return (*grads, None, None, None)
+        grads = backward(streams, weight, bias, gate, mixes, grad_u, grad_post, dres, eps,
+                         grad_passed)
+        return (*grads, None, None, None, None)
 
 
 class _RMSProject(torch.autograd.Function):
@@ -567,13 +574,18 @@ class _StreamUpdate(torch.autograd.Function):
 
 def mhc_pre(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gate: torch.Tensor,
             iters: int = 20, eps: float = EPS,
-            recompute_input: Callable[[], torch.Tensor] | None = None):
+            recompute_input: Callable[[], torch.Tensor] | None = None, *,
+            pass_through: bool = False):
     """Everything of an mHC sublayer before the sublayer itself, in one op: ``(u, H_post,
     H_res)`` with ``u = stream_mix(X, H_pre)`` and ``(H_pre, H_post, H_res) =
     mhc_coefficients(rms_project(vec X, weight), bias, gate)`` (:mod:`.reference`) for streams
     ``X [..., n, h]``. Keeps the streams (or recomputes them), the parameters and the mixes
-    ``[..., (2 + n) n]``; the Sinkhorn iterations are recomputed in backward."""
-    return _MHCPre.apply(streams, weight, bias, gate, iters, eps, recompute_input)
+    ``[..., (2 + n) n]``; the Sinkhorn iterations are recomputed in backward.
+
+    ``pass_through``: return ``(u, H_post, H_res, X)``; the gradient reaching that X (from the
+    stream update that reads it) is added to the streams' own inside the backward, which on
+    the Triton path saves autograd's separate sum of the two ``[..., n, h]`` gradients."""
+    return _MHCPre.apply(streams, weight, bias, gate, iters, eps, recompute_input, pass_through)
 
 
 def rms_project(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS,

@@ -19,7 +19,10 @@ the stream tensor ``[T, n h]`` in its own dtype once or twice and make no fp32 c
                        pass 1 over X and du: dH_pre[m] = <X[m], du> and sum(x^2); the
                        coefficient backward (as efficient._coefficients_vjp) giving dmixes;
                        pass 2 over X and du again: dX = r (dmixes @ W) - (r^2 / D)
-                       (dmixes . mixes) x + H_pre[m] du.   Reads X twice, writes dX.
+                       (dmixes . mixes) x + H_pre[m] du, plus the gradient the streams have
+                       from the stream update where given (efficient.mhc_pre's pass_through:
+                       autograd's sum of the two, a read and a write of [T, n h], saved).
+                       Reads X twice (and that gradient once), writes dX.
                        Outside the kernel: dW = (r dmixes)^T x in one torch matmul (cuBLAS; a
                        third read of X), and the bias and gate gradients as one sum over tokens
                        of a [T, (2 + n) n + 3] fp32 tensor the kernel writes.
@@ -282,16 +285,16 @@ def _pre_mix_kernel(x_ptr, sums_ptr, bias_ptr, gate_ptr, u_ptr, post_ptr, res_pt
 
 @triton.jit(do_not_specialize=["T"])
 def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, du_ptr, dpost_ptr,
-                         dres_ptr, dx_ptr, grad_r_ptr, per_token_ptr, T, H, eps, N: tl.constexpr,
-                         NP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, DOT: tl.constexpr,
-                         IEEE: tl.constexpr):
+                         dres_ptr, plus_ptr, dx_ptr, grad_r_ptr, per_token_ptr, T, H, eps,
+                         N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PLUS: tl.constexpr,
+                         DOT: tl.constexpr, IEEE: tl.constexpr):
     """The pre op's backward on BLOCK_T tokens. Pass 1 over the tokens' rows of X and du:
     dH_pre[m] = <X[m], du> and sum(x^2); then the coefficients' backward, writing r dmixes
     (``grad_r [T, M]``, for dW) and ``per_token [T, M + 3]``: dz (the gradient of the
     pre-activations, whose sum over tokens is the bias gradient) and the three per-token sums
     of dz * mixes (whose sums over tokens are the gate gradient); pass 2 over the rows again:
-    dX."""
+    dX, plus ``plus [T, N, H]`` (a gradient the streams have from elsewhere) where PLUS."""
     tok, live = block_tokens(T, BLOCK_T)
     ns = tl.arange(0, NP)
     cols = tl.arange(0, MP)
@@ -341,7 +344,7 @@ def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, du_ptr, dp
     pre = s + eps  # H_pre[m] is column m
 
     # Pass 2: dX[m] = [(r dmixes) @ W[:, m] - coef x[m]] (the projection's part, rounded to x's
-    # dtype as _rms_project_vjp returns it) + H_pre[m] du.
+    # dtype as _rms_project_vjp returns it) + H_pre[m] du (+ plus[m]), rounded once.
     for c0 in range(0, H, BLOCK_H):
         c = c0 + hs
         in_h = c < H
@@ -354,8 +357,10 @@ def _pre_backward_kernel(x_ptr, w_ptr, bias_ptr, gate_ptr, mixes_ptr, du_ptr, dp
             xm = tl.load(x_rows + m * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
             dflat = _in_dtype(_in_dtype(projected, DOT, IEEE) - coef[:, None] * xm, DOT, IEEE)
             dxm = _column(pre, cols, m)[:, None] * du + dflat
-            tl.store(dx_ptr + tok[:, None] * N * H + m * H + c[None, :],
-                     dxm.to(dx_ptr.dtype.element_ty), mask=live_h)
+            at = tok[:, None] * N * H + m * H + c[None, :]
+            if PLUS:
+                dxm += tl.load(plus_ptr + at, mask=live_h, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + at, dxm.to(dx_ptr.dtype.element_ty), mask=live_h)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -509,9 +514,11 @@ def pre_forward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
 
 def pre_backward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                  gate: torch.Tensor, mixes: torch.Tensor, grad_u: torch.Tensor,
-                 grad_post: torch.Tensor, dres: torch.Tensor, eps: float):
+                 grad_post: torch.Tensor, dres: torch.Tensor, eps: float,
+                 plus: torch.Tensor | None = None):
     """:func:`.efficient._mhc_pre_vjp`: ``(dstreams, dweight, dbias, dgate)`` in the dtypes of
-    streams, weight, bias and gate, given the gradients of u, H_post and the H_res logits."""
+    streams, weight, bias and gate, given the gradients of u, H_post and the H_res logits, and
+    ``plus`` (streams' shape and dtype, or None) added to dstreams in fp32 before its rounding."""
     x, n, h, lead = _streams(streams)
     weight, bias, gate = _parameters(weight, bias, gate, n, h)
     padded, width, width_padded = _padded(n)
@@ -519,6 +526,8 @@ def pre_backward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     grad_u = _tokens_of("grad_u", grad_u, lead, (h,))
     grad_post = _tokens_of("grad_post", grad_post, lead, (n,))
     dres = _tokens_of("dres", dres, lead, (n, n))
+    if plus is not None:
+        plus = _tokens_of("plus", plus, lead, (n, h))
     tokens = x.shape[0]
     launch = _launch("pre_backward", padded)
     dx = torch.empty_like(x)
@@ -527,8 +536,9 @@ def pre_backward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if tokens:
         with launch_device(x.device):
             _pre_backward_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
-                x, weight, bias, gate, mixes, grad_u, grad_post, dres, dx, grad_r, per_token,
-                tokens, h, float(eps), N=n, NP=padded, M=width, MP=width_padded,
+                x, weight, bias, gate, mixes, grad_u, grad_post, dres,
+                plus if plus is not None else x, dx, grad_r, per_token, tokens, h, float(eps),
+                N=n, NP=padded, M=width, MP=width_padded, PLUS=plus is not None,
                 num_stages=_STAGES, **launch, **_dot_flags(x.dtype))
     # As efficient._rms_project_vjp: dW = (r dmixes)^T x, the GEMM in x's dtype.
     dweight = (grad_r.t().to(x.dtype) @ x.view(tokens, n * h)).to(weight.dtype)

@@ -50,9 +50,11 @@ class MHCConnection(torch.nn.Module):
 
     def forward(self, streams: torch.Tensor, replay: StreamReplay | None = None):
         """The sublayer's input ``u = sum_m H_pre[m] X[m]`` ``[s, b, h]``, with ``H_post
-        [s, b, n]`` and ``H_res [s, b, n, n]`` (fp32) for the update after the sublayer."""
+        [s, b, n]`` and ``H_res [s, b, n, n]`` (fp32) for the update after the sublayer, and
+        the streams passed through for that update to read (so that the op's backward adds
+        the update's gradient of them to its own: ``efficient.mhc_pre``'s pass_through)."""
         return ops.mhc_pre(streams, self.weight, self.bias, self.gate, self.sinkhorn_iters, EPS,
-                           _newest(replay))
+                           _newest(replay), pass_through=True)
 
 
 class MHCCollapse(torch.nn.Module):
@@ -130,7 +132,7 @@ class StreamReplay:
             with torch.no_grad():
                 for k in range(start, index):
                     connection, output = self.steps[k]
-                    _, post, res = connection(streams)  # the same ops as in forward
+                    _, post, res, _ = connection(streams)  # the same ops as in forward
                     streams = ops.stream_update(streams, output, post, res)
                     self.states[k + 1] = streams
         streams = self.states[index]
@@ -173,7 +175,7 @@ class MHC(ResidualScheme):
 
     def sublayer_input(self, state: _State) -> torch.Tensor:
         connection = (self.mixer, self.ffn)[state.sublayer]
-        sublayer_input, post, res = connection(state.streams, state.replay)
+        sublayer_input, post, res, state.streams = connection(state.streams, state.replay)
         state.pending = (connection, post, res)
         return sublayer_input
 

@@ -128,6 +128,27 @@ def test_depth_attention_reads_a_last_slot_plus_an_output_and_passes_its_input_o
                                    lambda *x: unfused(*x, pass_through=pass_through))
 
 
+def test_mhc_pre_passes_its_streams_on():
+    """``pass_through`` also returns the streams, whose gradient from a later use (mHC's stream
+    update) is added to the op's own inside its backward: as autograd's sum of the two uses."""
+    width = (2 + N) * N
+    y = torch.randn(3, 5, H)
+
+    def inputs():
+        return (_leaf(3, 5, N, H), _leaf(width, N * H, scale=0.1), _leaf(width),
+                _leaf(3, scale=0.5))
+
+    def fused(*x):
+        u, post, res, passed = efficient.mhc_pre(*x, pass_through=True)
+        return u, post, res, reference.stream_update(passed, y, post, res)
+
+    def unfused(streams, *x):
+        u, post, res = _mhc_pre_reference(streams, *x)
+        return u, post, res, reference.stream_update(streams, y, post, res)
+
+    _same_values_and_grads(inputs, fused, unfused)
+
+
 def test_depth_attention_keeps_references_and_scalars():
     packed = torch.randn(8, 2, 5 * 64, requires_grad=True)
     query = torch.randn(64, requires_grad=True)

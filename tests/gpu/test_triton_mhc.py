@@ -5,8 +5,9 @@ efficient.mhc_pre / efficient.stream_update with them in place, on CUDA (skipped
 ``check_launchers`` and ``check_ops`` are the checks; tests/cpu/test_triton_interpret_mhc.py also
 runs them on the CPU under Triton's interpreter (small fp32 and fp16 cases).
 
-``check_launchers`` runs the four launchers (pre_forward, pre_backward, update_forward,
-update_backward) and the bodies (_mhc_pre_forward_body, _mhc_pre_vjp,
+``check_launchers`` runs the four launchers (pre_forward, pre_backward, also with the streams'
+gradient from the update added, update_forward, update_backward) and the bodies
+(_mhc_pre_forward_body, _mhc_pre_vjp,
 _stream_update_forward_body, _stream_update_vjp, eager) on the same device, inputs and dtype:
 streams, y and the stream gradients in the case's dtype, parameters and coefficients fp32 (as
 the model has them). ``mixes`` for the pre op's backward is the body's. Cases on CUDA: n = 4 (mHC's
@@ -35,7 +36,8 @@ columns rather than after the sum over the slabs, 4% of u).
 The launchers and bodies run with cuBLAS's reduced-precision bf16 reductions off
 (:func:`fp32_reductions`): the bodies mean fp32 accumulation, as the kernels do.
 
-``check_ops`` runs efficient.mhc_pre and efficient.stream_update with the Triton kernels in place
+``check_ops`` runs efficient.mhc_pre (also with ``pass_through``, its passed streams read by a
+stream update, as mHC runs it) and efficient.stream_update with the Triton kernels in place
 (their launches counted) and with them off (``efficient.use_triton(False)``: the PyTorch bodies,
 compiled with ``compiled``), also with ``recompute_input``, and compares values and gradients at
 the tolerances of tests/cpu/test_residual_ops.py (fp32) or 2^-6 (bf16).
@@ -151,6 +153,10 @@ def _check_launchers(case: Case, device) -> dict[str, float]:
                         ("u", "post", "res_logits", "mixes")),
         "pre_backward": (triton_mhc.pre_backward(*pre_grads), efficient._mhc_pre_vjp(*pre_grads),
                          ("dstreams", "dweight", "dbias", "dgate")),
+        # with the streams' gradient from the update added (mhc_pre's pass_through)
+        "pre_backward_plus": (triton_mhc.pre_backward(*pre_grads, x["grad"]),
+                              efficient._mhc_pre_vjp(*pre_grads, x["grad"]),
+                              ("dstreams", "dweight", "dbias", "dgate")),
         "update_forward": ((triton_mhc.update_forward(streams, y, post, res),),
                            (efficient._stream_update_forward_body(streams, y, post, res),),
                            ("out",)),
@@ -240,6 +246,15 @@ def check_ops(device, dtype=torch.float32, compiled: bool = False, h: int = 48) 
         return lambda *args: efficient.stream_update(
             *args, recompute_input=(lambda: again) if recompute else None)
 
+    def mhc_sublayer(recompute):
+        """mhc_pre passing its streams on to a stream update of them, as mhc.py runs the two."""
+        def call(streams, weight, bias, gate, y):
+            u, post, res, passed = efficient.mhc_pre(
+                streams, weight, bias, gate, recompute_input=(lambda: again) if recompute
+                else None, pass_through=True)
+            return u, stream_update(recompute)(passed, y, post, res)
+        return call
+
     was_compiled = efficient.compile_enabled()
     for name in names:
         setattr(triton_mhc, name, counted(name))
@@ -248,7 +263,8 @@ def check_ops(device, dtype=torch.float32, compiled: bool = False, h: int = 48) 
         for recompute in (False, True):
             for label, op, inputs in (
                     ("mhc_pre", mhc_pre(recompute), (streams, weight, bias, gate)),
-                    ("stream_update", stream_update(recompute), (streams, y, post, res))):
+                    ("stream_update", stream_update(recompute), (streams, y, post, res)),
+                    ("mhc_sublayer", mhc_sublayer(recompute), (streams, weight, bias, gate, y))):
                 (out_fast, grads_fast), (out_slow, grads_slow) = (
                     _values_and_grads(op, inputs, enabled) for enabled in (True, False))
                 for what, fast, slow, tolerance in (
@@ -271,8 +287,9 @@ def check_ops(device, dtype=torch.float32, compiled: bool = False, h: int = 48) 
         for name in names:
             setattr(triton_mhc, name, originals[name])
         efficient.use_compile(was_compiled)
-    assert launches == ["pre_forward", "pre_backward", "update_forward", "update_backward"] * 2 + [
-        "update_forward"], launches
+    sublayer = ["pre_forward", "update_forward", "update_backward", "pre_backward"]
+    assert launches == (["pre_forward", "pre_backward", "update_forward", "update_backward"]
+                        + sublayer) * 2 + ["update_forward"], launches
     return len(launches)
 
 
