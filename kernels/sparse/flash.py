@@ -289,8 +289,9 @@ class _FlashBlockSelection(torch.autograd.Function):
         out_own, lse_own = _kernel_forward(q_rows, k_rows, v_rows, *own)
         # The earlier blocks' call: keys and values selection-head-major, one head per
         # selection head (a key/value head repeated where selection heads are finer).
-        k_heads, v_heads = (x.repeat_interleave(selection_heads // kv_heads, dim=2).transpose(1, 2)
-                            .reshape(-1, 1, dim).contiguous() for x in (k, v))
+        repeat = selection_heads // kv_heads
+        k_heads, v_heads = ((x if repeat == 1 else x.repeat_interleave(repeat, dim=2))
+                            .transpose(1, 2).reshape(-1, 1, dim).contiguous() for x in (k, v))
         selected = (plan.pairs_cu, plan.keys_cu, plan.max_pairs, plan.block_len, False, -1, -1,
                     scale)
         rows = plan.rows

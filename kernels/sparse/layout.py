@@ -211,8 +211,13 @@ def moba_chosen(q: torch.Tensor, k: torch.Tensor, block_size: int, top_k: int) -
     batch, seq_len, heads, dim = q.shape
     kv_heads = k.shape[2]
     num_blocks = math.ceil(seq_len / block_size)
-    padded = F.pad(k.float(), (0, 0, 0, 0, 0, num_blocks * block_size - seq_len))
-    sums = padded.view(batch, num_blocks, block_size, kv_heads, dim).sum(2)
+    # Block sums in fp32 from k's own dtype (no fp32 copy of k): the full blocks, then the
+    # partial last one.
+    full = seq_len // block_size
+    sums = k[:, :full * block_size].unflatten(1, (full, block_size)).sum(2, dtype=torch.float32)
+    if full < num_blocks:
+        last = k[:, full * block_size:].sum(1, keepdim=True, dtype=torch.float32)
+        sums = torch.cat([sums, last], 1)
     starts = torch.arange(num_blocks, device=q.device) * block_size
     counts = (seq_len - starts).clamp(max=block_size)
     means = (sums / counts[:, None, None]).repeat_interleave(heads // kv_heads, dim=2)
