@@ -113,7 +113,12 @@ Launch configuration (fixed, no autotuning):
   spills), 254-255 at n = 8 with 24 (bf16) and 64 (fp32) bytes of spills; the pre backward's
   sums 77-160, no spills; the pre forward's first kernel at 4 warps 72-255, no spills; the pre
   backward's second kernel at 8 warps 78-254, no spills (at 4 warps it spilled 1.3 KB at n = 8
-  in fp32, hence 8 there). Not re-read for session 15's single pre backward kernel.
+  in fp32, hence 8 there). Session 15's single pre backward kernel (``cuobjdump -res-usage`` of
+  the cubin Triton builds for sm_90, no GPU): at BLOCK_T 32, 8 warps it spills, 128 registers
+  and a 1640-byte stack at n = 4 in bf16 (1160 at n = 3), 255 registers and 1304 bytes in fp32,
+  256 bytes at n = 2 in bf16; at n = 8 (LAUNCH_WIDE) 247 registers in fp32, no stack. It is
+  still the fastest of the sizes swept (above); fewer live tiles in its second pass might make
+  it faster (not tried).
 - T is not specialised on: one compiled kernel serves every token count, which the first-use
   check in :mod:`.efficient` therefore covers.
 
