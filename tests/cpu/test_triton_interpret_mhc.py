@@ -8,8 +8,9 @@ the module is imported), so the checks run in a subprocess: this file run as a s
 loads tests/gpu/test_triton_mhc.py and runs its ``check_launchers`` on ``interpret_cases``
 (n = 2, 3, 4 and 8, 37 tokens, not a multiple of the 16 of a program, h not a multiple of the
 chunk of columns, h over two slabs of 128 columns with the last one partial (the pre op's
-kernels at n = 2, h = 144 and n = 4, h = 208, update_backward at the latter; their per-slab sums
-then summed over the slabs), tokens as [3, 13], a strided view, no tokens, fp16 at h = 208 (the
+kernels at n = 2, h = 144 and n = 4, h = 208, update_backward at the latter; the pre forward's
+and update_backward's per-slab sums then summed over the slabs, the pre backward's loops over h
+taking two chunks), tokens as [3, 13], a strided view, no tokens, fp16 at h = 208 (the
 pre op's GEMM result rounded once, after the sum over the slabs); that module's tolerances, 1e-5
 of the largest magnitude in fp32), every load and store checked to stay inside the tensors of
 its launch (the bounds checker of triton_interpreter.py), and then its ``check_ops``:
@@ -31,7 +32,7 @@ from triton_interpreter import needs_triton
 def interpret_cases(Case) -> list:
     """The cases run on the interpreter (Case from the GPU module): small enough for a CPU."""
     return [
-        # 37 tokens: a partial block of 64 (pre forward) and of 16 (the rest)
+        # 37 tokens: a partial block of 64 (pre forward), 32 (pre backward) and 16 (the rest)
         Case(n=2, shape=(37,), h=144),  # chunks and slabs of 128: one full, one of 16
         Case(n=3, shape=(37,), h=80),  # n padded to 4; one partial chunk of 128
         Case(n=4, shape=(37,), h=80),
