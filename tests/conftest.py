@@ -1,6 +1,5 @@
 """Shared pytest setup: the CPU harness on the path, GPU skips, and a one-process gloo world."""
 
-import os
 import pathlib
 import sys
 
@@ -21,16 +20,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def megatron_single_process():
     """A gloo world of one process with Megatron's parallel state (TP = PP = 1)."""
-    import torch.distributed as dist
-
     import harness
 
     harness.use_cpu()
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(harness._free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    harness.init_parallel()
+    harness.init_single_process("gloo")
     yield
 
 

@@ -158,6 +158,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_single_process(backend: str) -> None:
+    """A world of one process on ``backend`` (if none is initialised yet), then Megatron's
+    parallel state on it (TP = PP = 1, :func:`init_parallel`)."""
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group(backend, rank=0, world_size=1)
+    init_parallel()
+
+
 def _worker(rank, world_size, port, backend, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))

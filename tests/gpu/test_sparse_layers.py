@@ -30,17 +30,10 @@ SIZES = dict(moba_block_size=32, moba_top_k=3, nsa_compress_block=16, nsa_compre
 @pytest.fixture(scope="module")
 def megatron_on_cuda():
     """A one-process NCCL world with Megatron's parallel state (TP = PP = 1) on GPU 0."""
-    import os
-
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     torch.cuda.set_device(0)
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(harness._free_port())
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    harness.init_parallel()
+    harness.init_single_process("nccl")
     yield
     parallel_state.destroy_model_parallel()
 
