@@ -8,9 +8,9 @@ attention in every layer (pattern ``*``) so that only the residual scheme differ
 (which also compiles the residual ops), then ``--windows`` windows of ``--steps`` timed steps
 (forward + backward + optimizer step, CUDA events); the median window counts. Each variant runs
 in a process of its own (nothing of the one before is held). It also records the summed GPU kernel
-time, the number of GPU launches and the 25 costliest kernels of one step (torch.profiler), since
-at this size the host launching kernels can set the wall time, and the peak memory above the model
-and optimizer state.
+time, the time the GPU idled inside the step, the number of GPU launches and the 25 costliest
+kernels of one step (torch.profiler), since at this size the host launching kernels can set the
+wall time, and the peak memory above the model and optimizer state.
 ``--sync-debug`` adds where one step makes the host wait for the GPU (torch's
 sync debug mode; each place by its innermost Megatron or megatron-ext frame, with counts).
 
@@ -129,16 +129,38 @@ def measure(args, variant, runtime):
                   and not getattr(e, "is_user_annotation", False)]
         slowest = sorted(on_gpu, key=lambda e: e.self_device_time_total, reverse=True)[:25]
         result.update(gpu_kernel_ms_per_step=sum(e.self_device_time_total for e in on_gpu) / 1e3,
+                      gpu_idle_ms_per_step=gpu_idle_ms(prof),
                       launches_per_step=sum(e.count for e in on_gpu),
                       gpu_kernels=[dict(kernel=e.key[:100], calls=e.count,
                                         ms=e.self_device_time_total / 1e3) for e in slowest],
                       peak_memory_gib=peak_gib, static_memory_gib=static_gib,
                       activation_peak_gib=peak_gib - static_gib)
     log(f"{variant}: {result['ms_per_step']:.1f} ms/step"
-        + (f" (GPU kernels {result['gpu_kernel_ms_per_step']:.1f} ms), peak "
+        + (f" (GPU kernels {result['gpu_kernel_ms_per_step']:.1f} ms, GPU idle "
+           f"{result['gpu_idle_ms_per_step']:.1f} ms), peak "
            f"{peak_gib:.2f} GiB ({peak_gib - static_gib:.2f} above weights + optimizer)"
            if runtime.cuda else ""))
     return result
+
+
+def gpu_idle_ms(prof) -> float:
+    """How long the GPU did nothing between the first and the last of its events in a profiled
+    step (kernels, copies, memsets; not record_function ranges): the time it waited for the
+    host to launch the next kernel, which a wall time above the summed kernel time is made of."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not getattr(e, "is_user_annotation", False))
+    if not spans:
+        return 0.0
+    busy, (start, end) = 0.0, spans[0]
+    for s, e in spans[1:]:  # the union of the intervals
+        if s > end:
+            busy += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    return (max(e for _, e in spans) - spans[0][0] - busy) / 1e3
 
 
 def host_syncs(step) -> list[dict]:

@@ -238,6 +238,7 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
     from megatron.training.arguments import parse_and_validate_args
 
     from megatron_ext.config import add_megatron_args
+    from megatron_ext.multi_tensor import use_foreach_multi_tensor_ops
     from megatron_ext.specs import HAVE_TE
 
     settings.validate()
@@ -256,6 +257,7 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
     args = parse_and_validate_args(extra_args_provider=add_megatron_args)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     _use_shipped_dataset_helpers()
+    use_foreach_multi_tensor_ops()  # where megatron-core would loop over the parameters
     try:
         megatron_pretrain(config, _datasets_provider(settings, run_dir),
                           ModelType.encoder_or_decoder, forward_step)

@@ -376,6 +376,9 @@ def build_optimizer(model, settings: RunSettings, runtime: Runtime):
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from megatron_ext.multi_tensor import use_foreach_multi_tensor_ops
+
+        use_foreach_multi_tensor_ops()  # where megatron-core would loop over the parameters
         model = DistributedDataParallel(
             config=model.config, module=model,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
