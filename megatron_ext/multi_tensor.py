@@ -21,6 +21,7 @@ apex's kernels flag non-finite values (megatron-core's clipping does not read it
 """
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import torch
@@ -61,18 +62,23 @@ def scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequence[Seque
 
 def use_foreach_multi_tensor_ops() -> bool:
     """Replace megatron-core's per-tensor Python fallbacks of the gradient norm and of the
-    multi-tensor scale (in its ``optimizer.clip_grads`` and ``optimizer.optimizer`` modules) by
-    :func:`l2_norm` and :func:`scale`; only those fallbacks, so with apex or Transformer Engine
-    installed this does nothing. Call it before the optimizer's first step (``megatron-ext
-    train`` and ``pretrain`` do). Returns whether anything was replaced."""
+    multi-tensor scale (in its ``optimizer.clip_grads`` and ``optimizer.optimizer`` modules, and
+    the parameter norm of ``megatron.training``'s ``--log-params-norm`` where that module is
+    loaded) by :func:`l2_norm` and :func:`scale`; only those fallbacks, so with apex or
+    Transformer Engine installed this does nothing. Call it before the optimizer's first step
+    (``megatron-ext train`` and ``pretrain`` do). Returns whether anything was replaced."""
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, optimizer
 
+    places = [(clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm, l2_norm),
+              (clip_grads, "multi_tensor_scale_impl", utils.local_multi_tensor_scale, scale),
+              (optimizer, "multi_tensor_scale_impl", utils.local_multi_tensor_scale, scale)]
+    training = sys.modules.get("megatron.training.utils.common_utils")
+    if training is not None:
+        places.append((training, "multi_tensor_l2norm", utils.local_multi_tensor_l2_norm,
+                       l2_norm))
     replaced = False
-    for module, name, fallback, ours in (
-            (clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm, l2_norm),
-            (clip_grads, "multi_tensor_scale_impl", utils.local_multi_tensor_scale, scale),
-            (optimizer, "multi_tensor_scale_impl", utils.local_multi_tensor_scale, scale)):
+    for module, name, fallback, ours in places:
         if getattr(module, name, None) is fallback:
             setattr(module, name, ours)
             replaced = True

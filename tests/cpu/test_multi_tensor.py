@@ -51,9 +51,11 @@ def test_scale_in_place_across_dtypes_and_as_a_copy():
 def test_only_megatrons_fallbacks_are_replaced(monkeypatch):
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.training.utils import common_utils  # megatron.training's --log-params-norm
 
     for module, name in ((clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl"),
-                         (optimizer, "multi_tensor_scale_impl")):
+                         (optimizer, "multi_tensor_scale_impl"),
+                         (common_utils, "multi_tensor_l2norm")):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     # This machine has neither apex nor Transformer Engine: megatron-core runs its fallbacks.
     assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
@@ -61,6 +63,7 @@ def test_only_megatrons_fallbacks_are_replaced(monkeypatch):
     assert clip_grads.l2_norm_impl is multi_tensor.l2_norm
     assert clip_grads.multi_tensor_scale_impl is multi_tensor.scale
     assert optimizer.multi_tensor_scale_impl is multi_tensor.scale
+    assert common_utils.multi_tensor_l2norm is multi_tensor.l2_norm
     assert not multi_tensor.use_foreach_multi_tensor_ops()  # nothing left to replace
 
     # megatron-core's copy of the optimizer's fp32 parameters into the model's, through it
