@@ -1,4 +1,5 @@
-"""Shared pytest setup: the CPU harness on the path, GPU skips, and a one-process gloo world."""
+"""Shared pytest setup: the CPU harness on the path, GPU skips, and one-process gloo and NCCL
+worlds."""
 
 import pathlib
 import sys
@@ -25,6 +26,19 @@ def megatron_single_process():
     harness.use_cpu()
     harness.init_single_process("gloo")
     yield
+
+
+@pytest.fixture(scope="module")
+def megatron_on_cuda():
+    """A one-process NCCL world with Megatron's parallel state (TP = PP = 1) on GPU 0."""
+    import harness
+    import torch
+    from megatron.core import parallel_state
+
+    torch.cuda.set_device(0)
+    harness.init_single_process("nccl")
+    yield
+    parallel_state.destroy_model_parallel()
 
 
 @pytest.fixture

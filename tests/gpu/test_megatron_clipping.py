@@ -7,20 +7,9 @@ import warnings
 import pytest
 import torch
 
-import harness
 from megatron_ext import multi_tensor
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def one_gpu_world():
-    from megatron.core import parallel_state
-
-    torch.cuda.set_device(0)
-    harness.init_single_process("nccl")
-    yield
-    parallel_state.destroy_model_parallel()
 
 
 def _grads():
@@ -40,7 +29,7 @@ def _syncs(fn):
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def test_clipping_equals_megatrons_fallbacks(one_gpu_world, monkeypatch):
+def test_clipping_equals_megatrons_fallbacks(megatron_on_cuda, monkeypatch):
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, optimizer
 

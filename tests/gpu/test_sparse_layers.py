@@ -27,17 +27,6 @@ SIZES = dict(moba_block_size=32, moba_top_k=3, nsa_compress_block=16, nsa_compre
              hca_window=32)
 
 
-@pytest.fixture(scope="module")
-def megatron_on_cuda():
-    """A one-process NCCL world with Megatron's parallel state (TP = PP = 1) on GPU 0."""
-    from megatron.core import parallel_state
-
-    torch.cuda.set_device(0)
-    harness.init_single_process("nccl")
-    yield
-    parallel_state.destroy_model_parallel()
-
-
 def _model(backend: str, dtype=torch.float32, **options):
     from megatron.core.models.gpt import GPTModel
 
