@@ -35,7 +35,7 @@ program per block of ``BLOCK_T`` tokens, the sources read in their own dtype, h 
                (g's block is reused from cache), writes every dv_k.
 
 dquery goes through per-block partial sums rather than atomics: the result is deterministic
-(run to run, as the PyTorch path), and the partials are small (T / 8 rows of h fp32: 4 MB at
+(run to run, as the PyTorch path), and the partials are small (T / 16 rows of h fp32: 2 MB at
 T = 8192, h = 1024) next to the sources (K T h values).
 
 Numerics, as the PyTorch bodies: every sum and product in fp32 after reading its operands in
@@ -52,15 +52,12 @@ masked: z = -inf in the softmax, loads 0, stores skipped); a source's column is 
 tile with a masked sum (an exact selection), once per source in the passes that loop over
 sources outermost (forward pass 1, backward pass 1) and once per source and chunk in those that
 loop over columns outermost (forward and backward pass 2, which accumulate over the sources).
-Launch configuration (fixed, ``_FORWARD_LAUNCH`` and ``_BACKWARD_LAUNCH``): BLOCK_H = 128; the
-forward on BLOCK_T = 16 tokens with 4 warps, the backward on 8 tokens with 2 warps, chosen from
-18 configurations (``benchmarks/residual_ops.py --depth-sweep``, h = 1024, bf16, 5 sources, on an
-H200). Session 12 timed them at T = 8192 (a training step's micro-batch 2) and took 16 tokens
-for both: the backward 0.132 ms at 16 tokens, 0.160 at 8. Session 16 timed them at T = 32768
-(micro-batch 8, where the step is bound by the GPU rather than the host): the backward 0.786 ms
-at 16 tokens, 0.710 at 8 (its time per token is nearly flat in T at 8, not at 16), the forward
-0.32-0.33 ms at either. One compiled kernel per (number of groups, KP, dtypes, options); T, the
-group sizes and strides are not specialised on.
+Launch configuration (fixed): BLOCK_T = 16, BLOCK_H = 128, 4 warps forward and 2 backward,
+chosen from 18 configurations timed on an H200 at T = 8192, h = 1024, bf16, 5 sources (session
+12, ``benchmarks/residual_ops.py --depth-sweep``: the backward took 0.132 ms of GPU time with 2
+warps against 0.179 with 4; the forward's times were within 0.07-0.09 ms for most). One compiled
+kernel per (number of groups, KP, dtypes, options); T, the group sizes and strides are not
+specialised on.
 
 Constraints: 1 <= number of groups <= 4, 1 <= K <= 64 sources in all, h a multiple of 16, the
 groups (and last_plus) in one dtype among fp32, bf16 and fp16 with the same leading (token)
@@ -85,9 +82,10 @@ __all__ = ["forward", "backward", "unsupported_reason", "MAX_GROUPS", "MAX_SOURC
 MAX_GROUPS = 4
 MAX_SOURCES = 64
 H_MULTIPLE = 16
+BLOCK_T = 16
 BLOCK_H = 128
-_FORWARD_LAUNCH = dict(BLOCK_T=16, num_warps=4)
-_BACKWARD_LAUNCH = dict(BLOCK_T=8, num_warps=2)
+_FORWARD_LAUNCH = dict(num_warps=4)
+_BACKWARD_LAUNCH = dict(num_warps=2)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _RUNTIME = (["T", "K", "pt", "gt", "at_", "as_"]
             + [f"{name}{i}" for i in range(MAX_GROUPS) for name in ("t", "s", "k")])
@@ -403,11 +401,11 @@ def forward(query: torch.Tensor, groups: Sequence[torch.Tensor], eps: float,
                    for _ in range(3))
     if tokens:
         with launch_device(first.device):
-            _forward_kernel[(triton.cdiv(tokens, _FORWARD_LAUNCH["BLOCK_T"]),)](
+            _forward_kernel[(triton.cdiv(tokens, BLOCK_T),)](
                 query, out, z, r, alpha, first if plus is None else plus,
                 0 if plus is None else plus.stride(0), *_group_arguments(views), tokens, total,
                 h, float(eps), NG=len(views), KP=padded_sources(total), PLUS=plus is not None,
-                BLOCK_H=BLOCK_H, **_FORWARD_LAUNCH)
+                BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, **_FORWARD_LAUNCH)
     return (out.view(*lead, h), z.view(*lead, total), r.view(*lead, total),
             alpha.view(*lead, total))
 
@@ -439,7 +437,7 @@ def backward(query: torch.Tensor, groups: Sequence[torch.Tensor], grad: torch.Te
     dplus = None if plus is None else torch.empty((tokens, h), dtype=plus.dtype,
                                                   device=plus.device)
     acc = None if first_grad is None else _tokens_view(first_grad, shape[-2], h)
-    blocks = triton.cdiv(tokens, _BACKWARD_LAUNCH["BLOCK_T"])
+    blocks = triton.cdiv(tokens, BLOCK_T)
     partial = torch.empty((blocks, h), dtype=torch.float32, device=first.device)
     if tokens:
         with launch_device(first.device):
@@ -450,7 +448,7 @@ def backward(query: torch.Tensor, groups: Sequence[torch.Tensor], grad: torch.Te
                 0 if acc is None else acc.stride(0), 0 if acc is None else acc.stride(1),
                 *_group_arguments(views, grads), tokens, total, h, NG=len(views),
                 KP=padded_sources(total), PLUS=plus is not None, ACC=acc is not None,
-                BLOCK_H=BLOCK_H, **_BACKWARD_LAUNCH)
+                BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, **_BACKWARD_LAUNCH)
     dquery = partial.sum(0).to(query.dtype)
     return (dquery, [d.view(g.shape) for d, g in zip(grads, groups)],
             None if dplus is None else dplus.view(*lead, h))

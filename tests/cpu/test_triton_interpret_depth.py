@@ -7,7 +7,7 @@ As test_triton_interpret_mhc.py: this file run as a script under TRITON_INTERPRE
 tests/gpu/test_triton_depth.py and runs its ``check_launchers`` on ``interpret_cases`` (K = 1,
 2, 4, 6 and 41 sources in 1 to 4 groups of different sizes, strided views into packed tensors;
 the first group's last source plus a tensor and an incoming gradient for it, or neither; 37
-tokens (not a multiple of the 16 or 8 of a program), tokens as [3, 13], no tokens; h not a multiple
+tokens (not a multiple of the 16 of a program), tokens as [3, 13], no tokens; h not a multiple
 of the 128-column chunk; fp32 at 1e-5 of the largest magnitude and fp16 at 2^-6), every load and
 store checked to stay inside the tensors of its launch, then its ``check_ops``:
 efficient.depth_attention with the kernels running CPU tensors against it with them off, values
