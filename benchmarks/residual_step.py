@@ -153,14 +153,14 @@ def gpu_idle_ms(prof) -> float:
     if not spans:
         return 0.0
     busy, (start, end) = 0.0, spans[0]
-    for s, e in spans[1:]:  # the union of the intervals
-        if s > end:
+    for a, b in spans[1:]:  # the union of the intervals
+        if a > end:
             busy += end - start
-            start, end = s, e
+            start, end = a, b
         else:
-            end = max(end, e)
+            end = max(end, b)
     busy += end - start
-    return (max(e for _, e in spans) - spans[0][0] - busy) / 1e3
+    return (max(b for _, b in spans) - spans[0][0] - busy) / 1e3
 
 
 def host_syncs(step) -> list[dict]:

@@ -13,8 +13,8 @@ per sublayer, Attention Residuals two (on an H200, 350M-class model, micro-batch
 the GPU idled 7.6 ms of a standard step, 19.7 of an mHC step and 24.8 of a block AttnRes step
 waiting for the host, almost all of it in the optimizer phase).
 
-:func:`l2_norm` and :func:`scale` compute the same with torch's ``_foreach`` ops (one
-multi-tensor kernel per dtype and device, no synchronisation); :func:`use_foreach_multi_tensor_ops`
+:func:`l2_norm` and :func:`scale` compute the same with torch's ``_foreach`` ops (a few
+multi-tensor kernels for the whole list, no synchronisation); :func:`use_foreach_multi_tensor_ops`
 puts them where megatron-core uses its Python fallbacks, and nowhere else (with apex or TE
 present nothing changes). Like those fallbacks they ignore the ``noop_flag`` buffer, in which
 apex's kernels flag non-finite values (megatron-core's clipping does not read it).
@@ -29,8 +29,8 @@ import torch
 __all__ = ["l2_norm", "scale", "use_foreach_multi_tensor_ops"]
 
 
-def l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequence[Sequence[torch.Tensor]],
-            per_tensor: bool, *args):
+def l2_norm(chunk_size: int, noop_flag: torch.Tensor,
+            tensor_lists: Sequence[Sequence[torch.Tensor]], per_tensor: bool, *args):
     """As apex's ``multi_tensor_l2norm``: ``(the L2 norm of all of tensor_lists[0] as one
     vector, a [1] fp32 tensor; each tensor's norm [len] fp32 where per_tensor, else None)``,
     on the tensors' device (fp32 norms whatever the tensors' dtype)."""
@@ -42,8 +42,8 @@ def l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequence[Seq
     return torch.linalg.vector_norm(norms).reshape(1), (norms if per_tensor else None)
 
 
-def scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequence[Sequence[torch.Tensor]],
-          factor: float) -> None:
+def scale(chunk_size: int, noop_flag: torch.Tensor,
+          tensor_lists: Sequence[Sequence[torch.Tensor]], factor: float) -> None:
     """As apex's ``multi_tensor_scale``: ``dst = src * factor`` for each pair of
     ``tensor_lists = [srcs, dsts]``, rounded to dst's dtype (in place where src is dst)."""
     del chunk_size, noop_flag
