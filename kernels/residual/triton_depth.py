@@ -87,8 +87,11 @@ BLOCK_H = 128
 _FORWARD_LAUNCH = dict(num_warps=4)
 _BACKWARD_LAUNCH = dict(num_warps=2)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_RUNTIME = (["T", "K", "pt", "gt", "at_", "as_"]
-            + [f"{name}{i}" for i in range(MAX_GROUPS) for name in ("t", "s", "k")])
+# Not specialised on: the token count and the numbers of sources. The strides are: Triton then
+# knows that they are multiples of 16 (the launchers make them so, see _tokens_view) and loads a
+# row's columns in 16-byte vectors; unspecialised, it loaded them one element at a time.
+_RUNTIME = ["T", "K"] + [f"k{i}" for i in range(MAX_GROUPS)]
+_STRIDE_MULTIPLE = 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,14 +359,27 @@ def unsupported_reason(query: torch.Tensor, groups: Sequence[torch.Tensor],
 
 
 def _tokens_view(tensor: torch.Tensor, *inner: int) -> torch.Tensor:
-    """``tensor [..., *inner]`` as ``[T, *inner]`` with unit column stride: a view where the
-    leading dimensions merge into one, a copy otherwise."""
+    """``tensor [..., *inner]`` as ``[T, *inner]`` with unit column stride and the other strides
+    multiples of 16 (:func:`_stride`'s): a view where the leading dimensions merge into one and
+    the strides allow it, a copy otherwise. So every call runs the one compiled kernel that the
+    first-use check in efficient.py ran."""
     if tensor.stride(-1) != 1:
         tensor = tensor.contiguous()
     try:
-        return tensor.view(-1, *inner)
+        view = tensor.view(-1, *inner)
     except RuntimeError:
-        return tensor.reshape(-1, *inner)
+        view = tensor.reshape(-1, *inner)
+    if (view.data_ptr() % 16  # Triton specialises pointers on 16-byte alignment
+            or any(_stride(view, dim) % _STRIDE_MULTIPLE for dim in range(view.dim() - 1))):
+        # A new tensor (contiguous() would return a misaligned contiguous one as it is); h is a
+        # multiple of 16, so then are its strides.
+        view = view.clone(memory_format=torch.contiguous_format)
+    return view
+
+
+def _stride(tensor: torch.Tensor, dim: int) -> int:
+    """The stride the kernels take for ``dim``: 0 where it has one element (never stepped)."""
+    return tensor.stride(dim) if tensor.shape[dim] > 1 else 0
 
 
 def _prepare(query, groups, last_plus):
@@ -381,7 +397,7 @@ def _group_arguments(views, grads=None):
     arguments = []
     for i in range(MAX_GROUPS):
         v = views[min(i, len(views) - 1)]
-        arguments += [v, v.stride(0), v.stride(1), v.shape[1] if i < len(views) else 0]
+        arguments += [v, _stride(v, 0), _stride(v, 1), v.shape[1] if i < len(views) else 0]
         if grads is not None:
             arguments.append(grads[min(i, len(views) - 1)])
     return arguments
@@ -403,7 +419,7 @@ def forward(query: torch.Tensor, groups: Sequence[torch.Tensor], eps: float,
         with launch_device(first.device):
             _forward_kernel[(triton.cdiv(tokens, BLOCK_T),)](
                 query, out, z, r, alpha, first if plus is None else plus,
-                0 if plus is None else plus.stride(0), *_group_arguments(views), tokens, total,
+                0 if plus is None else _stride(plus, 0), *_group_arguments(views), tokens, total,
                 h, float(eps), NG=len(views), KP=padded_sources(total), PLUS=plus is not None,
                 BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, **_FORWARD_LAUNCH)
     return (out.view(*lead, h), z.view(*lead, total), r.view(*lead, total),
@@ -442,10 +458,10 @@ def backward(query: torch.Tensor, groups: Sequence[torch.Tensor], grad: torch.Te
     if tokens:
         with launch_device(first.device):
             _backward_kernel[(blocks,)](
-                query, grad, grad.stride(0), z, r, alpha, partial,
-                first if plus is None else plus, 0 if plus is None else plus.stride(0),
+                query, grad, _stride(grad, 0), z, r, alpha, partial,
+                first if plus is None else plus, 0 if plus is None else _stride(plus, 0),
                 first if dplus is None else dplus, first if acc is None else acc,
-                0 if acc is None else acc.stride(0), 0 if acc is None else acc.stride(1),
+                0 if acc is None else _stride(acc, 0), 0 if acc is None else _stride(acc, 1),
                 *_group_arguments(views, grads), tokens, total, h, NG=len(views),
                 KP=padded_sources(total), PLUS=plus is not None, ACC=acc is not None,
                 BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, **_BACKWARD_LAUNCH)

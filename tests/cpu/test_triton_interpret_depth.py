@@ -80,6 +80,27 @@ def test_unsupported_calls_are_named_and_run_in_pytorch(monkeypatch):
     assert packed.grad is not None
 
 
+@needs_triton
+def test_launches_pass_strides_that_are_multiples_of_16():
+    """The kernels are compiled for strides that are multiples of 16 elements and 16-byte
+    aligned tensors (their loads are vectorised): views that are so are passed as they are,
+    others copied; a dimension of one element passes stride 0."""
+    from megatron_ext.kernels.residual import triton_depth
+
+    packed = torch.randn(5, 7, 3 * 32)
+    view = triton_depth._tokens_view(packed.unflatten(-1, (3, 32))[:, :, 1:], 2, 32)
+    assert view.data_ptr() == packed.data_ptr() + 32 * packed.element_size()  # no copy
+    assert (view.stride(0), view.stride(1)) == (96, 32)
+    odd = torch.randn(35, 2, 40)[:, :, :32]  # strides 80 and 40
+    view = triton_depth._tokens_view(odd, 2, 32)
+    assert view.is_contiguous() and torch.equal(view, odd)
+    shifted = torch.randn(35 * 32 + 1)[1:].view(35, 1, 32)  # 4 bytes off 16-byte alignment
+    view = triton_depth._tokens_view(shifted, 1, 32)
+    assert view.data_ptr() % 16 == 0 and torch.equal(view, shifted)
+    single = torch.randn(1, 1, 32)
+    assert (triton_depth._stride(single, 0), triton_depth._stride(single, 1)) == (0, 0)
+
+
 def test_depth_kernels_that_fail_their_check_are_not_used(monkeypatch, caplog):
     """Kernels that import but compute the wrong thing on this device are caught by the
     first-use check and the PyTorch path runs instead: simulated on the CPU with a stand-in
