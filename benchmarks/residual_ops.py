@@ -169,15 +169,15 @@ def depth_sweep(x, reps):
     launch configuration of DEPTH_CONFIGS."""
     from megatron_ext.kernels.residual import triton_depth
 
-    fixed = dict(BLOCK_T=triton_depth.BLOCK_T, BLOCK_H=triton_depth.BLOCK_H,
-                 forward=triton_depth._FORWARD_LAUNCH, backward=triton_depth._BACKWARD_LAUNCH)
+    fixed = dict(BLOCK_H=triton_depth.BLOCK_H, forward=triton_depth._FORWARD_LAUNCH,
+                 backward=triton_depth._BACKWARD_LAUNCH)
     launchers = ops(x)  # the launchers read the configuration when called
     rows = []
     try:
         for config in DEPTH_CONFIGS:
-            triton_depth.BLOCK_T, triton_depth.BLOCK_H = config["BLOCK_T"], config["BLOCK_H"]
-            triton_depth._FORWARD_LAUNCH = dict(num_warps=config["num_warps"])
-            triton_depth._BACKWARD_LAUNCH = dict(num_warps=config["num_warps"])
+            triton_depth.BLOCK_H = config["BLOCK_H"]
+            launch = dict(BLOCK_T=config["BLOCK_T"], num_warps=config["num_warps"])
+            triton_depth._FORWARD_LAUNCH = triton_depth._BACKWARD_LAUNCH = launch
             row = dict(config)
             for name in ("depth_forward", "depth_backward"):
                 kernels = kernel_times(launchers[name][0], reps)
@@ -186,7 +186,7 @@ def depth_sweep(x, reps):
             log(f"depth sweep {config}: forward {row['depth_forward_ms']:.4f} ms, "
                 f"backward {row['depth_backward_ms']:.4f} ms")
     finally:
-        triton_depth.BLOCK_T, triton_depth.BLOCK_H = fixed["BLOCK_T"], fixed["BLOCK_H"]
+        triton_depth.BLOCK_H = fixed["BLOCK_H"]
         triton_depth._FORWARD_LAUNCH = fixed["forward"]
         triton_depth._BACKWARD_LAUNCH = fixed["backward"]
     return rows

@@ -257,7 +257,10 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
     args = parse_and_validate_args(extra_args_provider=add_megatron_args)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     _use_shipped_dataset_helpers()
-    use_foreach_multi_tensor_ops()  # where megatron-core would loop over the parameters
+    if use_foreach_multi_tensor_ops() and os.environ["RANK"] == "0":
+        print("megatron-ext pretrain: gradient clipping and the fp32-to-16-bit parameter copy "
+              "run on torch's multi-tensor ops (megatron_ext.multi_tensor; neither apex nor "
+              "Transformer Engine provides them here)", flush=True)
     try:
         megatron_pretrain(config, _datasets_provider(settings, run_dir),
                           ModelType.encoder_or_decoder, forward_step)

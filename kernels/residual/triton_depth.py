@@ -52,12 +52,21 @@ masked: z = -inf in the softmax, loads 0, stores skipped); a source's column is 
 tile with a masked sum (an exact selection), once per source in the passes that loop over
 sources outermost (forward pass 1, backward pass 1) and once per source and chunk in those that
 loop over columns outermost (forward and backward pass 2, which accumulate over the sources).
-Launch configuration (fixed): BLOCK_T = 16, BLOCK_H = 128, 4 warps forward and 2 backward,
-chosen from 18 configurations timed on an H200 at T = 8192, h = 1024, bf16, 5 sources (session
-12, ``benchmarks/residual_ops.py --depth-sweep``: the backward took 0.132 ms of GPU time with 2
-warps against 0.179 with 4; the forward's times were within 0.07-0.09 ms for most). One compiled
-kernel per (number of groups, KP, dtypes, options); T, the group sizes and strides are not
-specialised on.
+Launch configuration (fixed): BLOCK_H = 128; forward 8 tokens a program and 4 warps, backward
+16 tokens and 2 warps (``_FORWARD_LAUNCH``, ``_BACKWARD_LAUNCH``). From sweeps on an H200 (bf16,
+h = 1024, 5 sources; ``benchmarks/residual_ops.py --depth-sweep``): in session 12, 18
+configurations at T = 8192 (the backward 0.132 ms with 2 warps against 0.179 with 4); in session
+17, after the strides were specialised (below), at T = 8192 and 32768 (forward 0.066 / 0.251 ms
+at 8 tokens against 0.076 / 0.284 at 16; backward at 16 tokens, 2 warps 0.174 / 0.618 ms, no
+configuration more than 2% faster at both sizes). Neither summing over h elementwise (one
+reduction per source, not one per chunk), two chunks a loop iteration, nor a cap on registers
+(``maxnreg`` 64 or 128) made either kernel more than 4% faster at both sizes (session 17). One
+compiled kernel per (number of groups, KP, dtypes, options); the token count and the numbers of
+sources are not specialised on. The strides are, and the launchers make every one of them a
+multiple of 16 elements (copying a group whose strides are not): knowing it, Triton loads a
+row's columns in 16-byte vectors. Until session 17 the strides were not specialised on either,
+every load was one element wide, and the kernels took 0.326 / 0.787 ms (forward / backward) at
+T = 32768.
 
 Constraints: 1 <= number of groups <= 4, 1 <= K <= 64 sources in all, h a multiple of 16, the
 groups (and last_plus) in one dtype among fp32, bf16 and fp16 with the same leading (token)
@@ -82,10 +91,11 @@ __all__ = ["forward", "backward", "unsupported_reason", "MAX_GROUPS", "MAX_SOURC
 MAX_GROUPS = 4
 MAX_SOURCES = 64
 H_MULTIPLE = 16
-BLOCK_T = 16
 BLOCK_H = 128
-_FORWARD_LAUNCH = dict(num_warps=4)
-_BACKWARD_LAUNCH = dict(num_warps=2)
+# Tokens a program and warps, each direction (module docstring, "Launch configuration"); read at
+# each launch: ``benchmarks/residual_ops.py --depth-sweep`` times other values by setting them.
+_FORWARD_LAUNCH = dict(BLOCK_T=8, num_warps=4)
+_BACKWARD_LAUNCH = dict(BLOCK_T=16, num_warps=2)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Not specialised on: the token count and the numbers of sources. The strides are: Triton then
 # knows that they are multiples of 16 (the launchers make them so, see _tokens_view) and loads a
@@ -417,11 +427,11 @@ def forward(query: torch.Tensor, groups: Sequence[torch.Tensor], eps: float,
                    for _ in range(3))
     if tokens:
         with launch_device(first.device):
-            _forward_kernel[(triton.cdiv(tokens, BLOCK_T),)](
+            _forward_kernel[(triton.cdiv(tokens, _FORWARD_LAUNCH["BLOCK_T"]),)](
                 query, out, z, r, alpha, first if plus is None else plus,
                 0 if plus is None else _stride(plus, 0), *_group_arguments(views), tokens, total,
                 h, float(eps), NG=len(views), KP=padded_sources(total), PLUS=plus is not None,
-                BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, **_FORWARD_LAUNCH)
+                BLOCK_H=BLOCK_H, **_FORWARD_LAUNCH)
     return (out.view(*lead, h), z.view(*lead, total), r.view(*lead, total),
             alpha.view(*lead, total))
 
@@ -453,7 +463,7 @@ def backward(query: torch.Tensor, groups: Sequence[torch.Tensor], grad: torch.Te
     dplus = None if plus is None else torch.empty((tokens, h), dtype=plus.dtype,
                                                   device=plus.device)
     acc = None if first_grad is None else _tokens_view(first_grad, shape[-2], h)
-    blocks = triton.cdiv(tokens, BLOCK_T)
+    blocks = triton.cdiv(tokens, _BACKWARD_LAUNCH["BLOCK_T"])
     partial = torch.empty((blocks, h), dtype=torch.float32, device=first.device)
     if tokens:
         with launch_device(first.device):
@@ -464,7 +474,7 @@ def backward(query: torch.Tensor, groups: Sequence[torch.Tensor], grad: torch.Te
                 0 if acc is None else _stride(acc, 0), 0 if acc is None else _stride(acc, 1),
                 *_group_arguments(views, grads), tokens, total, h, NG=len(views),
                 KP=padded_sources(total), PLUS=plus is not None, ACC=acc is not None,
-                BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, **_BACKWARD_LAUNCH)
+                BLOCK_H=BLOCK_H, **_BACKWARD_LAUNCH)
     dquery = partial.sum(0).to(query.dtype)
     return (dquery, [d.view(g.shape) for d, g in zip(grads, groups)],
             None if dplus is None else dplus.view(*lead, h))
