@@ -267,7 +267,9 @@ def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-_ORDERED_MINUS_INF = _ordered_bits(torch.tensor(float("-inf"))).item()  # a key never chosen
+# A key never chosen. On the CPU by name: this module may first be imported under a default
+# device such as "meta" (presets.parameter_count builds models there), where .item() fails.
+_ORDERED_MINUS_INF = _ordered_bits(torch.tensor(float("-inf"), device="cpu")).item()
 
 
 def top_k_keys(scores: torch.Tensor, top_k: int) -> torch.Tensor:

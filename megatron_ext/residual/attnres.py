@@ -80,23 +80,18 @@ class _State:
 
 
 class _AddToLastSlot(torch.autograd.Function):
-    """``packed [..., S * h]`` with the ``addends [..., h]`` added to its last h columns in turn
-    (each sum rounded to the dtype), as a new tensor. Backward: packed's gradient is the incoming
-    one as it is; each addend's a copy of its last slot (a copy, not a view, so that autograd may
-    add into it in place).
-
-    The sums are made out of place and the slots joined in one concatenation, so that only the
-    first sum reads the strided last slot (additions in place into a clone's last slot were all
-    strided)."""
+    """``packed [..., S * h]`` with the ``addends [..., h]`` added to its last h columns in turn,
+    as a new tensor. Backward: packed's gradient is the incoming one as it is; each addend's a
+    copy of its last slot (a copy, not a view, so that autograd may add into it in place)."""
 
     @staticmethod
     def forward(ctx, packed, *addends):
-        width = addends[0].shape[-1]
-        last = packed[..., -width:]
+        out = packed.clone()
+        last = out[..., -addends[0].shape[-1]:]
         for addend in addends:
-            last = last + addend
-        ctx.width, ctx.count = width, len(addends)
-        return torch.cat([packed[..., :-width], last], dim=-1)
+            last += addend
+        ctx.width, ctx.count = addends[0].shape[-1], len(addends)
+        return out
 
     @staticmethod
     def backward(ctx, grad):

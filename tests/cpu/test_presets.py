@@ -3,6 +3,9 @@ seed's 2:1 hybrid stack, and each sized preset builds a model of the size its na
 Parameter counts are measured on the meta device (exact, no memory) and held to the one size
 rule of megatron_ext.launch.presets, not to hard-coded numbers."""
 
+import subprocess
+import sys
+
 import pytest
 
 from megatron_ext.config import ConfigError
@@ -113,3 +116,15 @@ def test_fewer_steps_keep_the_schedule_shape():
     assert abs(t.wsd_decay_steps / 300 - decay_share) <= 0.5 / 300
     with pytest.raises(ConfigError, match="at least 2 steps"):
         t.set_steps(1)
+
+
+def test_presets_command_lists_parameter_counts_in_a_fresh_process():
+    """``megatron-ext presets`` as a user first runs it: a new interpreter, where the model's
+    modules are first imported while the model is built on the meta device (a module-level
+    ``.item()`` once failed there)."""
+    result = subprocess.run([sys.executable, "-m", "megatron_ext.cli", "presets"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ALL:
+        line = next(row for row in result.stdout.splitlines() if row.split()[:1] == [name])
+        assert line.endswith("M parameters"), line
