@@ -31,13 +31,16 @@ the stream tensor ``[T, n h]`` in its own dtype once or twice and make no fp32 c
     update_backward  = efficient._stream_update_vjp: dX[m] = sum_j H_res[m, j] g[j], dy = sum_j
                        H_post[j] g[j], and per token dH_post[j] = <g[j], y>, dH_res[m, j] =
                        <X[m], g[j]>. Each program takes one chunk of 128 columns of h, so the last
-                       two are written as per-chunk partial sums (fp32) and summed over the
-                       chunks outside the kernel in one torch sum.  Reads X, g and y, writes dX
-                       and dy.
+                       two are written as per-chunk partial sums (fp32; a [BLOCK_T, n + n n] tile
+                       a program, stored once) and summed over the chunks outside the kernel in
+                       one torch sum.  Reads X, g and y, writes dX and dy.
 
 (The Sinkhorn iterations between the pre op's forward logits and its backward run in the
 kernels of :mod:`.triton_sinkhorn`.) Everything else, per token, is [BLOCK_T, (2 + n) n] or
-[BLOCK_T, n, n] tiles in registers, and reads of W (a few hundred KB, from L2).
+[BLOCK_T, n, n] tiles in registers, and reads of W (a few hundred KB, from L2; in the streams'
+dtype, cast once a call by the launcher where W is fp32, as with autocast or fp32 parameters: at
+T = 32768, n = 4, h = 1024, bf16 streams on an H200 the pre op's kernels took 224 / 458 us
+forward / backward reading fp32 W in every program, 194 / 423 us with the cast, session 17).
 
 Numerics, as the bodies: every sum and product in fp32 after reading its operands in their
 dtype; results written in the dtype of the tensor they are the value or gradient of (u, dX in
@@ -103,7 +106,11 @@ Launch configuration (fixed, no autotuning):
   step over 40 calls), where update_forward, which reduces nothing, took 0.09 ms. More programs
   (slabs of columns) did not change it (session 9). Written in 2-D tiles its kernel takes
   0.092 ms, 2.5 TB/s of the bytes it must move, and the step's update backward 3.7 ms
-  (session 10, ``benchmarks/residual_ops.py`` and ``benchmarks/residual_step.py``).
+  (session 10, ``benchmarks/residual_ops.py`` and ``benchmarks/residual_step.py``). Each of its
+  n + n n per-token sums was then stored as it was made, a [BLOCK_T] store of 4 bytes every
+  (n + n n) * 4; set into one [BLOCK_T, SP] tile and stored as whole rows at the end, the kernel
+  went from 357 to 278 us at T = 32768 (3.4 TB/s), 13.9 to 10.6 ms of the mHC step at
+  micro-batch 8 (session 17).
   The pre op's u pass and backward sums, which reduced n-stream tiles over one axis, went to
   2-D tiles with it: the pre forward's call from 0.460 to 0.220 ms (its second kernel 0.022 ms).
   In session 10 its first kernel took 0.136 ms at 8 warps and 0.075 at 4, and the pre
@@ -395,28 +402,31 @@ def _update_forward_kernel(x_ptr, y_ptr, post_ptr, res_ptr, out_ptr, T, H, N: tl
 
 @triton.jit(do_not_specialize=["T"])
 def _update_backward_kernel(x_ptr, y_ptr, post_ptr, res_ptr, g_ptr, dx_ptr, dy_ptr, partial_ptr,
-                            T, H, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                            T, H, N: tl.constexpr, SP: tl.constexpr, BLOCK_T: tl.constexpr,
+                            BLOCK_H: tl.constexpr):
     """dX and dy of BLOCK_T tokens and one chunk of BLOCK_H columns given g = dout, and the
     chunk's share of dH_post and dH_res: ``partial[chunk, token] = (dH_post [N], dH_res [N, N])``
     summed over the chunk's columns only.
 
     Only 2-D [BLOCK_T, BLOCK_H] tiles: the sums over streams are unrolled (N is a constexpr),
-    every sum over columns reduces axis 1 of such a tile, and each (m, j) share is stored as it
-    is made. g[j] is loaded once a stream m (N times; the later loads come from the cache)."""
+    every sum over columns reduces axis 1 of such a tile into its column of a [BLOCK_T, SP]
+    tile of the shares (SP = N + N N rounded up to a power of two), stored at the end in one
+    store of whole rows. g[j] is loaded once a stream m (N times; the later loads come from the
+    cache)."""
     tok, live = block_tokens(T, BLOCK_T)
     chunk = tl.program_id(1)
     c = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
     live_h = live[:, None] & (c < H)[None, :]
     column = tok[:, None] * N * H + c[None, :]  # column c of stream 0 of each token
-    # int64 rows: chunks x T may pass 2^31 elements of the buffer.
-    part = partial_ptr + (chunk.to(tl.int64) * T + tok) * (N + N * N)
+    slots = tl.arange(0, SP)
+    shares = tl.zeros([BLOCK_T, SP], dtype=tl.float32)
     y = tl.load(y_ptr + tok[:, None] * H + c[None, :], mask=live_h, other=0.0).to(tl.float32)
     dy = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(N):
         gj = tl.load(g_ptr + column + j * H, mask=live_h, other=0.0).to(tl.float32)
         post_j = tl.load(post_ptr + tok * N + j, mask=live, other=0.0).to(tl.float32)
         dy += post_j[:, None] * gj
-        tl.store(part + j, tl.sum(gj * y, 1), mask=live)  # dH_post[j]
+        shares = tl.where(slots[None, :] == j, tl.sum(gj * y, 1)[:, None], shares)  # dH_post[j]
     tl.store(dy_ptr + tok[:, None] * H + c[None, :], dy.to(dy_ptr.dtype.element_ty), mask=live_h)
     for m in tl.static_range(N):
         xm = tl.load(x_ptr + column + m * H, mask=live_h, other=0.0).to(tl.float32)
@@ -426,8 +436,13 @@ def _update_backward_kernel(x_ptr, y_ptr, post_ptr, res_ptr, g_ptr, dx_ptr, dy_p
             res_mj = tl.load(res_ptr + tok * (N * N) + m * N + j, mask=live,
                              other=0.0).to(tl.float32)
             dxm += res_mj[:, None] * gj
-            tl.store(part + N + m * N + j, tl.sum(xm * gj, 1), mask=live)  # dH_res[m, j]
+            shares = tl.where(slots[None, :] == N + m * N + j, tl.sum(xm * gj, 1)[:, None],
+                              shares)  # dH_res[m, j]
         tl.store(dx_ptr + column + m * H, dxm.to(dx_ptr.dtype.element_ty), mask=live_h)
+    # int64 rows: chunks x T may pass 2^31 elements of the buffer.
+    part = partial_ptr + (chunk.to(tl.int64) * T + tok) * (N + N * N)
+    tl.store(part[:, None] + slots[None, :], shares,
+             mask=live[:, None] & (slots < N + N * N)[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,6 +498,12 @@ def _parameters(weight, bias, gate, n: int, h: int):
     return weight, _tokens_of("bias", bias, (), (width,)), _tokens_of("gate", gate, (), (3,))
 
 
+def _operand(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """W as the kernels' GEMMs take it: in the streams' dtype, to which they round it (so the
+    same values; cast once here, a bf16 W is half the bytes each program reads of an fp32 one)."""
+    return weight.to(x.dtype)
+
+
 def _dot_flags(dtype: torch.dtype) -> dict:
     return dict(DOT=_DOT_DTYPES[dtype], IEEE=dtype == torch.float32)
 
@@ -509,8 +530,8 @@ def pre_forward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
         shapes = dict(N=n, M=width, MP=width_padded, BLOCK_T=launch["BLOCK_T"], COLS=_PRE_COLS,
                       num_warps=launch["num_warps"], num_stages=_STAGES, **_dot_flags(x.dtype))
         with launch_device(x.device):
-            _pre_project_kernel[grid](x, weight, partial, tokens, h, BLOCK_H=launch["BLOCK_H"],
-                                      **shapes)
+            _pre_project_kernel[grid](x, _operand(weight, x), partial, tokens, h,
+                                      BLOCK_H=launch["BLOCK_H"], **shapes)
             _pre_mix_kernel[grid](x, partial.sum(0), bias, gate, u, post, res, mixes, tokens, h,
                                   float(eps), **shapes)
     return (u.view(*lead, h), post.view(*lead, n), res.view(*lead, n, n),
@@ -541,7 +562,7 @@ def pre_backward(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if tokens:
         with launch_device(x.device):
             _pre_backward_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]),)](
-                x, weight, bias, gate, mixes, grad_u, grad_post, dres,
+                x, _operand(weight, x), bias, gate, mixes, grad_u, grad_post, dres,
                 plus if plus is not None else x, dx, grad_r, per_token, tokens, h, float(eps),
                 N=n, NP=padded, M=width, MP=width_padded, PLUS=plus is not None,
                 num_stages=_STAGES, **launch, **_dot_flags(x.dtype))
@@ -592,8 +613,8 @@ def update_backward(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
     if tokens:
         with launch_device(x.device):
             _update_backward_kernel[(triton.cdiv(tokens, launch["BLOCK_T"]), chunks)](
-                x, y, post, res, grad, dx, dy, partial, tokens, h, N=n, num_stages=_STAGES,
-                **launch)
+                x, y, post, res, grad, dx, dy, partial, tokens, h, N=n,
+                SP=triton.next_power_of_2(n + n * n), num_stages=_STAGES, **launch)
     sums = partial.sum(0)
     dpost = sums[:, :n].to(post.dtype).contiguous()
     dres = sums[:, n:].to(res.dtype).contiguous()
