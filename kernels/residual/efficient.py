@@ -49,7 +49,8 @@ from .reference import EPS
 
 __all__ = ["use_compile", "compile_enabled", "use_triton", "triton_enabled", "use_triton_mhc",
            "triton_mhc_enabled", "sinkhorn",
-           "mhc_pre", "rms_project", "stream_mix", "stream_update", "depth_attention"]
+           "mhc_pre", "rms_project", "stream_mix", "stream_update", "depth_attention",
+           "add_to_last_slot"]
 
 _log = logging.getLogger(__name__)
 _compile_enabled = False
@@ -184,7 +185,8 @@ def first_use_checks(device: torch.device) -> list:
     ``(kernels, configuration, dtype, run)`` per check, ``run()`` raising on a mismatch (without
     autocast and autograd, as on first use), or a string saying why it cannot run here. The
     configurations are the defaults': n = 4 streams; depth attention over 2 groups of 4
-    sources (as a block AttnRes layer passes its completed blocks and its partial block)."""
+    sources (as a block AttnRes layer passes its completed blocks and its partial block); the
+    packed state's last-slot sum over 3 slots."""
     checks = [
         ("sinkhorn", "n=4, 20 iters", torch.float32, _triton_kernels, _check_triton_sinkhorn,
          (4,)),
@@ -192,6 +194,8 @@ def first_use_checks(device: torch.device) -> list:
           for dtype in (torch.float32, torch.bfloat16)),
         *(("depth_attention", "2 groups of 4", dtype, _triton_depth_kernels,
            _check_triton_depth, (dtype, 2, 8)) for dtype in (torch.float32, torch.bfloat16)),
+        *(("add_to_last_slot", "3 slots", dtype, _triton_depth_kernels,
+           _check_triton_add_to_last_slot, (dtype,)) for dtype in (torch.float32, torch.bfloat16)),
     ]
 
     def run(check, *args):
@@ -803,3 +807,57 @@ def depth_attention(query: torch.Tensor, sources: Sequence[torch.Tensor], eps: f
     a gradient reaching the second output is added to the first group's inside the backward
     (see the comment above :func:`_triton_depth_kernels`)."""
     return _DepthAttention.apply(query, eps, pass_through, last_plus, *sources)
+
+
+# ------------------------------------------------------------- the packed state's last slot
+# Block AttnRes's exit makes the new packed state: the input's slots with the layer's two outputs
+# added to the last one (the partial sum of the block). In PyTorch that is a copy of the state
+# and two additions into its last slot, a strided view, so each addition runs TensorIterator's
+# strided (not vectorised) kernel; where Triton runs, one kernel makes it in a pass
+# (triton_depth.add_to_last_slot), bitwise the same.
+def _add_to_last_slot_pytorch(packed, first, second):
+    out = packed.clone()
+    last = out[..., -first.shape[-1]:]
+    last += first
+    last += second
+    return out
+
+
+def _check_triton_add_to_last_slot(device: torch.device, dtype: torch.dtype) -> None:
+    """The first-use check of triton_depth.add_to_last_slot: 37 tokens, 3 slots of h = 144,
+    random values in ``dtype``, bitwise against the PyTorch path."""
+    kernels = _triton_depth_kernels()
+    generator = torch.Generator(device=device).manual_seed(0)
+    packed, first, second = (torch.randn(37, width, device=device, generator=generator).to(dtype)
+                             for width in (3 * 144, 144, 144))
+    torch.testing.assert_close(kernels.add_to_last_slot(packed, first, second),
+                               _add_to_last_slot_pytorch(packed, first, second), rtol=0, atol=0)
+
+
+class _AddToLastSlot(torch.autograd.Function):
+    """Backward: packed's gradient is the incoming one as it is; each addend's a copy of its
+    last slot (a copy, not a view, so that autograd may add into it in place)."""
+
+    @staticmethod
+    def forward(ctx, packed, first, second):
+        kernels = _triton_depth_kernels() if _triton_runs(packed) else None
+        if (kernels is not None and kernels.add_unsupported_reason(packed, first, second) is None
+                and _triton_checked("packed-state", _check_triton_add_to_last_slot,
+                                    packed.device, packed.dtype)):
+            out = kernels.add_to_last_slot(packed, first, second)
+        else:
+            out = _add_to_last_slot_pytorch(packed, first, second)
+        ctx.width = first.shape[-1]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        last = grad[..., -ctx.width:].clone()
+        return grad, last, last
+
+
+def add_to_last_slot(packed: torch.Tensor, first: torch.Tensor,
+                     second: torch.Tensor) -> torch.Tensor:
+    """A new ``packed [..., S h]`` with ``first`` and then ``second`` (``[..., h]``) added to its
+    last h columns, each sum rounded to the dtype (block AttnRes's exit)."""
+    return _AddToLastSlot.apply(packed, first, second)

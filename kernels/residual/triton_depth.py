@@ -86,8 +86,8 @@ import triton.language as tl
 
 from .triton_common import block_tokens, divide, launch_device
 
-__all__ = ["forward", "backward", "unsupported_reason", "MAX_GROUPS", "MAX_SOURCES",
-           "H_MULTIPLE", "padded_sources"]
+__all__ = ["forward", "backward", "add_to_last_slot", "unsupported_reason",
+           "add_unsupported_reason", "MAX_GROUPS", "MAX_SOURCES", "H_MULTIPLE", "padded_sources"]
 
 MAX_GROUPS = 4
 MAX_SOURCES = 64
@@ -328,6 +328,25 @@ def _backward_kernel(q_ptr, g_ptr, gt, z_ptr, r_ptr, alpha_ptr, dq_ptr, p_ptr, p
         tl.store(dq_ptr + tl.program_id(0) * H + c, tl.sum(dq, 0), mask=in_h)
 
 
+@triton.jit(do_not_specialize=["T"])
+def _add_to_last_kernel(packed_ptr, first_ptr, second_ptr, out_ptr, T, W, H,
+                        BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+    """out = packed [T, W] with first [T, H] and then second added to its last H columns, each
+    sum rounded to the dtype (as two additions in place), on BLOCK_T tokens and BLOCK_W columns;
+    the programs left of the last slot only copy."""
+    tok, live = block_tokens(T, BLOCK_T)
+    col = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mask = live[:, None] & (col < W)[None, :]
+    v = tl.load(packed_ptr + tok[:, None] * W + col[None, :], mask=mask, other=0.0)
+    last = col - (W - H)  # the column in the last slot
+    in_last = mask & (last >= 0)[None, :]
+    at = tok[:, None] * H + last[None, :]
+    a = tl.load(first_ptr + at, mask=in_last, other=0.0).to(tl.float32)
+    b = tl.load(second_ptr + at, mask=in_last, other=0.0).to(tl.float32)
+    added = ((v.to(tl.float32) + a).to(v.dtype).to(tl.float32) + b).to(v.dtype)
+    tl.store(out_ptr + tok[:, None] * W + col[None, :], tl.where(in_last, added, v), mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
@@ -479,3 +498,43 @@ def backward(query: torch.Tensor, groups: Sequence[torch.Tensor], grad: torch.Te
     dquery = partial.sum(0).to(query.dtype)
     return (dquery, [d.view(g.shape) for d, g in zip(grads, groups)],
             None if dplus is None else dplus.view(*lead, h))
+
+
+_ADD_LAUNCH = dict(BLOCK_T=16, BLOCK_W=256, num_warps=4)
+
+
+def add_unsupported_reason(packed: torch.Tensor, first: torch.Tensor,
+                           second: torch.Tensor) -> str | None:
+    """Why :func:`add_to_last_slot` cannot run these tensors, or None if it can."""
+    h = first.shape[-1] if first.dim() else 0
+    if (packed.dtype not in _DTYPES or first.dtype != packed.dtype
+            or second.dtype != packed.dtype or h == 0 or h % H_MULTIPLE
+            or packed.shape[-1] % h or tuple(first.shape) != (*packed.shape[:-1], h)
+            or second.shape != first.shape):
+        return (f"triton depth: add_to_last_slot needs packed [..., S h] and two [..., h] of its "
+                f"dtype (fp32, bf16 or fp16), h a multiple of {H_MULTIPLE}; got {packed.dtype} "
+                f"{tuple(packed.shape)}, {first.dtype} {tuple(first.shape)}, {second.dtype} "
+                f"{tuple(second.shape)}")
+    return None
+
+
+def add_to_last_slot(packed: torch.Tensor, first: torch.Tensor,
+                     second: torch.Tensor) -> torch.Tensor:
+    """A new ``packed [..., S h]`` with ``first`` and then ``second`` ``[..., h]`` added to its
+    last slot (h columns), each sum rounded to the dtype as PyTorch's in-place additions; one
+    pass over the state (block AttnRes's exit: the partial sum plus the layer's two outputs)."""
+    reason = add_unsupported_reason(packed, first, second)
+    if reason is not None:
+        raise ValueError(reason)
+    width, h = packed.shape[-1], first.shape[-1]
+    flat = packed.reshape(-1, width).contiguous()
+    out = torch.empty_like(flat)
+    tokens = flat.shape[0]
+    if tokens:
+        grid = (triton.cdiv(tokens, _ADD_LAUNCH["BLOCK_T"]),
+                triton.cdiv(width, _ADD_LAUNCH["BLOCK_W"]))
+        with launch_device(flat.device):
+            _add_to_last_kernel[grid](flat, first.reshape(-1, h).contiguous(),
+                                      second.reshape(-1, h).contiguous(), out, tokens, width, h,
+                                      **_ADD_LAUNCH)
+    return out.view(packed.shape)

@@ -32,7 +32,8 @@ several uses (each a pass over the whole state, and for a slice a zero tensor an
 - where the mixer's output is added to the partial sum that is the packed input's last slot
   (block AttnRes, except in a block's first layer), the FFN's depth attention reads that slot
   plus the output (``last_plus``) rather than a new tensor holding the sum, and the exit makes
-  the one new packed tensor with both outputs added (:class:`_AddToLastSlot`);
+  the one new packed tensor with both outputs added
+  (:func:`megatron_ext.kernels.residual.efficient.add_to_last_slot`);
 - an output that starts a slot of its own (full: every output; block: the first output of a
   block) is appended at the exit, in one concatenation.
 
@@ -77,25 +78,6 @@ class _State:
     result: torch.Tensor | None = None  # the new packed state [s, b, S * h], once made
     sublayer: int = 0
     new_slot: bool = False  # whether the next output starts a slot of its own
-
-
-class _AddToLastSlot(torch.autograd.Function):
-    """``packed [..., S * h]`` with the ``addends [..., h]`` added to its last h columns in turn,
-    as a new tensor. Backward: packed's gradient is the incoming one as it is; each addend's a
-    copy of its last slot (a copy, not a view, so that autograd may add into it in place)."""
-
-    @staticmethod
-    def forward(ctx, packed, *addends):
-        out = packed.clone()
-        last = out[..., -addends[0].shape[-1]:]
-        for addend in addends:
-            last += addend
-        ctx.width, ctx.count = addends[0].shape[-1], len(addends)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, *[grad[..., -ctx.width:].clone()] * ctx.count
 
 
 class AttentionResiduals(ResidualScheme):
@@ -143,7 +125,7 @@ class AttentionResiduals(ResidualScheme):
         elif state.sublayer == 0:  # the partial sum is the input's last slot; the FFN reads it
             state.last_plus = output
         else:
-            state.result = _AddToLastSlot.apply(state.slots.flatten(-2), state.last_plus, output)
+            state.result = ops.add_to_last_slot(state.slots.flatten(-2), state.last_plus, output)
         state.sublayer += 1
 
     def exit(self, state: _State) -> torch.Tensor:

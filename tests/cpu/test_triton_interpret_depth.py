@@ -11,7 +11,8 @@ tokens (not a multiple of the 16 of a program), tokens as [3, 13], no tokens; h 
 of the 128-column chunk; fp32 at 1e-5 of the largest magnitude and fp16 at 2^-6), every load and
 store checked to stay inside the tensors of its launch, then its ``check_ops``:
 efficient.depth_attention with the kernels running CPU tensors against it with them off, values
-and autograd gradients (K = 1, 2, 6, 41). bf16 is not run (the interpreter's bf16 is emulated;
+and autograd gradients (K = 1, 2, 6, 41); and ``check_add_to_last_slot`` (block AttnRes's exit:
+bitwise, 37 tokens, 3 slots of 144 columns). bf16 is not run (the interpreter's bf16 is emulated;
 fp16 runs the same reduced-precision code path). ~10 s on two cores.
 """
 import types
@@ -43,7 +44,9 @@ def main() -> None:
     cases = interpret_cases(checks.Case)
     triton_interpreter.run_cases(cases, checks.check_launchers)
     triton_interpreter.run_ops(checks, "efficient.depth_attention")
-    print(f"all {len(cases)} interpreter cases passed")
+    for dtype in (torch.float32, torch.float16):  # 37 tokens; 3 slots of 144: partial tiles
+        checks.check_add_to_last_slot("cpu", dtype, shape=(37,), h=144, slots=3)
+    print(f"add_to_last_slot: ok; all {len(cases)} interpreter cases passed")
 
 
 @needs_triton

@@ -182,6 +182,39 @@ def check_ops(device, dtype=torch.float32, h: int = 48, sizes=(1, 2, 6, 41)) -> 
     return len(launches)
 
 
+def check_add_to_last_slot(device, dtype, shape=(8229,), h=1024, slots=4) -> None:
+    """triton_depth.add_to_last_slot (block AttnRes's exit) equals the PyTorch path bitwise (the
+    same sums, each rounded to the dtype) on a packed state of ``slots`` slots; through
+    efficient.add_to_last_slot, packed's gradient is the incoming one and each addend's that of
+    the last slot."""
+    from megatron_ext.kernels.residual import triton_depth
+
+    generator = torch.Generator(device=device).manual_seed(slots)
+    packed, first, second, grad = (
+        torch.randn(*shape, width, device=device, generator=generator).to(dtype)
+        for width in (slots * h, h, h, slots * h))
+    want = efficient._add_to_last_slot_pytorch(packed, first, second)
+    torch.testing.assert_close(triton_depth.add_to_last_slot(packed, first, second), want,
+                               rtol=0, atol=0)
+    leaves = [t.clone().requires_grad_() for t in (packed, first, second)]
+    out = efficient.add_to_last_slot(*leaves)
+    torch.testing.assert_close(out.detach(), want, rtol=0, atol=0)
+    out.backward(grad)
+    for leaf, expected in zip(leaves, (grad, grad[..., -h:], grad[..., -h:])):
+        torch.testing.assert_close(leaf.grad, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        triton_depth.add_to_last_slot(packed[..., :3 * 24], first[..., :24], second[..., :24])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_add_to_last_slot_equals_the_pytorch_path(dtype):
+    efficient._triton_checked.cache_clear()
+    device = torch.empty(0, device="cuda").device
+    check_add_to_last_slot(device, dtype)
+    assert efficient._triton_checked("packed-state", efficient._check_triton_add_to_last_slot,
+                                     device, dtype)
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_launchers_equal_the_pytorch_path(case):
     check_launchers(case, "cuda")
