@@ -56,18 +56,18 @@ Launch configuration (fixed): BLOCK_H = 128, 16 tokens a program; 4 warps forwar
 (``_FORWARD_LAUNCH``, ``_BACKWARD_LAUNCH``). From sweeps on an H200 (bf16, h = 1024, 5 sources;
 ``benchmarks/residual_ops.py --depth-sweep``): in session 12, 18 configurations at T = 8192 (the
 backward 0.132 ms with 2 warps against 0.179 with 4); in session 17, after the strides were
-specialised (below), at T = 8192 and 32768: the backward as it is, 0.174 / 0.618 ms, no
-configuration more than 2% faster at both sizes; the forward 0.066 / 0.251 ms at 8 tokens a program
-against 0.076 / 0.284 at 16, but in the block AttnRes training step (micro-batch 8, its calls over
-1 to 7 sources in up to 3 groups) 7.84 ms against 7.67, so it stays at 16. Neither summing over h
-elementwise (one reduction per source, not one per chunk), two chunks a loop iteration, nor a cap
-on registers (``maxnreg`` 64 or 128) made either kernel more than 4% faster at both sizes (session
-17). One compiled kernel per (number of groups, KP, dtypes, options); the token count and the
-numbers of sources are not specialised on. The strides are, and the launchers make every one of
-them a multiple of 16 elements (copying a group whose strides are not): knowing it, Triton loads a
-row's columns in 16-byte vectors. Until session 17 the strides were not specialised on either,
-every load was one element wide, and the kernels took 0.326 / 0.787 ms (forward / backward) at T =
-32768.
+specialised (below), at T = 8192 and 32768: the backward 0.174 / 0.618 ms as it is, 0.161 / 0.606
+at 8 tokens and at most 128 registers (not tried in the training step); the forward 0.066 / 0.251
+ms at 8 tokens a program against 0.076 / 0.284 at 16, but in the block AttnRes training step
+(micro-batch 8, its calls over 1 to 7 sources in up to 3 groups) 7.84 ms against 7.67, so it stays
+at 16. Neither summing over h elementwise (one reduction per source, not one per chunk), two chunks
+a loop iteration, nor a cap on registers (``maxnreg`` 64 or 128) made either kernel more than 4%
+faster at both sizes (session 17). One compiled kernel per (number of groups, KP, dtypes, options);
+the token count and the numbers of sources are not specialised on. The strides are, and the
+launchers make every one of them a multiple of 16 elements (copying a group whose strides are not):
+knowing it, Triton loads a row's columns in 16-byte vectors. Until session 17 the strides were not
+specialised on either, every load was one element wide, and the kernels took 0.326 / 0.787 ms
+(forward / backward) at T = 32768.
 
 Constraints: 1 <= number of groups <= 4, 1 <= K <= 64 sources in all, h a multiple of 16, the
 groups (and last_plus) in one dtype among fp32, bf16 and fp16 with the same leading (token)
