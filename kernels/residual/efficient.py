@@ -18,8 +18,9 @@ alive between forward and backward is chosen, not every intermediate:
 What runs where. The forward and backward of each op are PyTorch bodies (the ``_*_body`` and
 ``_*_vjp`` functions below). On CUDA (where Triton runs; :func:`use_triton`, on by default)
 some run in Triton kernels of ours instead, each launched eagerly from its autograd Function:
-the Sinkhorn iterations (two kernels, :mod:`.triton_sinkhorn`) and :func:`depth_attention`
-(one kernel each way for all source groups of a call, :mod:`.triton_depth`). The two mHC
+the Sinkhorn iterations (two kernels, :mod:`.triton_sinkhorn`), :func:`depth_attention`
+(one kernel each way for all source groups of a call, :mod:`.triton_depth`) and
+:func:`add_to_last_slot` (one pass, block AttnRes's exit; also :mod:`.triton_depth`). The two mHC
 stream ops, :func:`mhc_pre` and :func:`stream_update`, have fused kernels too (forward and
 backward, :mod:`.triton_mhc`), on unless :func:`use_triton_mhc` turns them off: in a training
 step of the 350M-class model at micro-batch 8 on an H200 (session 14, benchmarks/results) they
@@ -103,9 +104,9 @@ _TRITON_DEVICE_TYPES = {"cuda"}  # tests add "cpu" under Triton's interpreter
 
 
 def use_triton(enabled: bool) -> None:
-    """Run the Sinkhorn iterations, the mHC ops (mhc_pre, stream_update) and depth_attention of
-    CUDA tensors in our Triton kernels (the default) or in the PyTorch bodies (for
-    comparisons)."""
+    """Run the Sinkhorn iterations, the mHC ops (mhc_pre, stream_update), depth_attention and
+    add_to_last_slot of CUDA tensors in our Triton kernels (the default) or in the PyTorch
+    bodies (for comparisons)."""
     global _triton_enabled
     _triton_enabled = enabled
 

@@ -1,5 +1,8 @@
 """Depth attention of Attention Residuals in Triton, forward and backward, in one launch each
-for all the source groups of a call.
+for all the source groups of a call; and block AttnRes's exit, :func:`add_to_last_slot` (the
+packed state with a layer's two outputs added to its last slot, in one pass: bitwise the
+PyTorch path's two in-place additions into a copy, whose strided additions took 3.6 ms of the
+350M-class step at micro-batch 8 on an H200, session 17).
 
 Attention Residuals (Kimi Team 2026, "Attention Residuals", arXiv 2603.15031): a sublayer's
 input is a softmax over depth, ``h = sum_k alpha_k v_k``, ``alpha = softmax_k(z)``, ``z_k = r_k
