@@ -58,8 +58,9 @@ tile, ``exp(s - L)`` summed over the heads, written to the slot of each listed k
 sorted by key (one ``argsort`` of the selection) give each key's slot from its rank among the
 row's bits, counted along the tiles. Until session 14 it ran one program per token and gathered
 every selected key row twice per head: 80.3 ms at T = 16384 (B T = 32768, 16 MHA heads, K =
-2048, bf16), where DSA's whole indexer loss forward now takes 51.5 ms, 27.2 at T = 4096
-(benchmarks/results, session 14).
+2048, bf16), where DSA's whole indexer loss forward took 51.5 ms in session 14, 27.2 at T = 4096,
+and takes 33.6 ms at T = 16384 since each row's bitmap words are loaded once a tile
+(:func:`_selected_bits`, session 18; benchmarks/results).
 
 Memory: kept for backward are q, k, v, o, ``selected`` and L (``[B, T, Hq]`` fp32): O(T K) ints
 and O(T H D) activations, no ``[T, K, H, D]`` gather. The backward adds delta (as L) and, while
@@ -312,12 +313,23 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, offsets_ptr, q
 
 
 @triton.jit
-def _selected_bits(words_ptr, token, width, keys, real, key_len):
-    """``[rows, keys]`` bool: whether row ``token`` (int64, ``[rows]``) of the selection's
-    bitmap (``triton_select.selection_words``: ``width`` int32 words a row) lists each key."""
-    word = tl.load(words_ptr + token[:, None] * width + (keys >> 5)[None, :],
-                   mask=real[:, None] & (keys < key_len)[None, :], other=0)
-    return ((word >> (keys & 31)[None, :]) & 1) != 0
+def _selected_bits(words_ptr, token, width, start, real, key_len, BLOCK_S: tl.constexpr):
+    """``[rows, BLOCK_S]`` bool: whether row ``token`` (int64, ``[rows]``) of the selection's
+    bitmap (``triton_select.selection_words``: ``width`` int32 words a row) lists each of the
+    keys ``start .. start + BLOCK_S - 1`` (``start`` and BLOCK_S multiples of 32). The rows'
+    BLOCK_S / 32 words are loaded once, a ``[rows, BLOCK_S / 32]`` tile, and their bits spread
+    over the keys in registers: compiled for sm_90 (Triton 3.6, the mass kernel's 64 x 64 tiles,
+    4 warps) that is 2 scalar loads a thread where loading a word for every (row, key) pair made
+    64, and 222 registers where it took 224 (session 17). On an H200 DSA's indexer loss at
+    T = 16384 (benchmarks/dsa_stages.py) went from 51.1 to 33.6 ms forward, 87.4 to 68.7 ms
+    forward+backward (session 18)."""
+    keys = start + tl.arange(0, BLOCK_S)
+    slots = start // 32 + tl.arange(0, BLOCK_S // 32)
+    word = tl.load(words_ptr + token[:, None] * width + slots[None, :],
+                   mask=real[:, None] & (slots * 32 < key_len)[None, :], other=0)
+    bits = (word[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
+    listed = tl.reshape(bits, [token.shape[0], BLOCK_S]) != 0
+    return listed & (keys < key_len)[None, :]
 
 
 @triton.jit(do_not_specialize=["seq_len", "key_len", "width", "kv_heads", "group", "top_k"])
@@ -355,7 +367,7 @@ def _mass_kernel(q_ptr, k_ptr, words_ptr, ends_ptr, order_ptr, sink_ptr, lse_ptr
         total = tl.exp(sink - top)
         for start in range(0, end, BLOCK_S):
             s = start + s_lanes
-            listed = _selected_bits(words_ptr, token, width, s, real, key_len)
+            listed = _selected_bits(words_ptr, token, width, start, real, key_len, BLOCK_S)
             if tl.max(listed.to(tl.int32)) > 0:
                 scores = tl.dot(q, _key_tile(keys, s * kv_heads, s < key_len, D, DP, True),
                                 input_precision=PRECISION) * scale
@@ -369,7 +381,7 @@ def _mass_kernel(q_ptr, k_ptr, words_ptr, ends_ptr, order_ptr, sink_ptr, lse_ptr
     before = tl.zeros([BLOCK_T], tl.int32)  # each row's keys listed in the tiles done
     for start in range(0, end, BLOCK_S):
         s = start + s_lanes
-        listed = _selected_bits(words_ptr, token, width, s, real, key_len)
+        listed = _selected_bits(words_ptr, token, width, start, real, key_len, BLOCK_S)
         count = listed.to(tl.int32)
         if tl.max(count) > 0:
             total = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
