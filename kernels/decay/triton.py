@@ -170,10 +170,14 @@ def _state_offsets(index, K: tl.constexpr, V: tl.constexpr, kk, vv):
 # Forward kernels (the state kernel also serves the backward)
 # ---------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["H_V", "stride_t"])
-def _cumsum_kernel(g, G, stride_t, chunk_seq, chunk_start, cu, H_V,
+@triton.jit(do_not_specialize=["H_V", "step"])
+def _cumsum_kernel(g, G, step, chunk_seq, chunk_start, cu, H_V,
                    K: tl.constexpr, BT: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """G = the cumulative sum of g inside each chunk, fp32: [tokens, Hv] or [tokens, Hv, K]."""
+    """G = the cumulative sum of g inside each chunk, fp32: [tokens, Hv] or [tokens, Hv, K].
+    g has ``step`` heads a token: Hv, or 0 where one g serves every token. (A per-channel row is
+    at ``(token step + head) K``: with K a constexpr Triton loads it in vectors; given as a
+    token stride that it could not know to be a multiple of 16, it loaded one element at a
+    time.)"""
     c, hv = tl.program_id(0), tl.program_id(1)
     start, length = _chunk(chunk_seq, chunk_start, cu, c, BT)
     rows = tl.arange(0, BT)
@@ -181,11 +185,11 @@ def _cumsum_kernel(g, G, stride_t, chunk_seq, chunk_start, cu, H_V,
     tok = (start + rows).to(tl.int64)
     if PER_CHANNEL:
         kk = tl.arange(0, K)
-        x = tl.load(g + tok[:, None] * stride_t + hv * K + kk[None, :], mask=valid[:, None], other=0.0)
+        x = tl.load(g + (tok[:, None] * step + hv) * K + kk[None, :], mask=valid[:, None], other=0.0)
         tl.store(G + (tok[:, None] * H_V + hv) * K + kk[None, :], tl.cumsum(x.to(tl.float32), axis=0),
                  mask=valid[:, None])
     else:
-        x = tl.load(g + tok * stride_t + hv, mask=valid, other=0.0)
+        x = tl.load(g + tok * step + hv, mask=valid, other=0.0)
         tl.store(G + tok * H_V + hv, tl.cumsum(x.to(tl.float32), axis=0), mask=valid)
 
 
@@ -668,12 +672,12 @@ def _cumulative_decay(g, problem: _Problem) -> torch.Tensor | None:
         return None
     layout, heads = problem.layout, problem.value_heads
     per_channel = problem.decay == _CHANNEL_DECAY
-    # g [Hv] is read with a token stride of 0: the same decay at every token.
-    stride_t = 0 if g.dim() == 1 else heads * (problem.key_dim if per_channel else 1)
+    # g [Hv] is read with a step of 0 heads a token: the same decay at every token.
+    step = 0 if g.dim() == 1 else heads
     decay = torch.empty(problem.tokens, heads, *([problem.key_dim] if per_channel else []),
                         dtype=torch.float32, device=g.device)
     _cumsum_kernel[problem.chunk_grid()](
-        g.contiguous(), decay, stride_t, layout.chunk_seq, layout.chunk_start, layout.cu, heads,
+        g.contiguous(), decay, step, layout.chunk_seq, layout.chunk_start, layout.cu, heads,
         K=problem.key_dim, BT=CHUNK, PER_CHANNEL=per_channel, **LAUNCH)
     return decay
 
