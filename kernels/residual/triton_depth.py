@@ -29,13 +29,15 @@ program per block of ``BLOCK_T`` tokens, the sources read in their own dtype, h 
                ([T, K] fp32, kept for backward); pass 2 over the sources: out = sum_k alpha_k
                v_k, accumulated in fp32 and written in the sources' dtype.
                Reads every source twice, writes out.
-    backward   pass 1 over the sources and g: dalpha_k = <g, v_k>; dz = alpha (dalpha - sum_k
-               alpha_k dalpha_k) in registers; pass 2 over the sources and g: dv_k = alpha_k g +
+    backward   pass 1 over the sources and g, a chunk of columns at a time (g's chunk loaded
+               once for all sources): dalpha_k = <g, v_k>; dz = alpha (dalpha - sum_k
+               alpha_k dalpha_k) in registers; pass 2 over the sources and g, backwards (the
+               last chunk of columns and the last source first): dv_k = alpha_k g +
                dz_k r_k q - (dz_k z_k r_k / h) v_k written into one gradient tensor per group
                (in the group's dtype; plus first_grad for the first group), and the per-block
                partial sums over tokens of dq = sum_k dz_k r_k v_k ([cdiv(T, BLOCK_T), h] fp32)
-               reduced outside by one torch sum. Reads every source twice and g K + 1 times
-               (g's block is reused from cache), writes every dv_k.
+               reduced outside by one torch sum. Reads every source and g twice, writes every
+               dv_k.
 
 dquery goes through per-block partial sums rather than atomics: the result is deterministic
 (run to run, as the PyTorch path), and the partials are small (T / 16 rows of h fp32: 2 MB at
@@ -70,7 +72,12 @@ the token count and the numbers of sources are not specialised on. The strides a
 launchers make every one of them a multiple of 16 elements (copying a group whose strides are not):
 knowing it, Triton loads a row's columns in 16-byte vectors. Until session 17 the strides were not
 specialised on either, every load was one element wide, and the kernels took 0.326 / 0.787 ms
-(forward / backward) at T = 32768.
+(forward / backward) at T = 32768. The backward's loop order is session 18's: pass 1 took a source
+at a time over all of h, loading g's chunk once per source, and pass 2 ran forwards; with pass 1
+a chunk at a time and pass 2 backwards the backward took 0.569 against 0.617 ms at T = 32768 (5
+sources, h = 1024, bf16; two runs each) and 16.7 against 17.3 ms in the block AttnRes step at
+micro-batch 8. The same orders in the forward, or 8 tokens a program in either, were not faster by
+more than the runs' noise (scratch sweep, benchmarks/results, session 18).
 
 Constraints: 1 <= number of groups <= 4, 1 <= K <= 64 sources in all, h a multiple of 16, the
 groups (and last_plus) in one dtype among fp32, bf16 and fp16 with the same leading (token)
@@ -166,20 +173,13 @@ def _group_sum(v_ptr, t_stride, s_stride, count, offset, plus_rows, alpha, acc, 
 
 
 @triton.jit
-def _group_dalpha(v_ptr, t_stride, s_stride, count, offset, plus_rows, g_rows, tok, live, ks,
-                  dalpha, H, PLUS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """dalpha ([BLOCK_T, KP]) with <g, v_k> set in one group's columns."""
-    hs = tl.arange(0, BLOCK_H)
+def _chunk_dalpha(v_ptr, t_stride, s_stride, count, offset, plus_rows, g, tok, ks, dalpha, c,
+                  live_h, PLUS: tl.constexpr):
+    """dalpha ([BLOCK_T, KP]) plus <g, v_k> on the columns c, for the sources of one group."""
     rows = v_ptr + tok[:, None] * t_stride
     for k in range(0, count):
-        acc = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for c0 in range(0, H, BLOCK_H):
-            c = c0 + hs
-            live_h = live[:, None] & (c < H)[None, :]
-            v = _source(rows, k, s_stride, c, live_h, plus_rows, count - 1, PLUS)
-            g = tl.load(g_rows + c[None, :], mask=live_h, other=0.0).to(tl.float32)
-            acc += tl.sum(v * g, 1)
-        dalpha = tl.where(ks[None, :] == offset + k, acc[:, None], dalpha)
+        v = _source(rows, k, s_stride, c, live_h, plus_rows, count - 1, PLUS)
+        dalpha = tl.where(ks[None, :] == offset + k, dalpha + tl.sum(v * g, 1)[:, None], dalpha)
     return dalpha
 
 
@@ -189,11 +189,12 @@ def _group_vjp(v_ptr, t_stride, s_stride, count, d_ptr, offset, plus_rows, dplus
                PLUS: tl.constexpr, ACC: tl.constexpr):
     """dv_k of one group on the columns c, written into d_ptr [T, count, H] (where ACC, plus the
     incoming gradient at a_rows; where PLUS, the last source's dv also into dplus_rows), and
-    dq + sum_k along_k v_k."""
+    dq + sum_k along_k v_k. The sources in reverse order (the backward's pass 2 runs backwards)."""
     rows = v_ptr + tok[:, None] * t_stride
     d_rows = d_ptr + tok[:, None] * count * H
     live_h = live[:, None] & in_h[None, :]
-    for k in range(0, count):
+    for j in range(0, count):
+        k = count - 1 - j
         v = _source(rows, k, s_stride, c, live_h, plus_rows, count - 1, PLUS)
         along_k = _column(along, ks, offset + k)[:, None]
         dv = (_column(alpha, ks, offset + k)[:, None] * g + along_k * q[None, :]
@@ -291,43 +292,48 @@ def _backward_kernel(q_ptr, g_ptr, gt, z_ptr, r_ptr, alpha_ptr, dq_ptr, p_ptr, p
     dp_rows = dp_ptr + tok[:, None] * H
     a_rows = a_ptr + tok[:, None] * at_
 
-    # Pass 1: dalpha_k = <g, v_k>, then dz.
+    # Pass 1: dalpha_k = <g, v_k>, chunk by chunk of columns (g's chunk loaded once), then dz.
+    hs = tl.arange(0, BLOCK_H)
     dalpha = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
-    dalpha = _group_dalpha(v0, t0, s0, k0, 0, p_rows, g_rows, tok, live, ks, dalpha, H, PLUS,
-                           BLOCK_T, BLOCK_H)
-    if NG > 1:
-        dalpha = _group_dalpha(v1, t1, s1, k1, k0, p_rows, g_rows, tok, live, ks, dalpha, H,
-                               False, BLOCK_T, BLOCK_H)
-    if NG > 2:
-        dalpha = _group_dalpha(v2, t2, s2, k2, k0 + k1, p_rows, g_rows, tok, live, ks, dalpha, H,
-                               False, BLOCK_T, BLOCK_H)
-    if NG > 3:
-        dalpha = _group_dalpha(v3, t3, s3, k3, k0 + k1 + k2, p_rows, g_rows, tok, live, ks,
-                               dalpha, H, False, BLOCK_T, BLOCK_H)
+    for c0 in range(0, H, BLOCK_H):
+        c = c0 + hs
+        live_h = live[:, None] & (c < H)[None, :]
+        g = tl.load(g_rows + c[None, :], mask=live_h, other=0.0).to(tl.float32)
+        dalpha = _chunk_dalpha(v0, t0, s0, k0, 0, p_rows, g, tok, ks, dalpha, c, live_h, PLUS)
+        if NG > 1:
+            dalpha = _chunk_dalpha(v1, t1, s1, k1, k0, p_rows, g, tok, ks, dalpha, c, live_h,
+                                   False)
+        if NG > 2:
+            dalpha = _chunk_dalpha(v2, t2, s2, k2, k0 + k1, p_rows, g, tok, ks, dalpha, c,
+                                   live_h, False)
+        if NG > 3:
+            dalpha = _chunk_dalpha(v3, t3, s3, k3, k0 + k1 + k2, p_rows, g, tok, ks, dalpha, c,
+                                   live_h, False)
     dz = alpha * (dalpha - tl.sum(alpha * dalpha, 1)[:, None])
     along = dz * r
     coef = divide(along * z * r, H.to(tl.float32))
 
-    # Pass 2: dv_k and dq.
-    hs = tl.arange(0, BLOCK_H)
-    for c0 in range(0, H, BLOCK_H):
-        c = c0 + hs
+    # Pass 2: dv_k and dq, backwards (the last chunk and the last source first: what pass 1 read
+    # last is the likeliest to be still in L2).
+    chunks = tl.cdiv(H, BLOCK_H)
+    for i in range(0, chunks):
+        c = (chunks - 1 - i) * BLOCK_H + hs
         in_h = c < H
         g = tl.load(g_rows + c[None, :], mask=live[:, None] & in_h[None, :],
                     other=0.0).to(tl.float32)
         q = tl.load(q_ptr + c, mask=in_h, other=0.0).to(tl.float32)
         dq = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-        dq = _group_vjp(v0, t0, s0, k0, d0, 0, p_rows, dp_rows, a_rows, as_, g, q, alpha, along,
-                        coef, dq, tok, live, ks, c, in_h, H, PLUS, ACC)
-        if NG > 1:
-            dq = _group_vjp(v1, t1, s1, k1, d1, k0, p_rows, dp_rows, a_rows, as_, g, q, alpha,
-                            along, coef, dq, tok, live, ks, c, in_h, H, False, False)
-        if NG > 2:
-            dq = _group_vjp(v2, t2, s2, k2, d2, k0 + k1, p_rows, dp_rows, a_rows, as_, g, q,
-                            alpha, along, coef, dq, tok, live, ks, c, in_h, H, False, False)
         if NG > 3:
             dq = _group_vjp(v3, t3, s3, k3, d3, k0 + k1 + k2, p_rows, dp_rows, a_rows, as_, g, q,
                             alpha, along, coef, dq, tok, live, ks, c, in_h, H, False, False)
+        if NG > 2:
+            dq = _group_vjp(v2, t2, s2, k2, d2, k0 + k1, p_rows, dp_rows, a_rows, as_, g, q,
+                            alpha, along, coef, dq, tok, live, ks, c, in_h, H, False, False)
+        if NG > 1:
+            dq = _group_vjp(v1, t1, s1, k1, d1, k0, p_rows, dp_rows, a_rows, as_, g, q, alpha,
+                            along, coef, dq, tok, live, ks, c, in_h, H, False, False)
+        dq = _group_vjp(v0, t0, s0, k0, d0, 0, p_rows, dp_rows, a_rows, as_, g, q, alpha, along,
+                        coef, dq, tok, live, ks, c, in_h, H, PLUS, ACC)
         tl.store(dq_ptr + tl.program_id(0) * H + c, tl.sum(dq, 0), mask=in_h)
 
 
