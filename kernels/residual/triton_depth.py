@@ -53,31 +53,26 @@ approximate and multiply-adds may fuse, so results equal the PyTorch path to fp3
 bitwise.
 
 Per-source scalars live in [BLOCK_T, KP] tiles (KP = K rounded up to a power of two, the padding
-masked: z = -inf in the softmax, loads 0, stores skipped); a source's column is picked out of a
-tile with a masked sum (an exact selection), once per source in the passes that loop over
-sources outermost (forward pass 1, backward pass 1) and once per source and chunk in those that
-loop over columns outermost (forward and backward pass 2, which accumulate over the sources).
+masked: z = -inf in the softmax, loads 0, stores skipped). A source's column is set with a masked
+update (``tl.where`` on the column index) and read with a masked sum (an exact selection): the
+forward's pass 1 sets z and r once per source, the backward's pass 1 adds each source's sum over
+a chunk into its column of dalpha, and both passes 2 read a source's columns once per source and
+chunk.
+
 Launch configuration (fixed): BLOCK_H = 128, 16 tokens a program; 4 warps forward and 2 backward
-(``_FORWARD_LAUNCH``, ``_BACKWARD_LAUNCH``). From sweeps on an H200 (bf16, h = 1024, 5 sources;
-``benchmarks/residual_ops.py --depth-sweep``): in session 12, 18 configurations at T = 8192 (the
-backward 0.132 ms with 2 warps against 0.179 with 4); in session 17, after the strides were
-specialised (below), at T = 8192 and 32768: the backward 0.174 / 0.618 ms as it is, 0.161 / 0.606
-at 8 tokens and at most 128 registers (not tried in the training step); the forward 0.066 / 0.251
-ms at 8 tokens a program against 0.076 / 0.284 at 16, but in the block AttnRes training step
-(micro-batch 8, its calls over 1 to 7 sources in up to 3 groups) 7.84 ms against 7.67, so it stays
-at 16. Neither summing over h elementwise (one reduction per source, not one per chunk), two chunks
-a loop iteration, nor a cap on registers (``maxnreg`` 64 or 128) made either kernel more than 4%
-faster at both sizes (session 17). One compiled kernel per (number of groups, KP, dtypes, options);
-the token count and the numbers of sources are not specialised on. The strides are, and the
-launchers make every one of them a multiple of 16 elements (copying a group whose strides are not):
-knowing it, Triton loads a row's columns in 16-byte vectors. Until session 17 the strides were not
-specialised on either, every load was one element wide, and the kernels took 0.326 / 0.787 ms
-(forward / backward) at T = 32768. The backward's loop order is session 18's: pass 1 took a source
-at a time over all of h, loading g's chunk once per source, and pass 2 ran forwards; with pass 1
-a chunk at a time and pass 2 backwards the backward took 0.569 against 0.617 ms at T = 32768 (5
-sources, h = 1024, bf16; two runs each) and 16.7 against 17.3 ms in the block AttnRes step at
-micro-batch 8. The same orders in the forward, or 8 tokens a program in either, were not faster by
-more than the runs' noise (scratch sweep, benchmarks/results, session 18).
+(``_FORWARD_LAUNCH``, ``_BACKWARD_LAUNCH``), from sweeps on an H200 (bf16, h = 1024, 5 sources,
+T = 8192 and 32768; ``benchmarks/residual_ops.py --depth-sweep``). Timings at T = 32768, the
+variants tried and why they were not kept (8 tokens a program, register caps, sums over h
+elementwise, two chunks a loop iteration, a one-pass forward with an online softmax) are in
+benchmarks/results/README.md, sessions 12 and 16-18; none beat these kernels by more than the
+runs' noise in the block AttnRes training step. There the forward takes 0.284 ms and the backward
+0.569 ms a call at T = 32768 with 5 sources (2.1 TB/s of the backward's least bytes).
+
+One compiled kernel per (number of groups, KP, dtypes, options); the token count and the numbers
+of sources are not specialised on. The strides are, and the launchers make every one of them a
+multiple of 16 elements (copying a group whose strides are not): knowing it, Triton loads a row's
+columns in 16-byte vectors (with the strides unspecialised every load was one element wide, and
+the kernels took 0.326 / 0.787 ms at T = 32768, session 17).
 
 Constraints: 1 <= number of groups <= 4, 1 <= K <= 64 sources in all, h a multiple of 16, the
 groups (and last_plus) in one dtype among fp32, bf16 and fp16 with the same leading (token)

@@ -60,72 +60,37 @@ program's slab of columns, then over the slabs; the bias and gate gradients per 
 tokens), and on a GPU multiply-adds may fuse, so results equal the bodies to fp32 rounding, not
 bitwise.
 
-Launch configuration (fixed, no autotuning):
+Launch configuration (fixed, no autotuning; the sweeps and timings behind each choice are in
+benchmarks/results/README.md, sessions 9-17, made with ``benchmarks/residual_ops.py --mhc-sweep``):
 
 - Tiles (``LAUNCH``, per launcher): BLOCK_T = 16 tokens a program (the smallest tile tl.dot
-  takes), 64 in the pre op's forward and 32 in its backward. The kernels with a tl.dot (the pre
-  op's x @ W^T and (r dmixes) @ W) take the columns of one stream in chunks of BLOCK_H = 128;
-  every other pass over the streams works on 2-D [BLOCK_T, 128] tiles of one stream at a time,
-  the sums over streams unrolled (n is a constexpr), and only update_forward, which reduces
-  nothing, keeps n-stream tiles [BLOCK_T, NP, 128]. NP is n rounded up to a power of two and
-  MP = (2 + n) n rounded up to one (at least 16, for tl.dot); the padding is masked (loads give
-  0, stores are skipped). 8 warps and 2 pipeline stages, but 4 warps for the pre op's forward.
-  From 5 streams on (NP = 8), ``LAUNCH_WIDE``: 16 tokens and chunks of 16 columns, as before
-  session 14.
-- These sizes come from a sweep (``benchmarks/residual_ops.py --mhc-sweep``: n = 4, h = 1024,
-  T = 8192, bf16, on an H200) of BLOCK_T in 16, 32, 64, BLOCK_H in 32, 64, 128 and 4 or 8
-  warps, in session 14. Until then the tl.dot kernels and update_forward took chunks of
-  128 / NP columns (32 at n = 4), which read 64 contiguous bytes of a bf16 row where 128
-  columns read 256. The kernels' time at the old and the new sizes is in benchmarks/results
-  (session 14). The pre backward's single kernel and its sizes are session 15's (below).
-- Grids: the pre op's forward kernels and the update kernels run on [cdiv(T, BLOCK_T), slabs
-  of columns of h]. A tl.dot kernel's program loops over the BLOCK_H chunks of its slab (one at
-  the sizes above; in the last slab the columns past h are masked); the others take their
-  slab's columns as one tile. Slabs are ``_PRE_COLS = 128`` columns at every n (128 n columns
-  of x) for the pre op's forward, and one chunk of BLOCK_H columns for update_forward and
-  update_backward. The pre op's backward runs on [cdiv(T, BLOCK_T)]: each program loops over
-  all of h, in chunks of BLOCK_H, twice.
-- Sums over h: the pre forward's first kernel and update_backward write per-slab sums to an
-  fp32 buffer that torch sums over its first axis (deterministic; no atomics):
-  [cdiv(h, 128), T, (2 + n) n + 1] (pre forward: x @ W^T and sum(x^2)) and
-  [cdiv(h, 128), T, n + n n] (update_backward: dH_post, dH_res); at T = 8192, h = 1024, n = 4:
-  6.6 and 5 MB; at n = 8 the pre forward's is 21 MB. The pre forward's second kernel recomputes
-  the coefficients from the summed tile in every slab's program (a few operations on a
-  [BLOCK_T, MP] tile, for a third launch saved), and only slab 0's programs write them.
-- The pre op's backward in one kernel (session 15): it was two, as the forward still is (per
-  slab sums, then the coefficients' backward recomputed in every slab's program and dX), and
-  took 225 us a call with its dW and sums (the kernels 161 + 22 us) at T = 8192, n = 4,
-  h = 1024, bf16 on an H200; one kernel that loops over whole rows takes 133 us (the kernel
-  95 us), best of BLOCK_T 16, 32, 64 x BLOCK_H 64, 128, 256 x 4 or 8 warps x 2 or 3 stages;
-  at T = 4096 135 -> 100 us, at T = 32768 800 -> 459 us. Written the same way the forward was
-  slower (T = 8192: 73.6 us at best, against 67.7), so it keeps its slabs
-  (``benchmarks/results``, session 15).
-- Why 2-D tiles: update_backward used to reduce one [BLOCK_T, NP, BLOCK_H] tile of g over its
-  stream axis (dy, dX) and over its column axis (dH_post, dH_res) in every chunk, and took
-  1.53 ms a call on an H200 (T = 8192, n = 4, h = 1024, bf16; 61 ms of a 350M model's training
-  step over 40 calls), where update_forward, which reduces nothing, took 0.09 ms. More programs
-  (slabs of columns) did not change it (session 9). Written in 2-D tiles its kernel takes
-  0.092 ms, 2.5 TB/s of the bytes it must move, and the step's update backward 3.7 ms
-  (session 10, ``benchmarks/residual_ops.py`` and ``benchmarks/residual_step.py``). Each of its
-  n + n n per-token sums was then stored as it was made, a [BLOCK_T] store of 4 bytes every
-  (n + n n) * 4; set into one [BLOCK_T, SP] tile and stored as whole rows at the end, the kernel
-  went from 357 to 278 us at T = 32768 (3.4 TB/s), 13.9 to 10.6 ms of the mHC step at
-  micro-batch 8 (session 17).
-  The pre op's u pass and backward sums, which reduced n-stream tiles over one axis, went to
-  2-D tiles with it: the pre forward's call from 0.460 to 0.220 ms (its second kernel 0.022 ms).
-  In session 10 its first kernel took 0.136 ms at 8 warps and 0.075 at 4, and the pre
-  backward's second (0.230 ms), a tl.dot kernel on 16-row tiles then, was the slowest of all.
-- Registers, from ptxas's report for sm_90 (triton.compile for target cuda 90, no GPU; bf16 and
-  fp32, session 10, at the sizes of then): update_backward 197-199 at n = 2, 255 at n = 4 (no
-  spills), 254-255 at n = 8 with 24 (bf16) and 64 (fp32) bytes of spills; the pre backward's
-  sums 77-160, no spills; the pre forward's first kernel at 4 warps 72-255, no spills; the pre
-  backward's second kernel at 8 warps 78-254, no spills (at 4 warps it spilled 1.3 KB at n = 8
-  in fp32, hence 8 there). Session 15's single pre backward kernel (``cuobjdump -res-usage`` of
-  the cubin Triton builds for sm_90, no GPU): at BLOCK_T 32, 8 warps it spills, 128 registers
-  and a 1640-byte stack at n = 4 in bf16 (1160 at n = 3), 255 registers and 1304 bytes in fp32,
-  256 bytes at n = 2 in bf16; at n = 8 (LAUNCH_WIDE) 247 registers in fp32, no stack. It is
-  still the fastest of the sizes swept (above); fewer live tiles in its second pass might make
-  it faster (not tried).
+  takes), 64 in the pre op's forward and 32 in its backward; columns of one stream in chunks of
+  BLOCK_H = 128 (256 contiguous bytes of a bf16 row); 8 warps (4 in the pre op's forward) and 2
+  pipeline stages. NP is n rounded up to a power of two and MP = (2 + n) n rounded up to one (at
+  least 16, for tl.dot); the padding is masked (loads give 0, stores are skipped). From 5 streams
+  on (NP = 8) the tiles would hold 2 to 4 times as much, and ``LAUNCH_WIDE`` takes 16 tokens and
+  chunks of 16 columns.
+- Grids: the pre op's forward kernels and the update kernels run on [cdiv(T, BLOCK_T), slabs of
+  columns of h]; a slab is ``_PRE_COLS = 128`` columns (of every stream) in the pre op's forward
+  and one chunk of BLOCK_H in the update kernels. The pre op's backward runs on
+  [cdiv(T, BLOCK_T)]: each program loops over all of h, in chunks, twice (one kernel over whole
+  rows was 1.7x faster than a slab kernel plus a second launch, session 15; the forward written so
+  was slower and keeps its slabs).
+- Sums over h: the pre forward's first kernel and update_backward write per-slab sums to an fp32
+  buffer that torch sums over its first axis (deterministic; no atomics): [cdiv(h, 128), T,
+  (2 + n) n + 1] and [cdiv(h, 128), T, n + n n] (6.6 and 5 MB at T = 8192, h = 1024, n = 4). The
+  pre forward's second kernel recomputes the coefficients from the summed tile in every slab's
+  program (a few operations on a [BLOCK_T, MP] tile, for a third launch saved), and only slab 0's
+  programs write them.
+- 2-D tiles: every pass over the streams without a tl.dot works on [BLOCK_T, 128] tiles of one
+  stream at a time, the sums over streams unrolled (n is a constexpr); only update_forward, which
+  reduces nothing, keeps n-stream tiles [BLOCK_T, NP, 128]. Reducing [BLOCK_T, NP, BLOCK_H]
+  tiles over one axis made update_backward 16x slower (session 10). Per-token sums are set into
+  one [BLOCK_T, SP] tile and stored as whole rows at the end (update_backward: 357 -> 278 us at
+  T = 32768, n = 4, h = 1024, bf16 on an H200, session 17).
+- Registers (ptxas for sm_90): update_backward up to 255 without spills at n = 4; the pre
+  backward's single kernel at BLOCK_T = 32 uses 128 registers and a 1.6 KB stack at n = 4 in
+  bf16, and is still the fastest of the sizes swept.
 - T is not specialised on: one compiled kernel serves every token count, which the first-use
   check in :mod:`.efficient` therefore covers.
 
