@@ -21,8 +21,9 @@ one is finite and within the tolerance (``tolerance_for``).
 
 After them, ``run_all`` gives the first-use checks of the fast paths outside ``OPS`` a row each
 (``FIRST_USE_BACKENDS``): the sparse ops' FlashAttention path (``sparse.flash.check``), the
-residual Triton kernels (``residual.efficient.first_use_checks``) and DSA's and CSA's
-selected-attention kernels (``sparse.triton.check``).
+residual Triton kernels (``residual.efficient.first_use_checks``), DSA's and CSA's
+selected-attention kernels (``sparse.triton.check``) and NSA's block-importance kernel
+(``sparse.triton_select.check_importance``).
 
 A backend that cannot run a case here is skipped with its reason and not run: by the backend's
 own rule (``fla_unavailable_reason``), or because it refuses the call with a RuntimeError saying
@@ -500,9 +501,9 @@ def _checks(device: torch.device, backends: list[str] | None):
 
 
 # The fast paths outside OPS, each with its own first-use check in the process that uses it:
-# the FlashAttention-2 path of the sparse ops (backend "flash"), the residual Triton kernels and
-# DSA's and CSA's selected-attention kernels ("triton"). Their rows in the doctor's table; "auto"
-# falls back where they fail.
+# the FlashAttention-2 path of the sparse ops (backend "flash"), the residual Triton kernels,
+# DSA's and CSA's selected-attention kernels and NSA's block-importance kernel ("triton"). Their
+# rows in the doctor's table; "auto" falls back where they fail.
 FIRST_USE_BACKENDS = ("flash", "triton")
 
 
@@ -539,6 +540,7 @@ def _first_use_checks(device: torch.device, backends: list[str] | None):
                                     str(dtype).removeprefix("torch."),
                                     skipped_reason=run if isinstance(run, str) else None), run)
         yield from _selected_attention_checks(device, timed)
+        yield from _nsa_importance_checks(device, timed)
 
 
 def _selected_attention_checks(device: torch.device, timed):
@@ -586,3 +588,25 @@ if __name__ == "__main__":
     import sys
 
     print(json.dumps({"failures": failures(*sys.argv[1:6])}), flush=True)
+
+
+def _nsa_importance_checks(device: torch.device, timed):
+    """The first-use check of NSA's block-importance kernel (``sparse.triton_select
+    .check_importance``), one row per dtype; a skip where the selections do not run in Triton."""
+    from .sparse import layout
+
+    reason = None
+    if device.type not in layout.SELECT_DEVICE_TYPES:
+        reason = f"the Triton selection kernels run on CUDA, not on {device.type}"
+    else:
+        try:
+            from .sparse import triton_select
+        except ImportError as error:
+            reason = f"the Triton kernels do not import here ({error})"
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        yield timed(CheckResult("nsa_selection", "first-use check", "triton", str(device),
+                                str(dtype).removeprefix("torch."),
+                                tolerance=None if reason else triton_select.IMPORTANCE_TOLERANCE,
+                                skipped_reason=reason),
+                    None if reason else functools.partial(triton_select.check_importance, device,
+                                                          dtype))

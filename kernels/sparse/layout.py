@@ -23,7 +23,7 @@ from . import reference
 __all__ = [
     "BlockLayout", "interval_layout", "selection_layout", "key_selection_layout", "window_rule",
     "window_span", "document_rule", "allowed_rule", "both", "moba_chosen", "compress",
-    "nsa_chosen",
+    "nsa_chosen", "nsa_importance",
 ]
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -249,10 +249,38 @@ def nsa_chosen(q: torch.Tensor, compressed_k: torch.Tensor, *, compress_block: i
                compress_stride: int, select_block: int, select_top_k: int,
                scale: float) -> torch.Tensor:
     """NSA's selection ``[B, Hkv, T, n]`` (see ``nsa_attention_reference``), from the
-    compressed branch's probabilities, by chunks of queries."""
-    batch, seq_len, heads, _ = q.shape
-    num_compressed, kv_heads = compressed_k.shape[1], compressed_k.shape[2]
+    compressed branch's probabilities, by chunks of queries: the importance of each selection
+    block in one Triton kernel (triton_select.nsa_importance) where the selections run in
+    Triton and it passed its first-use check, else in PyTorch (:func:`nsa_importance`)."""
+    batch, seq_len = q.shape[:2]
+    kv_heads = compressed_k.shape[2]
     num_select = math.ceil(seq_len / select_block)
+    sizes = dict(compress_block=compress_block, compress_stride=compress_stride,
+                 select_block=select_block, num_select=num_select, scale=scale)
+    importance_of = nsa_importance
+    if q.device.type in SELECT_DEVICE_TYPES:
+        from . import triton_select
+        if triton_select.importance_checked(q.device, q.dtype):
+            importance_of = triton_select.nsa_importance
+    chosen = torch.empty(batch, kv_heads, seq_len, num_select, dtype=torch.bool, device=q.device)
+    for start in range(0, seq_len, SELECTION_CHUNK):
+        count = min(SELECTION_CHUNK, seq_len - start)
+        importance = importance_of(q, compressed_k, start, count, **sizes)
+        chosen[:, :, start:start + count] = chosen_blocks(importance, select_top_k)
+    return chosen
+
+
+@torch.no_grad()
+def nsa_importance(q: torch.Tensor, compressed_k: torch.Tensor, first: int, count: int, *,
+                   compress_block: int, compress_stride: int, select_block: int,
+                   num_select: int, scale: float) -> torch.Tensor:
+    """``[B, Hkv, count, n]`` fp32: NSA's importance of the selection blocks for the queries
+    ``first .. first + count - 1``, in PyTorch (fp32): the compressed branch's probabilities
+    (no sink), each compressed block's spread over the selection blocks it overlaps by the
+    share of its tokens in them, summed over the query heads of a key/value group; -inf for
+    the blocks after a query's own, +inf for the first, the own and the previous block."""
+    heads = q.shape[2]
+    num_compressed, kv_heads = compressed_k.shape[1], compressed_k.shape[2]
     starts = torch.arange(num_compressed, device=q.device) * compress_stride
     ends = starts + compress_block - 1
     select_start = torch.arange(num_select, device=q.device) * select_block
@@ -260,18 +288,13 @@ def nsa_chosen(q: torch.Tensor, compressed_k: torch.Tensor, *, compress_block: i
     share = (torch.minimum(ends[:, None] + 1, select_start[None, :] + select_block)
              - torch.maximum(starts[:, None], select_start[None, :])).clamp(min=0) / compress_block
     keys = compressed_k.float().repeat_interleave(heads // kv_heads, dim=2).transpose(1, 2)
+    positions = torch.arange(first, first + count, device=q.device)[:, None]
+    visible = ends[None, :] <= positions
+    scores = q[:, first:first + count].float().transpose(1, 2) @ keys.transpose(-1, -2) * scale
+    probs = scores.masked_fill(~visible, torch.finfo(torch.float32).min).softmax(-1) * visible
+    importance = (probs @ share).unflatten(1, (kv_heads, -1)).sum(2)  # [B, Hkv, count, n]
     blocks = torch.arange(num_select, device=q.device)
-    chosen = torch.empty(batch, kv_heads, seq_len, num_select, dtype=torch.bool, device=q.device)
-    for start in range(0, seq_len, SELECTION_CHUNK):
-        end = min(start + SELECTION_CHUNK, seq_len)
-        positions = torch.arange(start, end, device=q.device)[:, None]
-        visible = ends[None, :] <= positions
-        scores = q[:, start:end].float().transpose(1, 2) @ keys.transpose(-1, -2) * scale
-        probs = scores.masked_fill(~visible, torch.finfo(torch.float32).min).softmax(-1) * visible
-        importance = (probs @ share).unflatten(1, (kv_heads, -1)).sum(2)  # [B, Hkv, C, n]
-        own = positions // select_block
-        must = (blocks == 0) | (blocks == own) | (blocks == own - 1)
-        importance = importance.masked_fill(blocks > own, float("-inf"))
-        importance = importance.masked_fill(must & (blocks <= own), float("inf"))
-        chosen[:, :, start:end] = chosen_blocks(importance, select_top_k)
-    return chosen
+    own = positions // select_block
+    must = (blocks == 0) | (blocks == own) | (blocks == own - 1)
+    importance = importance.masked_fill(blocks > own, float("-inf"))
+    return importance.masked_fill(must & (blocks <= own), float("inf"))

@@ -1,5 +1,6 @@
-"""Two selection kernels: the top-k block choice of MoBA and NSA (``reference.chosen_blocks``),
-and the bitmap of DSA's and CSA's per-token key selection (:func:`selection_words`).
+"""Three selection kernels: the top-k block choice of MoBA and NSA (``reference.chosen_blocks``),
+the bitmap of DSA's and CSA's per-token key selection (:func:`selection_words`), and NSA's block
+importance, the scores that choice ranks (:func:`nsa_importance`).
 
 ``chosen_blocks(scores [..., n], top_k)`` marks, per row, the ``top_k`` highest-scoring blocks,
 ``-inf`` marking a block that cannot be chosen and ``+inf`` one that must be. In PyTorch that is
@@ -19,14 +20,30 @@ under Triton's interpreter (tests/cpu/test_triton_interpret_select.py).
 row t of ``selected [B, T, K]``, one program per row and an atomic OR per listed key: the same
 words as ``layout.selection_words_reference`` (a bool ``[B, c, S]`` per chunk of rows, packed),
 which took 10.4 ms at B T = 32768, K = 2048, S = 16384 on an H200 (session 13).
+
+:func:`nsa_importance` is layout.nsa_importance in one kernel per chunk of queries: per tile of
+64 queries and key/value head, pass 1 takes each query head's log-sum-exp over the compressed
+blocks it sees, pass 2 the probabilities of the compressed blocks overlapping each 16 selection
+blocks, times their token shares (a tl.dot in fp32), summed over the group's heads, masked and
+stored once. PyTorch made a ``[B, Hq, chunk, N]`` fp32 score matrix with an fp32 (SIMT) GEMM, its
+softmax, a second GEMM with the shares and the masks: 8.9 ms of GEMMs alone in NSA's fwd+bwd at
+T = 16384 (B T = 32768, 16 heads, D = 128, bf16, H200, session 18's profile). It runs after a
+first-use check against layout.nsa_importance (:func:`importance_checked`, a row of
+``megatron-ext doctor``).
 """
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["chosen_blocks", "selection_words", "MAX_BLOCKS"]
+__all__ = ["chosen_blocks", "selection_words", "nsa_importance", "check_importance",
+           "importance_checked", "IMPORTANCE_TOLERANCE", "MAX_BLOCKS"]
+
+_log = logging.getLogger(__name__)
 
 MAX_BLOCKS = 1024
 ROW_ELEMENTS = 4096  # rows per program x n rounded up to a power of two
@@ -85,3 +102,185 @@ def selection_words(selected: torch.Tensor, rows: int, width: int) -> torch.Tens
         _words_kernel[(batch * seq_len,)](selected.contiguous(), words, seq_len, top_k, rows,
                                           width, BLOCK_K=256, num_warps=4)
     return words
+
+
+
+# ---------------------------------------------------------------------------------------------
+# NSA's block importance
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _scores(q, k_ptr, key_rows, key_stride, i, num_compressed, d, in_d, t, scale,
+            CB: tl.constexpr, STRIDE: tl.constexpr, IEEE: tl.constexpr):
+    """``[BLOCK_T, BLOCK_N]``: the scaled scores of the queries ``q [BLOCK_T, DP]`` (positions
+    t) against the compressed blocks i, -inf where a query does not see a block (the block ends
+    after t) or i is past the last one."""
+    real = i < num_compressed
+    kt = tl.load(k_ptr + (key_rows + i[None, :]) * key_stride + d[:, None],
+                 mask=real[None, :] & in_d[:, None], other=0.0)  # [DP, BLOCK_N]
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    sees = real[None, :] & (i[None, :] * STRIDE + CB - 1 <= t[:, None])
+    return tl.where(sees, s * scale, float("-inf"))
+
+
+@triton.jit(do_not_specialize=["seq_len", "num_compressed", "num_select", "first", "count"])
+def _importance_kernel(q_ptr, k_ptr, out_ptr, seq_len, num_compressed, num_select, first, count,
+                       scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                       DP: tl.constexpr, GP: tl.constexpr, CB: tl.constexpr, STRIDE: tl.constexpr,
+                       SB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_J: tl.constexpr, IEEE: tl.constexpr):
+    """:func:`nsa_importance` for BLOCK_T queries of one key/value head, grid
+    [cdiv(count, BLOCK_T), B Hkv]. Pass 1, per query head of the group: the log-sum-exp of its
+    scores over the compressed blocks it sees (online, BLOCK_N blocks a step). Pass 2, per
+    BLOCK_J selection blocks: the probabilities of the compressed blocks that overlap them,
+    times their shares (a tl.dot in fp32), summed over the group's heads; the masks; one store."""
+    G: tl.constexpr = HQ // HKV
+    b = (tl.program_id(1) // HKV).to(tl.int64)
+    kv_head = tl.program_id(1) % HKV
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = rows < count
+    t = first + rows.to(tl.int64)
+    d = tl.arange(0, DP)
+    in_d = d < D
+    heads = tl.arange(0, GP)
+    blocks = tl.arange(0, BLOCK_N)
+    key_rows = b * num_compressed
+    key_stride = HKV * D
+    k_head = k_ptr + kv_head * D
+    q_rows = q_ptr + ((b * seq_len + t) * HQ + kv_head * G) * D
+    # The compressed blocks that the tile's last query sees: i STRIDE + CB - 1 <= t.
+    last = first + tl.minimum((tl.program_id(0) + 1) * BLOCK_T, count) - 1
+    seen = tl.minimum(tl.where(last >= CB - 1, (last - CB + 1) // STRIDE + 1, 0), num_compressed)
+
+    # Pass 1: each head's maximum and sum of exp over the blocks its queries see.
+    top = tl.full([BLOCK_T, GP], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_T, GP], dtype=tl.float32)
+    for g in tl.static_range(G):
+        q = tl.load(q_rows[:, None] + g * D + d[None, :], mask=live[:, None] & in_d[None, :],
+                    other=0.0)
+        m = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for n0 in range(0, seen, BLOCK_N):
+            s = _scores(q, k_head, key_rows, key_stride, n0 + blocks, num_compressed, d, in_d, t,
+                        scale, CB, STRIDE, IEEE)
+            new = tl.maximum(m, tl.max(s, 1))
+            shift = tl.where(new == float("-inf"), 0.0, new)
+            l = l * tl.exp(m - shift) + tl.sum(tl.exp(s - shift[:, None]), 1)
+            m = new
+        top = tl.where(heads[None, :] == g, m[:, None], top)
+        total = tl.where(heads[None, :] == g, l[:, None], total)
+
+    # Pass 2: importance[t, j] = sum over heads and compressed blocks i of p(t, i) share(i, j).
+    own = t // SB
+    js = tl.arange(0, BLOCK_J)
+    out_rows = out_ptr + ((b * HKV + kv_head) * count + rows.to(tl.int64)) * num_select
+    for j0 in range(0, num_select, BLOCK_J):
+        j = j0 + js
+        importance = tl.zeros([BLOCK_T, BLOCK_J], dtype=tl.float32)
+        # The compressed blocks that overlap selection blocks j0 .. j0 + BLOCK_J - 1.
+        low = tl.maximum(j0 * SB - CB + 1, 0)
+        low = (low + STRIDE - 1) // STRIDE
+        high = tl.minimum(((j0 + BLOCK_J) * SB - 1) // STRIDE + 1, seen)
+        for g in tl.static_range(G):
+            if low < high:
+                q = tl.load(q_rows[:, None] + g * D + d[None, :],
+                            mask=live[:, None] & in_d[None, :], other=0.0)
+                m = tl.sum(tl.where(heads[None, :] == g, top, 0.0), 1)
+                l = tl.sum(tl.where(heads[None, :] == g, total, 0.0), 1)
+                shift = tl.where(m == float("-inf"), 0.0, m)
+                scale_p = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)
+                for n0 in range(low, high, BLOCK_N):
+                    i = n0 + blocks
+                    s = _scores(q, k_head, key_rows, key_stride, i, num_compressed, d, in_d, t,
+                                scale, CB, STRIDE, IEEE)
+                    p = tl.exp(s - shift[:, None]) * scale_p[:, None]
+                    start = i * STRIDE
+                    share = (tl.minimum(start[:, None] + CB, (j[None, :] + 1) * SB)
+                             - tl.maximum(start[:, None], j[None, :] * SB))
+                    share = tl.maximum(share, 0).to(tl.float32) / CB  # [BLOCK_N, BLOCK_J]
+                    importance = tl.dot(p, share, importance, input_precision="ieee")
+        importance = tl.where(j[None, :] > own[:, None], float("-inf"), importance)
+        must = (j[None, :] == 0) | (j[None, :] == own[:, None]) | (j[None, :] == own[:, None] - 1)
+        importance = tl.where(must & (j[None, :] <= own[:, None]), float("inf"), importance)
+        tl.store(out_rows[:, None] + j[None, :], importance,
+                 mask=live[:, None] & (j < num_select)[None, :])
+
+
+_IMPORTANCE_LAUNCH = dict(BLOCK_T=64, BLOCK_N=64, BLOCK_J=16, num_warps=4)
+
+
+def nsa_importance(q: torch.Tensor, compressed_k: torch.Tensor, first: int, count: int, *,
+                   compress_block: int, compress_stride: int, select_block: int,
+                   num_select: int, scale: float) -> torch.Tensor:
+    """``[B, Hkv, count, n]`` fp32: NSA's importance of the n selection blocks for the queries
+    ``first .. first + count - 1`` of ``q [B, T, Hq, D]``, as layout.nsa_chosen computes it in
+    PyTorch (``reference.nsa_attention_reference``'s rule): the compressed branch's attention
+    probabilities (no sink) over ``compressed_k [B, N, Hkv, D]``, spread over each compressed
+    block's tokens and summed per selection block and over the query heads of a key/value
+    group; then -inf for blocks after a query's own and +inf for the first, the own and the
+    previous block. The scores run on tensor cores with fp32 sums (exact products of 16-bit
+    inputs; fp32 inputs in full fp32), so they equal PyTorch's fp32 ones to fp32 rounding."""
+    batch, seq_len, q_heads, dim = q.shape
+    num_compressed, kv_heads = compressed_k.shape[1], compressed_k.shape[2]
+    if (compressed_k.dtype != q.dtype or q.dtype not in (torch.float32, torch.bfloat16,
+                                                         torch.float16)
+            or compressed_k.shape[0] != batch or compressed_k.shape[3] != dim
+            or q_heads % kv_heads or not 0 <= first <= first + count <= seq_len):
+        raise ValueError(f"triton select: nsa_importance needs q [B, T, Hq, D] and compressed_k "
+                         f"[B, N, Hkv, D] of one 16- or 32-bit float dtype, Hkv dividing Hq, "
+                         f"queries within T; got {q.dtype} {tuple(q.shape)}, "
+                         f"{compressed_k.dtype} {tuple(compressed_k.shape)}, queries "
+                         f"{first} .. {first + count - 1}")
+    out = torch.empty(batch, kv_heads, count, num_select, dtype=torch.float32, device=q.device)
+    if out.numel():
+        grid = (triton.cdiv(count, _IMPORTANCE_LAUNCH["BLOCK_T"]), batch * kv_heads)
+        _importance_kernel[grid](
+            q.contiguous(), compressed_k.contiguous(), out, seq_len, num_compressed, num_select,
+            first, count, float(scale), HQ=q_heads, HKV=kv_heads, D=dim,
+            DP=max(16, triton.next_power_of_2(dim)),
+            GP=triton.next_power_of_2(q_heads // kv_heads), CB=compress_block,
+            STRIDE=compress_stride, SB=select_block, IEEE=q.dtype == torch.float32,
+            **_IMPORTANCE_LAUNCH)
+    return out
+
+
+IMPORTANCE_TOLERANCE = 1e-4
+
+
+def check_importance(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """The first-use check of :func:`nsa_importance`: its relative error (Frobenius norm, over
+    the finite entries; inf where the -inf / +inf masks differ) against layout.nsa_importance
+    in fp32 on the CPU, on the same values rounded to ``dtype``: 2 x 150 tokens, 4 query heads
+    on 2 key/value heads, D = 64, compressed blocks of 32 every 16 tokens, selection blocks of
+    32, the queries in two chunks (0 .. 99, 100 .. 149)."""
+    from ..selfcheck import relative_error
+    from . import layout
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 150, 4, 64, generator=generator).to(dtype)
+    compressed_k = torch.randn(2, 8, 2, 64, generator=generator).to(dtype)
+    sizes = dict(compress_block=32, compress_stride=16, select_block=32, num_select=5,
+                 scale=0.125)
+    errors = {}
+    for first, count in ((0, 100), (100, 50)):
+        got = nsa_importance(q.to(device), compressed_k.to(device), first, count, **sizes).cpu()
+        want = layout.nsa_importance(q.float(), compressed_k.float(), first, count, **sizes)
+        finite = torch.isfinite(want)
+        same_masks = torch.equal(torch.isfinite(got), finite) and torch.equal(got[~finite],
+                                                                               want[~finite])
+        errors[f"importance_{first}"] = (relative_error(got[finite], want[finite]) if same_masks
+                                         else float("inf"))
+    return errors
+
+
+@functools.cache
+def importance_checked(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :func:`nsa_importance` passed :func:`check_importance` on ``device`` in
+    ``dtype``; run once, a failure logged once."""
+    from ..selfcheck import passes_first_use_check
+
+    return passes_first_use_check(check_importance, device, dtype, IMPORTANCE_TOLERANCE,
+                                  "NSA's block-importance kernel", "PyTorch computes it", _log)

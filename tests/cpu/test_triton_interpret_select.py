@@ -1,7 +1,9 @@
 """The Triton selection kernels (kernels/sparse/triton_select.py) on Triton's CPU interpreter:
 tests/gpu/test_sparse_select.py's ``check`` (the top-k block choice; every load and store
-checked to stay inside the tensors of its launch) and ``check_words`` (DSA's and CSA's
-bitmap), then MoBA's and NSA's selections (kernels/sparse/layout.py) with the kernel in place
+checked to stay inside the tensors of its launch), ``check_words`` (DSA's and CSA's
+bitmap) and ``check_importance`` (NSA's block importance, in fp32 and fp16: the interpreter's
+tl.dot multiplies bf16 as raw integers, so bf16 runs on the GPU only), then MoBA's and NSA's
+selections (kernels/sparse/layout.py) with the kernel in place
 against them with it off. Skipped where Triton is not installed.
 """
 import triton_interpreter
@@ -15,6 +17,8 @@ def main() -> None:
     checks = triton_interpreter.gpu_checks("test_sparse_select")
     print(f"kernel: {checks.check('cpu')} cases ok", flush=True)
     print(f"bitmap words: {checks.check_words('cpu')} cases ok", flush=True)
+    ran = checks.check_importance("cpu", (torch.float32, torch.float16))
+    print(f"NSA importance: {ran} cases ok", flush=True)
     from megatron_ext.kernels.sparse import layout
 
     generator = torch.Generator().manual_seed(1)
@@ -34,6 +38,9 @@ def main() -> None:
             layout.SELECT_DEVICE_TYPES.discard("cpu")
         assert torch.equal(got, want), name
         print(f"{name} selection: ok", flush=True)
+    from megatron_ext.kernels.sparse import triton_select
+    # NSA's selection above ran its importance in the kernel: the first-use check passed.
+    assert triton_select.importance_checked(torch.device("cpu"), torch.float32)
     print("all interpreter cases passed")
 
 

@@ -8,6 +8,9 @@ two and k from 1 to more than the blocks, and asserts the same chosen set, bit f
 scores are distinct).
 It also checks rows of equal finite scores: as many chosen as torch.topk's, the lowest columns.
 ``check_words`` checks the key-selection bitmap kernel (``selection_words``) the same way.
+``check_importance`` checks NSA's block-importance kernel (``nsa_importance``) against
+``layout.nsa_importance`` in fp32 on the CPU: the same -inf / +inf masks and the finite values to
+``IMPORTANCE_TOLERANCE``.
 """
 import pytest
 import torch
@@ -66,9 +69,53 @@ def check_words(device) -> int:
     return len(cases)
 
 
+# (B, T, Hq, Hkv, D, compress_block, compress_stride, select_block, first query, queries)
+IMPORTANCE_CASES = [
+    (2, 333, 4, 1, 64, 32, 16, 64, 0, 333),    # odd T, a group of 4 heads, NSA's sizes
+    (1, 300, 2, 2, 16, 16, 8, 32, 37, 200),    # a chunk of the queries, no grouping
+    (1, 260, 8, 2, 128, 32, 16, 64, 128, 132),  # D = 128, groups of 4, a later chunk
+    (2, 20, 2, 1, 16, 32, 16, 32, 0, 20),      # T below a compressed block: none seen
+    (1, 1100, 2, 1, 32, 32, 16, 32, 0, 1100),  # more compressed blocks than one step's 64
+]
+
+
+def check_importance(device, dtypes=(torch.float32, torch.bfloat16, torch.float16)) -> int:
+    """``nsa_importance`` on ``device`` against ``layout.nsa_importance`` (fp32, CPU) on the
+    same rounded inputs, per case and dtype; returns how many ran."""
+    from megatron_ext.kernels.sparse import layout, triton_select
+
+    generator = torch.Generator().manual_seed(3)
+    ran = 0
+    for batch, seq_len, heads, kv_heads, dim, block, stride, select, first, count in (
+            IMPORTANCE_CASES):
+        num_compressed = max(0, (seq_len - block) // stride + 1)
+        q = torch.randn(batch, seq_len, heads, dim, generator=generator)
+        compressed_k = torch.randn(batch, num_compressed, kv_heads, dim, generator=generator)
+        sizes = dict(compress_block=block, compress_stride=stride, select_block=select,
+                     num_select=-(-seq_len // select), scale=dim ** -0.5)
+        for dtype in dtypes:
+            rounded = q.to(dtype), compressed_k.to(dtype)
+            got = triton_select.nsa_importance(*(x.to(device) for x in rounded), first, count,
+                                               **sizes).cpu()
+            want = layout.nsa_importance(*(x.float() for x in rounded), first, count, **sizes)
+            finite = torch.isfinite(want)
+            case = (batch, seq_len, heads, kv_heads, dim, block, stride, select, first, dtype)
+            assert torch.equal(torch.isfinite(got), finite), case
+            assert torch.equal(got[~finite], want[~finite]), case
+            if finite.any():  # (none where T is below a compressed block: masks only)
+                error = (got[finite] - want[finite]).norm() / want[finite].norm()
+                assert error <= triton_select.IMPORTANCE_TOLERANCE, (case, error.item())
+            ran += 1
+    return ran
+
+
 def test_kernel_equals_the_reference():
     check("cuda")
 
 
 def test_words_equal_the_reference():
     check_words("cuda")
+
+
+def test_importance_equals_the_reference():
+    check_importance("cuda")
