@@ -561,6 +561,28 @@ def _selected_attention_checks(device: torch.device, timed):
                     None if selected is None else functools.partial(selected.check, device, dtype))
 
 
+def _nsa_importance_checks(device: torch.device, timed):
+    """The first-use check of NSA's block-importance kernel (``sparse.triton_select
+    .check_importance``), one row per dtype; a skip where the selections do not run in Triton."""
+    from .sparse import layout
+
+    reason = None
+    if device.type not in layout.SELECT_DEVICE_TYPES:
+        reason = f"the Triton selection kernels run on CUDA, not on {device.type}"
+    else:
+        try:
+            from .sparse import triton_select
+        except ImportError as error:
+            reason = f"the Triton kernels do not import here ({error})"
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        yield timed(CheckResult("nsa_selection", "first-use check", "triton", str(device),
+                                str(dtype).removeprefix("torch."),
+                                tolerance=None if reason else triton_select.IMPORTANCE_TOLERANCE,
+                                skipped_reason=reason),
+                    None if reason else functools.partial(triton_select.check_importance, device,
+                                                          dtype))
+
+
 def failures(op: str, backend: str, device, case: str | None = None,
              dtype: str | None = None) -> list[str]:
     """Every case of ``op`` (fp32 and bf16) that ``backend`` does not pass on ``device``, as
@@ -588,25 +610,3 @@ if __name__ == "__main__":
     import sys
 
     print(json.dumps({"failures": failures(*sys.argv[1:6])}), flush=True)
-
-
-def _nsa_importance_checks(device: torch.device, timed):
-    """The first-use check of NSA's block-importance kernel (``sparse.triton_select
-    .check_importance``), one row per dtype; a skip where the selections do not run in Triton."""
-    from .sparse import layout
-
-    reason = None
-    if device.type not in layout.SELECT_DEVICE_TYPES:
-        reason = f"the Triton selection kernels run on CUDA, not on {device.type}"
-    else:
-        try:
-            from .sparse import triton_select
-        except ImportError as error:
-            reason = f"the Triton kernels do not import here ({error})"
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        yield timed(CheckResult("nsa_selection", "first-use check", "triton", str(device),
-                                str(dtype).removeprefix("torch."),
-                                tolerance=None if reason else triton_select.IMPORTANCE_TOLERANCE,
-                                skipped_reason=reason),
-                    None if reason else functools.partial(triton_select.check_importance, device,
-                                                          dtype))
