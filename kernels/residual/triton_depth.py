@@ -64,9 +64,10 @@ Launch configuration (fixed): BLOCK_H = 128, 16 tokens a program; 4 warps forwar
 T = 8192 and 32768; ``benchmarks/residual_ops.py --depth-sweep``). Timings at T = 32768, the
 variants tried and why they were not kept (8 tokens a program, register caps, sums over h
 elementwise, two chunks a loop iteration, a one-pass forward with an online softmax) are in
-benchmarks/results/README.md, sessions 12 and 16-18; none beat these kernels by more than the
-runs' noise in the block AttnRes training step. There the forward takes 0.284 ms and the backward
-0.569 ms a call at T = 32768 with 5 sources (2.1 TB/s of the backward's least bytes).
+benchmarks/results/README.md, sessions 12 and 16-18: each was either within the runs' noise
+alone, slower alone (the one-pass forward), or faster alone and slower in the block AttnRes
+training step (8 tokens a program in the forward). The kernels take 0.284 ms forward and 0.569 ms
+backward a call at T = 32768 with 5 sources (2.1 TB/s of the backward's least bytes).
 
 One compiled kernel per (number of groups, KP, dtypes, options); the token count and the numbers
 of sources are not specialised on. The strides are, and the launchers make every one of them a
