@@ -159,8 +159,8 @@ def gpu_idle_ms(prof) -> float:
             start, end = a, b
         else:
             end = max(end, b)
-    busy += end - start
-    return (max(b for _, b in spans) - spans[0][0] - busy) / 1e3
+    busy += end - start  # end: the last interval of the union ends last
+    return (end - spans[0][0] - busy) / 1e3
 
 
 def host_syncs(step) -> list[dict]:

@@ -37,14 +37,10 @@ several uses (each a pass over the whole state, and for a slice a zero tensor an
 - an output that starts a slot of its own (full: every output; block: the first output of a
   block) is appended at the exit, in one concatenation.
 
-On an H200 (session 12: 20 layers, hidden 1024, seq 4096, blocks of 4 layers) block AttnRes
-takes +15.4% GPU time a training step over the standard residual at micro-batch 2 (+20.6% in
-session 11, when the FFN read a copy of the partial sum and autograd summed the packed input's
-gradients) and +16.5% at micro-batch 8; peak memory +1.59 and +6.37 GiB. In session 16, with
-megatron-core's optimizer on multi-tensor ops (:mod:`megatron_ext.multi_tensor`), micro-batch 8:
-+16.0% GPU time, +15.9% wall time (+19.9% before). In session 17, with the depth kernels' loads
-vectorised and the exit in one kernel: +12.5% GPU time, +12.8% wall time; of its 26.4 ms of GPU
-time over the standard step, the depth-attention kernels take 25.1 ms.
+On an H200 (20 layers, hidden 1024, seq 4096, blocks of 4 layers, micro-batch 8) block AttnRes
+takes +12.2% GPU time a training step over the standard residual, peak memory +6.37 GiB; the
+depth-attention kernels are 24.4 of its 26.1 ms (session 18; the steps there from session 11 on
+in benchmarks/results/README.md).
 """
 from __future__ import annotations
 
