@@ -251,8 +251,8 @@ def nsa_attention(q, k, v, gates, k_weights, v_weights, *, compress_block, compr
     chosen = nsa_chosen(q, compressed_k, scale=scale, **sizes)  # [B, Hkv, T, n]
     last_tokens = (window - 1, 0)  # the sliding window: the last `window` tokens
     if use_flash:
-        out_selected = flash.block_selection_attention(q, k, v, chosen, select_block, sink=sink,
-                                                       scale=scale)
+        out_selected = flash.block_selection_attention(q, k, v, chosen, select_block,
+                                                       select_top_k, sink=sink, scale=scale)
         out_window = flash.flash_attention(q, k, v, causal=True, window=last_tokens, sink=sink,
                                            scale=scale)
     else:

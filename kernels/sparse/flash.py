@@ -171,9 +171,14 @@ class _SelectionPlan:
     head, block) and then token; ``rows`` is each pair's row in the token-major ``[B * T * Hs]``
     order (each row the ``Hq / Hs`` query heads of a selection head); ``pairs_cu`` cuts the pairs
     into one sequence per (batch, selection head, block), and ``keys_cu`` cuts the
-    selection-head-major ``[B * Hs * T]`` keys into the same blocks. ``pairs_of_row``, only
-    where the Triton merge runs (else None): ``[B * T * Hs, S]`` int32, the pairs of each row
-    (-1 for none), S the most any row has."""
+    selection-head-major ``[B * Hs * T]`` keys into the same blocks. ``max_pairs`` bounds the
+    longest sequence. ``pairs_of_row``, only where the Triton merge runs (else None):
+    ``[B * T * Hs, S]`` int32, the pairs of each row (-1 for none), S the most a row may have.
+
+    Where the Triton merge runs (CUDA), nothing is read back to the host: the lists have room
+    for every pair the bound on a row's blocks allows, and the pairs past ``pairs_cu[-1]`` are
+    padding (row 0) that the kernels leave alone; ``max_pairs`` is the most queries a block can
+    have after it. Elsewhere the padding is cut off."""
     own_cu: torch.Tensor
     block_len: int
     rows: torch.Tensor
@@ -188,41 +193,48 @@ class _SelectionPlan:
 MERGE_DEVICE_TYPES = {"cuda"}
 
 
-def _pairs_of_row(rows: torch.Tensor, per_row: torch.Tensor, slots: int) -> torch.Tensor:
-    """``[len(per_row), slots]`` int32: the pairs (indices into ``rows``) of each row, -1 for
-    none; ``per_row`` counts each row's pairs, ``slots`` is the largest count."""
-    order = torch.argsort(rows, stable=True)
-    by_row = rows[order]
-    slot = torch.arange(rows.numel(), device=rows.device) - (per_row.cumsum(0) - per_row)[by_row]
-    pairs = torch.full((per_row.numel(), slots), -1, dtype=torch.int32, device=rows.device)
-    pairs[by_row, slot] = order.int()
-    return pairs
-
-
-def _selection_plan(chosen: torch.Tensor, block_size: int) -> _SelectionPlan:
-    """The plan of a selection ``chosen [B, Hs, T, n]`` that includes each query's own block."""
+def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int) -> _SelectionPlan:
+    """The plan of a selection ``chosen [B, Hs, T, n]`` that includes each query's own block
+    and at most ``top_k`` blocks a query."""
     batch, heads, seq_len, num_blocks = chosen.shape
     device = chosen.device
-    lengths = (seq_len - torch.arange(num_blocks, device=device) * block_size).clamp(max=block_size)
+    starts = torch.arange(num_blocks, device=device) * block_size
+    lengths = (seq_len - starts).clamp(max=block_size)
     zero = torch.zeros(1, dtype=torch.long, device=device)
     own_block = torch.arange(seq_len, device=device) // block_size
     earlier = torch.arange(num_blocks, device=device)[None, :] < own_block[:, None]  # [T, n]
-    b, h, j, t = (chosen & earlier).permute(0, 1, 3, 2).nonzero().unbind(1)  # by (b, h, j), then t
-    counts = torch.bincount((b * heads + h) * num_blocks + j, minlength=batch * heads * num_blocks)
-    rows = (b * seq_len + t) * heads + h
-    merge_in_triton = device.type in MERGE_DEVICE_TYPES
-    per_row = torch.bincount(rows, minlength=batch * seq_len * heads) if merge_in_triton else None
-    # the largest counts (per block sequence, per row), read back in one device-to-host copy
-    max_pairs, *slots = torch.stack([x.max() if x.numel() else zero[0]
-                                     for x in (counts, per_row) if x is not None]).tolist()
+    # Room for the most pairs there can be: a token of block i has min(top_k - 1, i) of them.
+    per_row = max(top_k - 1, 0)
+    capacity = batch * heads * sum(min(per_row, i) * min(block_size, seq_len - i * block_size)
+                                   for i in range(num_blocks))
+    # (b, h, j, t), sorted as listed; -1 past the pairs there are
+    b, h, j, t = torch.nonzero_static((chosen & earlier).permute(0, 1, 3, 2), size=capacity,
+                                      fill_value=-1).unbind(1)
+    sequences = batch * heads * num_blocks
+    sequence = torch.where(t >= 0, (b * heads + h) * num_blocks + j, sequences)  # padding last
+    pairs_cu = torch.searchsorted(sequence, torch.arange(sequences + 1, device=device))
+    row_count = batch * seq_len * heads
+    rows = torch.where(t >= 0, (b * seq_len + t) * heads + h, row_count)
+    pairs_of_row = None
+    if device.type in MERGE_DEVICE_TYPES:
+        # each pair's slot among its row's: its place in the pairs sorted by row
+        order = torch.argsort(rows, stable=True)
+        by_row = rows[order]
+        slot = torch.arange(capacity, device=device) - torch.searchsorted(by_row, by_row)
+        pairs_of_row = torch.full((row_count + 1, max(per_row, 1)), -1, dtype=torch.int32,
+                                  device=device)
+        pairs_of_row[by_row, slot.clamp(max=per_row - 1)] = order.int()  # padding: the extra row
+        pairs_of_row = pairs_of_row[:row_count]
+        rows = torch.where(t >= 0, rows, 0)
+    else:
+        rows = rows[t >= 0]
     return _SelectionPlan(own_cu=torch.cat([zero, lengths.repeat(batch).cumsum(0)]).int(),
                           block_len=min(block_size, seq_len),
                           rows=rows,
-                          pairs_cu=torch.cat([zero, counts.cumsum(0)]).int(),
+                          pairs_cu=pairs_cu.int(),
                           keys_cu=torch.cat([zero, lengths.repeat(batch * heads).cumsum(0)]).int(),
-                          max_pairs=max_pairs,
-                          pairs_of_row=(_pairs_of_row(rows, per_row, *slots)
-                                        if merge_in_triton else None))
+                          max_pairs=max(seq_len - block_size, 0),
+                          pairs_of_row=pairs_of_row)
 
 
 def _merge_kernels():
@@ -350,12 +362,12 @@ class _FlashBlockSelection(torch.autograd.Function):
         return dq.view(batch, seq_len, heads, dim), dk, dv, d_sink, None, None, None
 
 
-def block_selection_attention(q, k, v, chosen, block_size, *, sink=None, scale=None):
+def block_selection_attention(q, k, v, chosen, block_size, top_k, *, sink=None, scale=None):
     """Attention of each query to the keys of its chosen blocks, causally (keys s <= t):
     ``chosen [B, Hs, T, n]`` (bool, per query and selection head; Hs divides Hq and is a
-    multiple of Hkv) must include each query's own block. Call only where
-    :func:`unavailable_reason` is None."""
-    plan = _selection_plan(chosen, block_size)
+    multiple of Hkv) must include each query's own block and at most ``top_k`` blocks a query.
+    Call only where :func:`unavailable_reason` is None."""
+    plan = _selection_plan(chosen, block_size, top_k)
     return _FlashBlockSelection.apply(q, k, v, sink, plan, chosen.shape[1], scale)
 
 
@@ -364,7 +376,7 @@ def moba_attention(q, k, v, *, block_size, top_k, sink=None, scale=None):
     kernels. Call only where :func:`unavailable_reason` is None."""
     with torch.no_grad():
         chosen = moba_chosen(q, k, block_size, top_k)
-    return block_selection_attention(q, k, v, chosen, block_size, sink=sink, scale=scale)
+    return block_selection_attention(q, k, v, chosen, block_size, top_k, sink=sink, scale=scale)
 
 
 @functools.cache
@@ -400,7 +412,7 @@ def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
          dict(causal=True, window=(17, 0), cu_seqlens=packed), True),
         ((flash_attention, softmax_attention_reference), 2, 70, dict(causal=False), False),
         ((moba_attention, moba_attention_reference), 2, 150, moba, True),
-        ((functools.partial(block_selection_attention, chosen=chosen, block_size=32),
+        ((functools.partial(block_selection_attention, chosen=chosen, block_size=32, top_k=5),
           functools.partial(softmax_attention_reference, allowed=allowed)), 2, 150, {}, True),
     ]
     worst = {}

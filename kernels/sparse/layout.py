@@ -226,10 +226,12 @@ def moba_chosen(q: torch.Tensor, k: torch.Tensor, block_size: int, top_k: int) -
     chosen = torch.empty(batch, heads, seq_len, num_blocks, dtype=torch.bool, device=q.device)
     for start in range(0, seq_len, SELECTION_CHUNK):
         end = min(start + SELECTION_CHUNK, seq_len)
-        gate = q[:, start:end].float().transpose(1, 2) @ means.transpose(-1, -2)
+        # q's rows in fp32, head-major, in one copy (bmm's layout)
+        rows = q[:, start:end].transpose(1, 2).to(torch.float32,
+                                                  memory_format=torch.contiguous_format)
+        gate = rows @ means.transpose(-1, -2)
         own = torch.arange(start, end, device=q.device)[:, None] // block_size
-        gate = gate.masked_fill(blocks > own, float("-inf"))
-        gate = gate.masked_fill(blocks == own, float("inf"))
+        gate.masked_fill_(blocks > own, float("-inf")).masked_fill_(blocks == own, float("inf"))
         chosen[:, :, start:end] = chosen_blocks(gate, top_k)
     return chosen
 

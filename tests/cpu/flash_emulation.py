@@ -1,8 +1,9 @@
 """A PyTorch emulation of what the two FlashAttention-2 kernels of kernels/sparse/flash.py
 compute, for CPU tests: the forward's output and natural-log log-sum-exp ``[H, total_q]``, and
 the backward's gradients from the output and log-sum-exp it is given, with
-``D = rowsum(dO * O)``; packed sequences (separate query and key bounds, aligned at their ends as
-FlashAttention aligns them), causal masks, windows and grouped heads. :func:`emulate` puts it in
+``D = rowsum(dO * O)``; packed sequences (separate query and key bounds, aligned at their ends
+as FlashAttention aligns them; query rows past the last sequence left alone), causal masks,
+windows and grouped heads. :func:`emulate` puts it in
 place of the kernels."""
 import torch
 
@@ -49,19 +50,33 @@ def _wide(*tensors):
     return [x.to(torch.promote_types(x.dtype, torch.float32)) for x in tensors]
 
 
+def _padded(x: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
+    """x with NaN rows appended along ``dim`` up to ``rows``: FlashAttention computes nothing for
+    the query rows past ``cu_q[-1]`` (a block selection's padding) and leaves them
+    uninitialised; NaN there makes a read of them show."""
+    missing = rows - x.shape[dim]
+    if not missing:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x, x.new_full(shape, float("nan"))], dim)
+
+
 def emulated_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
-    dtype = q.dtype
-    q, k, v = _wide(q, k, v)
+    dtype, rows, total = q.dtype, q.shape[0], int(cu_q[-1])
+    q, k, v = _wide(q[:total], k, v)
     scores, _ = _scores(q, k, cu_q, cu_k, causal, left, right, scale)
     lse = torch.logsumexp(scores, dim=-1)  # [H, total_q]
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a row without keys: 0
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return torch.einsum("hij,jhd->ihd", probs, v).to(dtype), lse
+    out = torch.einsum("hij,jhd->ihd", probs, v).to(dtype)
+    return _padded(out, rows), _padded(lse, rows, dim=1)
 
 
 def emulated_backward(d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, left, right,
                       scale):
-    dtypes = q.dtype, k.dtype, v.dtype
+    dtypes, rows, total = (q.dtype, k.dtype, v.dtype), q.shape[0], int(cu_q[-1])
+    d_out, q, out, lse = d_out[:total], q[:total], out[:total], lse[:, :total]
     d_out, q, k, v, out = _wide(d_out, q, k, v, out)
     scores, scale = _scores(q, k, cu_q, cu_k, causal, left, right, scale)
     group = q.shape[1] // k.shape[1]
@@ -78,4 +93,5 @@ def emulated_backward(d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal
     def per_kv_head(x):
         return x.unflatten(1, (k.shape[1], group)).sum(2)
 
-    return [grad.to(dtype) for grad, dtype in zip((dq, per_kv_head(dk), per_kv_head(dv)), dtypes)]
+    grads = (_padded(dq, rows), per_kv_head(dk), per_kv_head(dv))
+    return [grad.to(dtype) for grad, dtype in zip(grads, dtypes)]

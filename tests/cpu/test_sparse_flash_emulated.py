@@ -90,7 +90,7 @@ def test_block_selection_equals_the_reference(emulated, selection_heads):
     heads_of = torch.arange(4) // (4 // selection_heads)
     allowed = chosen[:, heads_of][..., own] & torch.ones(100, 100, dtype=torch.bool).tril()
     _assert_equal(functools.partial(flash.block_selection_attention, chosen=chosen,
-                                    block_size=block_size),
+                                    block_size=block_size, top_k=num_blocks),
                   functools.partial(softmax_attention_reference, allowed=allowed), leaves, grad)
 
 
@@ -110,16 +110,35 @@ def test_nsa_on_flash_equals_the_reference(emulated, monkeypatch):
     _assert_equal(nsa("flash"), nsa("reference"), leaves, grad)
 
 
-def test_selection_plan_lists_the_selected_earlier_blocks():
+def _plan_example():
     chosen = torch.zeros(1, 2, 5, 3, dtype=torch.bool)  # B = 1, Hq = 2, T = 5, blocks of 2
     chosen[0, :, torch.arange(5), torch.arange(5) // 2] = True  # own blocks
     chosen[0, 0, 4, 0] = chosen[0, 1, 3, 0] = chosen[0, 1, 4, 1] = True
-    plan = flash._selection_plan(chosen, block_size=2)
+    return chosen
+
+
+def test_selection_plan_lists_the_selected_earlier_blocks():
+    plan = flash._selection_plan(_plan_example(), block_size=2, top_k=2)
     assert plan.own_cu.tolist() == [0, 2, 4, 5] and plan.block_len == 2
     # (head 0, block 0): token 4; (head 1, block 0): token 3; (head 1, block 1): token 4
     assert plan.rows.tolist() == [4 * 2 + 0, 3 * 2 + 1, 4 * 2 + 1]
-    assert plan.pairs_cu.tolist() == [0, 1, 1, 1, 2, 3, 3] and plan.max_pairs == 1
+    assert plan.pairs_cu.tolist() == [0, 1, 1, 1, 2, 3, 3] and plan.pairs_of_row is None
     assert plan.keys_cu.tolist() == [0, 2, 4, 5, 7, 9, 10]
+    assert plan.max_pairs == 3  # tokens 2..4 may all choose block 0
+
+
+def test_selection_plan_for_the_triton_merge_reads_nothing_back(monkeypatch):
+    """Where the Triton merge runs, the lists have room for every pair that top_k allows (a
+    token of block i: min(top_k - 1, i)), padded with row 0 past ``pairs_cu[-1]``, and
+    ``pairs_of_row`` names each row's pairs."""
+    monkeypatch.setattr(flash, "MERGE_DEVICE_TYPES", {"cpu"})
+    plan = flash._selection_plan(_plan_example(), block_size=2, top_k=3)
+    # room: 2 heads x (tokens 2, 3: 1 each; token 4: 2) = 8 pairs, 3 of them chosen
+    assert plan.rows.tolist() == [4 * 2 + 0, 3 * 2 + 1, 4 * 2 + 1] + [0] * 5
+    assert plan.pairs_cu.tolist() == [0, 1, 1, 1, 2, 3, 3]
+    want = torch.full((10, 2), -1, dtype=torch.int32)
+    want[8, 0], want[7, 0], want[9, 0] = 0, 1, 2
+    assert torch.equal(plan.pairs_of_row, want)
 
 
 def test_a_sink_of_minus_infinity_is_plain_softmax(emulated):
