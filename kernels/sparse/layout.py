@@ -207,7 +207,9 @@ def key_selection_layout(selected: torch.Tensor, key_len: int, q_block: int,
 @torch.no_grad()
 def moba_chosen(q: torch.Tensor, k: torch.Tensor, block_size: int, top_k: int) -> torch.Tensor:
     """MoBA's selection ``[B, Hq, T, n]``: per query and head, its own block and the
-    ``top_k - 1`` finished blocks of highest ``q . mean(K_block)``."""
+    ``top_k - 1`` finished blocks of highest ``q . mean(K_block)``, in one Triton kernel
+    (triton_select.moba_chosen) where the selections run in Triton, else in PyTorch by chunks
+    of queries."""
     batch, seq_len, heads, dim = q.shape
     kv_heads = k.shape[2]
     num_blocks = math.ceil(seq_len / block_size)
@@ -220,8 +222,12 @@ def moba_chosen(q: torch.Tensor, k: torch.Tensor, block_size: int, top_k: int) -
         sums = torch.cat([sums, last], 1)
     starts = torch.arange(num_blocks, device=q.device) * block_size
     counts = (seq_len - starts).clamp(max=block_size)
-    means = (sums / counts[:, None, None]).repeat_interleave(heads // kv_heads, dim=2)
-    means = means.transpose(1, 2)  # [B, Hq, n, D]
+    means = (sums / counts[:, None, None]).transpose(1, 2)  # [B, Hkv, n, D]
+    if q.device.type in SELECT_DEVICE_TYPES and q.stride(-1) == 1 and q.stride(-2) == dim:
+        from . import triton_select
+        if num_blocks <= triton_select.MAX_BLOCKS:
+            return triton_select.moba_chosen(q, means, block_size, top_k)
+    means = means.repeat_interleave(heads // kv_heads, dim=1)  # [B, Hq, n, D]
     blocks = torch.arange(num_blocks, device=q.device)
     chosen = torch.empty(batch, heads, seq_len, num_blocks, dtype=torch.bool, device=q.device)
     for start in range(0, seq_len, SELECTION_CHUNK):

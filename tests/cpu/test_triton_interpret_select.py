@@ -1,8 +1,9 @@
 """The Triton selection kernels (kernels/sparse/triton_select.py) on Triton's CPU interpreter:
 tests/gpu/test_sparse_select.py's ``check`` (the top-k block choice; every load and store
 checked to stay inside the tensors of its launch), ``check_words`` (DSA's and CSA's
-bitmap) and ``check_importance`` (NSA's block importance, in fp32 and fp16: the interpreter's
-tl.dot multiplies bf16 as raw integers, so bf16 runs on the GPU only), then MoBA's and NSA's
+bitmap), ``check_importance`` (NSA's block importance) and ``check_moba`` (MoBA's selection in
+one kernel), in fp32 and fp16 (the interpreter's tl.dot multiplies bf16 as raw integers, so bf16
+runs on the GPU only), then MoBA's and NSA's
 selections (kernels/sparse/layout.py) with the kernel in place
 against them with it off. Skipped where Triton is not installed.
 """
@@ -19,6 +20,8 @@ def main() -> None:
     print(f"bitmap words: {checks.check_words('cpu')} cases ok", flush=True)
     ran = checks.check_importance("cpu", (torch.float32, torch.float16))
     print(f"NSA importance: {ran} cases ok", flush=True)
+    print(f"MoBA selection: {checks.check_moba('cpu', (torch.float32, torch.float16))} cases ok",
+          flush=True)
     from megatron_ext.kernels.sparse import layout
 
     generator = torch.Generator().manual_seed(1)

@@ -8,6 +8,8 @@ two and k from 1 to more than the blocks, and asserts the same chosen set, bit f
 scores are distinct).
 It also checks rows of equal finite scores: as many chosen as torch.topk's, the lowest columns.
 ``check_words`` checks the key-selection bitmap kernel (``selection_words``) the same way.
+``check_moba`` checks MoBA's selection in one kernel (``triton_select.moba_chosen``) against
+``layout.moba_chosen``'s PyTorch form on the same device: the same chosen set, bit for bit.
 ``check_importance`` checks NSA's block-importance kernel (``nsa_importance``) against
 ``layout.nsa_importance`` in fp32 on the CPU: the same -inf / +inf masks and the finite values to
 ``IMPORTANCE_TOLERANCE``.
@@ -69,6 +71,47 @@ def check_words(device) -> int:
     return len(cases)
 
 
+# (B, T, Hq, Hkv, D, block_size, top_k)
+MOBA_CASES = [
+    (2, 300, 4, 4, 16, 32, 3),    # a partial last block
+    (1, 200, 4, 2, 24, 8, 5),     # groups of 2 heads, D not a multiple of 16
+    (1, 1030, 2, 1, 64, 2, 6),    # 515 blocks (8 warps), groups of 2
+    (2, 77, 2, 2, 128, 128, 2),   # one block, shorter than its size
+]
+
+
+def check_moba(device, dtypes=(torch.float32, torch.bfloat16, torch.float16)) -> int:
+    """``layout.moba_chosen`` with the kernel against its PyTorch form on ``device``, on the same
+    rounded q and k, per case and dtype; returns how many ran."""
+    from megatron_ext.kernels.sparse import layout
+
+    generator = torch.Generator().manual_seed(4)
+    ran = 0
+    for batch, seq_len, heads, kv_heads, dim, block_size, top_k in MOBA_CASES:
+        q = torch.randn(batch, seq_len, heads, dim, generator=generator)
+        k = torch.randn(batch, seq_len, kv_heads, dim, generator=generator) + 0.5
+        for dtype in dtypes:
+            rounded = q.to(device, dtype), k.to(device, dtype)
+            types = set(layout.SELECT_DEVICE_TYPES)
+            layout.SELECT_DEVICE_TYPES.add(torch.device(device).type)
+            try:
+                got = layout.moba_chosen(*rounded, block_size, top_k)
+            finally:
+                layout.SELECT_DEVICE_TYPES.clear()
+                layout.SELECT_DEVICE_TYPES.update(types - {torch.device(device).type})
+            try:
+                want = layout.moba_chosen(*rounded, block_size, top_k)
+            finally:
+                layout.SELECT_DEVICE_TYPES.update(types)
+            case = (batch, seq_len, heads, kv_heads, dim, block_size, top_k, dtype)
+            assert torch.equal(got, want), (case, (got != want).nonzero()[:5])
+            assert torch.equal(got.sum(-1), torch.clamp(
+                torch.arange(seq_len, device=device) // block_size + 1, max=top_k).expand_as(
+                    got[..., 0])), case
+            ran += 1
+    return ran
+
+
 # (B, T, Hq, Hkv, D, compress_block, compress_stride, select_block, first query, queries)
 IMPORTANCE_CASES = [
     (2, 333, 4, 1, 64, 32, 16, 64, 0, 333),    # odd T, a group of 4 heads, NSA's sizes
@@ -115,6 +158,10 @@ def test_kernel_equals_the_reference():
 
 def test_words_equal_the_reference():
     check_words("cuda")
+
+
+def test_moba_selection_equals_the_pytorch_form():
+    check_moba("cuda")
 
 
 def test_importance_equals_the_reference():
