@@ -61,20 +61,28 @@ ROW_ELEMENTS = 4096  # rows per program x n rounded up to a power of two
 
 
 @triton.jit
-def _choose_kernel(scores, chosen, rows, n, top_k, BLOCK_R: tl.constexpr, NP: tl.constexpr):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _top_k(x, top_k, NP: tl.constexpr):
+    """The ``top_k`` largest of each row of ``x [R, NP]`` (the first column of a tie first, never
+    a -inf), as a bool ``[R, NP]``."""
     j = tl.arange(0, NP)
-    live = (r < rows)[:, None] & (j < n)[None, :]
-    at = r.to(tl.int64)[:, None] * n + j[None, :]
-    x = tl.load(scores + at, mask=live, other=float("-inf"))
-    picked = tl.zeros([BLOCK_R, NP], dtype=tl.int1)
+    picked = tl.zeros(x.shape, dtype=tl.int1)
     for _ in range(0, top_k):
         best = tl.max(x, 1)
         first = tl.min(tl.where(x == best[:, None], j[None, :], NP), 1)
         hit = j[None, :] == first[:, None]
         picked = picked | (hit & (best > float("-inf"))[:, None])
         x = tl.where(hit, float("-inf"), x)
-    tl.store(chosen + at, picked.to(tl.int8), mask=live)
+    return picked
+
+
+@triton.jit
+def _choose_kernel(scores, chosen, rows, n, top_k, BLOCK_R: tl.constexpr, NP: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    j = tl.arange(0, NP)
+    live = (r < rows)[:, None] & (j < n)[None, :]
+    at = r.to(tl.int64)[:, None] * n + j[None, :]
+    x = tl.load(scores + at, mask=live, other=float("-inf"))
+    tl.store(chosen + at, _top_k(x, top_k, NP).to(tl.int8), mask=live)
 
 
 def chosen_blocks(scores: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -100,7 +108,7 @@ def _moba_kernel(q_ptr, means_ptr, chosen_ptr, seq_len, n, top_k, block_size, q_
                  NP: tl.constexpr, BLOCK_T: tl.constexpr):
     """:func:`moba_chosen` for BLOCK_T queries of one (batch, head), grid [cdiv(T, BLOCK_T),
     B Hq]: the gates (q's values as read times the fp32 means, summed over D in chunks of
-    BLOCK_D, in three TF32 products each), masked, then _choose_kernel's top-k."""
+    BLOCK_D, in three TF32 products each), masked, then their top-k."""
     b = tl.program_id(1) // HQ
     h = tl.program_id(1) % HQ
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -117,16 +125,10 @@ def _moba_kernel(q_ptr, means_ptr, chosen_ptr, seq_len, n, top_k, block_size, q_
         gate += tl.dot(rows.to(tl.float32), block_means, input_precision="tf32x3")
     own = (t // block_size)[:, None]
     gate = tl.where(j[None, :] == own, float("inf"), gate)
-    x = tl.where((j[None, :] > own) | (j >= n)[None, :], float("-inf"), gate)
-    picked = tl.zeros([BLOCK_T, NP], dtype=tl.int1)
-    for _ in range(0, top_k):
-        best = tl.max(x, 1)
-        first = tl.min(tl.where(x == best[:, None], j[None, :], NP), 1)
-        hit = j[None, :] == first[:, None]
-        picked = picked | (hit & (best > float("-inf"))[:, None])
-        x = tl.where(hit, float("-inf"), x)
+    gate = tl.where((j[None, :] > own) | (j >= n)[None, :], float("-inf"), gate)
     at = ((b * HQ + h).to(tl.int64) * seq_len + t.to(tl.int64))[:, None] * n + j[None, :]
-    tl.store(chosen_ptr + at, picked.to(tl.int8), mask=live_t[:, None] & (j < n)[None, :])
+    tl.store(chosen_ptr + at, _top_k(gate, top_k, NP).to(tl.int8),
+             mask=live_t[:, None] & (j < n)[None, :])
 
 
 def moba_chosen(q: torch.Tensor, means: torch.Tensor, block_size: int,
