@@ -22,7 +22,8 @@ one is finite and within the tolerance (``tolerance_for``).
 After them, ``run_all`` gives the first-use checks of the fast paths outside ``OPS`` a row each
 (``FIRST_USE_BACKENDS``): the sparse ops' FlashAttention path (``sparse.flash.check``), the
 residual Triton kernels (``residual.efficient.first_use_checks``), DSA's and CSA's
-selected-attention kernels (``sparse.triton.check``) and NSA's block-importance kernel
+selected-attention kernels (``sparse.triton.check``), MoBA's selection kernel
+(``sparse.triton_select.check_moba``) and NSA's block-importance kernel
 (``sparse.triton_select.check_importance``).
 
 A backend that cannot run a case here is skipped with its reason and not run: by the backend's
@@ -502,7 +503,8 @@ def _checks(device: torch.device, backends: list[str] | None):
 
 # The fast paths outside OPS, each with its own first-use check in the process that uses it:
 # the FlashAttention-2 path of the sparse ops (backend "flash"), the residual Triton kernels,
-# DSA's and CSA's selected-attention kernels and NSA's block-importance kernel ("triton"). Their
+# DSA's and CSA's selected-attention kernels, MoBA's selection kernel and NSA's block-importance
+# kernel ("triton"). Their
 # rows in the doctor's table; "auto" falls back where they fail.
 FIRST_USE_BACKENDS = ("flash", "triton")
 
@@ -540,7 +542,7 @@ def _first_use_checks(device: torch.device, backends: list[str] | None):
                                     str(dtype).removeprefix("torch."),
                                     skipped_reason=run if isinstance(run, str) else None), run)
         yield from _selected_attention_checks(device, timed)
-        yield from _nsa_importance_checks(device, timed)
+        yield from _selection_checks(device, timed)
 
 
 def _selected_attention_checks(device: torch.device, timed):
@@ -561,9 +563,10 @@ def _selected_attention_checks(device: torch.device, timed):
                     None if selected is None else functools.partial(selected.check, device, dtype))
 
 
-def _nsa_importance_checks(device: torch.device, timed):
-    """The first-use check of NSA's block-importance kernel (``sparse.triton_select
-    .check_importance``), one row per dtype; a skip where the selections do not run in Triton."""
+def _selection_checks(device: torch.device, timed):
+    """The first-use checks of MoBA's selection kernel (``sparse.triton_select.check_moba``) and
+    NSA's block-importance kernel (``check_importance``), one row per kernel and dtype; skips
+    where the selections do not run in Triton."""
     from .sparse import layout
 
     reason = None
@@ -574,13 +577,15 @@ def _nsa_importance_checks(device: torch.device, timed):
             from .sparse import triton_select
         except ImportError as error:
             reason = f"the Triton kernels do not import here ({error})"
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        yield timed(CheckResult("nsa_selection", "first-use check", "triton", str(device),
-                                str(dtype).removeprefix("torch."),
-                                tolerance=None if reason else triton_select.IMPORTANCE_TOLERANCE,
-                                skipped_reason=reason),
-                    None if reason else functools.partial(triton_select.check_importance, device,
-                                                          dtype))
+    for op, check, tolerance in (("moba_selection", "check_moba", "MOBA_CHECK_TOLERANCE"),
+                                 ("nsa_selection", "check_importance", "IMPORTANCE_TOLERANCE")):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            yield timed(CheckResult(op, "first-use check", "triton", str(device),
+                                    str(dtype).removeprefix("torch."),
+                                    tolerance=None if reason else getattr(triton_select, tolerance),
+                                    skipped_reason=reason),
+                        None if reason else functools.partial(getattr(triton_select, check),
+                                                              device, dtype))
 
 
 def failures(op: str, backend: str, device, case: str | None = None,

@@ -22,8 +22,8 @@ from . import reference
 
 __all__ = [
     "BlockLayout", "interval_layout", "selection_layout", "key_selection_layout", "window_rule",
-    "window_span", "document_rule", "allowed_rule", "both", "moba_chosen", "compress",
-    "nsa_chosen", "nsa_importance",
+    "window_span", "document_rule", "allowed_rule", "both", "block_means", "moba_chosen",
+    "moba_chosen_pytorch", "compress", "nsa_chosen", "nsa_importance",
 ]
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -205,29 +205,45 @@ def key_selection_layout(selected: torch.Tensor, key_len: int, q_block: int,
 
 
 @torch.no_grad()
-def moba_chosen(q: torch.Tensor, k: torch.Tensor, block_size: int, top_k: int) -> torch.Tensor:
-    """MoBA's selection ``[B, Hq, T, n]``: per query and head, its own block and the
-    ``top_k - 1`` finished blocks of highest ``q . mean(K_block)``, in one Triton kernel
-    (triton_select.moba_chosen) where the selections run in Triton, else in PyTorch by chunks
-    of queries."""
-    batch, seq_len, heads, dim = q.shape
-    kv_heads = k.shape[2]
+def block_means(k: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The means of k ``[B, T, Hkv, D]`` over blocks of ``block_size`` tokens (the last one
+    partial): ``[B, Hkv, n, D]`` fp32, summed in fp32 from k's own dtype (no fp32 copy of k)."""
+    seq_len = k.shape[1]
     num_blocks = math.ceil(seq_len / block_size)
-    # Block sums in fp32 from k's own dtype (no fp32 copy of k): the full blocks, then the
-    # partial last one.
     full = seq_len // block_size
     sums = k[:, :full * block_size].unflatten(1, (full, block_size)).sum(2, dtype=torch.float32)
     if full < num_blocks:
         last = k[:, full * block_size:].sum(1, keepdim=True, dtype=torch.float32)
         sums = torch.cat([sums, last], 1)
-    starts = torch.arange(num_blocks, device=q.device) * block_size
+    starts = torch.arange(num_blocks, device=k.device) * block_size
     counts = (seq_len - starts).clamp(max=block_size)
-    means = (sums / counts[:, None, None]).transpose(1, 2)  # [B, Hkv, n, D]
-    if q.device.type in SELECT_DEVICE_TYPES and q.stride(-1) == 1 and q.stride(-2) == dim:
+    return (sums / counts[:, None, None]).transpose(1, 2)
+
+
+@torch.no_grad()
+def moba_chosen(q: torch.Tensor, k: torch.Tensor, block_size: int, top_k: int) -> torch.Tensor:
+    """MoBA's selection ``[B, Hq, T, n]``: per query and head, its own block and the
+    ``top_k - 1`` finished blocks of highest ``q . mean(K_block)``, in one Triton kernel
+    (triton_select.moba_chosen) where the selections run in Triton and it passed its first-use
+    check, else in PyTorch (:func:`moba_chosen_pytorch`)."""
+    means = block_means(k, block_size)  # [B, Hkv, n, D]
+    if (q.device.type in SELECT_DEVICE_TYPES and q.stride(-1) == 1
+            and q.stride(-2) == q.shape[-1]):
         from . import triton_select
-        if num_blocks <= triton_select.MAX_BLOCKS:
+        if means.shape[2] <= triton_select.MAX_BLOCKS and triton_select.moba_checked(q.device,
+                                                                                    q.dtype):
             return triton_select.moba_chosen(q, means, block_size, top_k)
-    means = means.repeat_interleave(heads // kv_heads, dim=1)  # [B, Hq, n, D]
+    return moba_chosen_pytorch(q, means, block_size, top_k)
+
+
+@torch.no_grad()
+def moba_chosen_pytorch(q: torch.Tensor, means: torch.Tensor, block_size: int,
+                        top_k: int) -> torch.Tensor:
+    """:func:`moba_chosen` from q and the fp32 block means ``[B, Hkv, n, D]``, in PyTorch by
+    chunks of queries: the gates in fp32, masked, then :func:`chosen_blocks`."""
+    batch, seq_len, heads, _ = q.shape
+    num_blocks = means.shape[2]
+    means = means.repeat_interleave(heads // means.shape[1], dim=1)  # [B, Hq, n, D]
     blocks = torch.arange(num_blocks, device=q.device)
     chosen = torch.empty(batch, heads, seq_len, num_blocks, dtype=torch.bool, device=q.device)
     for start in range(0, seq_len, SELECTION_CHUNK):

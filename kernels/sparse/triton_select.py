@@ -25,7 +25,8 @@ bitwise, so where two blocks' gates tie to that precision the choice may differ 
 fp32 GEMM. On an H200 (B T = 32768, 16 heads, D = 128, 32 blocks of 512, bf16; session 19) the
 kernel took 0.14 ms and chose as PyTorch did in every one of the 524,288 rows; fp32 products
 without tensor cores (``ieee``) took 3.4 ms. PyTorch's form (per chunk of 4096 queries an fp32
-copy of q, a GEMM, two masks, the choice) took 0.91 ms.
+copy of q, a GEMM, two masks, the choice) took 0.91 ms. It runs after a first-use check against
+that form (:func:`moba_checked`, a row of ``megatron-ext doctor``).
 
 :func:`selection_words` sets bit ``s % 32`` of word ``s // 32`` of row t for each key s listed in
 row t of ``selected [B, T, K]``, one program per row and an atomic OR per listed key: the same
@@ -51,8 +52,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["chosen_blocks", "moba_chosen", "selection_words", "nsa_importance", "check_importance",
-           "importance_checked", "IMPORTANCE_TOLERANCE", "MAX_BLOCKS"]
+__all__ = ["chosen_blocks", "moba_chosen", "check_moba", "moba_checked", "selection_words",
+           "nsa_importance", "check_importance", "importance_checked", "MOBA_CHECK_TOLERANCE",
+           "IMPORTANCE_TOLERANCE", "MAX_BLOCKS"]
 
 _log = logging.getLogger(__name__)
 
@@ -151,6 +153,37 @@ def moba_chosen(q: torch.Tensor, means: torch.Tensor, block_size: int,
             BLOCK_D=max(16, min(32, 8192 // padded)), NP=padded, BLOCK_T=block_t,
             num_warps=8 if padded >= 512 else 4)
     return chosen
+
+
+# The share of rows (query, head) whose chosen blocks may differ from the PyTorch form's in the
+# first-use check: tf32x3 may break a tie at its precision otherwise (module docstring); a wrong
+# kernel (a mask or an index off) changes most rows of the check.
+MOBA_CHECK_TOLERANCE = 0.01
+
+
+def check_moba(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """The first-use check of :func:`moba_chosen`: the share of rows whose chosen blocks differ
+    from layout.moba_chosen_pytorch's in fp32 on the CPU, on the same values rounded to
+    ``dtype``: 2 x 300 tokens, 4 query heads on 2 key/value heads, D = 64, blocks of 32 (the
+    last partial), top 4."""
+    from . import layout
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 300, 4, 64, generator=generator).to(dtype)
+    k = (torch.randn(2, 300, 2, 64, generator=generator) + 0.5).to(dtype)
+    got = moba_chosen(q.to(device), layout.block_means(k.to(device), 32), 32, 4).cpu()
+    want = layout.moba_chosen_pytorch(q.float(), layout.block_means(k.float(), 32), 32, 4)
+    return {"chosen_rows": (got != want).any(-1).float().mean().item()}
+
+
+@functools.cache
+def moba_checked(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :func:`moba_chosen` passed :func:`check_moba` on ``device`` in ``dtype``; run
+    once, a failure logged once."""
+    from ..selfcheck import passes_first_use_check
+
+    return passes_first_use_check(check_moba, device, dtype, MOBA_CHECK_TOLERANCE,
+                                  "MoBA's selection kernel", "PyTorch chooses the blocks", _log)
 
 
 @triton.jit

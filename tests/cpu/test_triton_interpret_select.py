@@ -3,7 +3,7 @@ tests/gpu/test_sparse_select.py's ``check`` (the top-k block choice; every load 
 checked to stay inside the tensors of its launch), ``check_words`` (DSA's and CSA's
 bitmap), ``check_importance`` (NSA's block importance) and ``check_moba`` (MoBA's selection in
 one kernel), in fp32 and fp16 (the interpreter's tl.dot multiplies bf16 as raw integers, so bf16
-runs on the GPU only), then MoBA's and NSA's
+runs on the GPU only), MoBA's first-use check failing a wrong kernel, then MoBA's and NSA's
 selections (kernels/sparse/layout.py) with the kernel in place
 against them with it off. Skipped where Triton is not installed.
 """
@@ -42,8 +42,25 @@ def main() -> None:
         assert torch.equal(got, want), name
         print(f"{name} selection: ok", flush=True)
     from megatron_ext.kernels.sparse import triton_select
-    # NSA's selection above ran its importance in the kernel: the first-use check passed.
+    # The selections above ran in the kernels: their first-use checks passed.
     assert triton_select.importance_checked(torch.device("cpu"), torch.float32)
+    assert triton_select.moba_checked(torch.device("cpu"), torch.float32)
+    # A kernel that chooses one block too many fails MoBA's check; its selection falls back.
+    kernel = triton_select.moba_chosen
+    triton_select.moba_chosen = lambda q, means, size, top_k: kernel(q, means, size, top_k + 1)
+    try:
+        errors = triton_select.check_moba("cpu", torch.float16)
+        assert errors["chosen_rows"] > triton_select.MOBA_CHECK_TOLERANCE, errors
+        assert not triton_select.moba_checked(torch.device("cpu"), torch.float16)
+        layout.SELECT_DEVICE_TYPES.add("cpu")
+        try:
+            got = layout.moba_chosen(q.half(), k.half(), 32, 3)
+        finally:
+            layout.SELECT_DEVICE_TYPES.discard("cpu")
+        assert torch.equal(got, layout.moba_chosen(q.half(), k.half(), 32, 3))
+    finally:
+        triton_select.moba_chosen = kernel
+    print(f"a wrong MoBA kernel fails its check ({errors}) and is passed over", flush=True)
     print("all interpreter cases passed")
 
 

@@ -9,7 +9,7 @@ scores are distinct).
 It also checks rows of equal finite scores: as many chosen as torch.topk's, the lowest columns.
 ``check_words`` checks the key-selection bitmap kernel (``selection_words``) the same way.
 ``check_moba`` checks MoBA's selection in one kernel (``triton_select.moba_chosen``) against
-``layout.moba_chosen``'s PyTorch form on the same device: the same chosen set, bit for bit.
+``layout.moba_chosen_pytorch`` on the same device: the same chosen set, bit for bit.
 ``check_importance`` checks NSA's block-importance kernel (``nsa_importance``) against
 ``layout.nsa_importance`` in fp32 on the CPU: the same -inf / +inf masks and the finite values to
 ``IMPORTANCE_TOLERANCE``.
@@ -81,9 +81,9 @@ MOBA_CASES = [
 
 
 def check_moba(device, dtypes=(torch.float32, torch.bfloat16, torch.float16)) -> int:
-    """``layout.moba_chosen`` with the kernel against its PyTorch form on ``device``, on the same
-    rounded q and k, per case and dtype; returns how many ran."""
-    from megatron_ext.kernels.sparse import layout
+    """``moba_chosen`` on ``device`` against ``layout.moba_chosen_pytorch`` on the same device and
+    the same rounded q and k, per case and dtype; returns how many ran."""
+    from megatron_ext.kernels.sparse import layout, triton_select
 
     generator = torch.Generator().manual_seed(4)
     ran = 0
@@ -91,23 +91,15 @@ def check_moba(device, dtypes=(torch.float32, torch.bfloat16, torch.float16)) ->
         q = torch.randn(batch, seq_len, heads, dim, generator=generator)
         k = torch.randn(batch, seq_len, kv_heads, dim, generator=generator) + 0.5
         for dtype in dtypes:
-            rounded = q.to(device, dtype), k.to(device, dtype)
-            types = set(layout.SELECT_DEVICE_TYPES)
-            layout.SELECT_DEVICE_TYPES.add(torch.device(device).type)
-            try:
-                got = layout.moba_chosen(*rounded, block_size, top_k)
-            finally:
-                layout.SELECT_DEVICE_TYPES.clear()
-                layout.SELECT_DEVICE_TYPES.update(types - {torch.device(device).type})
-            try:
-                want = layout.moba_chosen(*rounded, block_size, top_k)
-            finally:
-                layout.SELECT_DEVICE_TYPES.update(types)
+            q_in, k_in = q.to(device, dtype), k.to(device, dtype)
+            means = layout.block_means(k_in, block_size)
+            got = triton_select.moba_chosen(q_in, means, block_size, top_k)
+            want = layout.moba_chosen_pytorch(q_in, means, block_size, top_k)
             case = (batch, seq_len, heads, kv_heads, dim, block_size, top_k, dtype)
             assert torch.equal(got, want), (case, (got != want).nonzero()[:5])
-            assert torch.equal(got.sum(-1), torch.clamp(
-                torch.arange(seq_len, device=device) // block_size + 1, max=top_k).expand_as(
-                    got[..., 0])), case
+            # each row: its own block and min(top_k, own + 1) - 1 earlier ones
+            own = torch.arange(seq_len, device=device) // block_size
+            assert torch.equal(got.sum(-1), (own + 1).clamp(max=top_k).expand_as(got[..., 0]))
             ran += 1
     return ran
 
@@ -161,7 +153,11 @@ def test_words_equal_the_reference():
 
 
 def test_moba_selection_equals_the_pytorch_form():
+    from megatron_ext.kernels.sparse import triton_select
+
     check_moba("cuda")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert triton_select.moba_checked(torch.device("cuda"), dtype)
 
 
 def test_importance_equals_the_reference():
