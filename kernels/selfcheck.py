@@ -152,7 +152,7 @@ def relative_error(actual, expected) -> float:
 
 def passes_first_use_check(check, device, dtype, tolerance: float, kernels: str, instead: str,
                            log) -> bool:
-    """Whether ``check(device, dtype)`` (a first-use check returning relative errors by name)
+    """Whether ``check(device, dtype)`` (a first-use check returning its errors by name)
     raises nothing and gives errors within ``tolerance``; else ``log`` warns, naming the
     ``kernels`` and what runs ``instead``, and the answer is False."""
     from .sparse.reference import OP
@@ -160,12 +160,12 @@ def passes_first_use_check(check, device, dtype, tolerance: float, kernels: str,
     try:
         errors = check(device, dtype)
     except Exception as error:  # noqa: BLE001 - a check that cannot run fails
-        log.warning("%s: %s failed their check on %s in %s (%s: %s); %s", OP, kernels, device,
-                    dtype, type(error).__name__, error, instead)
+        log.warning("%s: the first-use check of %s failed on %s in %s (%s: %s); %s", OP,
+                    kernels, device, dtype, type(error).__name__, error, instead)
         return False
     over = {name: f"{error:.2e}" for name, error in errors.items() if not error <= tolerance}
     if over:
-        log.warning("%s: %s failed their check on %s in %s (relative errors over %s: %s); %s",
+        log.warning("%s: the first-use check of %s failed on %s in %s (errors over %s: %s); %s",
                     OP, kernels, device, dtype, tolerance, over, instead)
     return not over
 
