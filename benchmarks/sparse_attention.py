@@ -33,7 +33,8 @@ each compared with the fp32 reference on one sequence of 2 * ``--window`` tokens
 every gradient; the relative errors go to the log and to each fla row's "check", and an fla op
 further off than ``CHECK_TOLERANCE`` (2e-2 relative, or twice ours) is not timed.
 
-Shapes: B = batch_tokens / T sequences, H heads for q, k and v alike, head dim D; bf16 q, k, v
+Shapes: B = batch_tokens / T sequences, H heads for q, ``--kv-heads`` (default H) for k and v,
+head dim D; bf16 q, k, v
 and gates, fp32 sink and compression weights, as in the layers. Timing and memory as in
 ``benchmarks/kernels.py`` (whose measurement this script reuses): median of ``--reps`` calls
 after ``--warmup``, peak allocated memory over the timed calls, inputs included, and its
@@ -102,15 +103,17 @@ def make_inputs(args, family, batch, seq_len, heads, dim):
         return torch.randn(*shape, device=device)
 
     compress_block = args.nsa[0]
+    kv_heads = args.kv_heads
     _, index_heads, index_dim = args.dsa
     hca_rate, csa_rate = args.hca[0], args.csa[0]
     index_heads_csa, index_dim_csa = args.csa[3], args.csa[4]
     inputs = dict(
-        kv=randn(batch, seq_len, heads, dim).bfloat16(), gate=randn(batch, seq_len, heads, dim).bfloat16(),
-        bias=torch.zeros(heads, hca_rate, dim, device=device),
-        kv2=randn(batch, seq_len, heads, 2 * dim).bfloat16(),
-        gate2=randn(batch, seq_len, heads, 2 * dim).bfloat16(),
-        bias2=torch.zeros(heads, csa_rate, 2 * dim, device=device),
+        kv=randn(batch, seq_len, kv_heads, dim).bfloat16(),
+        gate=randn(batch, seq_len, kv_heads, dim).bfloat16(),
+        bias=torch.zeros(kv_heads, hca_rate, dim, device=device),
+        kv2=randn(batch, seq_len, kv_heads, 2 * dim).bfloat16(),
+        gate2=randn(batch, seq_len, kv_heads, 2 * dim).bfloat16(),
+        bias2=torch.zeros(kv_heads, csa_rate, 2 * dim, device=device),
         index_kv=randn(batch, seq_len, 1, 2 * index_dim_csa).bfloat16(),
         index_gate=randn(batch, seq_len, 1, 2 * index_dim_csa).bfloat16(),
         index_bias=torch.zeros(1, csa_rate, 2 * index_dim_csa, device=device),
@@ -119,11 +122,11 @@ def make_inputs(args, family, batch, seq_len, heads, dim):
         index_k=randn(batch, seq_len, index_dim).bfloat16(),
         index_weights=randn(batch, seq_len, index_heads_csa if family == "csa" else index_heads).bfloat16(),
         q=randn(batch, seq_len, heads, dim).bfloat16(),
-        k=randn(batch, seq_len, heads, dim).bfloat16(),
-        v=randn(batch, seq_len, heads, dim).bfloat16(), sink=randn(heads),
+        k=randn(batch, seq_len, kv_heads, dim).bfloat16(),
+        v=randn(batch, seq_len, kv_heads, dim).bfloat16(), sink=randn(heads),
         gates=torch.sigmoid(randn(batch, seq_len, heads, 3)).bfloat16(),
-        k_weights=torch.full((heads, compress_block), 1 / compress_block, device=device),
-        v_weights=torch.full((heads, compress_block), 1 / compress_block, device=device))
+        k_weights=torch.full((kv_heads, compress_block), 1 / compress_block, device=device),
+        v_weights=torch.full((kv_heads, compress_block), 1 / compress_block, device=device))
     return {name: inputs[name] for name in INPUTS[family]}
 
 
@@ -259,10 +262,18 @@ def build_ops(args) -> list:
         if family in FLA_FAMILIES:
             check = functools.cache(functools.partial(fla_check, family, args))
             ops.append(bench.Op(family, "fla", make, family_run(family, "fla", args), fla_skip, check))
-    ops.append(bench.Op("sdpa", "torch", lambda *shape: bench.sdpa_inputs(*shape, device),
-                        lambda **x: F.scaled_dot_product_attention(x["q"], x["k"], x["v"],
-                                                                   is_causal=True)))
+    ops.append(bench.Op("sdpa", "torch", functools.partial(sdpa_inputs, args),
+                        lambda **x: F.scaled_dot_product_attention(
+                            x["q"], x["k"], x["v"], is_causal=True,
+                            enable_gqa=x["k"].shape[1] < x["q"].shape[1])))
     return ops
+
+
+def sdpa_inputs(args, batch, seq_len, heads, dim):
+    """q ``[B, H, T, D]``, k and v ``[B, Hkv, T, D]``, bf16: SDPA's layout."""
+    shapes = dict(q=heads, k=args.kv_heads, v=args.kv_heads)
+    return {name: torch.randn(batch, count, seq_len, dim, device=args.device, dtype=torch.bfloat16)
+            for name, count in shapes.items()}
 
 
 def plot(record: dict, path: pathlib.Path) -> None:
@@ -295,6 +306,7 @@ def plot(record: dict, path: pathlib.Path) -> None:
         axis.grid(alpha=0.3)
     s = record["settings"]
     fig.suptitle(f"{record['device']}: B*T = {s['batch_tokens']}, H = {s['heads']}, "
+                 f"Hkv = {s.get('kv_heads') or s['heads']}, "
                  f"D = {s['head_dim']}, window {s['window']}, MoBA {s['moba_block']}/top-"
                  f"{s['moba_top_k']}, NSA {s['nsa']}, bf16", fontsize=9)
     fig.tight_layout()
@@ -318,6 +330,9 @@ def parse_args(argv=None):
     parser.add_argument("--batch-tokens", type=int, default=32768,
                         help="B * T, the same for every T")
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int,
+                        help="key/value heads (default: --heads); fewer share them among groups "
+                             "of query heads, for every op, SDPA included")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--window", type=int, default=512, help="swa_sink: tokens in the window (the fla check runs T = 2 * window)")
     parser.add_argument("--moba-block", type=int, default=512)
@@ -343,6 +358,9 @@ def parse_args(argv=None):
                              "(to finish a run that was cut short, or to add ops)")
     bench.add_slow_call_argument(parser)
     args = bench.finish_timing_args(parser, parser.parse_args(argv))
+    args.kv_heads = args.kv_heads or args.heads
+    if args.heads % args.kv_heads:
+        parser.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     args.nsa = [int(value) for value in args.nsa.split(",")]
     if len(args.nsa) != 5:
         parser.error("--nsa takes 5 numbers: compress block, stride, select block, top-k, window")

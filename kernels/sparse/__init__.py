@@ -242,7 +242,7 @@ def nsa_attention(q, k, v, gates, k_weights, v_weights, *, compress_block, compr
         layout = interval_layout(
             seq_len, num_compressed, q_block, kv_block, torch.zeros_like,
             lambda t: torch.div(t - compress_block + 1, compress_stride, rounding_mode="floor"),
-            sees, q.device)
+            sees, q.device, dense_columns=True)
         out_compressed = run(q, compressed_k, compressed_v, layout, sink=sink, scale=scale)
     else:
         out_compressed = torch.zeros_like(q, dtype=v.dtype)

@@ -180,7 +180,7 @@ def compressed_layout(entries: Entries, seq_len: int, window: int, q_block: int,
     compressed = interval_layout(seq_len, num_entries, q_block, kv_block, entries.first_seen,
                                  entries.last_seen, rule, device)
     active = torch.cat([raw.active, compressed.active], dim=-1)
-    return BlockLayout(q_block, kv_block, active, rule), padded
+    return BlockLayout(q_block, kv_block, active, rule, dense_columns=True), padded
 
 
 @functools.lru_cache(maxsize=16)

@@ -108,9 +108,19 @@ def _block_mask(layout: BlockLayout, heads: int, seq_len: int, key_len: int):
                                     mask_mod=layout.mask_mod, seq_lengths=(seq_len, key_len))
 
 
+def _repeat_heads(t, group: int):
+    """``[B, S, Hkv, D]`` -> ``[B, S, Hkv * group, D]``, each head repeated ``group`` times in a
+    row (its query heads); the backward sums each group back."""
+    batch, length, kv_heads, dim = t.shape
+    return t.unsqueeze(3).expand(batch, length, kv_heads, group, dim).reshape(
+        batch, length, kv_heads * group, dim)
+
+
 def flex_attention_layout(q, k, v, layout: BlockLayout, *, sink=None, scale=None,
                           kernel_options=None):
-    """Same contract as ``gathered_attention``; ``kernel_options`` go to FlexAttention on CUDA."""
+    """Same contract as ``gathered_attention``; ``kernel_options`` go to FlexAttention on CUDA.
+    Grouped key/value heads run natively (``enable_gqa``), or repeated per query head for
+    layouts with ``dense_columns``."""
     from torch.nn.attention.flex_attention import AuxRequest
 
     heads, kv_heads = q.shape[2], k.shape[2]
@@ -128,9 +138,19 @@ def flex_attention_layout(q, k, v, layout: BlockLayout, *, sink=None, scale=None
             options["kernel_options"] = kernel_options
     else:
         run = _flex_attention()
+    if kv_heads != heads and layout.dense_columns:
+        # FlexAttention's backward runs one program per key block and key/value head, which
+        # loops over the query blocks that visit it and, with grouped heads, over the group:
+        # the few dense key blocks then take group times longer than the rest. Repeating the
+        # heads spreads them over group times as many programs. On an H200 (B T = 32768, 16
+        # query heads of 128, bf16, fwd+bwd), NSA's compressed branch at T = 16384 took 12.9 /
+        # 5.6 ms with 1 / 4 key/value heads, repeated 3.6 / 4.2, and HCA 17.9 / 7.1 ms, repeated
+        # 4.1 / 4.2; causal and 512-token windows ran 3-5% slower repeated, and are not
+        # (benchmarks/results, session 20).
+        k, v = (_repeat_heads(t, heads // kv_heads) for t in (k, v))
     out, aux = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                    block_mask=block_mask(layout, heads, q.shape[1], k.shape[1]), scale=scale,
-                   enable_gqa=heads != kv_heads, return_aux=AuxRequest(lse=True), **options)
+                   enable_gqa=heads != k.shape[2], return_aux=AuxRequest(lse=True), **options)
     if sink is not None:
         out = _rescale_by_sink_body(out, aux.lse, sink)
     return out.transpose(1, 2).to(v.dtype)

@@ -50,12 +50,16 @@ def chosen_blocks(scores: torch.Tensor, top_k: int) -> torch.Tensor:
 class BlockLayout:
     """``active``: bool ``[B | 1, Hm, Tq / q_block, S / kv_block]`` (blocks rounded up), Hm one
     of 1, the key/value heads or the query heads; ``mask_mod``: the token rule;
-    ``block_masks``: the FlexAttention BlockMasks made from it (flex.py), by heads and lengths."""
+    ``dense_columns``: whether a few key blocks, visited by (nearly) every query block, hold a
+    large share of the work (compressed keys, HCA's entries), which decides how flex.py runs
+    grouped key/value heads; ``block_masks``: the FlexAttention BlockMasks made from it
+    (flex.py), by heads and lengths."""
 
     q_block: int
     kv_block: int
     active: torch.Tensor
     mask_mod: MaskMod
+    dense_columns: bool = False
     block_masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     def kv_blocks(self, active: torch.Tensor | None = None):
@@ -113,7 +117,7 @@ def allowed_rule(allowed: torch.Tensor) -> MaskMod:
 
 
 def interval_layout(seq_len: int, key_len: int, q_block: int, kv_block: int, first_key, last_key,
-                    mask_mod: MaskMod, device) -> BlockLayout:
+                    mask_mod: MaskMod, device, dense_columns: bool = False) -> BlockLayout:
     """The layout of a rule under which query t sees only keys ``first_key(t) .. last_key(t)``,
     both nondecreasing in t (causal, sliding window, NSA's compressed keys): a key block is
     visited when it meets the span of some query of the block."""
@@ -123,7 +127,7 @@ def interval_layout(seq_len: int, key_len: int, q_block: int, kv_block: int, fir
     kv_end = (kv_start + kv_block).clamp(max=key_len) - 1
     active = ((kv_start[None, :] <= last_key(q_end)[:, None])
               & (kv_end[None, :] >= first_key(q_start)[:, None]))
-    return BlockLayout(q_block, kv_block, active[None, None], mask_mod)
+    return BlockLayout(q_block, kv_block, active[None, None], mask_mod, dense_columns)
 
 
 def selection_layout(chosen: torch.Tensor, select_block: int, key_len: int, q_block: int,

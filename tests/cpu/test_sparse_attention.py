@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from megatron_ext.kernels import sparse
-from megatron_ext.kernels.sparse import gathered, reference
+from megatron_ext.kernels.sparse import flex, gathered, reference
 from megatron_ext.kernels.sparse.flex import block_mask
-from megatron_ext.kernels.sparse.layout import BlockLayout
+from megatron_ext.kernels.sparse.layout import BlockLayout, interval_layout
 
 B, T, HQ, HKV, D = 2, 37, 4, 2, 8
 NSA = dict(compress_block=4, compress_stride=2, select_block=8, select_top_k=4, window=6)
@@ -115,6 +115,25 @@ def test_flex_block_mask_is_the_layout():
     layout = BlockLayout(8, 4, active, lambda b, h, q, kv: kv <= q)
     dense = block_mask(layout, HQ, T, T).to_dense()
     torch.testing.assert_close(dense.bool(), active.repeat_interleave(HQ // HKV, dim=1))
+
+
+def test_flex_repeats_grouped_heads_only_for_dense_columns(monkeypatch):
+    """A layout with ``dense_columns`` runs FlexAttention on the key/value heads repeated per
+    query head (flex.py), to the grouped call's result; other layouts run grouped."""
+    repeated = []
+    repeat_heads = flex._repeat_heads
+    monkeypatch.setattr(flex, "_repeat_heads",
+                        lambda t, group: repeated.append(group) or repeat_heads(t, group))
+    x = {name: t.detach() for name, t in _inputs().items()}
+    rule = lambda b, h, q, kv: kv <= q  # noqa: E731
+    out = {dense: flex.flex_attention_layout(
+        x["q"], x["k"], x["v"], interval_layout(T, T, 8, 4, torch.zeros_like, lambda t: t, rule,
+                                                "cpu", dense_columns=dense), sink=x["sink"])
+        for dense in (False, True)}
+    assert repeated == [HQ // HKV] * 2  # k and v, once, for the dense layout
+    torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[True], CASES["causal+sink"](x, backend="reference"),
+                               rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", [case for case in CASES if case != "bidirectional window"])
