@@ -24,8 +24,10 @@ attention, merge the outputs with weights ``exp(L_i - L)`` where ``L`` is the lo
 all sets (and the sink), and in the backward give each set's kernel the merged output and ``L``.
 :func:`block_selection_attention` does so for attention over chosen blocks of keys, causal
 inside the query's own block: every block attends to itself causally (one packed call, all
-heads), and every (batch, selection head, chosen earlier block) is one packed sequence of the
-queries that chose it against that block's keys (one call). MoBA (Lu et al., "MoBA: Mixture
+heads), and every (batch, key/value head, chosen earlier block) is one packed sequence of the
+(query, selection head) rows that chose it against that block's keys (one call; with grouped
+heads the selection heads of a group share their key/value head's sequence, so no key is
+copied per selection head). MoBA (Lu et al., "MoBA: Mixture
 of Block Attention for Long-Context LLMs", 2025, whose own implementation also splits the own
 block from the selected ones) chooses per query head; NSA's selected branch (Yuan et al.,
 "Native Sparse Attention", 2025) per key/value head, so that each row of that call carries
@@ -165,14 +167,14 @@ class _SelectionPlan:
     """Where the two kernel calls of a block selection read and write (module docstring).
 
     ``chosen [B, Hs, T, n]`` picks blocks per query and selection head; each selection head
-    serves ``Hq / Hs`` query heads (MoBA: one; NSA: a key/value group). Own blocks:
-    ``own_cu`` cuts the B * T tokens into blocks (causal, all heads at once). Earlier blocks:
-    the pairs (query, block) with the block before the query's own, sorted by (batch, selection
-    head, block) and then token; ``rows`` is each pair's row in the token-major ``[B * T * Hs]``
-    order (each row the ``Hq / Hs`` query heads of a selection head); ``pairs_cu`` cuts the pairs
-    into one sequence per (batch, selection head, block), and ``keys_cu`` cuts the
-    selection-head-major ``[B * Hs * T]`` keys into the same blocks. ``max_pairs`` bounds the
-    longest sequence. ``pairs_of_row``, only where the Triton merge runs (else None):
+    serves ``Hq / Hs`` query heads (MoBA: one; NSA: a key/value group), and each key/value head
+    ``Hs / Hkv`` selection heads. Own blocks: ``own_cu`` cuts the B * T tokens into blocks
+    (causal, all heads at once). Earlier blocks: the pairs (query and selection head, block) with
+    the block before the query's own, sorted by (batch, key/value head, block) and then selection
+    head and token; ``rows`` is each pair's row in the token-major ``[B * T * Hs]`` order (each
+    row the ``Hq / Hs`` query heads of a selection head); ``pairs_cu`` cuts the pairs into one
+    sequence per (batch, key/value head, block), and ``keys_cu`` cuts the key/value-head-major
+    ``[B * Hkv * T]`` keys into the same blocks. ``max_pairs`` bounds the longest sequence. ``pairs_of_row``, only where the Triton merge runs (else None):
     ``[B * T * Hs, S]`` int32, the pairs of each row (-1 for none), S the most a row may have.
 
     Where the Triton merge runs (CUDA), nothing is read back to the host: the lists have room
@@ -193,10 +195,12 @@ class _SelectionPlan:
 MERGE_DEVICE_TYPES = {"cuda"}
 
 
-def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int) -> _SelectionPlan:
-    """The plan of a selection ``chosen [B, Hs, T, n]`` that includes each query's own block
-    and at most ``top_k`` blocks a query."""
+def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int,
+                    kv_heads: int) -> _SelectionPlan:
+    """The plan of a selection ``chosen [B, Hs, T, n]`` over ``kv_heads`` key/value heads that
+    includes each query's own block and at most ``top_k`` blocks a query."""
     batch, heads, seq_len, num_blocks = chosen.shape
+    repeat = heads // kv_heads  # selection heads per key/value head
     device = chosen.device
     starts = torch.arange(num_blocks, device=device) * block_size
     lengths = (seq_len - starts).clamp(max=block_size)
@@ -207,11 +211,14 @@ def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int) -> _Selec
     per_row = max(top_k - 1, 0)
     capacity = batch * heads * sum(min(per_row, i) * min(block_size, seq_len - i * block_size)
                                    for i in range(num_blocks))
-    # (b, h, j, t), sorted as listed; -1 past the pairs there are
-    b, h, j, t = torch.nonzero_static((chosen & earlier).permute(0, 1, 3, 2), size=capacity,
-                                      fill_value=-1).unbind(1)
-    sequences = batch * heads * num_blocks
-    sequence = torch.where(t >= 0, (b * heads + h) * num_blocks + j, sequences)  # padding last
+    # (b, key/value head g, j, r, t) with selection head h = g * repeat + r, sorted as listed;
+    # -1 past the pairs there are
+    pairs = (chosen & earlier).view(batch, kv_heads, repeat, seq_len, num_blocks)
+    b, g, j, r, t = torch.nonzero_static(pairs.permute(0, 1, 4, 2, 3), size=capacity,
+                                         fill_value=-1).unbind(1)
+    h = g * repeat + r
+    sequences = batch * kv_heads * num_blocks
+    sequence = torch.where(t >= 0, (b * kv_heads + g) * num_blocks + j, sequences)  # padding last
     pairs_cu = torch.searchsorted(sequence, torch.arange(sequences + 1, device=device))
     row_count = batch * seq_len * heads
     rows = torch.where(t >= 0, (b * seq_len + t) * heads + h, row_count)
@@ -232,8 +239,8 @@ def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int) -> _Selec
                           block_len=min(block_size, seq_len),
                           rows=rows,
                           pairs_cu=pairs_cu.int(),
-                          keys_cu=torch.cat([zero, lengths.repeat(batch * heads).cumsum(0)]).int(),
-                          max_pairs=max(seq_len - block_size, 0),
+                          keys_cu=torch.cat([zero, lengths.repeat(batch * kv_heads).cumsum(0)]).int(),
+                          max_pairs=repeat * max(seq_len - block_size, 0),
                           pairs_of_row=pairs_of_row)
 
 
@@ -274,18 +281,6 @@ def _merge(pieces, sink, tokens: int, group: int, dtype):
     return out.to(dtype), full_lse
 
 
-def _add_heads(own: torch.Tensor, per_head: torch.Tensor, repeat: int) -> torch.Tensor:
-    """The own call's key (or value) gradient ``[B, T, Hkv, D]`` plus the selected call's,
-    ``per_head`` selection-head-major ``[B * Hs * T, 1, D]`` with Hs = Hkv * repeat (summed over
-    each key/value head's ``repeat`` selection heads), added in fp32 and rounded once."""
-    batch, seq_len, kv_heads, dim = own.shape
-    if repeat == 1:
-        return own + per_head.view(batch, kv_heads, seq_len, dim).transpose(1, 2)
-    wide = torch.promote_types(own.dtype, torch.float32)
-    summed = per_head.view(batch, kv_heads, repeat, seq_len, dim).to(wide).sum(2)
-    return (own.to(wide) + summed.transpose(1, 2)).to(own.dtype)
-
-
 class _FlashBlockSelection(torch.autograd.Function):
     """Attention over chosen blocks on the kernels: q ``[B, T, Hq, D]``, k, v
     ``[B, T, Hkv, D]``, an fp32 sink ``[Hq]`` or None, the plan of a selection over ``Hs``
@@ -299,11 +294,8 @@ class _FlashBlockSelection(torch.autograd.Function):
                                   for x in (q, k, v))
         own = (plan.own_cu, plan.own_cu, plan.block_len, plan.block_len, True, -1, 0, scale)
         out_own, lse_own = _kernel_forward(q_rows, k_rows, v_rows, *own)
-        # The earlier blocks' call: keys and values selection-head-major, one head per
-        # selection head (a key/value head repeated where selection heads are finer).
-        repeat = selection_heads // kv_heads
-        k_heads, v_heads = ((x if repeat == 1 else x.repeat_interleave(repeat, dim=2))
-                            .transpose(1, 2).reshape(-1, 1, dim).contiguous() for x in (k, v))
+        # The earlier blocks' call: keys and values key/value-head-major, one head.
+        k_heads, v_heads = (x.transpose(1, 2).reshape(-1, 1, dim).contiguous() for x in (k, v))
         selected = (plan.pairs_cu, plan.keys_cu, plan.max_pairs, plan.block_len, False, -1, -1,
                     scale)
         rows = plan.rows
@@ -347,8 +339,8 @@ class _FlashBlockSelection(torch.autograd.Function):
             dq_pairs, dk_heads, dv_heads = _kernel_backward(
                 by_row(d_out), by_row(q_rows), k_heads, v_heads, by_row(out),
                 full_lse[rows].t().contiguous(), *selected)
-            repeat = selection_heads // kv_heads
-            dk, dv = _add_heads(dk, dk_heads, repeat), _add_heads(dv, dv_heads, repeat)
+            dk, dv = (own + per_head.view(batch, kv_heads, seq_len, dim).transpose(1, 2)
+                      for own, per_head in ((dk, dk_heads), (dv, dv_heads)))
         if dq_pairs is not None and pairs_of_row is not None:
             dq = _merge_kernels().sum_query_gradients(dq, dq_pairs, pairs_of_row, selection_heads)
         elif dq_pairs is not None:
@@ -367,7 +359,7 @@ def block_selection_attention(q, k, v, chosen, block_size, top_k, *, sink=None, 
     ``chosen [B, Hs, T, n]`` (bool, per query and selection head; Hs divides Hq and is a
     multiple of Hkv) must include each query's own block and at most ``top_k`` blocks a query.
     Call only where :func:`unavailable_reason` is None."""
-    plan = _selection_plan(chosen, block_size, top_k)
+    plan = _selection_plan(chosen, block_size, top_k, k.shape[2])
     return _FlashBlockSelection.apply(q, k, v, sink, plan, chosen.shape[1], scale)
 
 

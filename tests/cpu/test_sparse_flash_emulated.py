@@ -67,6 +67,7 @@ MOBA_CALLS = [
     dict(batch=2, seq_len=150, block_size=32, top_k=3, kv_heads=2, sink=True),  # partial last block
     dict(batch=1, seq_len=128, block_size=32, top_k=4, kv_heads=4, sink=False),  # every earlier block
     dict(batch=2, seq_len=100, block_size=32, top_k=1, kv_heads=1, sink=True),  # own block only
+    dict(batch=2, seq_len=130, block_size=16, top_k=3, kv_heads=1, sink=True),  # 4 heads on 1
     dict(batch=1, seq_len=20, block_size=32, top_k=1, kv_heads=2, sink=True),  # one partial block
 ]
 
@@ -118,7 +119,7 @@ def _plan_example():
 
 
 def test_selection_plan_lists_the_selected_earlier_blocks():
-    plan = flash._selection_plan(_plan_example(), block_size=2, top_k=2)
+    plan = flash._selection_plan(_plan_example(), block_size=2, top_k=2, kv_heads=2)
     assert plan.own_cu.tolist() == [0, 2, 4, 5] and plan.block_len == 2
     # (head 0, block 0): token 4; (head 1, block 0): token 3; (head 1, block 1): token 4
     assert plan.rows.tolist() == [4 * 2 + 0, 3 * 2 + 1, 4 * 2 + 1]
@@ -127,12 +128,23 @@ def test_selection_plan_lists_the_selected_earlier_blocks():
     assert plan.max_pairs == 3  # tokens 2..4 may all choose block 0
 
 
+def test_selection_plan_shares_a_key_value_head_among_its_selection_heads():
+    """Both selection heads on one key/value head: one sequence per (key/value head, block),
+    holding the rows of both heads, against keys listed once."""
+    plan = flash._selection_plan(_plan_example(), block_size=2, top_k=2, kv_heads=1)
+    # block 0: (head 0, token 4), (head 1, token 3); block 1: (head 1, token 4)
+    assert plan.rows.tolist() == [4 * 2 + 0, 3 * 2 + 1, 4 * 2 + 1]
+    assert plan.pairs_cu.tolist() == [0, 2, 3, 3]
+    assert plan.keys_cu.tolist() == [0, 2, 4, 5]
+    assert plan.max_pairs == 6  # tokens 2..4 of both heads may all choose block 0
+
+
 def test_selection_plan_for_the_triton_merge_reads_nothing_back(monkeypatch):
     """Where the Triton merge runs, the lists have room for every pair that top_k allows (a
     token of block i: min(top_k - 1, i)), padded with row 0 past ``pairs_cu[-1]``, and
     ``pairs_of_row`` names each row's pairs."""
     monkeypatch.setattr(flash, "MERGE_DEVICE_TYPES", {"cpu"})
-    plan = flash._selection_plan(_plan_example(), block_size=2, top_k=3)
+    plan = flash._selection_plan(_plan_example(), block_size=2, top_k=3, kv_heads=2)
     # room: 2 heads x (tokens 2, 3: 1 each; token 4: 2) = 8 pairs, 3 of them chosen
     assert plan.rows.tolist() == [4 * 2 + 0, 3 * 2 + 1, 4 * 2 + 1] + [0] * 5
     assert plan.pairs_cu.tolist() == [0, 1, 1, 1, 2, 3, 3]
