@@ -85,9 +85,11 @@ class ExtConfig:
     # 2026) removes from each head's output its component along the token's own value.
     attention_xsa: bool = False
     # How the windowed / sink / sparse attention ops run (megatron_ext.kernels.sparse): "auto"
-    # (FlexAttention on CUDA, the gathered PyTorch form elsewhere), "flex", "gathered" or
-    # "reference" (dense masks, for checks). DSA's and CSA's per-token selections are no block
-    # layout: they run gathered unless "reference".
+    # (on CUDA: torch's FlashAttention-2 kernels, once they pass their first-use check, for
+    # windows, sinks, MoBA and, from 8192 tokens a sequence, NSA's selected and window branches;
+    # FlexAttention for the other block layouts and for DSA's and CSA's selections; the
+    # gathered PyTorch form elsewhere), "flex" (FlexAttention only: NSA's layout takes a
+    # quarter of flash's peak memory), "gathered" or "reference" (dense masks, for checks).
     sparse_backend: str = "auto"
     # MoBA (Lu et al. 2025): keys per block; blocks each query attends to, its own included
     # (the paper's scaling runs: 512 and 3).

@@ -190,6 +190,16 @@ def moba_attention(q, k, v, *, block_size, top_k, window=None, sink=None, scale=
     return _EXECUTORS[name](q, k, v, layout, sink=sink, scale=scale)
 
 
+# From this many tokens a sequence, "auto" runs NSA's selected and window branches on flash.py
+# (where it runs and has passed its first-use check), below it all three on the block layout.
+# On an H200 (B*T = 32768, 16 query heads of 128, bf16, fwd+bwd; benchmarks/results, session
+# 20), with 4 key/value heads: flash 28.3 / 31.8 / 37.6 / 47.8 ms at T = 4096 / 8192 / 16384 /
+# 32768, the block layout (FlexAttention) 27.9 / 44.8 / 76.4 / 137.1 ms; with 16, at T = 8192,
+# 36.3 against 46.8. Flash's peak memory is 4-5x the layout's (12.3-13.6 GiB against 2.5-2.6 at
+# 4 key/value heads): its call over the chosen blocks holds each query's row once per block.
+NSA_FLASH_MIN_LEN = 8192
+
+
 def nsa_attention(q, k, v, gates, k_weights, v_weights, *, compress_block, compress_stride,
                   select_block, select_top_k, window, sink=None, scale=None, backend="auto",
                   layout_blocks=None):
@@ -220,11 +230,10 @@ def nsa_attention(q, k, v, gates, k_weights, v_weights, *, compress_block, compr
     sizes = dict(compress_block=compress_block, compress_stride=compress_stride,
                  select_block=select_block, select_top_k=select_top_k)
     # With flash, the selected and window branches run on flash.py and the compressed one
-    # (few keys, no FlashAttention form) on "auto"'s block layout. Only when asked for: "auto"
-    # keeps NSA on its block layout, which on an H200 (B*T = 32768, H = 16, D = 128, bf16;
-    # benchmarks/results, session 8) took 33 / 101 / 196 ms fwd+bwd at T = 4096 / 16384 / 32768
-    # against flash's 73 / 103 / 150, in 3.1-3.5 GiB against 13.8-15.0.
-    use_flash = backend == "flash" and _runs_flash(backend, q, k, v, None)
+    # (few keys, no FlashAttention form) on "auto"'s block layout. "auto" takes flash from
+    # NSA_FLASH_MIN_LEN tokens on.
+    asks_flash = backend == "flash" or (backend == "auto" and seq_len >= NSA_FLASH_MIN_LEN)
+    use_flash = asks_flash and _runs_flash(backend, q, k, v, None)
     name = _backend("auto" if use_flash else backend, q)
     if name == "reference":
         return nsa_attention_reference(q, k, v, gates, k_weights, v_weights, window=window,

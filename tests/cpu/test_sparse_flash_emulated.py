@@ -111,6 +111,30 @@ def test_nsa_on_flash_equals_the_reference(emulated, monkeypatch):
     _assert_equal(nsa("flash"), nsa("reference"), leaves, grad)
 
 
+def test_auto_runs_nsa_on_flash_from_its_minimum_length(emulated, monkeypatch):
+    """Under "auto", NSA's selected and window branches go to flash.py from
+    ``NSA_FLASH_MIN_LEN`` tokens (where it runs and passed its check), and equal the reference."""
+    monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
+    monkeypatch.setattr(flash, "checked", lambda device, dtype: True)
+    monkeypatch.setattr(sparse, "NSA_FLASH_MIN_LEN", 100)
+    calls, run = [], flash.block_selection_attention
+    monkeypatch.setattr(flash, "block_selection_attention",
+                        lambda *args, **kwargs: calls.append(1) or run(*args, **kwargs))
+    sizes = dict(compress_block=16, compress_stride=8, select_block=32, select_top_k=3, window=40)
+    for seq_len, expected in ((99, 0), (100, 1)):
+        leaves, grad = _leaves(7, 1, seq_len, kv_heads=2)
+        generator = torch.Generator().manual_seed(8)
+        gates = torch.rand(1, seq_len, 4, 3, generator=generator, dtype=torch.float64)
+        weights = torch.rand(2, 16, generator=generator, dtype=torch.float64)
+
+        def nsa(backend):
+            return lambda q, k, v, sink: sparse.nsa_attention(q, k, v, gates, weights, weights,
+                                                              sink=sink, backend=backend, **sizes)
+
+        _assert_equal(nsa("auto"), nsa("reference"), leaves, grad)
+        assert len(calls) == expected, seq_len
+
+
 def _plan_example():
     chosen = torch.zeros(1, 2, 5, 3, dtype=torch.bool)  # B = 1, Hq = 2, T = 5, blocks of 2
     chosen[0, :, torch.arange(5), torch.arange(5) // 2] = True  # own blocks

@@ -147,3 +147,19 @@ def test_auto_runs_flash_for_moba_without_a_window(monkeypatch):
     assert len(calls) == 1
     sparse.moba_attention(q, k, v, block_size=64, top_k=2, window=(100, 0), backend="auto")
     assert len(calls) == 1  # a window goes to FlexAttention
+
+
+def test_auto_runs_flash_for_nsa_from_its_minimum_length(monkeypatch):
+    """NSA under "auto": its block layout below ``NSA_FLASH_MIN_LEN`` tokens, flash.py's
+    selected and window calls from there on."""
+    calls = _spy(monkeypatch, "block_selection_attention")
+    monkeypatch.setattr(sparse, "NSA_FLASH_MIN_LEN", 300)
+    for seq_len, expected in ((299, 0), (300, 1)):
+        leaves, _ = _leaves(1, seq_len)
+        q, k, v = (leaves[n].bfloat16() for n in ("q", "k", "v"))
+        gates = torch.full((1, seq_len, HQ, 3), 0.5, device="cuda")
+        weights = torch.full((HKV, 32), 1 / 32, device="cuda")
+        sparse.nsa_attention(q, k, v, gates, weights, weights, compress_block=32,
+                             compress_stride=16, select_block=64, select_top_k=4, window=100,
+                             backend="auto")
+        assert len(calls) == expected, seq_len
