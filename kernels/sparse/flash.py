@@ -174,13 +174,15 @@ class _SelectionPlan:
     head and token; ``rows`` is each pair's row in the token-major ``[B * T * Hs]`` order (each
     row the ``Hq / Hs`` query heads of a selection head); ``pairs_cu`` cuts the pairs into one
     sequence per (batch, key/value head, block), and ``keys_cu`` cuts the key/value-head-major
-    ``[B * Hkv * T]`` keys into the same blocks. ``max_pairs`` bounds the longest sequence. ``pairs_of_row``, only where the Triton merge runs (else None):
-    ``[B * T * Hs, S]`` int32, the pairs of each row (-1 for none), S the most a row may have.
+    ``[B * Hkv * T]`` keys into the same blocks. ``max_pairs`` bounds the longest sequence.
+    ``pairs_of_row``, only where the Triton merge runs (else None): ``[B * T * Hs, S]`` int32,
+    the pairs of each row (-1 for none), S the most a row may have.
 
     Where the Triton merge runs (CUDA), nothing is read back to the host: the lists have room
     for every pair the bound on a row's blocks allows, and the pairs past ``pairs_cu[-1]`` are
-    padding (row 0) that the kernels leave alone; ``max_pairs`` is the most queries a block can
-    have after it. Elsewhere the padding is cut off."""
+    padding (row 0) that the kernels leave alone; ``max_pairs`` is the most rows a block can
+    have: the tokens after it times its key/value head's selection heads. Elsewhere the padding
+    is cut off."""
     own_cu: torch.Tensor
     block_len: int
     rows: torch.Tensor
