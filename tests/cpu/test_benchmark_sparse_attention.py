@@ -45,6 +45,26 @@ def test_fla_skipped_on_cpu_and_resume_measures_only_the_missing_rows(benchmark,
     assert all(r["fwd_bwd_ms"] > 0 for r in second[5:])
 
 
+def test_grouped_key_value_heads_reach_every_op(benchmark, tmp_path):
+    """--kv-heads gives k and v (and the compressors' inputs) fewer heads than q, for every
+    family on the gathered path and for SDPA (enable_gqa); a count that does not divide the
+    query heads is refused."""
+    out = tmp_path / "grouped.json"
+    grouped = SMALL + ["--seq-lens", "128", "--heads", "4"]
+    benchmark.main(grouped + ["--kv-heads", "2", "--ops", "gathered,sdpa", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["settings"]["kv_heads"] == 2
+    rows = record["results"]
+    assert [r["op"] for r in rows] == [f"{family}/gathered" for family in benchmark.INPUTS] + ["sdpa/torch"]
+    assert all(r["fwd_bwd_ms"] > 0 for r in rows), [r for r in rows if "fwd_bwd_ms" not in r]
+    inputs = benchmark.make_inputs(benchmark.parse_args(grouped + ["--kv-heads", "2"]), "nsa",
+                                   1, 64, 4, 16)
+    assert inputs["q"].shape[2] == 4 and inputs["k"].shape[2] == inputs["v"].shape[2] == 2
+    assert inputs["k_weights"].shape[0] == 2
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(grouped + ["--kv-heads", "3"])
+
+
 def documented_parallel_attn(q, k, v, g=None, scale=None, window_size=None, cu_seqlens=None,
                              chunk_indices=None, *, sink_bias=None, log2_sink=False):
     """fla.ops.attn.parallel_attn as its docstring defines it: q, k, v [B, T, H, D], scale
