@@ -454,16 +454,15 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def run_all(device, on_result: Callable[[CheckResult], None] | None = None,
-            backends: list[str] | None = None) -> list[CheckResult]:
+            backends: list[str] | None = None, ops: list[str] | None = None) -> list[CheckResult]:
     """Every backend of every op (or those named in ``backends``), every case, fp32 and bf16
     inputs, on ``device``, then the first-use checks of the other fast paths
-    (``FIRST_USE_BACKENDS``). A backend that cannot run any case here for one reason (fla-core
-    without CUDA; the reference on the CPU, which is the oracle) is one row with case and dtype
-    "*". ``on_result`` is called with each result as it comes (the first CUDA calls compile)."""
-    known = {name for op in OPS.values() for name in op.backends()} | set(FIRST_USE_BACKENDS)
-    unknown = sorted(set(backends or ()) - known)
-    if unknown:
-        raise ValueError(f"unknown backends {unknown}; known: {sorted(known)}")
+    (``FIRST_USE_BACKENDS``); ``ops`` keeps the rows of these ops only (the table's first
+    column, :func:`op_names`), and only those checks run. A backend that cannot run any case
+    here for one reason (fla-core without CUDA; the reference on the CPU, which is the oracle)
+    is one row with case and dtype "*". ``on_result`` is called with each result as it comes
+    (the first CUDA calls compile)."""
+    check_names(backends, ops)
     device = torch.device(device)
     results = []
     # One CPU thread: the tensors here are a few thousand elements, too small to gain from
@@ -473,7 +472,7 @@ def run_all(device, on_result: Callable[[CheckResult], None] | None = None,
     if device.type == "cpu":
         torch.set_num_threads(1)
     try:
-        for result in _checks(device, backends):
+        for result in _checks(device, backends, ops):
             results.append(result)
             if on_result is not None:
                 on_result(result)
@@ -482,8 +481,28 @@ def run_all(device, on_result: Callable[[CheckResult], None] | None = None,
     return results
 
 
-def _checks(device: torch.device, backends: list[str] | None):
+def check_names(backends: list[str] | None, ops: list[str] | None) -> None:
+    """Raise ValueError naming the backends and ops among these that no check has."""
+    known = {name for op in OPS.values() for name in op.backends()} | set(FIRST_USE_BACKENDS)
+    unknown = sorted(set(backends or ()) - known)
+    if unknown:
+        raise ValueError(f"unknown backends {unknown}; known: {sorted(known)}")
+    unknown = sorted(set(ops or ()) - set(op_names()))
+    if unknown:
+        raise ValueError(f"unknown ops {unknown}; known: {op_names()}")
+
+
+def op_names() -> list[str]:
+    """The ops the doctor's rows name (its first column): those of ``OPS``, then those of the
+    first-use checks."""
+    first_use = (row.op for row, _ in _first_use_rows(torch.device("meta"), None))
+    return [*OPS, *dict.fromkeys(first_use)]
+
+
+def _checks(device: torch.device, backends: list[str] | None, ops: list[str] | None):
     for op in OPS.values():
+        if ops is not None and op.name not in ops:
+            continue
         runnable = []
         for backend in op.backends():
             if backends is not None and backend not in backends:
@@ -498,7 +517,9 @@ def _checks(device: torch.device, backends: list[str] | None):
             for dtype in DTYPES:
                 for backend in runnable:
                     yield check_backend(op.name, case.name, backend, device, dtype)
-    yield from _first_use_checks(device, backends)
+    for row, run in _first_use_rows(device, backends):
+        if ops is None or row.op in ops:
+            yield _run_first_use(row, run)
 
 
 # The fast paths outside OPS, each with its own first-use check in the process that uses it:
@@ -509,43 +530,44 @@ def _checks(device: torch.device, backends: list[str] | None):
 FIRST_USE_BACKENDS = ("flash", "triton")
 
 
-def _first_use_checks(device: torch.device, backends: list[str] | None):
+def _run_first_use(result: CheckResult, run: Callable[[], dict[str, float] | None]) -> CheckResult:
+    """Run a first-use check unless its row is a skip: ``run()`` returns the errors (then the
+    row's tolerance decides) or None (it raises on a mismatch)."""
+    if result.skipped_reason is None:
+        start = time.perf_counter()
+        try:
+            errors = run()
+            result.errors = errors or {}
+            result.passed = errors is None or all(error <= result.tolerance
+                                                  for error in errors.values())
+        except Exception as error:  # noqa: BLE001 - a check that cannot run fails
+            result.note = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+        result.ms = (time.perf_counter() - start) * 1e3
+    return result
+
+
+def _first_use_rows(device: torch.device, backends: list[str] | None):
+    """``(row, run)`` of each first-use check, nothing run yet (``_run_first_use`` runs it)."""
     from .residual import efficient
     from .sparse import flash
-
-    def timed(result: CheckResult, run: Callable[[], dict[str, float] | None]) -> CheckResult:
-        """Run a check unless the row is a skip: ``run()`` returns the errors (then the row's
-        tolerance decides) or None (it raises on a mismatch)."""
-        if result.skipped_reason is None:
-            start = time.perf_counter()
-            try:
-                errors = run()
-                result.errors = errors or {}
-                result.passed = errors is None or all(error <= result.tolerance
-                                                      for error in errors.values())
-            except Exception as error:  # noqa: BLE001 - a check that cannot run fails
-                result.note = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
-            result.ms = (time.perf_counter() - start) * 1e3
-        return result
 
     if backends is None or "flash" in backends:
         for dtype in (torch.bfloat16, torch.float16):
             probe = torch.empty(1, 1, 1, 64, device=device, dtype=dtype)
-            yield timed(CheckResult("sparse_attention", "first-use check", "flash", str(device),
-                                    str(dtype).removeprefix("torch."),
-                                    tolerance=flash.CHECK_TOLERANCE,
-                                    skipped_reason=flash.unavailable_reason(probe, probe, probe)),
-                        functools.partial(flash.check, device, dtype))
+            yield (CheckResult("sparse_attention", "first-use check", "flash", str(device),
+                               str(dtype).removeprefix("torch."), tolerance=flash.CHECK_TOLERANCE,
+                               skipped_reason=flash.unavailable_reason(probe, probe, probe)),
+                   functools.partial(flash.check, device, dtype))
     if backends is None or "triton" in backends:
         for kernels, configuration, dtype, run in efficient.first_use_checks(device):
-            yield timed(CheckResult(kernels, configuration, "triton", str(device),
-                                    str(dtype).removeprefix("torch."),
-                                    skipped_reason=run if isinstance(run, str) else None), run)
-        yield from _selected_attention_checks(device, timed)
-        yield from _selection_checks(device, timed)
+            yield (CheckResult(kernels, configuration, "triton", str(device),
+                               str(dtype).removeprefix("torch."),
+                               skipped_reason=run if isinstance(run, str) else None), run)
+        yield from _selected_attention_checks(device)
+        yield from _selection_checks(device)
 
 
-def _selected_attention_checks(device: torch.device, timed):
+def _selected_attention_checks(device: torch.device):
     """The first-use check of DSA's and CSA's selected-attention Triton kernels
     (``sparse.triton.check``), one row per dtype; a skip where they do not import or run."""
     try:
@@ -557,13 +579,13 @@ def _selected_attention_checks(device: torch.device, timed):
             probe = torch.empty(1, 1, 1, 64, device=device, dtype=dtype)
             reason = selected.unavailable_reason(probe, probe, probe)
         tolerance = None if selected is None else selected.CHECK_TOLERANCE[dtype]
-        yield timed(CheckResult("selected_attention", "first-use check", "triton", str(device),
-                                str(dtype).removeprefix("torch."), tolerance=tolerance,
-                                skipped_reason=reason),
-                    None if selected is None else functools.partial(selected.check, device, dtype))
+        yield (CheckResult("selected_attention", "first-use check", "triton", str(device),
+                           str(dtype).removeprefix("torch."), tolerance=tolerance,
+                           skipped_reason=reason),
+               None if selected is None else functools.partial(selected.check, device, dtype))
 
 
-def _selection_checks(device: torch.device, timed):
+def _selection_checks(device: torch.device):
     """The first-use checks of MoBA's selection kernel (``sparse.triton_select.check_moba``) and
     NSA's block-importance kernel (``check_importance``), one row per kernel and dtype; skips
     where the selections do not run in Triton."""
@@ -580,12 +602,12 @@ def _selection_checks(device: torch.device, timed):
     for op, check, tolerance in (("moba_selection", "check_moba", "MOBA_CHECK_TOLERANCE"),
                                  ("nsa_selection", "check_importance", "IMPORTANCE_TOLERANCE")):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            yield timed(CheckResult(op, "first-use check", "triton", str(device),
-                                    str(dtype).removeprefix("torch."),
-                                    tolerance=None if reason else getattr(triton_select, tolerance),
-                                    skipped_reason=reason),
-                        None if reason else functools.partial(getattr(triton_select, check),
-                                                              device, dtype))
+            yield (CheckResult(op, "first-use check", "triton", str(device),
+                               str(dtype).removeprefix("torch."),
+                               tolerance=None if reason else getattr(triton_select, tolerance),
+                               skipped_reason=reason),
+                   None if reason else functools.partial(getattr(triton_select, check), device,
+                                                         dtype))
 
 
 def failures(op: str, backend: str, device, case: str | None = None,

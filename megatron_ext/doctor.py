@@ -1,6 +1,7 @@
 """``megatron-ext doctor``: check every kernel backend on this machine against the fp32 reference.
 
-    megatron-ext doctor [--device auto|cpu|cuda] [--backends NAME,...] [--json PATH]
+    megatron-ext doctor [--device auto|cpu|cuda] [--backends NAME,...] [--ops NAME,...]
+                        [--json PATH]
 
 Prints the environment, then one table row per check as it finishes (op, case, backend, device,
 dtype, the worst relative error of the forward outputs and of the gradients, the tolerance,
@@ -37,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default=None, metavar="NAME,...",
                         help="check only these backends (e.g. 'triton,auto'; default: every one; "
                              "fla-core's autotuning takes minutes on a fresh machine)")
+    parser.add_argument("--ops", default=None, metavar="NAME,...",
+                        help="check only these ops, the table's first column (e.g. "
+                             "'moba_selection,nsa_selection'; default: every one)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write the environment and every result to PATH (as they come)")
 
@@ -116,8 +120,14 @@ def summarize(results, device) -> tuple[str, int]:
              f"{counts['skip']} skipped (not available here; the note says why)"]
     auto_failed = _auto_failures(results, device)
     others = [r for r in results if r.status == "FAIL" and r not in auto_failed]
-    selected = ", ".join(sorted({f"{op} -> {auto_backend(op, device)}" for op in OPS}))
-    if auto_failed:
+    # The ops whose auto backend ran here (--backends or --ops may leave some out).
+    checked = sorted({r.op for r in results if r.op in OPS and r.status != "skip"
+                      and r.backend in ("auto", auto_backend(r.op, device))})
+    selected = ", ".join(f"{op} -> {auto_backend(op, device)}" for op in checked)
+    if not checked:
+        lines.append("no check of what backend='auto' runs here ran (--backends or --ops left it "
+                     "out)")
+    elif auto_failed:
         by_backend = collections.Counter(f"{r.op} {r.backend}" for r in auto_failed)
         failed = ", ".join(f"{name} ({count})" for name, count in by_backend.items())
         lines.append(f"FAILED: {len(auto_failed)} checks of what backend='auto' runs here "
@@ -164,6 +174,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from megatron_ext.kernels import selfcheck
 
+    backends = None if args.backends is None else args.backends.split(",")
+    ops = None if args.ops is None else args.ops.split(",")
+    try:
+        selfcheck.check_names(backends, ops)
+    except ValueError as error:
+        print(f"megatron-ext doctor: error: {error}", file=sys.stderr)
+        return 2
     env = environment(device)
     print("megatron-ext doctor: every kernel backend against the fp32 reference, forward and backward")
     print("  " + " | ".join(f"{name} {env[name]}" for name in
@@ -191,8 +208,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             _write_json(args.json, env, results)
 
-    backends = None if args.backends is None else args.backends.split(",")
-    selfcheck.run_all(device, on_result=on_result, backends=backends)
+    selfcheck.run_all(device, on_result=on_result, backends=backends, ops=ops)
     summary, exit_code = summarize(results, device)
     print()
     print(f"{summary}\n({time.perf_counter() - started:.1f} s)")

@@ -132,6 +132,30 @@ def test_backends_option_checks_only_those(tmp_path, capsys):
         selfcheck.run_all("cpu", backends=["nope"])
 
 
+def test_ops_option_runs_only_those(tmp_path, capsys, monkeypatch):
+    """--ops keeps the rows of the named ops (first-use ones too) and runs no other check."""
+    from megatron_ext.kernels.sparse import flash
+
+    ran = []
+    monkeypatch.setattr(flash, "check", lambda device, dtype: ran.append(dtype) or {})
+    monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
+    path = tmp_path / "doctor.json"
+    assert cli.main(["doctor", "--device", "cpu", "--ops", "decay_linear_attention,sparse_attention",
+                     "--json", str(path)]) == 0
+    results = json.loads(path.read_text())["results"]
+    assert {r["op"] for r in results} == {"decay_linear_attention", "sparse_attention"}
+    assert len(ran) == 2  # the flash path's first-use check, bf16 and fp16, and nothing else
+    capsys.readouterr()
+    assert cli.main(["doctor", "--device", "cpu", "--ops", "moba_selection"]) == 0
+    output = capsys.readouterr().out
+    lines = [line for line in output.splitlines() if " skip " in line]
+    assert len(lines) == 3 and all(line.startswith("moba_selection") for line in lines)
+    assert "no check of what backend='auto' runs here ran" in output
+    assert cli.main(["doctor", "--device", "cpu", "--ops", "nope"]) == 2
+    assert "unknown ops ['nope']" in capsys.readouterr().err
+    assert set(selfcheck.op_names()) >= {"gated_delta_rule", "mhc", "moba_selection"}
+
+
 def test_first_use_rows_show_the_flash_check(tmp_path, capsys, monkeypatch):
     """With FlashAttention's kernels emulated (flash_emulation.py) and allowed on the CPU, the
     doctor shows the flash path's errors; a wrong kernel fails its rows, which is a warning
