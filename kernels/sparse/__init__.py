@@ -19,7 +19,8 @@ Backends, with one signature per op:
                 Triton does not)
 "auto" is flex on CUDA (head dims of 16 or more) and gathered elsewhere; for softmax_attention
 and moba_attention it is flash where flash.py covers the call and has passed its first-use check
-on the device (NSA runs flash only when asked for: see nsa_attention).
+on the device, and so it is for nsa_attention's selected and window branches from
+``NSA_FLASH_MIN_LEN`` tokens a sequence.
 ``layout_blocks=(q_block, kv_block)`` overrides the layout's block sizes (defaults: 128 x 128
 for flex, 64 x 64 for gathered; 16 x 64 for NSA's selected branch in gathered, whose queries
 pick their own blocks); the result does not depend on them.
