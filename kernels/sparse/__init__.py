@@ -50,7 +50,7 @@ import torch
 from . import flash
 from .compressed import (compress_blocks, compressed_entries, compressed_layout, first_tokens,
                          tiled_compressed_layout, window_and_selected, with_entries)
-from .flex import flex_attention_layout
+from .flex import compiled_on_cuda, flex_attention_layout
 from .gathered import gathered_attention
 from .layout import (allowed_rule, both, compress, document_rule, interval_layout,
                      key_selection_layout, moba_chosen, nsa_chosen, selection_layout, window_rule,
@@ -276,10 +276,21 @@ def nsa_attention(q, k, v, gates, k_weights, v_weights, *, compress_block, compr
                                  q.device)
         out_window = run(q, k, v, layout, sink=sink, scale=scale)
 
+    return _gated_sum_body(gates, out_compressed, out_selected, out_window)
+
+
+def _gated_sum(gates, compressed, selected, window):
+    """NSA's output: its branches weighted by the gates ``[B, T, Hq, 3]``, summed in fp32 and
+    rounded once to the branches' dtype."""
     gates = gates.float()
-    out = (gates[..., 0:1] * out_compressed.float() + gates[..., 1:2] * out_selected.float()
-           + gates[..., 2:3] * out_window.float())
-    return out.to(v.dtype)
+    out = (gates[..., 0:1] * compressed.float() + gates[..., 1:2] * selected.float()
+           + gates[..., 2:3] * window.float())
+    return out.to(window.dtype)
+
+
+# One fused kernel each way on CUDA, where eager PyTorch runs about ten elementwise passes over
+# [B, T, Hq, D] in fp32 forward and more backward.
+_gated_sum_body = compiled_on_cuda(_gated_sum, "NSA's gated sum of its branches")
 
 
 def _check_selected(selected, q):
