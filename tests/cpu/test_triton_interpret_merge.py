@@ -10,9 +10,9 @@ calls (a partial last block, every earlier block chosen, the own block only: no 
 four query heads on one key/value head, one partial block) and its block selections per query
 head and per key/value head (G = 2 query heads per row), with and without a sink, and the row
 gather alone (rows wider than a chunk of columns, repeated rows, no rows), on that file's fp64
-inputs and its 1e-6 relative tolerance (the kernels sum in fp32: ~1e-7). The same calls with the PyTorch merge are that
-file's tests; the kernels on a GPU, in bf16 and with the real FlashAttention kernels, are
-tests/gpu/test_sparse_flash.py's.
+inputs and its 1e-6 relative tolerance (the kernels sum in fp32: ~1e-7). The same calls with
+the PyTorch merge are that file's tests; the kernels on a GPU, in bf16 and with the real
+FlashAttention kernels, are tests/gpu/test_sparse_flash.py's.
 """
 import types
 
