@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 import triton
@@ -231,17 +232,20 @@ def _scores(q, k_ptr, key_rows, key_stride, i, num_compressed, d, in_d, t, scale
 @triton.jit(do_not_specialize=["seq_len", "num_compressed", "num_select", "first", "count"])
 def _importance_kernel(q_ptr, k_ptr, out_ptr, seq_len, num_compressed, num_select, first, count,
                        scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                       DP: tl.constexpr, GP: tl.constexpr, CB: tl.constexpr, STRIDE: tl.constexpr,
-                       SB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_J: tl.constexpr, IEEE: tl.constexpr):
-    """:func:`nsa_importance` for BLOCK_T queries of one key/value head, grid
-    [cdiv(count, BLOCK_T), B Hkv]. Pass 1, per query head of the group: the log-sum-exp of its
-    scores over the compressed blocks it sees (online, BLOCK_N blocks a step). Pass 2, per
-    BLOCK_J selection blocks: the probabilities of the compressed blocks that overlap them,
-    times their shares (a tl.dot in fp32), summed over the group's heads; the masks; one store."""
+                       DP: tl.constexpr, GS: tl.constexpr, GP: tl.constexpr, CB: tl.constexpr,
+                       STRIDE: tl.constexpr, SB: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, IEEE: tl.constexpr):
+    """:func:`nsa_importance` for BLOCK_T queries and GS query heads of one key/value head (GP:
+    GS rounded up to a power of two), grid [cdiv(count, BLOCK_T), B Hkv, G / GS]. Pass 1, per
+    head: the log-sum-exp of its scores over the compressed blocks it sees (online, BLOCK_N
+    blocks a step). Pass 2, per BLOCK_J selection blocks: the probabilities of the compressed
+    blocks that overlap them, times their shares (a tl.dot in fp32), summed over the GS heads;
+    the masks; one store into the slice ``program_id(2)`` of the output, which the launcher
+    sums over where the group spans several programs."""
     G: tl.constexpr = HQ // HKV
     b = (tl.program_id(1) // HKV).to(tl.int64)
     kv_head = tl.program_id(1) % HKV
+    part = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = rows < count
     t = first + rows.to(tl.int64)
@@ -252,7 +256,7 @@ def _importance_kernel(q_ptr, k_ptr, out_ptr, seq_len, num_compressed, num_selec
     key_rows = b * num_compressed
     key_stride = HKV * D
     k_head = k_ptr + kv_head * D
-    q_rows = q_ptr + ((b * seq_len + t) * HQ + kv_head * G) * D
+    q_rows = q_ptr + ((b * seq_len + t) * HQ + kv_head * G + part * GS) * D
     # The compressed blocks that the tile's last query sees: i STRIDE + CB - 1 <= t.
     last = first + tl.minimum((tl.program_id(0) + 1) * BLOCK_T, count) - 1
     seen = tl.minimum(tl.where(last >= CB - 1, (last - CB + 1) // STRIDE + 1, 0), num_compressed)
@@ -260,7 +264,7 @@ def _importance_kernel(q_ptr, k_ptr, out_ptr, seq_len, num_compressed, num_selec
     # Pass 1: each head's maximum and sum of exp over the blocks its queries see.
     top = tl.full([BLOCK_T, GP], float("-inf"), dtype=tl.float32)
     total = tl.zeros([BLOCK_T, GP], dtype=tl.float32)
-    for g in tl.static_range(G):
+    for g in tl.static_range(GS):
         q = tl.load(q_rows[:, None] + g * D + d[None, :], mask=live[:, None] & in_d[None, :],
                     other=0.0)
         m = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
@@ -278,7 +282,8 @@ def _importance_kernel(q_ptr, k_ptr, out_ptr, seq_len, num_compressed, num_selec
     # Pass 2: importance[t, j] = sum over heads and compressed blocks i of p(t, i) share(i, j).
     own = t // SB
     js = tl.arange(0, BLOCK_J)
-    out_rows = out_ptr + ((b * HKV + kv_head) * count + rows.to(tl.int64)) * num_select
+    out_rows = out_ptr + ((part.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * count
+                          + rows.to(tl.int64)) * num_select
     for j0 in range(0, num_select, BLOCK_J):
         j = j0 + js
         importance = tl.zeros([BLOCK_T, BLOCK_J], dtype=tl.float32)
@@ -286,7 +291,7 @@ def _importance_kernel(q_ptr, k_ptr, out_ptr, seq_len, num_compressed, num_selec
         low = tl.maximum(j0 * SB - CB + 1, 0)
         low = (low + STRIDE - 1) // STRIDE
         high = tl.minimum(((j0 + BLOCK_J) * SB - 1) // STRIDE + 1, seen)
-        for g in tl.static_range(G):
+        for g in tl.static_range(GS):
             if low < high:
                 q = tl.load(q_rows[:, None] + g * D + d[None, :],
                             mask=live[:, None] & in_d[None, :], other=0.0)
@@ -312,6 +317,12 @@ def _importance_kernel(q_ptr, k_ptr, out_ptr, seq_len, num_compressed, num_selec
 
 
 _IMPORTANCE_LAUNCH = dict(BLOCK_T=64, BLOCK_N=64, BLOCK_J=16, num_warps=4)
+# The most query heads of a group one program takes; larger groups are split over programs
+# (a divisor of the group each) and their sums added. On an H200 (T = 16384, B = 2, 16 query
+# heads of 128, bf16; benchmarks/results, session 20) one program per group took 2.8 ms with 1
+# head a group, 3.2 with 4 and 6.2 with 16 (fewer, longer programs); the split of the 16 is
+# not yet timed.
+_IMPORTANCE_HEADS = 4
 
 
 def nsa_importance(q: torch.Tensor, compressed_k: torch.Tensor, first: int, count: int, *,
@@ -336,17 +347,20 @@ def nsa_importance(q: torch.Tensor, compressed_k: torch.Tensor, first: int, coun
                          f"queries within T; got {q.dtype} {tuple(q.shape)}, "
                          f"{compressed_k.dtype} {tuple(compressed_k.shape)}, queries "
                          f"{first} .. {first + count - 1}")
-    out = torch.empty(batch, kv_heads, count, num_select, dtype=torch.float32, device=q.device)
+    per_program = math.gcd(q_heads // kv_heads, _IMPORTANCE_HEADS)
+    parts = q_heads // kv_heads // per_program
+    out = torch.empty(parts, batch, kv_heads, count, num_select, dtype=torch.float32,
+                      device=q.device)
     if out.numel():
-        grid = (triton.cdiv(count, _IMPORTANCE_LAUNCH["BLOCK_T"]), batch * kv_heads)
+        grid = (triton.cdiv(count, _IMPORTANCE_LAUNCH["BLOCK_T"]), batch * kv_heads, parts)
         _importance_kernel[grid](
             q.contiguous(), compressed_k.contiguous(), out, seq_len, num_compressed, num_select,
             first, count, float(scale), HQ=q_heads, HKV=kv_heads, D=dim,
-            DP=max(16, triton.next_power_of_2(dim)),
-            GP=triton.next_power_of_2(q_heads // kv_heads), CB=compress_block,
+            DP=max(16, triton.next_power_of_2(dim)), GS=per_program,
+            GP=triton.next_power_of_2(per_program), CB=compress_block,
             STRIDE=compress_stride, SB=select_block, IEEE=q.dtype == torch.float32,
             **_IMPORTANCE_LAUNCH)
-    return out
+    return out[0] if parts == 1 else out.sum(0)
 
 
 IMPORTANCE_TOLERANCE = 1e-4
@@ -355,15 +369,15 @@ IMPORTANCE_TOLERANCE = 1e-4
 def check_importance(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """The first-use check of :func:`nsa_importance`: its relative error (Frobenius norm, over
     the finite entries; inf where the -inf / +inf masks differ) against layout.nsa_importance
-    in fp32 on the CPU, on the same values rounded to ``dtype``: 2 x 150 tokens, 4 query heads
-    on 2 key/value heads, D = 64, compressed blocks of 32 every 16 tokens, selection blocks of
-    32, the queries in two chunks (0 .. 99, 100 .. 149)."""
+    in fp32 on the CPU, on the same values rounded to ``dtype``: 2 x 150 tokens, 8 query heads
+    on 1 key/value head (a group split over two programs), D = 64, compressed blocks of 32
+    every 16 tokens, selection blocks of 32, the queries in two chunks (0 .. 99, 100 .. 149)."""
     from ..selfcheck import relative_error
     from . import layout
 
     generator = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 150, 4, 64, generator=generator).to(dtype)
-    compressed_k = torch.randn(2, 8, 2, 64, generator=generator).to(dtype)
+    q = torch.randn(2, 150, 8, 64, generator=generator).to(dtype)
+    compressed_k = torch.randn(2, 8, 1, 64, generator=generator).to(dtype)
     sizes = dict(compress_block=32, compress_stride=16, select_block=32, num_select=5,
                  scale=0.125)
     errors = {}

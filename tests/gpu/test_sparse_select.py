@@ -111,6 +111,7 @@ IMPORTANCE_CASES = [
     (1, 260, 8, 2, 128, 32, 16, 64, 128, 132),  # D = 128, groups of 4, a later chunk
     (2, 20, 2, 1, 16, 32, 16, 32, 0, 20),      # T below a compressed block: none seen
     (1, 1100, 2, 1, 32, 32, 16, 32, 0, 1100),  # more compressed blocks than one step's 64
+    (1, 200, 16, 1, 16, 32, 16, 32, 50, 150),  # a group of 16: split over 4 programs, summed
 ]
 
 
