@@ -487,9 +487,10 @@ def check_names(backends: list[str] | None, ops: list[str] | None) -> None:
     unknown = sorted(set(backends or ()) - known)
     if unknown:
         raise ValueError(f"unknown backends {unknown}; known: {sorted(known)}")
-    unknown = sorted(set(ops or ()) - set(op_names()))
+    names = op_names()
+    unknown = sorted(set(ops or ()) - set(names))
     if unknown:
-        raise ValueError(f"unknown ops {unknown}; known: {op_names()}")
+        raise ValueError(f"unknown ops {unknown}; known: {names}")
 
 
 def op_names() -> list[str]:
@@ -525,8 +526,7 @@ def _checks(device: torch.device, backends: list[str] | None, ops: list[str] | N
 # The fast paths outside OPS, each with its own first-use check in the process that uses it:
 # the FlashAttention-2 path of the sparse ops (backend "flash"), the residual Triton kernels,
 # DSA's and CSA's selected-attention kernels, MoBA's selection kernel and NSA's block-importance
-# kernel ("triton"). Their
-# rows in the doctor's table; "auto" falls back where they fail.
+# kernel ("triton"). Their rows in the doctor's table; "auto" falls back where they fail.
 FIRST_USE_BACKENDS = ("flash", "triton")
 
 

@@ -10,9 +10,9 @@ raised), then a summary. Exits 1 when a check of a backend that ``backend="auto"
 fails, since training would run it; a failing backend that auto does not select is reported but
 only runs when asked for by name. The last rows are the first-use checks of the other fast
 paths (the sparse ops' FlashAttention path, the residual Triton kernels, DSA's and CSA's
-selected-attention kernels, NSA's block-importance kernel): a failure there is a warning, since
-"auto" then falls back. The checks themselves are
-``megatron_ext.kernels.selfcheck``.
+selected-attention kernels, MoBA's selection kernel, NSA's block-importance kernel): a failure
+there is a warning, since "auto" then falls back. ``--ops`` keeps the rows (and runs the checks)
+of the named ops only. The checks themselves are ``megatron_ext.kernels.selfcheck``.
 """
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ which took 10.4 ms at B T = 32768, K = 2048, S = 16384 on an H200 (session 13).
 64 queries and key/value head, pass 1 takes each query head's log-sum-exp over the compressed
 blocks it sees, pass 2 the probabilities of the compressed blocks overlapping each 16 selection
 blocks, times their token shares (a tl.dot in fp32), summed over the group's heads, masked and
-stored once. PyTorch made a ``[B, Hq, chunk, N]`` fp32 score matrix with an fp32 (SIMT) GEMM, its
+stored once (a group of more than ``_IMPORTANCE_HEADS`` heads is split over programs whose sums
+are then added). PyTorch made a ``[B, Hq, chunk, N]`` fp32 score matrix with an fp32 (SIMT) GEMM, its
 softmax, a second GEMM with the shares and the masks: 8.9 ms of GEMMs alone in NSA's fwd+bwd at
 T = 16384 (B T = 32768, 16 heads, D = 128, bf16, H200, session 18's profile). It runs after a
 first-use check against layout.nsa_importance (:func:`importance_checked`, a row of
