@@ -24,7 +24,8 @@ attention, merge the outputs with weights ``exp(L_i - L)`` where ``L`` is the lo
 all sets (and the sink), and in the backward give each set's kernel the merged output and ``L``.
 :func:`block_selection_attention` does so for attention over chosen blocks of keys, causal
 inside the query's own block: every block attends to itself causally (one packed call, all
-heads), and every (batch, key/value head, chosen earlier block) is one packed sequence of the
+heads; where every block is full, one call of cuDNN's fused attention instead, torch's SDPA
+backend, on the blocks as a batch: faster there on Hopper), and every (batch, key/value head, chosen earlier block) is one packed sequence of the
 (query, selection head) rows that chose it against that block's keys (one call; with grouped
 heads the selection heads of a group share their key/value head's sequence, so no key is
 copied per selection head). MoBA (Lu et al., "MoBA: Mixture
@@ -104,6 +105,66 @@ def _kernel_backward(d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
     return torch.ops.aten._flash_attention_backward(
         d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused,
         scale=scale, window_size_left=left, window_size_right=right)
+
+
+# cuDNN's fused attention (torch's SDPA backend) takes the own blocks of a block selection where
+# every block is full (they are then a batch of equal causal sequences). On an H200 it is faster
+# than FlashAttention-2 there: 2 x 32 blocks of 512, 16 heads of 128, fwd+bwd 1.25 against 2.06
+# ms (1.17 against 2.08 with 4 key/value heads); MoBA at T = 16384 (16 / 4 key/value heads)
+# 7.56 / 7.08 ms against 8.11 / 7.73; NSA's blocks of 64 gain 0.1 ms (benchmarks/results/
+# *own_blocks*_s21.log). cuDNN's SDPA backward on Hopper takes head dims up to 128.
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def _own_blocks_on_cudnn(q: torch.Tensor, block_len: int) -> bool:
+    """Whether a block selection's own blocks of ``block_len`` run on cuDNN (see above)."""
+    return (q.device.type == "cuda" and q.shape[1] % block_len == 0
+            and q.shape[-1] <= CUDNN_MAX_HEAD_DIM and torch.backends.cudnn.is_available()
+            and torch.backends.cuda.cudnn_sdp_enabled())
+
+
+def _cudnn_forward(q, k, v, scale):
+    """cuDNN's causal attention forward on ``[N, H, L, D]`` (views of any strides; k, v may have
+    fewer heads): ``(o, lse, state)``, ``lse`` ``[N, H, L]`` fp32 natural log, ``state`` the rest
+    its backward takes."""
+    out, lse, *state, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale)
+    return out, lse.reshape(q.shape[:3]), (lse.shape, *state)
+
+
+def _cudnn_backward(d_out, q, k, v, out, lse, state, scale):
+    """cuDNN's backward, ``(dq, dk, dv)``, from the output and ``lse [N, H, L]`` given (d_out
+    of out's strides)."""
+    lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = state
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        d_out, q, k, v, out, lse.reshape(lse_shape), seed, offset, None, cum_q, cum_k, max_q,
+        max_k, 0.0, True, scale=scale)
+
+
+def _as_blocks(rows: torch.Tensor, block_len: int) -> torch.Tensor:
+    """Rows ``[B * T, H, D]`` (contiguous) as the blocks ``[B * T / block_len, H, block_len, D]``
+    (a view)."""
+    return rows.view(-1, block_len, *rows.shape[1:]).transpose(1, 2)
+
+
+def _own_blocks_cudnn_forward(q_rows, k_rows, v_rows, block_len, scale):
+    """Each block of ``block_len`` rows attending to itself causally, on cuDNN: ``(o [B * T, H,
+    D], lse [H, B * T] as FlashAttention's, the state for the backward)``."""
+    out, lse, state = _cudnn_forward(*(_as_blocks(x, block_len) for x in (q_rows, k_rows, v_rows)),
+                                     scale)
+    heads = q_rows.shape[1]
+    out = out.transpose(1, 2).reshape(q_rows.shape)
+    return out, lse.transpose(0, 1).reshape(heads, -1), state
+
+
+def _own_blocks_cudnn_backward(d_out, q_rows, k_rows, v_rows, out, full_lse, block_len, scale,
+                               state):
+    """The own blocks' ``(dq, dk, dv)`` as rows, from the merged output ``[B * T, H, D]`` and
+    log-sum-exp ``full_lse [B * T, H]`` (the module docstring's identity)."""
+    blocks = [_as_blocks(x.contiguous(), block_len) for x in (d_out, q_rows, k_rows, v_rows, out)]
+    lse = full_lse.view(-1, block_len, q_rows.shape[1]).permute(0, 2, 1).contiguous()
+    grads = _cudnn_backward(*blocks, lse, state, scale)
+    return [g.transpose(1, 2).reshape(x.shape) for g, x in zip(grads, (q_rows, k_rows, v_rows))]
 
 
 def _sink_gradient(sink, d_out, out, lse_rows):
@@ -190,6 +251,7 @@ class _SelectionPlan:
     keys_cu: torch.Tensor
     max_pairs: int
     pairs_of_row: torch.Tensor | None = None
+    own_on_cudnn: bool = False
 
 
 # The device types whose block selections merge in Triton (triton_merge.py); tests add "cpu"
@@ -295,7 +357,12 @@ class _FlashBlockSelection(torch.autograd.Function):
         q_rows, k_rows, v_rows = (x.reshape(batch * seq_len, x.shape[2], dim).contiguous()
                                   for x in (q, k, v))
         own = (plan.own_cu, plan.own_cu, plan.block_len, plan.block_len, True, -1, 0, scale)
-        out_own, lse_own = _kernel_forward(q_rows, k_rows, v_rows, *own)
+        cudnn_state = None
+        if plan.own_on_cudnn:
+            out_own, lse_own, cudnn_state = _own_blocks_cudnn_forward(q_rows, k_rows, v_rows,
+                                                                      plan.block_len, scale)
+        else:
+            out_own, lse_own = _kernel_forward(q_rows, k_rows, v_rows, *own)
         # The earlier blocks' call: keys and values key/value-head-major, one head.
         k_heads, v_heads = (x.transpose(1, 2).reshape(-1, 1, dim).contiguous() for x in (k, v))
         selected = (plan.pairs_cu, plan.keys_cu, plan.max_pairs, plan.block_len, False, -1, -1,
@@ -319,6 +386,7 @@ class _FlashBlockSelection(torch.autograd.Function):
         ctx.save_for_backward(q_rows, k_rows, v_rows, k_heads, v_heads, out, full_lse, rows, sink,
                               plan.pairs_of_row)
         ctx.options = (own, selected, (batch, seq_len, heads, kv_heads, selection_heads, dim))
+        ctx.cudnn_state = cudnn_state
         return out.view(batch, seq_len, heads, dim)
 
     @staticmethod
@@ -331,8 +399,14 @@ class _FlashBlockSelection(torch.autograd.Function):
         d_out = d_out.reshape(shaped).contiguous()
         # Each call's kernel gets the merged output and log-sum-exp: its gradients are then those
         # of the one softmax over all the query's keys, restricted to the call's keys.
-        dq, dk, dv = _kernel_backward(d_out, q_rows, k_rows, v_rows, out.view(shaped),
-                                      full_lse.view(batch * seq_len, heads).t().contiguous(), *own)
+        if ctx.cudnn_state is not None:
+            dq, dk, dv = _own_blocks_cudnn_backward(d_out, q_rows, k_rows, v_rows, out.view(shaped),
+                                                    full_lse.view(batch * seq_len, heads), own[2],
+                                                    own[-1], ctx.cudnn_state)
+        else:
+            dq, dk, dv = _kernel_backward(d_out, q_rows, k_rows, v_rows, out.view(shaped),
+                                          full_lse.view(batch * seq_len, heads).t().contiguous(),
+                                          *own)
         dk, dv = (x.reshape(batch, seq_len, kv_heads, dim) for x in (dk, dv))
         dq_pairs = None
         if rows.numel():
@@ -362,6 +436,7 @@ def block_selection_attention(q, k, v, chosen, block_size, top_k, *, sink=None, 
     multiple of Hkv) must include each query's own block and at most ``top_k`` blocks a query.
     Call only where :func:`unavailable_reason` is None."""
     plan = _selection_plan(chosen, block_size, top_k, k.shape[2])
+    plan.own_on_cudnn = _own_blocks_on_cudnn(q, plan.block_len)
     return _FlashBlockSelection.apply(q, k, v, sink, plan, chosen.shape[1], scale)
 
 
@@ -390,7 +465,8 @@ def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     same rounded values, 4 query heads on 2 key/value heads, D = 64: two packed sequences of 37
     and 64 tokens, causal, with a window of 17 and a sink; a batch of 2 x 70 tokens, not causal,
     without them; MoBA on 2 x 150 tokens in blocks of 32 (the last one partial), top 3, with a
-    sink; and blocks of 32 chosen at random per key/value head (as NSA's), with a sink."""
+    sink, and on 2 x 128 tokens (every block full: the own blocks on cuDNN where it runs),
+    without; and blocks of 32 chosen at random per key/value head (as NSA's), with a sink."""
     from ..selfcheck import relative_error
 
     generator = torch.Generator(device=device).manual_seed(0)
@@ -406,6 +482,7 @@ def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
          dict(causal=True, window=(17, 0), cu_seqlens=packed), True),
         ((flash_attention, softmax_attention_reference), 2, 70, dict(causal=False), False),
         ((moba_attention, moba_attention_reference), 2, 150, moba, True),
+        ((moba_attention, moba_attention_reference), 2, 128, moba, False),
         ((functools.partial(block_selection_attention, chosen=chosen, block_size=32, top_k=5),
           functools.partial(softmax_attention_reference, allowed=allowed)), 2, 150, {}, True),
     ]

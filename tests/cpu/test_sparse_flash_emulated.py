@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from flash_emulation import emulate, emulated_forward
+from flash_emulation import emulate, emulate_cudnn, emulated_forward
 
 from megatron_ext.kernels import sparse
 from megatron_ext.kernels.sparse import flash
@@ -77,6 +77,25 @@ def test_moba_equals_the_reference(emulated, call):
     leaves, grad = _leaves(2, call["batch"], call["seq_len"], call["kv_heads"], call["sink"])
     _assert_equal(flash.moba_attention, moba_attention_reference, leaves, grad,
                   block_size=call["block_size"], top_k=call["top_k"])
+
+
+@pytest.mark.parametrize("call", [c for c in MOBA_CALLS if c["seq_len"] % c["block_size"] == 0]
+                         + [dict(batch=2, seq_len=96, block_size=32, top_k=2, kv_heads=2, sink=True),
+                            dict(batch=1, seq_len=64, block_size=16, top_k=3, kv_heads=1, sink=True)],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_moba_with_own_blocks_on_cudnn_equals_the_reference(monkeypatch, call):
+    """With every block full the own blocks go to cuDNN (emulated, in its [N, H, L, D] layout
+    with a log-sum-exp [N, H, L]); the merge and the backward's shared log-sum-exp still give the
+    reference's output and gradients."""
+    emulate_cudnn(monkeypatch)
+    calls, forward = [], flash._cudnn_forward
+    monkeypatch.setattr(flash, "_cudnn_forward",
+                        lambda *args: calls.append(args[0].shape) or forward(*args))
+    leaves, grad = _leaves(2, call["batch"], call["seq_len"], call["kv_heads"], call["sink"])
+    _assert_equal(flash.moba_attention, moba_attention_reference, leaves, grad,
+                  block_size=call["block_size"], top_k=call["top_k"])
+    blocks = call["batch"] * call["seq_len"] // call["block_size"]
+    assert calls == [(blocks, 4, call["block_size"], 8)]
 
 
 @pytest.mark.parametrize("selection_heads", [2, 4], ids=["per key/value head", "per query head"])

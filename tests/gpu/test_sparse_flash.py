@@ -3,7 +3,8 @@ moba_attention and nsa_attention (kernels/sparse/flash.py: torch's FlashAttentio
 the sink through their log-sum-exp) against the fp32 reference, forward and backward (q, k, v
 and the sink), in bf16 and fp16: causal, causal with a window, a two-sided window without
 causality, packed sequences (one empty, one across the window), grouped heads, and lengths of
-1, 63, 64, 65 and 1000 tokens; MoBA with partial last blocks, top-k of 1 to 8; NSA (its
+1, 63, 64, 65 and 1000 tokens; MoBA with partial last blocks or full ones (the own blocks then
+on cuDNN, also compared with them on FlashAttention-2), top-k of 1 to 8; NSA (its
 selected and window branches on the kernels) against the gathered path; a sink of -inf; the
 first-use check; and "auto" choosing it on a GPU.
 
@@ -70,10 +71,29 @@ def test_matches_reference(seq_len, options, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(("seq_len", "block_size", "top_k"),
-                         [(1000, 128, 3), (1000, 96, 8), (257, 64, 1), (64, 64, 1)])
+                         [(1000, 128, 3), (1000, 96, 8), (257, 64, 1), (64, 64, 1),
+                          (1024, 128, 3), (576, 64, 4)])
 def test_moba_matches_reference(seq_len, block_size, top_k, dtype):
     leaves, grad = _leaves(2, seq_len)
     _compare(leaves, grad, dtype, op=sparse.moba_attention, block_size=block_size, top_k=top_k)
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_own_blocks_on_cudnn_equal_flash_attention(monkeypatch, block_size):
+    """With every block full, a block selection's own blocks run on cuDNN; its output and
+    gradients equal those with the own blocks on FlashAttention-2 (both bf16, to the check's
+    tolerance against each other)."""
+    calls, forward = [], flash._cudnn_forward
+    monkeypatch.setattr(flash, "_cudnn_forward", lambda *a: calls.append(1) or forward(*a))
+    leaves, grad = _leaves(2, 8 * block_size)
+    options = dict(op=sparse.moba_attention, block_size=block_size, top_k=3)
+    with_cudnn = _run("flash", leaves, grad, torch.bfloat16, **options)
+    assert calls
+    monkeypatch.setattr(flash, "_own_blocks_on_cudnn", lambda q, block_len: False)
+    without = _run("flash", leaves, grad, torch.bfloat16, **options)
+    assert len(calls) == 1
+    errors = {name: relative_error(with_cudnn[name], without[name]) for name in without}
+    assert max(errors.values()) <= flash.CHECK_TOLERANCE, errors
 
 
 @pytest.mark.parametrize("options", list(OPTIONS))
@@ -123,10 +143,11 @@ def test_auto_runs_flash_for_a_window_or_sink(monkeypatch):
     assert len(calls) == 1  # an extra mask goes to FlexAttention
 
 
-def test_nsa_matches_reference():
-    leaves, grad = _leaves(2, 1000)
+@pytest.mark.parametrize("seq_len", [1000, 1024])  # 1024: the own blocks of 64 on cuDNN
+def test_nsa_matches_reference(seq_len):
+    leaves, grad = _leaves(2, seq_len)
     g = torch.Generator(device="cuda").manual_seed(3)
-    gates = torch.rand(2, 1000, HQ, 3, device="cuda", generator=g)
+    gates = torch.rand(2, seq_len, HQ, 3, device="cuda", generator=g)
     k_weights, v_weights = (torch.rand(HKV, 32, device="cuda", generator=g) for _ in range(2))
 
     def nsa(q, k, v, sink, backend):
