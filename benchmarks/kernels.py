@@ -177,6 +177,21 @@ def time_ms(function, *, warmup, reps, device, slow_s=float("inf")):
     return statistics.median(times), None, reps
 
 
+def back_to_back_ms(function, *, reps, device):
+    """Milliseconds a call of ``function`` (on CUDA) takes among ``reps`` calls issued back to
+    back between two events: the host queues each call while the GPU runs the ones before, as in
+    a training step, so host time that the GPU's work covers does not count (:func:`time_ms`
+    starts every call on an idle GPU, so it does)."""
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        function()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def describe(error: Exception) -> str:
     lines = str(error).strip().splitlines() or [""]
     return f"{type(error).__name__}: {lines[0][:300]}"
@@ -229,6 +244,9 @@ def measure(op: Op, seq_len: int, args) -> dict:
             result["fwd_bwd_ms"], result["fwd_bwd_peak_gib"], result["fwd_bwd_reps"] = time_ms(
                 forward_backward, warmup=args.warmup, reps=args.reps, device=device,
                 slow_s=args.slow_call_s)
+            if device.type == "cuda" and result["fwd_bwd_reps"] > 1:
+                result["fwd_bwd_back_to_back_ms"] = back_to_back_ms(
+                    forward_backward, reps=result["fwd_bwd_reps"], device=device)
             if args.profile and device.type == "cuda":
                 result["fwd_bwd_profile"] = kernel_times(forward_backward)
         except Exception as error:  # noqa: BLE001

@@ -37,8 +37,11 @@ Shapes: B = batch_tokens / T sequences, H heads for q, ``--kv-heads`` (default H
 head dim D; bf16 q, k, v
 and gates, fp32 sink and compression weights, as in the layers. Timing and memory as in
 ``benchmarks/kernels.py`` (whose measurement this script reuses): median of ``--reps`` calls
-after ``--warmup``, peak allocated memory over the timed calls, inputs included, and its
-``--slow-call-s`` rule for slow ops; fwd+bwd takes the gradients of every input. The first flex call of each shape compiles (tens of seconds).
+after ``--warmup``, each started on an idle GPU (so the time includes any wait for the host),
+peak allocated memory over the timed calls, inputs included, and its ``--slow-call-s`` rule
+for slow ops; fwd+bwd takes the gradients of every input. On CUDA, fwd+bwd is also timed with
+``--reps`` calls issued back to back (``fwd_bwd_back_to_back_ms``: the host queues a call while
+the GPU runs the one before, as in a training step). The first flex call of each shape compiles (tens of seconds).
 Results are written to ``--out`` after every op and T; with ``--resume`` a run keeps what
 ``--out`` holds and measures only the (op, T) rows missing from it.
 
@@ -314,13 +317,19 @@ def plot(record: dict, path: pathlib.Path) -> None:
 
 
 def summary(record: dict) -> None:
-    """Each op's fwd+bwd time as a fraction of SDPA's at the same T."""
-    sdpa = {r["seq_len"]: r.get("fwd_bwd_ms") for r in record["results"] if r["op"] == "sdpa/torch"}
-    for r in record["results"]:
-        if r["op"] != "sdpa/torch" and r.get("fwd_bwd_ms") and sdpa.get(r["seq_len"]):
-            log(f"{r['op']} T={r['seq_len']}: fwd+bwd {r['fwd_bwd_ms']:.2f} ms = "
-                f"{r['fwd_bwd_ms'] / sdpa[r['seq_len']]:.2f}x SDPA, peak "
-                f"{r.get('fwd_bwd_peak_gib') or float('nan'):.2f} GiB")
+    """Each op's fwd+bwd time as a fraction of SDPA's at the same T; on CUDA also with the calls
+    issued back to back (the host ahead of the GPU, as in training)."""
+    rows = record["results"]
+    sdpa = {r["seq_len"]: r for r in rows if r["op"] == "sdpa/torch"}
+    for r in rows:
+        base = sdpa.get(r["seq_len"], {})
+        if r["op"] != "sdpa/torch" and r.get("fwd_bwd_ms") and base.get("fwd_bwd_ms"):
+            line = (f"{r['op']} T={r['seq_len']}: fwd+bwd {r['fwd_bwd_ms']:.2f} ms = "
+                    f"{r['fwd_bwd_ms'] / base['fwd_bwd_ms']:.2f}x SDPA")
+            if r.get("fwd_bwd_back_to_back_ms") and base.get("fwd_bwd_back_to_back_ms"):
+                line += (f" (back to back {r['fwd_bwd_back_to_back_ms']:.2f} ms = "
+                         f"{r['fwd_bwd_back_to_back_ms'] / base['fwd_bwd_back_to_back_ms']:.2f}x)")
+            log(f"{line}, peak {r.get('fwd_bwd_peak_gib') or float('nan'):.2f} GiB")
 
 
 def parse_args(argv=None):

@@ -259,6 +259,29 @@ class _SelectionPlan:
 MERGE_DEVICE_TYPES = {"cuda"}
 
 
+@functools.lru_cache(maxsize=16)
+def _plan_constants(batch: int, heads: int, seq_len: int, num_blocks: int, block_size: int,
+                    top_k: int, kv_heads: int, device: torch.device) -> dict:
+    """What a plan of these sizes needs that does not depend on the choice (cached: it is the
+    same at every layer and step, and each would be a small launch of its own)."""
+    starts = torch.arange(num_blocks, device=device) * block_size
+    lengths = (seq_len - starts).clamp(max=block_size)
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    own_block = torch.arange(seq_len, device=device) // block_size
+    # Room for the most pairs there can be: a token of block i has min(top_k - 1, i) of them.
+    per_row = max(top_k - 1, 0)
+    capacity = batch * heads * sum(min(per_row, i) * min(block_size, seq_len - i * block_size)
+                                   for i in range(num_blocks))
+    sequences = batch * kv_heads * num_blocks
+    return dict(
+        earlier=torch.arange(num_blocks, device=device)[None, :] < own_block[:, None],  # [T, n]
+        per_row=per_row, capacity=capacity, sequences=sequences,
+        sequence_ids=torch.arange(sequences + 1, device=device),
+        pair_ids=torch.arange(capacity, device=device),
+        own_cu=torch.cat([zero, lengths.repeat(batch).cumsum(0)]).int(),
+        keys_cu=torch.cat([zero, lengths.repeat(batch * kv_heads).cumsum(0)]).int())
+
+
 def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int,
                     kv_heads: int) -> _SelectionPlan:
     """The plan of a selection ``chosen [B, Hs, T, n]`` over ``kv_heads`` key/value heads that
@@ -266,24 +289,17 @@ def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int,
     batch, heads, seq_len, num_blocks = chosen.shape
     repeat = heads // kv_heads  # selection heads per key/value head
     device = chosen.device
-    starts = torch.arange(num_blocks, device=device) * block_size
-    lengths = (seq_len - starts).clamp(max=block_size)
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-    own_block = torch.arange(seq_len, device=device) // block_size
-    earlier = torch.arange(num_blocks, device=device)[None, :] < own_block[:, None]  # [T, n]
-    # Room for the most pairs there can be: a token of block i has min(top_k - 1, i) of them.
-    per_row = max(top_k - 1, 0)
-    capacity = batch * heads * sum(min(per_row, i) * min(block_size, seq_len - i * block_size)
-                                   for i in range(num_blocks))
+    const = _plan_constants(batch, heads, seq_len, num_blocks, block_size, top_k, kv_heads,
+                            device)
+    per_row, capacity, sequences = const["per_row"], const["capacity"], const["sequences"]
     # (b, key/value head g, j, r, t) with selection head h = g * repeat + r, sorted as listed;
     # -1 past the pairs there are
-    pairs = (chosen & earlier).view(batch, kv_heads, repeat, seq_len, num_blocks)
+    pairs = (chosen & const["earlier"]).view(batch, kv_heads, repeat, seq_len, num_blocks)
     b, g, j, r, t = torch.nonzero_static(pairs.permute(0, 1, 4, 2, 3), size=capacity,
                                          fill_value=-1).unbind(1)
     h = g * repeat + r
-    sequences = batch * kv_heads * num_blocks
     sequence = torch.where(t >= 0, (b * kv_heads + g) * num_blocks + j, sequences)  # padding last
-    pairs_cu = torch.searchsorted(sequence, torch.arange(sequences + 1, device=device))
+    pairs_cu = torch.searchsorted(sequence, const["sequence_ids"])
     row_count = batch * seq_len * heads
     rows = torch.where(t >= 0, (b * seq_len + t) * heads + h, row_count)
     pairs_of_row = None
@@ -291,7 +307,7 @@ def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int,
         # each pair's slot among its row's: its place in the pairs sorted by row
         order = torch.argsort(rows, stable=True)
         by_row = rows[order]
-        slot = torch.arange(capacity, device=device) - torch.searchsorted(by_row, by_row)
+        slot = const["pair_ids"] - torch.searchsorted(by_row, by_row)
         pairs_of_row = torch.full((row_count + 1, max(per_row, 1)), -1, dtype=torch.int32,
                                   device=device)
         pairs_of_row[by_row, slot.clamp(max=per_row - 1)] = order.int()  # padding: the extra row
@@ -299,11 +315,11 @@ def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int,
         rows = torch.where(t >= 0, rows, 0)
     else:
         rows = rows[t >= 0]
-    return _SelectionPlan(own_cu=torch.cat([zero, lengths.repeat(batch).cumsum(0)]).int(),
+    return _SelectionPlan(own_cu=const["own_cu"],
                           block_len=min(block_size, seq_len),
                           rows=rows,
                           pairs_cu=pairs_cu.int(),
-                          keys_cu=torch.cat([zero, lengths.repeat(batch * kv_heads).cumsum(0)]).int(),
+                          keys_cu=const["keys_cu"],
                           max_pairs=repeat * max(seq_len - block_size, 0),
                           pairs_of_row=pairs_of_row)
 

@@ -148,3 +148,16 @@ def test_dsa_stages_on_the_cpu(tmp_path):
     assert [(r["seq_len"], r["batch"]) for r in results] == [(64, 4), (128, 2)]
     names = ["select", "auto_attention_fwd", "auto_attention_fwd_bwd", "loss_fwd", "loss_fwd_bwd"]
     assert all(r[name] > 0 for r in results for name in names)
+
+
+def test_summary_gives_the_back_to_back_ratio_where_both_rows_have_it(benchmark, capsys):
+    record = {"results": [
+        dict(op="sdpa/torch", seq_len=64, fwd_bwd_ms=10.0, fwd_bwd_back_to_back_ms=8.0),
+        dict(op="moba/flash", seq_len=64, fwd_bwd_ms=6.0, fwd_bwd_back_to_back_ms=4.0,
+             fwd_bwd_peak_gib=1.5),
+        dict(op="moba/flex", seq_len=64, fwd_bwd_ms=7.0)]}
+    benchmark.summary(record)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("moba/flash T=64: fwd+bwd 6.00 ms = 0.60x SDPA (back to back 4.00 ms "
+                             "= 0.50x), peak 1.50 GiB")
+    assert lines[1].endswith("moba/flex T=64: fwd+bwd 7.00 ms = 0.70x SDPA, peak nan GiB")
