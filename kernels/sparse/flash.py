@@ -25,8 +25,8 @@ all sets (and the sink), and in the backward give each set's kernel the merged o
 :func:`block_selection_attention` does so for attention over chosen blocks of keys, causal
 inside the query's own block: every block attends to itself causally (one packed call, all
 heads; where every block is full, one call of cuDNN's fused attention instead, torch's SDPA
-backend, on the blocks as a batch: faster there on Hopper), and every (batch, key/value head, chosen earlier block) is one packed sequence of the
-(query, selection head) rows that chose it against that block's keys (one call; with grouped
+backend, on the blocks as a batch: faster there on Hopper), and every (batch, key/value head,
+chosen earlier block) is one packed sequence of the (query, selection head) rows that chose it against that block's keys (one call; with grouped
 heads the selection heads of a group share their key/value head's sequence, so no key is
 copied per selection head). MoBA (Lu et al., "MoBA: Mixture
 of Block Attention for Long-Context LLMs", 2025, whose own implementation also splits the own
@@ -111,8 +111,8 @@ def _kernel_backward(d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
 # every block is full (they are then a batch of equal causal sequences). On an H200 it is faster
 # than FlashAttention-2 there: 2 x 32 blocks of 512, 16 heads of 128, fwd+bwd 1.25 against 2.06
 # ms (1.17 against 2.08 with 4 key/value heads); MoBA at T = 16384 (16 / 4 key/value heads)
-# 7.56 / 7.08 ms against 8.11 / 7.73; NSA's blocks of 64 gain 0.1 ms (benchmarks/results/
-# *own_blocks*_s21.log). cuDNN's SDPA backward on Hopper takes head dims up to 128.
+# 7.56 / 7.08 ms against 8.11 / 7.73 (calls back to back); NSA's blocks of 64 gain 0.1 ms
+# (benchmarks/results/*own_blocks*_s21.log). cuDNN's SDPA backward on Hopper takes head dims up to 128.
 CUDNN_MAX_HEAD_DIM = 128
 
 
@@ -237,7 +237,8 @@ class _SelectionPlan:
     sequence per (batch, key/value head, block), and ``keys_cu`` cuts the key/value-head-major
     ``[B * Hkv * T]`` keys into the same blocks. ``max_pairs`` bounds the longest sequence.
     ``pairs_of_row``, only where the Triton merge runs (else None): ``[B * T * Hs, S]`` int32,
-    the pairs of each row (-1 for none), S the most a row may have.
+    the pairs of each row (-1 for none), S the most a row may have. ``own_on_cudnn``: the own
+    blocks run on cuDNN (:func:`_own_blocks_on_cudnn`), not in the packed call.
 
     Where the Triton merge runs (CUDA), nothing is read back to the host: the lists have room
     for every pair the bound on a row's blocks allows, and the pairs past ``pairs_cu[-1]`` are
@@ -282,8 +283,8 @@ def _plan_constants(batch: int, heads: int, seq_len: int, num_blocks: int, block
         keys_cu=torch.cat([zero, lengths.repeat(batch * kv_heads).cumsum(0)]).int())
 
 
-def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int,
-                    kv_heads: int) -> _SelectionPlan:
+def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int, kv_heads: int,
+                    own_on_cudnn: bool = False) -> _SelectionPlan:
     """The plan of a selection ``chosen [B, Hs, T, n]`` over ``kv_heads`` key/value heads that
     includes each query's own block and at most ``top_k`` blocks a query."""
     batch, heads, seq_len, num_blocks = chosen.shape
@@ -321,7 +322,8 @@ def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int,
                           pairs_cu=pairs_cu.int(),
                           keys_cu=const["keys_cu"],
                           max_pairs=repeat * max(seq_len - block_size, 0),
-                          pairs_of_row=pairs_of_row)
+                          pairs_of_row=pairs_of_row,
+                          own_on_cudnn=own_on_cudnn)
 
 
 def _merge_kernels():
@@ -416,9 +418,10 @@ class _FlashBlockSelection(torch.autograd.Function):
         # Each call's kernel gets the merged output and log-sum-exp: its gradients are then those
         # of the one softmax over all the query's keys, restricted to the call's keys.
         if ctx.cudnn_state is not None:
+            _, _, block_len, _, _, _, _, scale = own
             dq, dk, dv = _own_blocks_cudnn_backward(d_out, q_rows, k_rows, v_rows, out.view(shaped),
-                                                    full_lse.view(batch * seq_len, heads), own[2],
-                                                    own[-1], ctx.cudnn_state)
+                                                    full_lse.view(batch * seq_len, heads),
+                                                    block_len, scale, ctx.cudnn_state)
         else:
             dq, dk, dv = _kernel_backward(d_out, q_rows, k_rows, v_rows, out.view(shaped),
                                           full_lse.view(batch * seq_len, heads).t().contiguous(),
@@ -451,8 +454,8 @@ def block_selection_attention(q, k, v, chosen, block_size, top_k, *, sink=None, 
     ``chosen [B, Hs, T, n]`` (bool, per query and selection head; Hs divides Hq and is a
     multiple of Hkv) must include each query's own block and at most ``top_k`` blocks a query.
     Call only where :func:`unavailable_reason` is None."""
-    plan = _selection_plan(chosen, block_size, top_k, k.shape[2])
-    plan.own_on_cudnn = _own_blocks_on_cudnn(q, plan.block_len)
+    plan = _selection_plan(chosen, block_size, top_k, k.shape[2],
+                           _own_blocks_on_cudnn(q, min(block_size, q.shape[1])))
     return _FlashBlockSelection.apply(q, k, v, sink, plan, chosen.shape[1], scale)
 
 
