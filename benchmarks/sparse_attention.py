@@ -41,7 +41,8 @@ after ``--warmup``, each started on an idle GPU (so the time includes any wait f
 peak allocated memory over the timed calls, inputs included, and its ``--slow-call-s`` rule
 for slow ops; fwd+bwd takes the gradients of every input. On CUDA, fwd+bwd is also timed with
 ``--reps`` calls issued back to back (``fwd_bwd_back_to_back_ms``: the host queues a call while
-the GPU runs the one before, as in a training step). The first flex call of each shape compiles (tens of seconds).
+the GPU runs the one before, as in a training step). The first flex call of each shape compiles
+(tens of seconds).
 Results are written to ``--out`` after every op and T; with ``--resume`` a run keeps what
 ``--out`` holds and measures only the (op, T) rows missing from it.
 

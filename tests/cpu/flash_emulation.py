@@ -28,7 +28,8 @@ def emulate_cudnn(monkeypatch):
 def _batch_as_rows(x):
     """``[N, H, L, D]`` -> packed rows ``[N * L, H, D]`` and their sequence bounds."""
     n, _, length, _ = x.shape
-    return x.transpose(1, 2).reshape(n * length, *x.shape[1::2]), torch.arange(0, n * length + 1, length)
+    rows = x.transpose(1, 2).reshape(n * length, *x.shape[1::2])
+    return rows, torch.arange(0, n * length + 1, length)
 
 
 def emulated_cudnn_forward(q, k, v, scale):
