@@ -260,11 +260,13 @@ class _SelectionPlan:
 MERGE_DEVICE_TYPES = {"cuda"}
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=4)
 def _plan_constants(batch: int, heads: int, seq_len: int, num_blocks: int, block_size: int,
                     top_k: int, kv_heads: int, device: torch.device) -> dict:
     """What a plan of these sizes needs that does not depend on the choice (cached: it is the
-    same at every layer and step, and each would be a small launch of its own)."""
+    same at every layer and step, and each would be a small launch of its own). The largest
+    is ``pair_ids``, 8 bytes a possible pair: 61 MB for NSA's paper sizes with 16 selection
+    heads at B = 2, T = 16384, so few sizes are kept."""
     starts = torch.arange(num_blocks, device=device) * block_size
     lengths = (seq_len - starts).clamp(max=block_size)
     zero = torch.zeros(1, dtype=torch.long, device=device)
