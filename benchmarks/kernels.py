@@ -109,10 +109,12 @@ def linear_inputs(family, batch, seq_len, heads, dim, device):
     return inputs
 
 
-def sdpa_inputs(batch, seq_len, heads, dim, device):
-    """q, k, v ``[B, H, T, D]`` bf16, SDPA's layout."""
-    return {name: torch.randn(batch, heads, seq_len, dim, device=device, dtype=torch.bfloat16)
-            for name in "qkv"}
+def sdpa_inputs(batch, seq_len, heads, dim, device, kv_heads=None):
+    """q ``[B, H, T, D]``, k and v ``[B, Hkv, T, D]`` (Hkv = ``kv_heads``, default H) bf16,
+    SDPA's layout."""
+    counts = dict(q=heads, k=kv_heads or heads, v=kv_heads or heads)
+    return {name: torch.randn(batch, count, seq_len, dim, device=device, dtype=torch.bfloat16)
+            for name, count in counts.items()}
 
 
 def _fla_skip(family, inputs_example, device) -> str | None:

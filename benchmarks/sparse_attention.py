@@ -266,18 +266,12 @@ def build_ops(args) -> list:
         if family in FLA_FAMILIES:
             check = functools.cache(functools.partial(fla_check, family, args))
             ops.append(bench.Op(family, "fla", make, family_run(family, "fla", args), fla_skip, check))
-    ops.append(bench.Op("sdpa", "torch", functools.partial(sdpa_inputs, args),
+    ops.append(bench.Op("sdpa", "torch",
+                        lambda *shape: bench.sdpa_inputs(*shape, device, args.kv_heads),
                         lambda **x: F.scaled_dot_product_attention(
                             x["q"], x["k"], x["v"], is_causal=True,
                             enable_gqa=x["k"].shape[1] < x["q"].shape[1])))
     return ops
-
-
-def sdpa_inputs(args, batch, seq_len, heads, dim):
-    """q ``[B, H, T, D]``, k and v ``[B, Hkv, T, D]``, bf16: SDPA's layout."""
-    shapes = dict(q=heads, k=args.kv_heads, v=args.kv_heads)
-    return {name: torch.randn(batch, count, seq_len, dim, device=args.device, dtype=torch.bfloat16)
-            for name, count in shapes.items()}
 
 
 def plot(record: dict, path: pathlib.Path) -> None:

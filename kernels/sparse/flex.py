@@ -111,9 +111,7 @@ def _block_mask(layout: BlockLayout, heads: int, seq_len: int, key_len: int):
 def _repeat_heads(t, group: int):
     """``[B, S, Hkv, D]`` -> ``[B, S, Hkv * group, D]``, each head repeated ``group`` times in a
     row (its query heads); the backward sums each group back."""
-    batch, length, kv_heads, dim = t.shape
-    return t.unsqueeze(3).expand(batch, length, kv_heads, group, dim).reshape(
-        batch, length, kv_heads * group, dim)
+    return t.repeat_interleave(group, dim=2)
 
 
 def flex_attention_layout(q, k, v, layout: BlockLayout, *, sink=None, scale=None,

@@ -321,8 +321,8 @@ _IMPORTANCE_LAUNCH = dict(BLOCK_T=64, BLOCK_N=64, BLOCK_J=16, num_warps=4)
 # The most query heads of a group one program takes; larger groups are split over programs
 # (a divisor of the group each) and their sums added. On an H200 (T = 16384, B = 2, 16 query
 # heads of 128, bf16; benchmarks/results, session 20) one program per group took 2.8 ms with 1
-# head a group, 3.2 with 4 and 6.2 with 16 (fewer, longer programs); the split of the 16 is
-# not yet timed.
+# head a group, 3.2 with 4 and 6.2 with 16 (fewer, longer programs); with the 16 split in four,
+# 3.2 ms (session 21).
 _IMPORTANCE_HEADS = 4
 
 
