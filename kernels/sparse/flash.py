@@ -26,18 +26,22 @@ all sets (and the sink), and in the backward give each set's kernel the merged o
 inside the query's own block: every block attends to itself causally (one packed call, all
 heads; where every block is full, one call of cuDNN's fused attention instead, torch's SDPA
 backend, on the blocks as a batch: faster there on Hopper), and every (batch, key/value head,
-chosen earlier block) is one packed sequence of the (query, selection head) rows that chose it against that block's keys (one call; with grouped
-heads the selection heads of a group share their key/value head's sequence, so no key is
-copied per selection head). MoBA (Lu et al., "MoBA: Mixture
-of Block Attention for Long-Context LLMs", 2025, whose own implementation also splits the own
-block from the selected ones) chooses per query head; NSA's selected branch (Yuan et al.,
-"Native Sparse Attention", 2025) per key/value head, so that each row of that call carries
-the query heads of a group. The work is then that of the chosen blocks, where a block mask over
-128-query tiles covers the union of what every query of the tile chose. NSA's sliding-window
-branch is :func:`flash_attention`; its compressed branch keeps the block layout. Where Triton
-runs (CUDA), the merge of the two calls' outputs, the sum of their query gradients and the
-gathers of the pairs' rows run in Triton kernels (triton_merge.py), each reading its inputs once;
-elsewhere in PyTorch.
+chosen earlier block) is one packed sequence of the (query, selection head) rows that chose it
+against that block's keys (one call; with grouped heads the selection heads of a group share
+their key/value head's sequence, so no key is copied per selection head). From blocks of
+``CUDNN_MIN_EARLIER_BLOCK`` keys that call runs on cuDNN too, its sequences cut into chunks of
+``CUDNN_CHUNK`` rows, each chunk with its block's keys gathered: a batch of equal dense
+attentions, which cuDNN runs faster than FlashAttention-2 runs the packed call. MoBA (Lu et
+al., "MoBA: Mixture of Block Attention for Long-Context LLMs", 2025, whose own implementation
+also splits the own block from the selected ones) chooses per query head; NSA's selected
+branch (Yuan et al., "Native Sparse Attention", 2025) per key/value head, so that each row of
+that call carries the query heads of a group. The work is then that of the chosen blocks,
+where a block mask over 128-query tiles covers the union of what every query of the tile
+chose. NSA's sliding-window branch is :func:`flash_attention`; its compressed branch keeps the
+block layout. Where Triton runs (CUDA), the merge of the two calls' outputs, the sum of their
+query gradients, the gathers of the pairs' rows (and of the chunks' keys) and the sum of the
+chunks' key and value gradients run in Triton kernels (triton_merge.py), each reading its
+inputs once; elsewhere in PyTorch.
 
 The kernels run only after a first-use check per device and dtype (:func:`check`, run once by
 :func:`checked`; ``megatron-ext doctor`` shows its errors): small
@@ -114,31 +118,50 @@ def _kernel_backward(d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
 # 7.56 / 7.08 ms against 8.11 / 7.73 (calls back to back); NSA's blocks of 64 gain 0.1 ms
 # (benchmarks/results/*own_blocks*_s21.log). cuDNN's SDPA backward on Hopper takes head dims up to 128.
 CUDNN_MAX_HEAD_DIM = 128
+# The earlier blocks' call runs on cuDNN too, as a batch of chunks: CUDNN_CHUNK pair rows of one
+# (batch, key/value head, block) sequence against that block's keys, gathered per chunk
+# (:class:`_SelectionPlan`), from blocks of CUDNN_MIN_EARLIER_BLOCK keys. On an H200, MoBA's
+# 999,424 pairs at T = 16384 (4 key/value heads, blocks of 512) took 2.37 ms fwd+bwd in 2,072
+# chunks of 512 against FlashAttention-2's 4.16; the whole MoBA call 6.0 against 7.05 ms (7.25
+# against 7.46 with 16 key/value heads, whose 4x more sequences leave more chunks part full);
+# NSA's selected blocks of 64 were slower so (33.9 against 31.6 ms)
+# (benchmarks/results/*earlier*_s22.log).
+CUDNN_CHUNK = 512
+CUDNN_MIN_EARLIER_BLOCK = 128
+
+
+def _on_cudnn(q: torch.Tensor) -> bool:
+    """Whether cuDNN's fused attention can take q's device and head dim."""
+    return (q.device.type == "cuda" and q.shape[-1] <= CUDNN_MAX_HEAD_DIM
+            and torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled())
 
 
 def _own_blocks_on_cudnn(q: torch.Tensor, block_len: int) -> bool:
     """Whether a block selection's own blocks of ``block_len`` run on cuDNN (see above)."""
-    return (q.device.type == "cuda" and q.shape[1] % block_len == 0
-            and q.shape[-1] <= CUDNN_MAX_HEAD_DIM and torch.backends.cudnn.is_available()
-            and torch.backends.cuda.cudnn_sdp_enabled())
+    return q.shape[1] % block_len == 0 and _on_cudnn(q)
 
 
-def _cudnn_forward(q, k, v, scale):
-    """cuDNN's causal attention forward on ``[N, H, L, D]`` (views of any strides; k, v may have
-    fewer heads): ``(o, lse, state)``, ``lse`` ``[N, H, L]`` fp32 natural log, ``state`` the rest
-    its backward takes."""
+def _earlier_blocks_on_cudnn(q: torch.Tensor, block_len: int) -> bool:
+    """Whether a block selection's earlier blocks of ``block_len`` run on cuDNN (see above)."""
+    return block_len >= CUDNN_MIN_EARLIER_BLOCK and _on_cudnn(q)
+
+
+def _cudnn_forward(q, k, v, scale, causal=True):
+    """cuDNN's attention forward on ``[N, H, L, D]`` (views of any strides; k, v may have
+    fewer heads and another length): ``(o, lse, state)``, ``lse`` ``[N, H, L]`` fp32 natural
+    log, ``state`` the rest its backward takes."""
     out, lse, *state, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, True, False, scale=scale)
+        q, k, v, None, True, 0.0, causal, False, scale=scale)
     return out, lse.reshape(q.shape[:3]), (lse.shape, *state)
 
 
-def _cudnn_backward(d_out, q, k, v, out, lse, state, scale):
+def _cudnn_backward(d_out, q, k, v, out, lse, state, scale, causal=True):
     """cuDNN's backward, ``(dq, dk, dv)``, from the output and ``lse [N, H, L]`` given (d_out
     of out's strides)."""
     lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = state
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         d_out, q, k, v, out, lse.reshape(lse_shape), seed, offset, None, cum_q, cum_k, max_q,
-        max_k, 0.0, True, scale=scale)
+        max_k, 0.0, causal, scale=scale)
 
 
 def _as_blocks(rows: torch.Tensor, block_len: int) -> torch.Tensor:
@@ -165,6 +188,47 @@ def _own_blocks_cudnn_backward(d_out, q_rows, k_rows, v_rows, out, full_lse, blo
     lse = full_lse.view(-1, block_len, q_rows.shape[1]).permute(0, 2, 1).contiguous()
     grads = _cudnn_backward(*blocks, lse, state, scale)
     return [g.transpose(1, 2).reshape(x.shape) for g, x in zip(grads, (q_rows, k_rows, v_rows))]
+
+
+def _as_chunks(slots: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The earlier blocks' slots ``[chunks * C, G, D]`` (contiguous) as ``[chunks, G, C, D]``
+    (a view)."""
+    return slots.view(chunks, -1, *slots.shape[1:]).transpose(1, 2)
+
+
+def _chunk_keys(x_rows, key_rows, chunks: int, block_len: int) -> torch.Tensor:
+    """The keys (or values) of each chunk's block, ``[chunks, 1, block_len, D]``, gathered from
+    the token-major rows ``[B * T, Hkv, D]``."""
+    dim = x_rows.shape[-1]
+    keys = _merge_kernels().gather_rows(x_rows.view(-1, 1, dim), key_rows)
+    return keys.view(chunks, block_len, 1, dim).transpose(1, 2)
+
+
+def _chunks_forward(q_slots, k_rows, v_rows, plan, scale):
+    """The earlier blocks on cuDNN (:class:`_SelectionPlan`'s chunks): each chunk's slots of
+    ``q_slots [chunks * C, G, D]`` attend to all of its block's keys. ``(o [chunks * C, G, D],
+    lse [G, chunks * C] as FlashAttention's, the state for the backward)``."""
+    k, v = (_chunk_keys(x, plan.key_rows, plan.chunks, plan.block_len) for x in (k_rows, v_rows))
+    out, lse, state = _cudnn_forward(_as_chunks(q_slots, plan.chunks), k, v, scale, causal=False)
+    group = q_slots.shape[1]
+    return (out.transpose(1, 2).reshape(q_slots.shape), lse.permute(1, 0, 2).reshape(group, -1),
+            state)
+
+
+def _chunks_backward(d_slots, q_slots, k_rows, v_rows, out_slots, lse_slots, dk_own, dv_own,
+                     chunk_cu, key_rows, sizes, scale, state):
+    """The earlier blocks' backward on cuDNN from the merged output and log-sum-exp of the slots
+    (``lse_slots [chunks * C, G]``): ``(dq [chunks * C, G, D], dk, dv)``, dk and dv ``dk_own``
+    and ``dv_own`` (``[B, T, Hkv, D]``) plus each block's chunks' shares."""
+    block_len, chunk, chunks = sizes
+    k, v = (_chunk_keys(x, key_rows, chunks, block_len) for x in (k_rows, v_rows))
+    lse = lse_slots.view(chunks, chunk, -1).permute(0, 2, 1).contiguous()
+    dq, dk, dv = _cudnn_backward(_as_chunks(d_slots, chunks), _as_chunks(q_slots, chunks), k, v,
+                                 _as_chunks(out_slots, chunks), lse, state, scale, causal=False)
+    add = _merge_kernels().add_block_gradients
+    return (dq.transpose(1, 2).reshape(q_slots.shape),
+            add(dk_own, dk.reshape(chunks, block_len, -1), chunk_cu, block_len),
+            add(dv_own, dv.reshape(chunks, block_len, -1), chunk_cu, block_len))
 
 
 def _sink_gradient(sink, d_out, out, lse_rows):
@@ -244,7 +308,17 @@ class _SelectionPlan:
     for every pair the bound on a row's blocks allows, and the pairs past ``pairs_cu[-1]`` are
     padding (row 0) that the kernels leave alone; ``max_pairs`` is the most rows a block can
     have: the tokens after it times its key/value head's selection heads. Elsewhere the padding
-    is cut off."""
+    is cut off.
+
+    ``chunk`` > 0: the earlier blocks run on cuDNN (:func:`_earlier_blocks_on_cudnn`, with the
+    Triton merge only) as a batch of ``chunks`` dense chunks of ``chunk`` slots: sequence s's
+    pairs fill chunks ``chunk_cu[s]`` on in order, ``chunk`` to a chunk, so that a chunk's rows
+    all meet one block. ``rows`` then lists each slot's row (-1 for the slots no pair fills:
+    gathered as zeros, so that in the backward, with a zero output gradient, they add nothing
+    to the keys' gradients; nothing reads their outputs), ``pairs_of_row`` names slots,
+    ``key_rows`` lists the keys of each chunk's block as rows of the token-major
+    ``[B * T * Hkv]`` keys (block 0's for the chunks past ``chunk_cu[-1]``), and
+    ``pairs_cu``, ``keys_cu``, ``max_pairs`` go unused."""
     own_cu: torch.Tensor
     block_len: int
     rows: torch.Tensor
@@ -253,6 +327,10 @@ class _SelectionPlan:
     max_pairs: int
     pairs_of_row: torch.Tensor | None = None
     own_on_cudnn: bool = False
+    chunk: int = 0
+    chunks: int = 0
+    chunk_cu: torch.Tensor | None = None
+    key_rows: torch.Tensor | None = None
 
 
 # The device types whose block selections merge in Triton (triton_merge.py); tests add "cpu"
@@ -262,7 +340,7 @@ MERGE_DEVICE_TYPES = {"cuda"}
 
 @functools.lru_cache(maxsize=4)
 def _plan_constants(batch: int, heads: int, seq_len: int, num_blocks: int, block_size: int,
-                    top_k: int, kv_heads: int, device: torch.device) -> dict:
+                    top_k: int, kv_heads: int, chunk: int, device: torch.device) -> dict:
     """What a plan of these sizes needs that does not depend on the choice (cached: it is the
     same at every layer and step, and each would be a small launch of its own). The largest
     is ``pair_ids``, 8 bytes a possible pair: 61 MB for NSA's paper sizes with 16 selection
@@ -276,24 +354,38 @@ def _plan_constants(batch: int, heads: int, seq_len: int, num_blocks: int, block
     capacity = batch * heads * sum(min(per_row, i) * min(block_size, seq_len - i * block_size)
                                    for i in range(num_blocks))
     sequences = batch * kv_heads * num_blocks
-    return dict(
+    const = dict(
         earlier=torch.arange(num_blocks, device=device)[None, :] < own_block[:, None],  # [T, n]
         per_row=per_row, capacity=capacity, sequences=sequences,
         sequence_ids=torch.arange(sequences + 1, device=device),
         pair_ids=torch.arange(capacity, device=device),
         own_cu=torch.cat([zero, lengths.repeat(batch).cumsum(0)]).int(),
         keys_cu=torch.cat([zero, lengths.repeat(batch * kv_heads).cumsum(0)]).int())
+    if chunk:
+        # Room for the most chunks there can be: each sequence's last may be part full. The
+        # first key row of each sequence's block (b, g, j) in the token-major keys, and of a
+        # key's place in a block.
+        chunks = -(-capacity // chunk) + sequences if capacity else 0
+        b, g, j = (x.flatten() for x in torch.meshgrid(
+            *(torch.arange(n, device=device) for n in (batch, kv_heads, num_blocks)),
+            indexing="ij"))
+        const.update(chunks=chunks, chunk_ids=torch.arange(chunks, device=device),
+                     first_key=(b * seq_len + j * block_size) * kv_heads + g,
+                     key_offsets=torch.arange(block_size, device=device) * kv_heads)
+    return const
 
 
 def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int, kv_heads: int,
-                    own_on_cudnn: bool = False) -> _SelectionPlan:
+                    own_on_cudnn: bool = False, earlier_on_cudnn: bool = False) -> _SelectionPlan:
     """The plan of a selection ``chosen [B, Hs, T, n]`` over ``kv_heads`` key/value heads that
-    includes each query's own block and at most ``top_k`` blocks a query."""
+    includes each query's own block and at most ``top_k`` blocks a query; the earlier blocks
+    on cuDNN where asked and the Triton merge runs."""
     batch, heads, seq_len, num_blocks = chosen.shape
     repeat = heads // kv_heads  # selection heads per key/value head
     device = chosen.device
+    chunk = CUDNN_CHUNK if earlier_on_cudnn and device.type in MERGE_DEVICE_TYPES else 0
     const = _plan_constants(batch, heads, seq_len, num_blocks, block_size, top_k, kv_heads,
-                            device)
+                            chunk, device)
     per_row, capacity, sequences = const["per_row"], const["capacity"], const["sequences"]
     # (b, key/value head g, j, r, t) with selection head h = g * repeat + r, sorted as listed;
     # -1 past the pairs there are
@@ -305,17 +397,34 @@ def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int, kv_heads:
     pairs_cu = torch.searchsorted(sequence, const["sequence_ids"])
     row_count = batch * seq_len * heads
     rows = torch.where(t >= 0, (b * seq_len + t) * heads + h, row_count)
-    pairs_of_row = None
+    pairs_of_row = chunked = None
     if device.type in MERGE_DEVICE_TYPES:
+        # Where each pair's output lands (its "pair" id below): its place in the list, or with
+        # chunks its slot, its sequence's first chunk's plus its place in the sequence.
+        where = const["pair_ids"]
+        if chunk:
+            chunks = const["chunks"]
+            per_sequence = (pairs_cu[1:] - pairs_cu[:-1] + chunk - 1) // chunk
+            chunk_cu = torch.cat([per_sequence.new_zeros(1), per_sequence.cumsum(0)])
+            where = torch.where(t >= 0, chunk_cu[sequence] * chunk + where - pairs_cu[sequence],
+                                chunks * chunk)  # padding: an extra slot
+            slot_rows = torch.full((chunks * chunk + 1,), -1, dtype=rows.dtype, device=device)
+            slot_rows[where] = rows
+            of_chunk = torch.searchsorted(chunk_cu, const["chunk_ids"], right=True) - 1
+            of_chunk = torch.where(of_chunk < sequences, of_chunk, 0)
+            key_rows = const["first_key"][of_chunk][:, None] + const["key_offsets"][None, :]
+            chunked = dict(chunk=chunk, chunks=chunks, chunk_cu=chunk_cu.int(),
+                           key_rows=key_rows.flatten())
         # each pair's slot among its row's: its place in the pairs sorted by row
         order = torch.argsort(rows, stable=True)
         by_row = rows[order]
         slot = const["pair_ids"] - torch.searchsorted(by_row, by_row)
         pairs_of_row = torch.full((row_count + 1, max(per_row, 1)), -1, dtype=torch.int32,
                                   device=device)
-        pairs_of_row[by_row, slot.clamp(max=per_row - 1)] = order.int()  # padding: the extra row
+        # (padding: the extra row)
+        pairs_of_row[by_row, slot.clamp(max=per_row - 1)] = where[order].int()
         pairs_of_row = pairs_of_row[:row_count]
-        rows = torch.where(t >= 0, rows, 0)
+        rows = slot_rows[:-1] if chunk else torch.where(t >= 0, rows, 0)
     else:
         rows = rows[t >= 0]
     return _SelectionPlan(own_cu=const["own_cu"],
@@ -325,7 +434,8 @@ def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int, kv_heads:
                           keys_cu=const["keys_cu"],
                           max_pairs=repeat * max(seq_len - block_size, 0),
                           pairs_of_row=pairs_of_row,
-                          own_on_cudnn=own_on_cudnn)
+                          own_on_cudnn=own_on_cudnn,
+                          **(chunked or {}))
 
 
 def _merge_kernels():
@@ -377,21 +487,27 @@ class _FlashBlockSelection(torch.autograd.Function):
         q_rows, k_rows, v_rows = (x.reshape(batch * seq_len, x.shape[2], dim).contiguous()
                                   for x in (q, k, v))
         own = (plan.own_cu, plan.own_cu, plan.block_len, plan.block_len, True, -1, 0, scale)
-        cudnn_state = None
+        own_state = cudnn_state = None
         if plan.own_on_cudnn:
-            out_own, lse_own, cudnn_state = _own_blocks_cudnn_forward(q_rows, k_rows, v_rows,
-                                                                      plan.block_len, scale)
+            out_own, lse_own, own_state = _own_blocks_cudnn_forward(q_rows, k_rows, v_rows,
+                                                                    plan.block_len, scale)
         else:
             out_own, lse_own = _kernel_forward(q_rows, k_rows, v_rows, *own)
-        # The earlier blocks' call: keys and values key/value-head-major, one head.
-        k_heads, v_heads = (x.transpose(1, 2).reshape(-1, 1, dim).contiguous() for x in (k, v))
+        # The earlier blocks' call, on rows of `group` query heads (one selection head each):
+        # [B * T * Hs, group].
         selected = (plan.pairs_cu, plan.keys_cu, plan.max_pairs, plan.block_len, False, -1, -1,
                     scale)
         rows = plan.rows
-        # Rows of `group` query heads (one selection head each): [B * T * Hs, group].
         out_sel, lse_sel = out_own, lse_own  # (stand-ins when no query chose an earlier block)
+        k_heads = v_heads = None
         gather = _gather_for(plan.pairs_of_row is not None)
-        if rows.numel():
+        if rows.numel() and plan.chunk:
+            q_slots = gather(q_rows.view(-1, group, dim), rows)
+            out_sel, lse_sel, cudnn_state = _chunks_forward(q_slots, k_rows, v_rows, plan, scale)
+        elif rows.numel():
+            # keys and values key/value-head-major, one head
+            k_heads, v_heads = (x.transpose(1, 2).reshape(-1, 1, dim).contiguous()
+                                for x in (k, v))
             q_pairs = gather(q_rows.view(-1, group, dim), rows)
             out_sel, lse_sel = _kernel_forward(q_pairs, k_heads, v_heads, *selected)
         if plan.pairs_of_row is not None:
@@ -404,35 +520,40 @@ class _FlashBlockSelection(torch.autograd.Function):
                 pieces.append((out_sel, lse_sel.t(), rows))
             out, full_lse = _merge(pieces, sink, batch * seq_len, group, q.dtype)
         ctx.save_for_backward(q_rows, k_rows, v_rows, k_heads, v_heads, out, full_lse, rows, sink,
-                              plan.pairs_of_row)
+                              plan.pairs_of_row, plan.chunk_cu, plan.key_rows)
         ctx.options = (own, selected, (batch, seq_len, heads, kv_heads, selection_heads, dim))
-        ctx.cudnn_state = cudnn_state
+        ctx.plan_sizes = (plan.block_len, plan.chunk, plan.chunks)
+        ctx.own_state, ctx.cudnn_state = own_state, cudnn_state
         return out.view(batch, seq_len, heads, dim)
 
     @staticmethod
     def backward(ctx, d_out):
-        (q_rows, k_rows, v_rows, k_heads, v_heads, out, full_lse, rows, sink,
-         pairs_of_row) = ctx.saved_tensors
+        (q_rows, k_rows, v_rows, k_heads, v_heads, out, full_lse, rows, sink, pairs_of_row,
+         chunk_cu, key_rows) = ctx.saved_tensors
         own, selected, (batch, seq_len, heads, kv_heads, selection_heads, dim) = ctx.options
         group = heads // selection_heads
         shaped = (batch * seq_len, heads, dim)
         d_out = d_out.reshape(shaped).contiguous()
         # Each call's kernel gets the merged output and log-sum-exp: its gradients are then those
         # of the one softmax over all the query's keys, restricted to the call's keys.
-        if ctx.cudnn_state is not None:
-            _, _, block_len, _, _, _, _, scale = own
+        scale = own[-1]
+        if ctx.own_state is not None:
             dq, dk, dv = _own_blocks_cudnn_backward(d_out, q_rows, k_rows, v_rows, out.view(shaped),
                                                     full_lse.view(batch * seq_len, heads),
-                                                    block_len, scale, ctx.cudnn_state)
+                                                    ctx.plan_sizes[0], scale, ctx.own_state)
         else:
             dq, dk, dv = _kernel_backward(d_out, q_rows, k_rows, v_rows, out.view(shaped),
                                           full_lse.view(batch * seq_len, heads).t().contiguous(),
                                           *own)
         dk, dv = (x.reshape(batch, seq_len, kv_heads, dim) for x in (dk, dv))
         dq_pairs = None
-        if rows.numel():
-            gather = _gather_for(pairs_of_row is not None)
-            by_row = lambda x: gather(x.reshape(-1, group, dim), rows)  # noqa: E731
+        gather = _gather_for(pairs_of_row is not None)
+        by_row = lambda x: gather(x.reshape(-1, group, dim), rows)  # noqa: E731
+        if rows.numel() and ctx.cudnn_state is not None:
+            dq_pairs, dk, dv = _chunks_backward(
+                by_row(d_out), by_row(q_rows), k_rows, v_rows, by_row(out), full_lse[rows], dk, dv,
+                chunk_cu, key_rows, ctx.plan_sizes, scale, ctx.cudnn_state)
+        elif rows.numel():
             dq_pairs, dk_heads, dv_heads = _kernel_backward(
                 by_row(d_out), by_row(q_rows), k_heads, v_heads, by_row(out),
                 full_lse[rows].t().contiguous(), *selected)
@@ -456,8 +577,10 @@ def block_selection_attention(q, k, v, chosen, block_size, top_k, *, sink=None, 
     ``chosen [B, Hs, T, n]`` (bool, per query and selection head; Hs divides Hq and is a
     multiple of Hkv) must include each query's own block and at most ``top_k`` blocks a query.
     Call only where :func:`unavailable_reason` is None."""
+    block_len = min(block_size, q.shape[1])
     plan = _selection_plan(chosen, block_size, top_k, k.shape[2],
-                           _own_blocks_on_cudnn(q, min(block_size, q.shape[1])))
+                           _own_blocks_on_cudnn(q, block_len),
+                           _earlier_blocks_on_cudnn(q, block_len))
     return _FlashBlockSelection.apply(q, k, v, sink, plan, chosen.shape[1], scale)
 
 
@@ -487,7 +610,9 @@ def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     and 64 tokens, causal, with a window of 17 and a sink; a batch of 2 x 70 tokens, not causal,
     without them; MoBA on 2 x 150 tokens in blocks of 32 (the last one partial), top 3, with a
     sink, and on 2 x 128 tokens (every block full: the own blocks on cuDNN where it runs),
-    without; and blocks of 32 chosen at random per key/value head (as NSA's), with a sink."""
+    without, and on 2 x 512 tokens in blocks of 128 (also the earlier blocks on cuDNN where it
+    runs), with; and blocks of 32 chosen at random per key/value head (as NSA's), with a
+    sink."""
     from ..selfcheck import relative_error
 
     generator = torch.Generator(device=device).manual_seed(0)
@@ -504,6 +629,8 @@ def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
         ((flash_attention, softmax_attention_reference), 2, 70, dict(causal=False), False),
         ((moba_attention, moba_attention_reference), 2, 150, moba, True),
         ((moba_attention, moba_attention_reference), 2, 128, moba, False),
+        ((moba_attention, moba_attention_reference), 2, 4 * CUDNN_MIN_EARLIER_BLOCK,
+         dict(block_size=CUDNN_MIN_EARLIER_BLOCK, top_k=3), True),
         ((functools.partial(block_selection_attention, chosen=chosen, block_size=32, top_k=5),
           functools.partial(softmax_attention_reference, allowed=allowed)), 2, 150, {}, True),
     ]

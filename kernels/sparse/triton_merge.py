@@ -1,6 +1,7 @@
-"""Merging the two FlashAttention calls of a block selection (flash.py: MoBA, NSA's selected
+"""Merging the two attention calls of a block selection (flash.py: MoBA, NSA's selected
 branch) in Triton: one kernel for the forward's merge by log-sum-exp, one for the backward's sum
-of the query gradients, and one that gathers the rows of the pairs' call.
+of the query gradients, one that gathers the rows of the pairs' call, and one that sums the key
+(or value) gradients of the chunks where that call ran on cuDNN (:func:`add_block_gradients`).
 
 flash.py splits each query's softmax over disjoint sets of keys: its own block (one call over
 all rows) and each earlier block it chose (one call over the (row, block) pairs, the rows
@@ -38,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["merge_forward", "sum_query_gradients", "gather_rows"]
+__all__ = ["merge_forward", "sum_query_gradients", "gather_rows", "add_block_gradients"]
 
 BLOCK_R = 32
 BLOCK_P = 32  # gather_rows: rows per program
@@ -152,18 +153,20 @@ def sum_query_gradients(own_dq, sel_dq, pairs, selection_heads: int):
 def _gather_kernel(x, rows, out, count, width, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr):
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     live = p < count
-    source = tl.load(rows + p, mask=live, other=0).to(tl.int64) * width
+    row = tl.load(rows + p, mask=live, other=0).to(tl.int64)
+    source = row * width
     target = p.to(tl.int64) * width
     w = tl.arange(0, BLOCK_W)
     for w0 in range(0, width, BLOCK_W):
         cols = live[:, None] & ((w0 + w) < width)[None, :]
-        values = tl.load(x + source[:, None] + w0 + w[None, :], mask=cols)
+        values = tl.load(x + source[:, None] + w0 + w[None, :], mask=cols & (row >= 0)[:, None],
+                         other=0.0)
         tl.store(out + target[:, None] + w0 + w[None, :], values, mask=cols)
 
 
 def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``x[rows]`` for ``x [R, ...]`` and ``rows [P]`` (integers in [0, R), unchecked), as a
-    new contiguous tensor."""
+    """``x[rows]`` for ``x [R, ...]`` and ``rows [P]`` (integers in [0, R), unchecked; -1
+    gives a row of zeros), as a new contiguous tensor."""
     x = x.contiguous()
     out = torch.empty((rows.numel(), *x.shape[1:]), dtype=x.dtype, device=x.device)
     width = x[0].numel() if x.shape[0] else 0
@@ -171,4 +174,41 @@ def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         _gather_kernel[(triton.cdiv(rows.numel(), BLOCK_P),)](
             x, rows, out, rows.numel(), width, BLOCK_P=BLOCK_P,
             BLOCK_W=min(256, triton.next_power_of_2(width)), **_LAUNCH)
+    return out
+
+
+@triton.jit
+def _block_gradient_kernel(own, chunks, chunk_cu, out, seq_len, kv_heads, num_blocks,
+                           block_len, dim, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+    s = tl.program_id(0)  # the sequence (b, g, j), as in flash.py's plan
+    l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    d = tl.arange(0, BLOCK_D)
+    b = s // (kv_heads * num_blocks)
+    g = (s // num_blocks) % kv_heads
+    token = (s % num_blocks) * block_len + l
+    live = (l < block_len) & (token < seq_len)
+    cols = live[:, None] & (d < dim)[None, :]
+    row = ((b * seq_len + token).to(tl.int64) * kv_heads + g) * dim
+    acc = tl.load(own + row[:, None] + d[None, :], mask=cols, other=0.0).to(tl.float32)
+    for c in range(tl.load(chunk_cu + s).to(tl.int64), tl.load(chunk_cu + s + 1)):
+        at = (c * block_len + l) * dim
+        acc += tl.load(chunks + at[:, None] + d[None, :], mask=cols, other=0.0).to(tl.float32)
+    tl.store(out + row[:, None] + d[None, :], acc.to(out.dtype.element_ty), mask=cols)
+
+
+def add_block_gradients(own: torch.Tensor, chunks: torch.Tensor, chunk_cu: torch.Tensor,
+                        block_len: int) -> torch.Tensor:
+    """The key (or value) gradient of a block selection whose earlier blocks ran as chunks
+    (flash.py's cuDNN path): ``own [B, T, Hkv, D]`` plus, for each (batch, key/value head,
+    block) sequence s, its chunks' gradients ``chunks[chunk_cu[s]:chunk_cu[s + 1]]``
+    (``chunks [N, block_len, D]``, each over the block's keys), summed in fp32 in chunk order
+    (deterministic) and written once in own's dtype."""
+    own, chunks, chunk_cu = (x.contiguous() for x in (own, chunks, chunk_cu))
+    batch, seq_len, kv_heads, dim = own.shape
+    num_blocks = triton.cdiv(seq_len, block_len)
+    out = torch.empty_like(own)
+    grid = (batch * kv_heads * num_blocks, triton.cdiv(block_len, BLOCK_R))
+    _block_gradient_kernel[grid](own, chunks, chunk_cu, out, seq_len, kv_heads, num_blocks,
+                                 block_len, dim, BLOCK_L=BLOCK_R,
+                                 BLOCK_D=max(16, triton.next_power_of_2(dim)), **_LAUNCH)
     return out

@@ -5,8 +5,8 @@ the backward's gradients from the output and log-sum-exp it is given, with
 as FlashAttention aligns them; query rows past the last sequence left alone), causal masks,
 windows and grouped heads. :func:`emulate` puts it in
 place of the kernels; :func:`emulate_cudnn` also puts it in place of the cuDNN calls of a block
-selection's own blocks (causal ``[N, H, L, D]`` batches, log-sum-exp ``[N, H, L]``) and makes
-every selection whose blocks are all full take them."""
+selection (``[N, H, L, D]`` batches, log-sum-exp ``[N, H, L]``: the own blocks causal, the
+earlier blocks' chunks not) and makes every selection whose blocks are all full take them."""
 import torch
 
 from megatron_ext.kernels.sparse import flash
@@ -17,12 +17,18 @@ def emulate(monkeypatch):
     monkeypatch.setattr(flash, "_kernel_backward", emulated_backward)
 
 
-def emulate_cudnn(monkeypatch):
+def emulate_cudnn(monkeypatch, earlier_chunk=0):
+    """Also the cuDNN calls; the own blocks go to them wherever every block is full and, with
+    ``earlier_chunk`` > 0 (which needs the Triton merge: ``flash.MERGE_DEVICE_TYPES``), the
+    earlier blocks in chunks of that many slots."""
     emulate(monkeypatch)
     monkeypatch.setattr(flash, "_cudnn_forward", emulated_cudnn_forward)
     monkeypatch.setattr(flash, "_cudnn_backward", emulated_cudnn_backward)
     monkeypatch.setattr(flash, "_own_blocks_on_cudnn",
                         lambda q, block_len: q.shape[1] % block_len == 0)
+    monkeypatch.setattr(flash, "_earlier_blocks_on_cudnn", lambda q, block_len: earlier_chunk > 0)
+    if earlier_chunk:
+        monkeypatch.setattr(flash, "CUDNN_CHUNK", earlier_chunk)
 
 
 def _batch_as_rows(x):
@@ -32,21 +38,23 @@ def _batch_as_rows(x):
     return rows, torch.arange(0, n * length + 1, length)
 
 
-def emulated_cudnn_forward(q, k, v, scale):
-    (q_rows, cu), (k_rows, _), (v_rows, _) = (_batch_as_rows(x) for x in (q, k, v))
-    out, lse = emulated_forward(q_rows, k_rows, v_rows, cu, cu, 0, 0, True, -1, 0, scale)
+def emulated_cudnn_forward(q, k, v, scale, causal=True):
+    (q_rows, cu_q), (k_rows, cu_k), (v_rows, _) = (_batch_as_rows(x) for x in (q, k, v))
+    out, lse = emulated_forward(q_rows, k_rows, v_rows, cu_q, cu_k, 0, 0, causal, -1,
+                                0 if causal else -1, scale)
     n, heads, length, dim = q.shape
     return (out.view(n, length, heads, dim).transpose(1, 2),
             lse.view(heads, n, length).transpose(0, 1), "state")
 
 
-def emulated_cudnn_backward(d_out, q, k, v, out, lse, state, scale):
+def emulated_cudnn_backward(d_out, q, k, v, out, lse, state, scale, causal=True):
     assert state == "state"
-    (d_rows, cu), (q_rows, _), (k_rows, _), (v_rows, _), (out_rows, _) = (
+    (d_rows, cu_q), (q_rows, _), (k_rows, cu_k), (v_rows, _), (out_rows, _) = (
         _batch_as_rows(x) for x in (d_out, q, k, v, out))
+    assert lse.shape == q.shape[:3]
     lse_rows = lse.transpose(0, 1).reshape(q.shape[1], -1)
-    grads = emulated_backward(d_rows, q_rows, k_rows, v_rows, out_rows, lse_rows, cu, cu, 0, 0,
-                              True, -1, 0, scale)
+    grads = emulated_backward(d_rows, q_rows, k_rows, v_rows, out_rows, lse_rows, cu_q, cu_k, 0,
+                              0, causal, -1, 0 if causal else -1, scale)
     return [g.view(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
             for g, x in zip(grads, (q, k, v))]
 

@@ -4,7 +4,8 @@ the sink through their log-sum-exp) against the fp32 reference, forward and back
 and the sink), in bf16 and fp16: causal, causal with a window, a two-sided window without
 causality, packed sequences (one empty, one across the window), grouped heads, and lengths of
 1, 63, 64, 65 and 1000 tokens; MoBA with partial last blocks or full ones (the own blocks then
-on cuDNN, also compared with them on FlashAttention-2), top-k of 1 to 8; NSA (its
+on cuDNN, also compared with them on FlashAttention-2; from blocks of 128 the earlier blocks on
+cuDNN in chunks, compared likewise), top-k of 1 to 8; NSA (its
 selected and window branches on the kernels) against the gathered path; a sink of -inf; the
 first-use check; and "auto" choosing it on a GPU.
 
@@ -78,22 +79,40 @@ def test_moba_matches_reference(seq_len, block_size, top_k, dtype):
     _compare(leaves, grad, dtype, op=sparse.moba_attention, block_size=block_size, top_k=top_k)
 
 
-@pytest.mark.parametrize("block_size", [64, 128])
-def test_own_blocks_on_cudnn_equal_flash_attention(monkeypatch, block_size):
-    """With every block full, a block selection's own blocks run on cuDNN; its output and
-    gradients equal those with the own blocks on FlashAttention-2 (both bf16, to the check's
-    tolerance against each other)."""
+def _cudnn_against_flash(monkeypatch, switch, seq_len, block_size, causal):
+    """MoBA (top 3) in bf16 with cuDNN where ``flash.<switch>`` lets it run, then with that
+    switch off (FlashAttention-2 there): cuDNN ran calls of the given causality in the first
+    only, and the outputs and gradients agree to the check's tolerance."""
     calls, forward = [], flash._cudnn_forward
-    monkeypatch.setattr(flash, "_cudnn_forward", lambda *a: calls.append(1) or forward(*a))
-    leaves, grad = _leaves(2, 8 * block_size)
+    monkeypatch.setattr(flash, "_cudnn_forward",
+                        lambda *a, **kw: calls.append(kw.get("causal", True)) or forward(*a, **kw))
+    leaves, grad = _leaves(2, seq_len)
     options = dict(op=sparse.moba_attention, block_size=block_size, top_k=3)
     with_cudnn = _run("flash", leaves, grad, torch.bfloat16, **options)
-    assert calls
-    monkeypatch.setattr(flash, "_own_blocks_on_cudnn", lambda q, block_len: False)
+    assert causal in calls
+    monkeypatch.setattr(flash, switch, lambda q, block_len: False)
+    calls.clear()
     without = _run("flash", leaves, grad, torch.bfloat16, **options)
-    assert len(calls) == 1
+    assert causal not in calls
     errors = {name: relative_error(with_cudnn[name], without[name]) for name in without}
     assert max(errors.values()) <= flash.CHECK_TOLERANCE, errors
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_own_blocks_on_cudnn_equal_flash_attention(monkeypatch, block_size):
+    """With every block full, a block selection's own blocks run on cuDNN (causal calls)."""
+    _cudnn_against_flash(monkeypatch, "_own_blocks_on_cudnn", 8 * block_size, block_size, True)
+
+
+@pytest.mark.parametrize(("seq_len", "block_size", "chunk"),
+                         [(1024, 128, None), (1000, 128, None), (2048, 256, 64), (1000, 128, 16)])
+def test_earlier_blocks_on_cudnn_equal_flash_attention(monkeypatch, seq_len, block_size, chunk):
+    """From blocks of flash.CUDNN_MIN_EARLIER_BLOCK, the earlier blocks run on cuDNN in chunks
+    (not causal calls), also where the last block is partial (the own blocks then on
+    FlashAttention-2), and in small chunks (most blocks' pairs then fill several)."""
+    if chunk is not None:
+        monkeypatch.setattr(flash, "CUDNN_CHUNK", chunk)
+    _cudnn_against_flash(monkeypatch, "_earlier_blocks_on_cudnn", seq_len, block_size, False)
 
 
 @pytest.mark.parametrize("options", list(OPTIONS))
