@@ -196,19 +196,20 @@ def _as_chunks(slots: torch.Tensor, chunks: int) -> torch.Tensor:
     return slots.view(chunks, -1, *slots.shape[1:]).transpose(1, 2)
 
 
-def _chunk_keys(x_rows, key_rows, chunks: int, block_len: int) -> torch.Tensor:
-    """The keys (or values) of each chunk's block, ``[chunks, 1, block_len, D]``, gathered from
-    the token-major rows ``[B * T, Hkv, D]``."""
-    dim = x_rows.shape[-1]
-    keys = _merge_kernels().gather_rows(x_rows.view(-1, 1, dim), key_rows)
-    return keys.view(chunks, block_len, 1, dim).transpose(1, 2)
+def _chunk_keys(k_rows, v_rows, key_rows, chunks: int, block_len: int):
+    """The keys and values of each chunk's block, ``[chunks, 1, block_len, D]`` each, gathered
+    from the token-major rows ``[B * T, Hkv, D]``."""
+    dim = k_rows.shape[-1]
+    gathered = _merge_kernels().gather_rows([k_rows.view(-1, 1, dim), v_rows.view(-1, 1, dim)],
+                                            key_rows)
+    return [x.view(chunks, block_len, 1, dim).transpose(1, 2) for x in gathered]
 
 
 def _chunks_forward(q_slots, k_rows, v_rows, plan, scale):
     """The earlier blocks on cuDNN (:class:`_SelectionPlan`'s chunks): each chunk's slots of
     ``q_slots [chunks * C, G, D]`` attend to all of its block's keys. ``(o [chunks * C, G, D],
     lse [G, chunks * C] as FlashAttention's, the state for the backward)``."""
-    k, v = (_chunk_keys(x, plan.key_rows, plan.chunks, plan.block_len) for x in (k_rows, v_rows))
+    k, v = _chunk_keys(k_rows, v_rows, plan.key_rows, plan.chunks, plan.block_len)
     out, lse, state = _cudnn_forward(_as_chunks(q_slots, plan.chunks), k, v, scale, causal=False)
     group = q_slots.shape[1]
     return (out.transpose(1, 2).reshape(q_slots.shape), lse.permute(1, 0, 2).reshape(group, -1),
@@ -221,7 +222,7 @@ def _chunks_backward(d_slots, q_slots, k_rows, v_rows, out_slots, lse_slots, dk_
     (``lse_slots [chunks * C, G]``): ``(dq [chunks * C, G, D], dk, dv)``, dk and dv ``dk_own``
     and ``dv_own`` (``[B, T, Hkv, D]``) plus each block's chunks' shares."""
     block_len, chunk, chunks = sizes
-    k, v = (_chunk_keys(x, key_rows, chunks, block_len) for x in (k_rows, v_rows))
+    k, v = _chunk_keys(k_rows, v_rows, key_rows, chunks, block_len)
     lse = lse_slots.view(chunks, chunk, -1).permute(0, 2, 1).contiguous()
     dq, dk, dv = _cudnn_backward(_as_chunks(d_slots, chunks), _as_chunks(q_slots, chunks), k, v,
                                  _as_chunks(out_slots, chunks), lse, state, scale, causal=False)
@@ -304,9 +305,10 @@ class _SelectionPlan:
     the pairs of each row (-1 for none), S the most a row may have. ``own_on_cudnn``: the own
     blocks run on cuDNN (:func:`_own_blocks_on_cudnn`), not in the packed call.
 
-    Where the Triton merge runs (CUDA), nothing is read back to the host: the lists have room
-    for every pair the bound on a row's blocks allows, and the pairs past ``pairs_cu[-1]`` are
-    padding (row 0) that the kernels leave alone; ``max_pairs`` is the most rows a block can
+    Where the Triton merge runs (CUDA), the plan is made in Triton too
+    (``triton_merge.plan_pairs``) and nothing is read back to the host: the lists have room for
+    every pair the bound on a row's blocks allows, and the pairs past ``pairs_cu[-1]`` are
+    padding (row -1) that the kernels leave alone; ``max_pairs`` is the most rows a block can
     have: the tokens after it times its key/value head's selection heads. Elsewhere the padding
     is cut off.
 
@@ -317,8 +319,8 @@ class _SelectionPlan:
     gathered as zeros, so that in the backward, with a zero output gradient, they add nothing
     to the keys' gradients; nothing reads their outputs), ``pairs_of_row`` names slots,
     ``key_rows`` lists the keys of each chunk's block as rows of the token-major
-    ``[B * T * Hkv]`` keys (block 0's for the chunks past ``chunk_cu[-1]``), and
-    ``pairs_cu``, ``keys_cu``, ``max_pairs`` go unused."""
+    ``[B * T * Hkv]`` keys (block 0's for the chunks past ``chunk_cu[-1]``), ``pairs_cu`` is
+    ``chunk_cu``, and ``keys_cu``, ``max_pairs`` go unused."""
     own_cu: torch.Tensor
     block_len: int
     rows: torch.Tensor
@@ -340,38 +342,27 @@ MERGE_DEVICE_TYPES = {"cuda"}
 
 @functools.lru_cache(maxsize=4)
 def _plan_constants(batch: int, heads: int, seq_len: int, num_blocks: int, block_size: int,
-                    top_k: int, kv_heads: int, chunk: int, device: torch.device) -> dict:
+                    top_k: int, kv_heads: int, merge: bool, device: torch.device) -> dict:
     """What a plan of these sizes needs that does not depend on the choice (cached: it is the
-    same at every layer and step, and each would be a small launch of its own). The largest
-    is ``pair_ids``, 8 bytes a possible pair: 61 MB for NSA's paper sizes with 16 selection
-    heads at B = 2, T = 16384, so few sizes are kept."""
+    same at every layer and step, and each would be a small launch of its own; the largest,
+    the PyTorch plan's ``earlier``, is T n bytes)."""
     starts = torch.arange(num_blocks, device=device) * block_size
     lengths = (seq_len - starts).clamp(max=block_size)
     zero = torch.zeros(1, dtype=torch.long, device=device)
-    own_block = torch.arange(seq_len, device=device) // block_size
     # Room for the most pairs there can be: a token of block i has min(top_k - 1, i) of them.
     per_row = max(top_k - 1, 0)
     capacity = batch * heads * sum(min(per_row, i) * min(block_size, seq_len - i * block_size)
                                    for i in range(num_blocks))
     sequences = batch * kv_heads * num_blocks
     const = dict(
-        earlier=torch.arange(num_blocks, device=device)[None, :] < own_block[:, None],  # [T, n]
         per_row=per_row, capacity=capacity, sequences=sequences,
-        sequence_ids=torch.arange(sequences + 1, device=device),
-        pair_ids=torch.arange(capacity, device=device),
         own_cu=torch.cat([zero, lengths.repeat(batch).cumsum(0)]).int(),
         keys_cu=torch.cat([zero, lengths.repeat(batch * kv_heads).cumsum(0)]).int())
-    if chunk:
-        # Room for the most chunks there can be: each sequence's last may be part full. The
-        # first key row of each sequence's block (b, g, j) in the token-major keys, and of a
-        # key's place in a block.
-        chunks = -(-capacity // chunk) + sequences if capacity else 0
-        b, g, j = (x.flatten() for x in torch.meshgrid(
-            *(torch.arange(n, device=device) for n in (batch, kv_heads, num_blocks)),
-            indexing="ij"))
-        const.update(chunks=chunks, chunk_ids=torch.arange(chunks, device=device),
-                     first_key=(b * seq_len + j * block_size) * kv_heads + g,
-                     key_offsets=torch.arange(block_size, device=device) * kv_heads)
+    if not merge:  # the PyTorch plan's
+        own_block = torch.arange(seq_len, device=device) // block_size
+        const.update(
+            earlier=torch.arange(num_blocks, device=device)[None, :] < own_block[:, None],
+            sequence_ids=torch.arange(sequences + 1, device=device))
     return const
 
 
@@ -383,59 +374,34 @@ def _selection_plan(chosen: torch.Tensor, block_size: int, top_k: int, kv_heads:
     batch, heads, seq_len, num_blocks = chosen.shape
     repeat = heads // kv_heads  # selection heads per key/value head
     device = chosen.device
-    chunk = CUDNN_CHUNK if earlier_on_cudnn and device.type in MERGE_DEVICE_TYPES else 0
+    merge = device.type in MERGE_DEVICE_TYPES
+    chunk = CUDNN_CHUNK if earlier_on_cudnn and merge else 0
     const = _plan_constants(batch, heads, seq_len, num_blocks, block_size, top_k, kv_heads,
-                            chunk, device)
-    per_row, capacity, sequences = const["per_row"], const["capacity"], const["sequences"]
+                            merge, device)
+    sizes = dict(own_cu=const["own_cu"], block_len=min(block_size, seq_len),
+                 keys_cu=const["keys_cu"], max_pairs=repeat * max(seq_len - block_size, 0),
+                 own_on_cudnn=own_on_cudnn)
+    if merge:
+        # room for the most chunks there can be: each sequence's last may be part full
+        capacity = const["capacity"]
+        chunks = -(-capacity // chunk) + const["sequences"] if chunk and capacity else 0
+        cu, rows, pairs_of_row, *key_rows = _merge_kernels().plan_pairs(
+            chosen, block_size, kv_heads, const["per_row"], chunks * chunk if chunk else capacity,
+            chunk)
+        if not chunk:
+            return _SelectionPlan(rows=rows, pairs_cu=cu, pairs_of_row=pairs_of_row, **sizes)
+        return _SelectionPlan(rows=rows, pairs_cu=cu, pairs_of_row=pairs_of_row, chunk=chunk,
+                              chunks=chunks, chunk_cu=cu, key_rows=key_rows[0], **sizes)
     # (b, key/value head g, j, r, t) with selection head h = g * repeat + r, sorted as listed;
     # -1 past the pairs there are
     pairs = (chosen & const["earlier"]).view(batch, kv_heads, repeat, seq_len, num_blocks)
-    b, g, j, r, t = torch.nonzero_static(pairs.permute(0, 1, 4, 2, 3), size=capacity,
+    b, g, j, r, t = torch.nonzero_static(pairs.permute(0, 1, 4, 2, 3), size=const["capacity"],
                                          fill_value=-1).unbind(1)
-    h = g * repeat + r
-    sequence = torch.where(t >= 0, (b * kv_heads + g) * num_blocks + j, sequences)  # padding last
-    pairs_cu = torch.searchsorted(sequence, const["sequence_ids"])
-    row_count = batch * seq_len * heads
-    rows = torch.where(t >= 0, (b * seq_len + t) * heads + h, row_count)
-    pairs_of_row = chunked = None
-    if device.type in MERGE_DEVICE_TYPES:
-        # Where each pair's output lands (its "pair" id below): its place in the list, or with
-        # chunks its slot, its sequence's first chunk's plus its place in the sequence.
-        where = const["pair_ids"]
-        if chunk:
-            chunks = const["chunks"]
-            per_sequence = (pairs_cu[1:] - pairs_cu[:-1] + chunk - 1) // chunk
-            chunk_cu = torch.cat([per_sequence.new_zeros(1), per_sequence.cumsum(0)])
-            where = torch.where(t >= 0, chunk_cu[sequence] * chunk + where - pairs_cu[sequence],
-                                chunks * chunk)  # padding: an extra slot
-            slot_rows = torch.full((chunks * chunk + 1,), -1, dtype=rows.dtype, device=device)
-            slot_rows[where] = rows
-            of_chunk = torch.searchsorted(chunk_cu, const["chunk_ids"], right=True) - 1
-            of_chunk = torch.where(of_chunk < sequences, of_chunk, 0)
-            key_rows = const["first_key"][of_chunk][:, None] + const["key_offsets"][None, :]
-            chunked = dict(chunk=chunk, chunks=chunks, chunk_cu=chunk_cu.int(),
-                           key_rows=key_rows.flatten())
-        # each pair's slot among its row's: its place in the pairs sorted by row
-        order = torch.argsort(rows, stable=True)
-        by_row = rows[order]
-        slot = const["pair_ids"] - torch.searchsorted(by_row, by_row)
-        pairs_of_row = torch.full((row_count + 1, max(per_row, 1)), -1, dtype=torch.int32,
-                                  device=device)
-        # (padding: the extra row)
-        pairs_of_row[by_row, slot.clamp(max=per_row - 1)] = where[order].int()
-        pairs_of_row = pairs_of_row[:row_count]
-        rows = slot_rows[:-1] if chunk else torch.where(t >= 0, rows, 0)
-    else:
-        rows = rows[t >= 0]
-    return _SelectionPlan(own_cu=const["own_cu"],
-                          block_len=min(block_size, seq_len),
-                          rows=rows,
-                          pairs_cu=pairs_cu.int(),
-                          keys_cu=const["keys_cu"],
-                          max_pairs=repeat * max(seq_len - block_size, 0),
-                          pairs_of_row=pairs_of_row,
-                          own_on_cudnn=own_on_cudnn,
-                          **(chunked or {}))
+    chose = t >= 0
+    sequence = torch.where(chose, (b * kv_heads + g) * num_blocks + j, const["sequences"])
+    pairs_cu = torch.searchsorted(sequence, const["sequence_ids"]).int()
+    rows = ((b * seq_len + t) * heads + g * repeat + r)[chose]
+    return _SelectionPlan(rows=rows, pairs_cu=pairs_cu, **sizes)
 
 
 def _merge_kernels():
@@ -445,9 +411,12 @@ def _merge_kernels():
 
 
 def _gather_for(in_triton: bool):
-    """How the pairs' call gathers its rows: in Triton where the merge runs there (the plan has
-    ``pairs_of_row``), else by PyTorch's indexing."""
-    return _merge_kernels().gather_rows if in_triton else (lambda x, rows: x[rows])
+    """How the pairs' call gathers its rows (of a tensor, or of each of a list of tensors): in
+    Triton where the merge runs there (the plan has ``pairs_of_row``), else by PyTorch's
+    indexing."""
+    if in_triton:
+        return _merge_kernels().gather_rows
+    return lambda x, rows: [y[rows] for y in x] if isinstance(x, list) else x[rows]
 
 
 def _merge(pieces, sink, tokens: int, group: int, dtype):
@@ -547,16 +516,17 @@ class _FlashBlockSelection(torch.autograd.Function):
                                           *own)
         dk, dv = (x.reshape(batch, seq_len, kv_heads, dim) for x in (dk, dv))
         dq_pairs = None
-        gather = _gather_for(pairs_of_row is not None)
-        by_row = lambda x: gather(x.reshape(-1, group, dim), rows)  # noqa: E731
+        if rows.numel():  # the rows of the pairs' call (or chunks)
+            d_pairs, q_pairs, out_pairs = _gather_for(pairs_of_row is not None)(
+                [x.reshape(-1, group, dim) for x in (d_out, q_rows, out)], rows)
         if rows.numel() and ctx.cudnn_state is not None:
             dq_pairs, dk, dv = _chunks_backward(
-                by_row(d_out), by_row(q_rows), k_rows, v_rows, by_row(out), full_lse[rows], dk, dv,
-                chunk_cu, key_rows, ctx.plan_sizes, scale, ctx.cudnn_state)
+                d_pairs, q_pairs, k_rows, v_rows, out_pairs, full_lse[rows], dk, dv, chunk_cu,
+                key_rows, ctx.plan_sizes, scale, ctx.cudnn_state)
         elif rows.numel():
             dq_pairs, dk_heads, dv_heads = _kernel_backward(
-                by_row(d_out), by_row(q_rows), k_heads, v_heads, by_row(out),
-                full_lse[rows].t().contiguous(), *selected)
+                d_pairs, q_pairs, k_heads, v_heads, out_pairs, full_lse[rows].t().contiguous(),
+                *selected)
             dk, dv = (own + per_head.view(batch, kv_heads, seq_len, dim).transpose(1, 2)
                       for own, per_head in ((dk, dk_heads), (dv, dv_heads)))
         if dq_pairs is not None and pairs_of_row is not None:

@@ -1,7 +1,8 @@
-"""Merging the two attention calls of a block selection (flash.py: MoBA, NSA's selected
-branch) in Triton: one kernel for the forward's merge by log-sum-exp, one for the backward's sum
-of the query gradients, one that gathers the rows of the pairs' call, and one that sums the key
-(or value) gradients of the chunks where that call ran on cuDNN (:func:`add_block_gradients`).
+"""The Triton kernels of a block selection (flash.py: MoBA, NSA's selected branch): its plan
+(:func:`plan_pairs`), the forward's merge of its two attention calls by log-sum-exp, the
+backward's sum of the query gradients, the gathers of the rows of the pairs' call (up to three
+tensors a launch), and the sum of the key (or value) gradients of the chunks where that call
+ran on cuDNN (:func:`add_block_gradients`).
 
 flash.py splits each query's softmax over disjoint sets of keys: its own block (one call over
 all rows) and each earlier block it chose (one call over the (row, block) pairs, the rows
@@ -35,11 +36,14 @@ profile: 2.4 ms for the four gathers of MoBA's call at T = 16384; 18.3 ms of NSA
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["merge_forward", "sum_query_gradients", "gather_rows", "add_block_gradients"]
+__all__ = ["merge_forward", "sum_query_gradients", "gather_rows", "add_block_gradients",
+           "plan_pairs"]
 
 BLOCK_R = 32
 BLOCK_P = 32  # gather_rows: rows per program
@@ -150,7 +154,8 @@ def sum_query_gradients(own_dq, sel_dq, pairs, selection_heads: int):
 
 
 @triton.jit
-def _gather_kernel(x, rows, out, count, width, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr):
+def _gather_kernel(x0, x1, x2, rows, out0, out1, out2, count, width, SOURCES: tl.constexpr,
+                   BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr):
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     live = p < count
     row = tl.load(rows + p, mask=live, other=0).to(tl.int64)
@@ -159,22 +164,35 @@ def _gather_kernel(x, rows, out, count, width, BLOCK_P: tl.constexpr, BLOCK_W: t
     w = tl.arange(0, BLOCK_W)
     for w0 in range(0, width, BLOCK_W):
         cols = live[:, None] & ((w0 + w) < width)[None, :]
-        values = tl.load(x + source[:, None] + w0 + w[None, :], mask=cols & (row >= 0)[:, None],
-                         other=0.0)
-        tl.store(out + target[:, None] + w0 + w[None, :], values, mask=cols)
+        load = cols & (row >= 0)[:, None]
+        at, to = source[:, None] + w0 + w[None, :], target[:, None] + w0 + w[None, :]
+        tl.store(out0 + to, tl.load(x0 + at, mask=load, other=0.0), mask=cols)
+        if SOURCES > 1:
+            tl.store(out1 + to, tl.load(x1 + at, mask=load, other=0.0), mask=cols)
+        if SOURCES > 2:
+            tl.store(out2 + to, tl.load(x2 + at, mask=load, other=0.0), mask=cols)
 
 
-def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def gather_rows(x, rows: torch.Tensor):
     """``x[rows]`` for ``x [R, ...]`` and ``rows [P]`` (integers in [0, R), unchecked; -1
-    gives a row of zeros), as a new contiguous tensor."""
-    x = x.contiguous()
-    out = torch.empty((rows.numel(), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    width = x[0].numel() if x.shape[0] else 0
-    if out.numel():
+    gives a row of zeros), as a new contiguous tensor; or, for a list of up to 3 tensors of
+    one shape and dtype, the list of theirs, in one launch."""
+    sources = [y.contiguous() for y in (x if isinstance(x, (list, tuple)) else [x])]
+    if not 0 < len(sources) <= 3:
+        raise ValueError(f"gather_rows takes 1 to 3 tensors, got {len(sources)}")
+    shape, dtype = sources[0].shape, sources[0].dtype
+    if any(y.shape != shape or y.dtype != dtype for y in sources):
+        raise ValueError("gather_rows takes tensors of one shape and dtype")
+    outs = [torch.empty((rows.numel(), *shape[1:]), dtype=y.dtype, device=y.device)
+            for y in sources]
+    width = math.prod(shape[1:])
+    if outs[0].numel():
+        padded = sources + sources[:1] * (3 - len(sources))
         _gather_kernel[(triton.cdiv(rows.numel(), BLOCK_P),)](
-            x, rows, out, rows.numel(), width, BLOCK_P=BLOCK_P,
+            *padded[:3], rows, *(outs + outs[:1] * (3 - len(outs)))[:3], rows.numel(), width,
+            SOURCES=len(sources), BLOCK_P=BLOCK_P,
             BLOCK_W=min(256, triton.next_power_of_2(width)), **_LAUNCH)
-    return out
+    return outs if isinstance(x, (list, tuple)) else outs[0]
 
 
 @triton.jit
@@ -212,3 +230,129 @@ def add_block_gradients(own: torch.Tensor, chunks: torch.Tensor, chunk_cu: torch
                                  block_len, dim, BLOCK_L=BLOCK_R,
                                  BLOCK_D=max(16, triton.next_power_of_2(dim)), **_LAUNCH)
     return out
+
+
+# The plan of a block selection's pairs (flash.py's _SelectionPlan, where the merge runs here):
+# the pairs (row, earlier block) grouped by (batch, key/value head, block) sequence, in (selection
+# head, token) order within one, as a dense count and a dense placement over ``chosen`` instead of
+# a compaction and a sort: two launches and a cumsum (a third launch lists the chunks' keys) where
+# PyTorch took some 50 small ops, whose host time (1.38 ms a MoBA call on an H200, session 22)
+# left the GPU idle.
+_PLAN_ELEMENTS = 4096  # a program's tile of tokens x blocks
+
+
+@triton.jit
+def _earlier_chosen(chosen, bh, tile, seq_len, num_blocks, block_size,
+                    BLOCK_T: tl.constexpr, NP: tl.constexpr):
+    """The tile's ``[BLOCK_T, NP]`` int32 flags: block j chosen by token t (of selection row
+    ``bh`` = b Hs + h) and before t's own block; and t."""
+    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.arange(0, NP)
+    earlier = (t < seq_len)[:, None] & (j[None, :] < (t // block_size)[:, None])
+    at = (bh.to(tl.int64) * seq_len + t)[:, None] * num_blocks + j[None, :]
+    return tl.load(chosen + at, mask=earlier, other=0).to(tl.int32), t
+
+
+@triton.jit
+def _pair_count_kernel(chosen, partial, seq_len, num_blocks, block_size, kv_heads, repeat,
+                       BLOCK_T: tl.constexpr, NP: tl.constexpr):
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    tiles = tl.num_programs(0)
+    b, h = bh // (kv_heads * repeat), bh % (kv_heads * repeat)
+    flags, _ = _earlier_chosen(chosen, bh, tile, seq_len, num_blocks, block_size, BLOCK_T, NP)
+    j = tl.arange(0, NP)
+    sequence = (b * kv_heads + h // repeat) * num_blocks + j
+    at = sequence.to(tl.int64) * (repeat * tiles) + (h % repeat) * tiles + tile
+    tl.store(partial + at, tl.sum(flags, 0), mask=j < num_blocks)
+
+
+@triton.jit
+def _pair_place_kernel(chosen, partial, inclusive, start, rows, pairs, seq_len, num_blocks,
+                       block_size, kv_heads, repeat, per_row,
+                       BLOCK_T: tl.constexpr, NP: tl.constexpr):
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    tiles = tl.num_programs(0)
+    b, h = bh // (kv_heads * repeat), bh % (kv_heads * repeat)
+    flags, t = _earlier_chosen(chosen, bh, tile, seq_len, num_blocks, block_size, BLOCK_T, NP)
+    j = tl.arange(0, NP)
+    real = j < num_blocks
+    sequence = (b * kv_heads + h // repeat) * num_blocks + j
+    at = sequence.to(tl.int64) * (repeat * tiles) + (h % repeat) * tiles + tile
+    # the sequence's pairs before this tile's: its first slot, plus its earlier tiles' counts
+    first = (tl.load(start + sequence, mask=real, other=0).to(tl.int64)
+             + tl.load(inclusive + at, mask=real, other=0) - tl.load(partial + at, mask=real,
+                                                                     other=0))
+    slot = first[None, :] + (tl.cumsum(flags, 0) - flags)
+    row = (b * seq_len + t).to(tl.int64) * (kv_heads * repeat) + h
+    chosen_pair = flags > 0
+    tl.store(rows + slot, tl.broadcast_to(row[:, None], (BLOCK_T, NP)), mask=chosen_pair)
+    nth = tl.cumsum(flags, 1) - flags  # the pair's place among its row's
+    tl.store(pairs + row[:, None] * per_row + nth, slot.to(tl.int32),
+             mask=chosen_pair & (nth < per_row))
+
+
+@triton.jit
+def _chunk_keys_kernel(cu, key_rows, sequences, chunks, seq_len, kv_heads, num_blocks,
+                       block_size, BLOCK_L: tl.constexpr):
+    s = tl.program_id(0)  # a sequence (b, g, j), or past them: the chunks past the last
+    l = tl.arange(0, BLOCK_L)
+    b = s // (kv_heads * num_blocks)
+    g = (s // num_blocks) % kv_heads
+    first = ((b * seq_len + (s % num_blocks) * block_size) * kv_heads + g).to(tl.int64)
+    first = tl.where(s < sequences, first, 0)  # block 0's keys for the padding chunks
+    end = tl.where(s < sequences, tl.load(cu + s + 1, mask=s < sequences, other=0), chunks)
+    for c in range(tl.load(cu + s).to(tl.int64), end):
+        for start in range(0, block_size, BLOCK_L):
+            key = start + l
+            tl.store(key_rows + c * block_size + key, first + key * kv_heads,
+                     mask=key < block_size)
+
+
+def plan_pairs(chosen: torch.Tensor, block_size: int, kv_heads: int, per_row: int, slots: int,
+               chunk: int):
+    """The pairs of ``chosen [B, Hs, T, n]`` (bool; the pairs: block j chosen by token t of
+    selection head h = g (Hs / kv_heads) + r, j before t's own block) in sequences s = (b, g,
+    j), each listed in (r, t) order from its first slot: ``cu[s]``, or with ``chunk`` > 0
+    ``chunk cu[s]`` (each sequence then fills whole chunks of that many slots). Returns ``(cu
+    [S + 1] int32`` (the sequences' first pairs, or first chunks, ``cu[-1]`` the total),
+    ``rows [slots]`` int64 (each slot's row (b T + t) Hs + h, -1 where no pair lands),
+    ``pairs [B T Hs, max(per_row, 1)]`` int32 (each row's slots in block order, -1 past
+    them))``, and with chunks a fourth, ``key_rows [slots / chunk * block_size]`` int64: each
+    chunk's block's keys as rows of the token-major ``[B * T * kv_heads]`` keys (block 0's
+    for the chunks past the last). No value is read back to the host; ``slots`` must hold
+    every slot."""
+    chosen = chosen.contiguous()
+    batch, heads, seq_len, num_blocks = chosen.shape
+    repeat = heads // kv_heads
+    padded = max(16, triton.next_power_of_2(num_blocks))
+    block_t = max(16, _PLAN_ELEMENTS // padded)
+    tiles = triton.cdiv(seq_len, block_t)
+    sequences = batch * kv_heads * num_blocks
+    device = chosen.device
+    partial = torch.empty(sequences, repeat * tiles, dtype=torch.int32, device=device)
+    grid = (tiles, batch * heads)
+    sizes = dict(BLOCK_T=block_t, NP=padded, **_LAUNCH)
+    flags = chosen.view(torch.int8)
+    _pair_count_kernel[grid](flags, partial, seq_len, num_blocks, block_size, kv_heads, repeat,
+                             **sizes)
+    inclusive = partial.cumsum(1, dtype=torch.int32)
+    counts = inclusive[:, -1]
+    if chunk:
+        counts = (counts + chunk - 1) // chunk
+    cu = torch.zeros(sequences + 1, dtype=torch.int32, device=device)
+    torch.cumsum(counts, 0, out=cu[1:])
+    start = cu[:-1] * chunk if chunk else cu
+    rows = torch.full((slots,), -1, dtype=torch.int64, device=device)
+    pairs = torch.full((batch * seq_len * heads, max(per_row, 1)), -1, dtype=torch.int32,
+                       device=device)
+    _pair_place_kernel[grid](flags, partial, inclusive, start, rows, pairs, seq_len, num_blocks,
+                             block_size, kv_heads, repeat, max(per_row, 1), **sizes)
+    if not chunk:
+        return cu, rows, pairs
+    chunks = slots // chunk
+    key_rows = torch.empty(chunks * block_size, dtype=torch.int64, device=device)
+    _chunk_keys_kernel[(sequences + 1,)](cu, key_rows, sequences, chunks, seq_len, kv_heads,
+                                         num_blocks, block_size,
+                                         BLOCK_L=min(1024, triton.next_power_of_2(block_size)),
+                                         **_LAUNCH)
+    return cu, rows, pairs, key_rows

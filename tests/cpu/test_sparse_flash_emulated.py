@@ -182,42 +182,6 @@ def test_selection_plan_shares_a_key_value_head_among_its_selection_heads():
     assert plan.max_pairs == 6  # tokens 2..4 of both heads may all choose block 0
 
 
-def test_selection_plan_for_the_triton_merge_reads_nothing_back(monkeypatch):
-    """Where the Triton merge runs, the lists have room for every pair that top_k allows (a
-    token of block i: min(top_k - 1, i)), padded with row 0 past ``pairs_cu[-1]``, and
-    ``pairs_of_row`` names each row's pairs."""
-    monkeypatch.setattr(flash, "MERGE_DEVICE_TYPES", {"cpu"})
-    plan = flash._selection_plan(_plan_example(), block_size=2, top_k=3, kv_heads=2)
-    # room: 2 heads x (tokens 2, 3: 1 each; token 4: 2) = 8 pairs, 3 of them chosen
-    assert plan.rows.tolist() == [4 * 2 + 0, 3 * 2 + 1, 4 * 2 + 1] + [0] * 5
-    assert plan.pairs_cu.tolist() == [0, 1, 1, 1, 2, 3, 3]
-    want = torch.full((10, 2), -1, dtype=torch.int32)
-    want[8, 0], want[7, 0], want[9, 0] = 0, 1, 2
-    assert torch.equal(plan.pairs_of_row, want)
-
-
-def test_selection_plan_in_chunks_for_cudnn(monkeypatch):
-    """With the earlier blocks on cuDNN, each (batch, key/value head, block) sequence's pairs
-    fill chunks of ``CUDNN_CHUNK`` slots from its first chunk on; -1 marks the slots no pair
-    fills, ``pairs_of_row`` names slots, ``key_rows`` each chunk's block's keys (token-major),
-    and the chunks past the last have room for every pair top_k allows (block 0's keys)."""
-    monkeypatch.setattr(flash, "MERGE_DEVICE_TYPES", {"cpu"})
-    monkeypatch.setattr(flash, "CUDNN_CHUNK", 2)
-    plan = flash._selection_plan(_plan_example(), block_size=2, top_k=3, kv_heads=2,
-                                 earlier_on_cudnn=True)
-    # sequences (g, j): (0, 0) holds (head 0, token 4); (1, 0) (head 1, token 3); (1, 1)
-    # (head 1, token 4): one chunk each, at chunks 0, 1, 2; room: 8 pairs / 2 + 6 sequences
-    assert plan.chunk == 2 and plan.chunks == 10
-    assert plan.chunk_cu.tolist() == [0, 1, 1, 1, 2, 3, 3]
-    assert plan.rows.tolist() == [4 * 2 + 0, -1, 3 * 2 + 1, -1, 4 * 2 + 1, -1] + [-1] * 14
-    want = torch.full((10, 2), -1, dtype=torch.int32)
-    want[8, 0], want[7, 0], want[9, 0] = 0, 2, 4
-    assert torch.equal(plan.pairs_of_row, want)
-    # keys (token, key/value head) as rows t * 2 + g: block 0 of head 0 = rows 0, 2; of head
-    # 1 = rows 1, 3; block 1 of head 1 = rows 5, 7
-    assert plan.key_rows.tolist() == [0, 2, 1, 3, 5, 7] + [0, 2] * 7
-
-
 def test_a_sink_of_minus_infinity_is_plain_softmax(emulated):
     generator = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 30, 2, 8, generator=generator, dtype=torch.float64) for _ in range(3))
