@@ -469,15 +469,14 @@ class _FlashBlockSelection(torch.autograd.Function):
         rows = plan.rows
         out_sel, lse_sel = out_own, lse_own  # (stand-ins when no query chose an earlier block)
         k_heads = v_heads = None
-        gather = _gather_for(plan.pairs_of_row is not None)
+        if rows.numel():  # the rows of the pairs' call (or chunks)
+            q_pairs = _gather_for(plan.pairs_of_row is not None)(q_rows.view(-1, group, dim), rows)
         if rows.numel() and plan.chunk:
-            q_slots = gather(q_rows.view(-1, group, dim), rows)
-            out_sel, lse_sel, cudnn_state = _chunks_forward(q_slots, k_rows, v_rows, plan, scale)
+            out_sel, lse_sel, cudnn_state = _chunks_forward(q_pairs, k_rows, v_rows, plan, scale)
         elif rows.numel():
             # keys and values key/value-head-major, one head
             k_heads, v_heads = (x.transpose(1, 2).reshape(-1, 1, dim).contiguous()
                                 for x in (k, v))
-            q_pairs = gather(q_rows.view(-1, group, dim), rows)
             out_sel, lse_sel = _kernel_forward(q_pairs, k_heads, v_heads, *selected)
         if plan.pairs_of_row is not None:
             out, full_lse = _merge_kernels().merge_forward(
