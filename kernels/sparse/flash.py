@@ -125,7 +125,9 @@ CUDNN_MAX_HEAD_DIM = 128
 # chunks of 512 against FlashAttention-2's 4.16; the whole MoBA call 6.0 against 7.05 ms (7.25
 # against 7.46 with 16 key/value heads, whose 4x more sequences leave more chunks part full);
 # NSA's selected blocks of 64 were slower so (33.9 against 31.6 ms)
-# (benchmarks/results/*earlier*_s22.log).
+# (benchmarks/results/*earlier*_s22.log). It costs memory while it runs, the chunks' gathered keys
+# and values and the padded slots: MoBA's peak there went from 2.31 to 3.41 GiB (4.74 with 16
+# key/value heads), still flat in T at a fixed B T (sparse_attention*_h200_s22.log).
 CUDNN_CHUNK = 512
 CUDNN_MIN_EARLIER_BLOCK = 128
 
