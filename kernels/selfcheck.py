@@ -20,7 +20,8 @@ device with the same projection. Errors are relative, in the Frobenius norm
 one is finite and within the tolerance (``tolerance_for``).
 
 After them, ``run_all`` gives the first-use checks of the fast paths outside ``OPS`` a row each
-(``FIRST_USE_BACKENDS``): the sparse ops' FlashAttention path (``sparse.flash.check``), the
+(``FIRST_USE_BACKENDS``): the sparse ops' FlashAttention path (``sparse.flash.check``, and
+``sparse.flash.check_cudnn`` for its blocks on cuDNN), the
 residual Triton kernels (``residual.efficient.first_use_checks``), DSA's and CSA's
 selected-attention kernels (``sparse.triton.check``), MoBA's selection kernel
 (``sparse.triton_select.check_moba``) and NSA's block-importance kernel
@@ -558,6 +559,14 @@ def _first_use_rows(device: torch.device, backends: list[str] | None):
                                str(dtype).removeprefix("torch."), tolerance=flash.CHECK_TOLERANCE,
                                skipped_reason=flash.unavailable_reason(probe, probe, probe)),
                    functools.partial(flash.check, device, dtype))
+        for dtype in (torch.bfloat16, torch.float16):
+            probe = torch.empty(1, 1, 1, 64, device=device, dtype=dtype)
+            reason = (flash.unavailable_reason(probe, probe, probe)
+                      or flash.cudnn_unavailable_reason(probe))
+            yield (CheckResult("sparse_attention", "cuDNN first-use", "flash",
+                               str(device), str(dtype).removeprefix("torch."),
+                               tolerance=flash.CHECK_TOLERANCE, skipped_reason=reason),
+                   functools.partial(flash.check_cudnn, device, dtype))
     if backends is None or "triton" in backends:
         for kernels, configuration, dtype, run in efficient.first_use_checks(device):
             yield (CheckResult(kernels, configuration, "triton", str(device),

@@ -44,10 +44,12 @@ chunks' key and value gradients run in Triton kernels (triton_merge.py), each re
 inputs once; elsewhere in PyTorch.
 
 The kernels run only after a first-use check per device and dtype (:func:`check`, run once by
-:func:`checked`; ``megatron-ext doctor`` shows its errors): small
-calls (a window, a sink, grouped heads, packed sequences; MoBA with a partial last block;
-blocks chosen per key/value head), forward and backward, against the fp32 reference; a
-failure is logged once and "auto" keeps FlexAttention.
+:func:`checked`; ``megatron-ext doctor`` shows its errors): small calls (a window, a sink,
+grouped heads, packed sequences; MoBA with a partial last block; blocks chosen per key/value
+head), forward and backward, against the fp32 reference; a failure is logged once and "auto"
+keeps FlexAttention. cuDNN's calls have a check of their own (:func:`check_cudnn`, MoBA with
+full blocks, run once by :func:`cudnn_checked`): where it fails, FlashAttention-2 runs every
+block and the rest of the path stays.
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ from .layout import moba_chosen
 from .reference import OP, moba_attention_reference, softmax_attention_reference
 
 __all__ = ["flash_attention", "block_selection_attention", "moba_attention", "unavailable_reason",
-           "check", "checked"]
+           "check", "checked", "check_cudnn", "cudnn_checked", "cudnn_unavailable_reason"]
 
 _log = logging.getLogger(__name__)
 
@@ -132,10 +134,20 @@ CUDNN_CHUNK = 512
 CUDNN_MIN_EARLIER_BLOCK = 128
 
 
+def cudnn_unavailable_reason(q: torch.Tensor) -> str | None:
+    """Why cuDNN's fused attention cannot take a block selection's blocks of q here, or None."""
+    if q.device.type != "cuda":
+        return "cuDNN's fused attention runs on CUDA only"
+    if q.shape[-1] > CUDNN_MAX_HEAD_DIM:
+        return f"cuDNN's fused attention takes head dims up to {CUDNN_MAX_HEAD_DIM} here"
+    if not (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()):
+        return "cuDNN (or torch's cuDNN SDPA backend) is not available or not enabled"
+    return None
+
+
 def _on_cudnn(q: torch.Tensor) -> bool:
     """Whether cuDNN's fused attention can take q's device and head dim."""
-    return (q.device.type == "cuda" and q.shape[-1] <= CUDNN_MAX_HEAD_DIM
-            and torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled())
+    return cudnn_unavailable_reason(q) is None
 
 
 def _own_blocks_on_cudnn(q: torch.Tensor, block_len: int) -> bool:
@@ -543,24 +555,31 @@ class _FlashBlockSelection(torch.autograd.Function):
         return dq.view(batch, seq_len, heads, dim), dk, dv, d_sink, None, None, None
 
 
-def block_selection_attention(q, k, v, chosen, block_size, top_k, *, sink=None, scale=None):
+def block_selection_attention(q, k, v, chosen, block_size, top_k, *, sink=None, scale=None,
+                              cudnn=None):
     """Attention of each query to the keys of its chosen blocks, causally (keys s <= t):
     ``chosen [B, Hs, T, n]`` (bool, per query and selection head; Hs divides Hq and is a
     multiple of Hkv) must include each query's own block and at most ``top_k`` blocks a query.
-    Call only where :func:`unavailable_reason` is None."""
+    ``cudnn``: whether blocks may run on cuDNN where it takes them (None: where it passed its
+    first-use check, :func:`cudnn_checked`, on this device in q's dtype). Call only where
+    :func:`unavailable_reason` is None."""
     block_len = min(block_size, q.shape[1])
+    if cudnn is None:
+        cudnn = _on_cudnn(q) and cudnn_checked(q.device, q.dtype)
     plan = _selection_plan(chosen, block_size, top_k, k.shape[2],
-                           _own_blocks_on_cudnn(q, block_len),
-                           _earlier_blocks_on_cudnn(q, block_len))
+                           cudnn and _own_blocks_on_cudnn(q, block_len),
+                           cudnn and _earlier_blocks_on_cudnn(q, block_len))
     return _FlashBlockSelection.apply(q, k, v, sink, plan, chosen.shape[1], scale)
 
 
-def moba_attention(q, k, v, *, block_size, top_k, sink=None, scale=None):
+def moba_attention(q, k, v, *, block_size, top_k, sink=None, scale=None, cudnn=None):
     """``moba_attention`` (same arguments, no window or ``allowed``) on the FlashAttention
-    kernels. Call only where :func:`unavailable_reason` is None."""
+    kernels (``cudnn`` as in :func:`block_selection_attention`). Call only where
+    :func:`unavailable_reason` is None."""
     with torch.no_grad():
         chosen = moba_chosen(q, k, block_size, top_k)
-    return block_selection_attention(q, k, v, chosen, block_size, top_k, sink=sink, scale=scale)
+    return block_selection_attention(q, k, v, chosen, block_size, top_k, sink=sink, scale=scale,
+                                     cudnn=cudnn)
 
 
 @functools.cache
@@ -573,6 +592,18 @@ def checked(device: torch.device, dtype: torch.dtype) -> bool:
                                   "the FlashAttention kernels", "FlexAttention runs instead", _log)
 
 
+@functools.cache
+def cudnn_checked(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether cuDNN's attention passed its first-use check for block selections
+    (:func:`check_cudnn`) on ``device`` in ``dtype``; run once, a failure logged once. Where it
+    fails, FlashAttention-2 runs every block (the rest of the flash path is checked apart)."""
+    from ..selfcheck import passes_first_use_check
+
+    return passes_first_use_check(check_cudnn, device, dtype, CHECK_TOLERANCE,
+                                  "cuDNN's attention for block selections",
+                                  "FlashAttention-2 runs their blocks instead", _log)
+
+
 @torch.inference_mode(False)  # a first use under inference mode checks as any other
 def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """The first-use check: the worst relative error (Frobenius norm) of the output ("o") and of
@@ -580,31 +611,47 @@ def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     same rounded values, 4 query heads on 2 key/value heads, D = 64: two packed sequences of 37
     and 64 tokens, causal, with a window of 17 and a sink; a batch of 2 x 70 tokens, not causal,
     without them; MoBA on 2 x 150 tokens in blocks of 32 (the last one partial), top 3, with a
-    sink, and on 2 x 128 tokens (every block full: the own blocks on cuDNN where it runs),
-    without, and on 2 x 512 tokens in blocks of 128 (also the earlier blocks on cuDNN where it
-    runs), with; and blocks of 32 chosen at random per key/value head (as NSA's), with a
-    sink."""
-    from ..selfcheck import relative_error
-
+    sink; and blocks of 32 chosen at random per key/value head (as NSA's), with a sink; nothing
+    on cuDNN (:func:`check_cudnn` checks that)."""
     generator = torch.Generator(device=device).manual_seed(0)
     packed = torch.tensor([0, 37, 101], device=device)
-    moba = dict(block_size=32, top_k=3)
     own = torch.arange(150, device=device) // 32
     chosen = torch.rand(2, 2, 150, 5, device=device, generator=generator) < 0.4
     chosen[:, :, torch.arange(150, device=device), own] = True
     chosen &= torch.arange(5, device=device)[None, :] <= own[:, None]
     allowed = chosen.repeat_interleave(2, dim=1)[..., own]
-    calls = [  # (ours, the reference), batch, T, options, with a sink
+    return _check_calls(device, dtype, generator, [
         ((flash_attention, softmax_attention_reference), 1, 101,
          dict(causal=True, window=(17, 0), cu_seqlens=packed), True),
         ((flash_attention, softmax_attention_reference), 2, 70, dict(causal=False), False),
-        ((moba_attention, moba_attention_reference), 2, 150, moba, True),
-        ((moba_attention, moba_attention_reference), 2, 128, moba, False),
-        ((moba_attention, moba_attention_reference), 2, 4 * CUDNN_MIN_EARLIER_BLOCK,
-         dict(block_size=CUDNN_MIN_EARLIER_BLOCK, top_k=3), True),
-        ((functools.partial(block_selection_attention, chosen=chosen, block_size=32, top_k=5),
+        ((functools.partial(moba_attention, cudnn=False), moba_attention_reference), 2, 150,
+         dict(block_size=32, top_k=3), True),
+        ((functools.partial(block_selection_attention, chosen=chosen, block_size=32, top_k=5,
+                            cudnn=False),
           functools.partial(softmax_attention_reference, allowed=allowed)), 2, 150, {}, True),
-    ]
+    ])
+
+
+@torch.inference_mode(False)
+def check_cudnn(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """The first-use check of cuDNN's attention in block selections, as :func:`check`: MoBA
+    with every block full, on 2 x 128 tokens in blocks of 32, top 3, without a sink (the own
+    blocks on cuDNN), and on 2 x 4 blocks of ``CUDNN_MIN_EARLIER_BLOCK``, with one (the
+    earlier blocks too, where the Triton merge runs)."""
+    generator = torch.Generator(device=device).manual_seed(1)
+    moba = (functools.partial(moba_attention, cudnn=True), moba_attention_reference)
+    return _check_calls(device, dtype, generator, [
+        (moba, 2, 128, dict(block_size=32, top_k=3), False),
+        (moba, 2, 4 * CUDNN_MIN_EARLIER_BLOCK, dict(block_size=CUDNN_MIN_EARLIER_BLOCK, top_k=3),
+         True),
+    ])
+
+
+def _check_calls(device, dtype, generator, calls) -> dict[str, float]:
+    """The first-use checks' loop over ``calls``: ``((ours, the reference), batch, T, options,
+    with a sink)`` each, 4 query heads on 2 key/value heads, D = 64; the worst error by name."""
+    from ..selfcheck import relative_error
+
     worst = {}
     with torch.autocast(device.type, enabled=False), torch.enable_grad():
         for runs, batch, seq_len, options, with_sink in calls:

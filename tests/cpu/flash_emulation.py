@@ -18,12 +18,14 @@ def emulate(monkeypatch):
 
 
 def emulate_cudnn(monkeypatch, earlier_chunk=0):
-    """Also the cuDNN calls; the own blocks go to them wherever every block is full and, with
-    ``earlier_chunk`` > 0 (which needs the Triton merge: ``flash.MERGE_DEVICE_TYPES``), the
-    earlier blocks in chunks of that many slots."""
+    """Also the cuDNN calls, taken as checked; the own blocks go to them wherever every block
+    is full and, with ``earlier_chunk`` > 0 (which needs the Triton merge:
+    ``flash.MERGE_DEVICE_TYPES``), the earlier blocks in chunks of that many slots."""
     emulate(monkeypatch)
     monkeypatch.setattr(flash, "_cudnn_forward", emulated_cudnn_forward)
     monkeypatch.setattr(flash, "_cudnn_backward", emulated_cudnn_backward)
+    monkeypatch.setattr(flash, "_on_cudnn", lambda q: True)
+    monkeypatch.setattr(flash, "cudnn_checked", lambda device, dtype: True)
     monkeypatch.setattr(flash, "_own_blocks_on_cudnn",
                         lambda q, block_len: q.shape[1] % block_len == 0)
     monkeypatch.setattr(flash, "_earlier_blocks_on_cudnn", lambda q, block_len: earlier_chunk > 0)

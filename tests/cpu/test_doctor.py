@@ -52,7 +52,7 @@ def test_every_cpu_check_passes(tmp_path, capsys):
     # selected-attention kernels, MoBA's selection kernel and NSA's block-importance kernel.
     first_use = [r for r in results if r["op"] not in selfcheck.OPS]
     assert [(r["op"], r["backend"]) for r in first_use] == (
-        [("sparse_attention", "flash")] * 2 + [("sinkhorn", "triton")] + [("mhc", "triton")] * 2
+        [("sparse_attention", "flash")] * 4 + [("sinkhorn", "triton")] + [("mhc", "triton")] * 2
         + [("depth_attention", "triton")] * 2 + [("add_to_last_slot", "triton")] * 2
         + [("selected_attention", "triton")] * 3 + [("moba_selection", "triton")] * 3
         + [("nsa_selection", "triton")] * 3)
@@ -139,6 +139,7 @@ def test_ops_option_runs_only_those(tmp_path, capsys, monkeypatch):
     ran = []
     monkeypatch.setattr(flash, "check", lambda device, dtype: ran.append(dtype) or {})
     monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
+    # (the cuDNN rows stay skipped on the CPU)
     path = tmp_path / "doctor.json"
     assert cli.main(["doctor", "--device", "cpu", "--ops", "decay_linear_attention,sparse_attention",
                      "--json", str(path)]) == 0
@@ -183,3 +184,20 @@ def test_first_use_rows_show_the_flash_check(tmp_path, capsys, monkeypatch):
     lines = rows(output, "sparse_attention", "first-use", "check", "flash")
     assert len(lines) == 2 and all(" FAIL " in line for line in lines), output
     assert "warning: 2 failed checks" in output
+
+
+def test_cudnn_rows_show_their_own_check(capsys, monkeypatch):
+    """The flash path's cuDNN calls have rows of their own (``flash.check_cudnn``), here with
+    those calls emulated and allowed on the CPU."""
+    from flash_emulation import emulate_cudnn
+
+    from megatron_ext.kernels.sparse import flash
+
+    emulate_cudnn(monkeypatch)
+    monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
+    monkeypatch.setattr(flash, "cudnn_unavailable_reason", lambda q: None)
+    exit_code = cli.main(["doctor", "--device", "cpu", "--backends", "flash"])
+    output = capsys.readouterr().out
+    assert exit_code == 0, output
+    lines = rows(output, "sparse_attention", "cuDNN", "first-use", "flash")
+    assert len(lines) == 2 and all(" pass " in line for line in lines), output

@@ -7,6 +7,7 @@ import functools
 
 import pytest
 import torch
+import flash_emulation
 from flash_emulation import emulate, emulate_cudnn, emulated_forward
 
 from megatron_ext.kernels import sparse
@@ -222,6 +223,43 @@ def test_first_use_check_passes_faithful_kernels_and_catches_a_wrong_scale(emula
     flash.checked.cache_clear()
     assert not flash.checked(torch.device("cpu"), torch.bfloat16)
     flash.checked.cache_clear()
+
+
+def test_cudnn_check_passes_faithful_calls_and_a_failure_keeps_flash_attention(monkeypatch):
+    """cuDNN's own first-use check (MoBA with full blocks, the own blocks on cuDNN, emulated)
+    passes faithful calls and fails a cuDNN backward that reads its log-sum-exp in another
+    layout; block selections then run every block on FlashAttention-2 (still exact), and the
+    FlashAttention check, which runs nothing on cuDNN, still passes."""
+    checked = flash.cudnn_checked
+    emulate_cudnn(monkeypatch)
+    monkeypatch.setattr(flash, "cudnn_checked", checked)
+    device = torch.device("cpu")
+    errors = flash.check_cudnn(device, torch.bfloat16)
+    assert set(errors) == {"o", "grad_q", "grad_k", "grad_v", "grad_sink"}
+    assert max(errors.values()) <= flash.CHECK_TOLERANCE, errors
+    checked.cache_clear()
+    assert checked(device, torch.bfloat16)
+
+    def misread_backward(d_out, q, k, v, out, lse, state, scale, causal=True):
+        n, heads, length = lse.shape
+        lse = lse.reshape(n, length, heads).transpose(1, 2)  # [N, L, H] read as [N, H, L]
+        return flash_emulation.emulated_cudnn_backward(d_out, q, k, v, out, lse, state, scale,
+                                                       causal)
+
+    monkeypatch.setattr(flash, "_cudnn_backward", misread_backward)
+    assert max(flash.check_cudnn(device, torch.bfloat16).values()) > flash.CHECK_TOLERANCE
+    checked.cache_clear()
+    assert not checked(device, torch.bfloat16)
+    assert not checked(device, torch.float64)  # the dtype of the call below
+    calls, forward = [], flash._cudnn_forward
+    monkeypatch.setattr(flash, "_cudnn_forward",
+                        lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    leaves, grad = _leaves(2, 2, 96, kv_heads=2)
+    _assert_equal(flash.moba_attention, moba_attention_reference, leaves, grad, block_size=32,
+                  top_k=2)
+    assert not calls
+    assert max(flash.check(device, torch.bfloat16).values()) <= flash.CHECK_TOLERANCE
+    checked.cache_clear()
 
 
 def test_first_use_under_inference_mode_runs_the_check(emulated):

@@ -7,7 +7,7 @@ causality, packed sequences (one empty, one across the window), grouped heads, a
 on cuDNN, also compared with them on FlashAttention-2; from blocks of 128 the earlier blocks on
 cuDNN in chunks, compared likewise), top-k of 1 to 8; NSA (its
 selected and window branches on the kernels) against the gathered path; a sink of -inf; the
-first-use check; and "auto" choosing it on a GPU.
+first-use checks (the path's and its cuDNN calls'); and "auto" choosing it on a GPU.
 
 Tolerance: relative error (Frobenius norm) 2e-2 on the output and each gradient, the first-use
 check's (flash.CHECK_TOLERANCE): the kernels round q, k, v, P and o to 16 bits (about 2^-8
@@ -138,8 +138,12 @@ def test_sink_of_minus_infinity_is_plain_softmax():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_first_use_check_passes(dtype):
+    device = torch.device("cuda", torch.cuda.current_device())
     flash.checked.cache_clear()
-    assert flash.checked(torch.device("cuda", torch.cuda.current_device()), dtype)
+    assert flash.checked(device, dtype)
+    flash.cudnn_checked.cache_clear()  # cuDNN's own check (on this GPU: it runs here)
+    assert flash.cudnn_unavailable_reason(torch.empty(1, 1, 1, 64, device=device)) is None
+    assert flash.cudnn_checked(device, dtype)
 
 
 def _spy(monkeypatch, name):
