@@ -11,7 +11,8 @@ Backends, with one signature per op:
                 ``nsa_attention`` (its selected and window branches) only: torch's
                 FlashAttention-2 kernels with the sink applied through their log-sum-exp (and
                 cuDNN's fused attention for MoBA's and NSA's own blocks where every block is
-                full); CUDA, fp16/bf16, no extra mask (flash.py)
+                full, and for their earlier blocks from blocks of 128, once cuDNN passed its
+                own first-use check); CUDA, fp16/bf16, no extra mask (flash.py)
     triton      ``dsa_attention`` and ``csa_attention`` only, and the sparse stage of
                 ``dsa_indexer_loss`` and ``csa_indexer_loss`` (its target and its KL): our
                 Triton kernels of the per-token selected attention and of the indexer's loss,
