@@ -97,6 +97,18 @@ def check_plan_against_pytorch(flash, seed, batch, heads, kv_heads, seq_len, blo
     assert int((chunked.rows >= 0).sum()) == total
 
 
+def run_selections(calls, label: str) -> int:
+    """test_sparse_flash_emulated.py's (``calls``) MoBA calls and block selections, as flash.py
+    is patched now; how many ran."""
+    for call in calls.MOBA_CALLS:
+        calls.test_moba_equals_the_reference(None, call)
+        print(f"moba {call}{label}: ok", flush=True)
+    for selection_heads in (2, 4):
+        calls.test_block_selection_equals_the_reference(None, selection_heads)
+        print(f"block selection, {selection_heads} selection heads{label}: ok", flush=True)
+    return len(calls.MOBA_CALLS) + 2
+
+
 def main() -> None:
     triton_interpreter.setup()
     import flash_emulation
@@ -118,16 +130,9 @@ def main() -> None:
     merges = []
     merge_forward = flash._merge_kernels().merge_forward
     flash._merge_kernels().merge_forward = lambda *args: merges.append(1) or merge_forward(*args)
-    for call in calls.MOBA_CALLS:
-        calls.test_moba_equals_the_reference(None, call)
-        count += 1
-        print(f"moba {call}: ok", flush=True)
-    for selection_heads in (2, 4):
-        calls.test_block_selection_equals_the_reference(None, selection_heads)
-        count += 1
-        print(f"block selection, {selection_heads} selection heads: ok", flush=True)
-    # the Triton merge ran in every call
-    assert len(merges) >= len(calls.MOBA_CALLS) + 2, len(merges)
+    ran = run_selections(calls, "")
+    count += ran
+    assert len(merges) >= ran, len(merges)  # the Triton merge ran in every call
     # The earlier blocks on cuDNN (emulated) in chunks of 4 slots (most blocks' pairs fill
     # several, the last part full) and of 64 (one part-full chunk a block, padding chunks
     # past them): the chunk layout, the merge by slot and add_block_gradients.
@@ -136,15 +141,7 @@ def main() -> None:
         flash_emulation.emulate_cudnn(types.SimpleNamespace(setattr=setattr), earlier_chunk=chunk)
         forward = flash._cudnn_forward
         flash._cudnn_forward = lambda *args, **kw: chunked.append(kw) or forward(*args, **kw)
-        for call in calls.MOBA_CALLS:
-            calls.test_moba_equals_the_reference(None, call)
-            count += 1
-            print(f"moba {call}, earlier blocks in chunks of {chunk}: ok", flush=True)
-        for selection_heads in (2, 4):
-            calls.test_block_selection_equals_the_reference(None, selection_heads)
-            count += 1
-            print(f"block selection, {selection_heads} selection heads, chunks of {chunk}: ok",
-                  flush=True)
+        count += run_selections(calls, f", earlier blocks in chunks of {chunk}")
     # every call with an earlier block ran its chunks on (emulated) cuDNN: all but MOBA_CALLS's
     # two with top_k = 1, for both chunk sizes
     assert sum(kw.get("causal") is False for kw in chunked) == 2 * (len(calls.MOBA_CALLS) - 2 + 2)
