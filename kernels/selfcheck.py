@@ -553,20 +553,17 @@ def _first_use_rows(device: torch.device, backends: list[str] | None):
     from .sparse import flash
 
     if backends is None or "flash" in backends:
-        for dtype in (torch.bfloat16, torch.float16):
-            probe = torch.empty(1, 1, 1, 64, device=device, dtype=dtype)
-            yield (CheckResult("sparse_attention", "first-use check", "flash", str(device),
-                               str(dtype).removeprefix("torch."), tolerance=flash.CHECK_TOLERANCE,
-                               skipped_reason=flash.unavailable_reason(probe, probe, probe)),
-                   functools.partial(flash.check, device, dtype))
-        for dtype in (torch.bfloat16, torch.float16):
-            probe = torch.empty(1, 1, 1, 64, device=device, dtype=dtype)
-            reason = (flash.unavailable_reason(probe, probe, probe)
-                      or flash.cudnn_unavailable_reason(probe))
-            yield (CheckResult("sparse_attention", "cuDNN first-use", "flash",
-                               str(device), str(dtype).removeprefix("torch."),
-                               tolerance=flash.CHECK_TOLERANCE, skipped_reason=reason),
-                   functools.partial(flash.check_cudnn, device, dtype))
+        for check, case, cudnn in ((flash.check, "first-use check", False),
+                                   (flash.check_cudnn, "cuDNN first-use", True)):
+            for dtype in (torch.bfloat16, torch.float16):
+                probe = torch.empty(1, 1, 1, 64, device=device, dtype=dtype)
+                reason = flash.unavailable_reason(probe, probe, probe)
+                if cudnn:
+                    reason = reason or flash.cudnn_unavailable_reason(probe)
+                yield (CheckResult("sparse_attention", case, "flash", str(device),
+                                   str(dtype).removeprefix("torch."),
+                                   tolerance=flash.CHECK_TOLERANCE, skipped_reason=reason),
+                       functools.partial(check, device, dtype))
     if backends is None or "triton" in backends:
         for kernels, configuration, dtype, run in efficient.first_use_checks(device):
             yield (CheckResult(kernels, configuration, "triton", str(device),

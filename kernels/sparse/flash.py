@@ -151,13 +151,15 @@ def _on_cudnn(q: torch.Tensor) -> bool:
 
 
 def _own_blocks_on_cudnn(q: torch.Tensor, block_len: int) -> bool:
-    """Whether a block selection's own blocks of ``block_len`` run on cuDNN (see above)."""
-    return q.shape[1] % block_len == 0 and _on_cudnn(q)
+    """Whether a block selection's own blocks of ``block_len`` run on cuDNN where it runs (see
+    above): every block full."""
+    return q.shape[1] % block_len == 0
 
 
 def _earlier_blocks_on_cudnn(q: torch.Tensor, block_len: int) -> bool:
-    """Whether a block selection's earlier blocks of ``block_len`` run on cuDNN (see above)."""
-    return block_len >= CUDNN_MIN_EARLIER_BLOCK and _on_cudnn(q)
+    """Whether a block selection's earlier blocks of ``block_len`` run on cuDNN where it runs
+    (see above)."""
+    return block_len >= CUDNN_MIN_EARLIER_BLOCK
 
 
 def _cudnn_forward(q, k, v, scale, causal=True):
@@ -566,6 +568,8 @@ def block_selection_attention(q, k, v, chosen, block_size, top_k, *, sink=None, 
     block_len = min(block_size, q.shape[1])
     if cudnn is None:
         cudnn = _on_cudnn(q) and cudnn_checked(q.device, q.dtype)
+    else:
+        cudnn = cudnn and _on_cudnn(q)
     plan = _selection_plan(chosen, block_size, top_k, k.shape[2],
                            cudnn and _own_blocks_on_cudnn(q, block_len),
                            cudnn and _earlier_blocks_on_cudnn(q, block_len))
