@@ -2,7 +2,8 @@
 indexer's scores, in Triton on CUDA, and the top-k), the attention over it (``dsa_attention``,
 forward and forward+backward, on each backend of ``--attention``: "triton", our kernels that
 gather each query's keys; "flex", FlexAttention over the selection's bitmap, whose making is
-also timed alone as ``flex_bitmap``) and the indexer loss (``dsa_indexer_loss`` on the
+also timed alone as ``flex_bitmap``; "flash", cuDNN's fused attention with the selection as a
+bias; every backend told the selection is causal) and the indexer loss (``dsa_indexer_loss`` on the
 selected keys, forward and forward+backward, on the backend "auto" picks: on CUDA our Triton
 kernels once their first-use check passed), each timed alone.
 
@@ -62,7 +63,8 @@ def stages(seq_len: int, args) -> dict[str, float]:
     selected = sparse.dsa_select(*index, top_k=top_k)
 
     def attention(backend):
-        return lambda: sparse.dsa_attention(q, k, v, selected, sink=sink, backend=backend)
+        return lambda: sparse.dsa_attention(q, k, v, selected, sink=sink, causal=True,
+                                            backend=backend)
 
     def loss():
         return sparse.dsa_indexer_loss(q, k, *index, selected=selected, sink=sink)
@@ -85,8 +87,8 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
     parser.add_argument("--attention",
-                        help="the attention's backends to time, of auto, triton and flex "
-                             "(default: triton,flex on CUDA, else auto)")
+                        help="the attention's backends to time, of auto, triton, flex and "
+                             "flash (default: triton,flex on CUDA, else auto)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dsa", default="2048,64,128", help="top-k, indexer heads, indexer dim")
     parser.add_argument("--reps", type=int, default=2)

@@ -26,7 +26,8 @@ compressed branch on flex; CUDA only); dsa and csa also with triton (our Triton 
 kernels/sparse/triton.py and triton_indexer.py, for the attention and the indexer loss's
 target and KL; the selection's scores in triton_indexer.py, its top-k in PyTorch; CUDA only);
 dsa/flex and csa/flex run the attention on FlexAttention over the selection's bitmap and the
-rest as "auto" does;
+rest as "auto" does; dsa/flash runs the attention on cuDNN's fused attention with the selection
+as a bias (flash.py's causal_selection_attention) and the rest as "auto" does;
 swa_sink and causal_sink also with fla (fla-core's ``parallel_attn`` with ``window_size`` and ``sink_bias``; CUDA only, skipped
 where fla-core does not import). Before an fla op's first timing, fla's op and ours (flex) are
 each compared with the fp32 reference on one sequence of 2 * ``--window`` tokens, output and
@@ -88,7 +89,7 @@ INPUTS = {"swa_sink": ["q", "k", "v", "sink"], "causal_sink": ["q", "k", "v", "s
           "csa": ["q", "k", "v", "sink", "kv2", "gate2", "bias2", "index_q", "index_kv", "index_gate",
                   "index_bias", "index_weights"]}
 BACKENDS = ["flex", "gathered"]
-FLASH_FAMILIES = ["swa_sink", "causal_sink", "moba", "nsa"]  # what the "flash" backend runs
+FLASH_FAMILIES = ["swa_sink", "causal_sink", "moba", "nsa", "dsa"]  # what "flash" runs
 FLA_FAMILIES = ["swa_sink", "causal_sink"]  # what fla-core's parallel_attn runs
 TRITON_FAMILIES = ["dsa", "csa"]  # what our selected-attention kernels run
 # The largest relative error (output or any gradient) fla's op may have against the fp32
@@ -213,10 +214,12 @@ def dsa_layer_op(x, top_k, backend):
     from megatron_ext.mixers.dsa import IndexerLoss
 
     index = (x["index_q"], x["index_k"], x["index_weights"])
-    selected = sparse.dsa_select(*index, top_k=top_k, backend=backend)
-    out = sparse.dsa_attention(x["q"], x["k"], x["v"], selected, sink=x["sink"], backend=backend)
+    rest = "auto" if backend == "flash" else backend  # "flash" is the attention's only
+    selected = sparse.dsa_select(*index, top_k=top_k, backend=rest)
+    out = sparse.dsa_attention(x["q"], x["k"], x["v"], selected, sink=x["sink"], causal=True,
+                               backend=backend)
     loss = sparse.dsa_indexer_loss(x["q"], x["k"], *index, selected=selected, sink=x["sink"],
-                                   backend=backend)
+                                   backend=rest)
     return IndexerLoss.apply(out, loss)
 
 

@@ -12,7 +12,9 @@ Backends, with one signature per op:
                 FlashAttention-2 kernels with the sink applied through their log-sum-exp (and
                 cuDNN's fused attention for MoBA's and NSA's own blocks where every block is
                 full, and for their earlier blocks from blocks of 128, once cuDNN passed its
-                own first-use check); CUDA, fp16/bf16, no extra mask (flash.py)
+                own first-use check); CUDA, fp16/bf16, no extra mask (flash.py); and
+                ``dsa_attention`` of a causal selection on cuDNN's fused attention, the
+                selection an additive bias
     triton      ``dsa_attention`` and ``csa_attention`` only, and the sparse stage of
                 ``dsa_indexer_loss`` and ``csa_indexer_loss`` (its target and its KL): our
                 Triton kernels of the per-token selected attention and of the indexer's loss,
@@ -435,21 +437,47 @@ def dsa_select(index_q, index_k, index_weights, *, top_k, cu_seqlens=None, backe
     return select_keys(index_q, index_k, index_weights, top_k=top_k, cu_seqlens=cu_seqlens)
 
 
-def dsa_attention(q, k, v, selected, *, sink=None, scale=None, backend="auto"):
+def dsa_attention(q, k, v, selected, *, sink=None, scale=None, causal=False, backend="auto"):
     """DSA's sparse attention: each query attends to its ``selected [B, T, K]`` keys
     (:func:`dsa_select`; shared by all heads, -1 skipped, each key at most once a row: the
     backends may differ on a key listed twice), with the sink and scale of
     :func:`softmax_attention`. q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` -> ``[B, T, Hq, D]``;
-    memory O(T K), but O(T^2 / 8) bytes on flex. Backends: the reference; FlexAttention over
-    the selection's bitmap ("flex", and "auto" on CUDA up to ``SELECTED_FLEX_MAX_KEYS`` keys);
-    triton.py's kernels ("triton", and "auto" beyond, where they run); else the gathered form
-    of selected.py."""
+    memory O(T K), but O(T^2 / 8) bytes on flex and 2 T^2 on flash. ``causal``: a listed key
+    after its query is dropped (:func:`dsa_select` lists none). Backends: the reference;
+    cuDNN's fused attention with the selection as a bias (flash.py: "flash", and "auto" on a
+    causal selection where it runs and has passed its first-use check, up to
+    ``SELECTED_FLEX_MAX_KEYS`` keys); FlexAttention over the selection's bitmap ("flex", and
+    "auto" on CUDA up to ``SELECTED_FLEX_MAX_KEYS`` keys); triton.py's kernels ("triton", and
+    "auto" beyond, where they run); else the gathered form of selected.py."""
     check_qkv(OP, q, k, v)
     _check_sink(sink, q)
     _check_selected(selected, q)
+    if causal:
+        after = torch.arange(q.shape[1], device=selected.device)[None, :, None] < selected
+        selected = selected.masked_fill(after, -1)
+    if _runs_causal_selection(backend, q, k, v, causal):
+        return flash.causal_selection_attention(q, k, v, selected, sink=sink, scale=scale)
     if _dsa_reference(backend):
         return dsa_attention_reference(q, k, v, selected, sink=sink, scale=scale)
     return _selected_attention(backend, q, k, v, selected, sink, scale)
+
+
+def _runs_causal_selection(backend: str, q, k, v, causal: bool) -> bool:
+    """Whether dsa_attention runs on flash.py's cuDNN form: asked for ("flash", which raises
+    ValueError with the reason where it cannot), or under "auto" on a causal selection where
+    it can, of at most ``SELECTED_FLEX_MAX_KEYS`` keys (its bias grows as T^2), and cuDNN has
+    passed its first-use check on this device and dtype."""
+    if backend not in ("flash", "auto"):
+        return False
+    reason = flash.causal_selection_unavailable_reason(q, k, v)
+    if reason is None and not causal:
+        reason = "it takes causal selections only (causal=True)"
+    if backend == "flash":
+        if reason is not None:
+            raise ValueError(f"{OP}: backend='flash' cannot run this dsa_attention: {reason}")
+        return True
+    return (reason is None and k.shape[1] <= SELECTED_FLEX_MAX_KEYS
+            and flash.cudnn_checked(q.device, q.dtype))
 
 
 def dsa_indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seqlens=None,

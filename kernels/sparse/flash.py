@@ -60,10 +60,13 @@ import logging
 import torch
 
 from .layout import moba_chosen
-from .reference import OP, moba_attention_reference, softmax_attention_reference
+from .reference import (OP, dsa_attention_reference, moba_attention_reference,
+                        softmax_attention_reference)
 
-__all__ = ["flash_attention", "block_selection_attention", "moba_attention", "unavailable_reason",
-           "check", "checked", "check_cudnn", "cudnn_checked", "cudnn_unavailable_reason"]
+__all__ = ["flash_attention", "block_selection_attention", "moba_attention",
+           "causal_selection_attention", "unavailable_reason",
+           "causal_selection_unavailable_reason", "check", "checked", "check_cudnn",
+           "cudnn_checked", "cudnn_unavailable_reason"]
 
 _log = logging.getLogger(__name__)
 
@@ -162,21 +165,22 @@ def _earlier_blocks_on_cudnn(q: torch.Tensor, block_len: int) -> bool:
     return block_len >= CUDNN_MIN_EARLIER_BLOCK
 
 
-def _cudnn_forward(q, k, v, scale, causal=True):
+def _cudnn_forward(q, k, v, scale, causal=True, bias=None):
     """cuDNN's attention forward on ``[N, H, L, D]`` (views of any strides; k, v may have
-    fewer heads and another length): ``(o, lse, state)``, ``lse`` ``[N, H, L]`` fp32 natural
-    log, ``state`` the rest its backward takes."""
+    fewer heads and another length; ``bias`` an additive ``[N, 1, L, S]`` or None):
+    ``(o, lse, state)``, ``lse`` ``[N, H, L]`` fp32 natural log, ``state`` the rest its
+    backward takes."""
     out, lse, *state, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, causal, False, scale=scale)
+        q, k, v, bias, True, 0.0, causal, False, scale=scale)
     return out, lse.reshape(q.shape[:3]), (lse.shape, *state)
 
 
-def _cudnn_backward(d_out, q, k, v, out, lse, state, scale, causal=True):
+def _cudnn_backward(d_out, q, k, v, out, lse, state, scale, causal=True, bias=None):
     """cuDNN's backward, ``(dq, dk, dv)``, from the output and ``lse [N, H, L]`` given (d_out
-    of out's strides)."""
+    of out's strides; ``bias`` the forward's)."""
     lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = state
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        d_out, q, k, v, out, lse.reshape(lse_shape), seed, offset, None, cum_q, cum_k, max_q,
+        d_out, q, k, v, out, lse.reshape(lse_shape), seed, offset, bias, cum_q, cum_k, max_q,
         max_k, 0.0, causal, scale=scale)
 
 
@@ -586,6 +590,79 @@ def moba_attention(q, k, v, *, block_size, top_k, sink=None, scale=None, cudnn=N
                                      cudnn=cudnn)
 
 
+# DSA's attention over each query's selected keys (:func:`causal_selection_attention`) runs on
+# cuDNN's fused attention, causal, with the selection as an additive bias ``[B, 1, T, T']`` in
+# q's dtype (T' = T rounded up to 8 keys; triton_select.selection_bias), made again in the
+# backward rather than kept from the forward: 2 B T^2 bytes, 1 GiB at B = 2, T = 16384. There, on
+# an H200 (16 heads of 128, 2,048 keys a query, bf16), fwd+bwd took 30.1 ms against 61.5 for
+# FlexAttention over the selection's bitmap, and 49.1 with the bias alone (no causal flag: every
+# tile computed) (benchmarks/results/dsa_cudnn_bias_probe_h200_s23.log).
+_BIAS_ALIGN = 8
+
+
+def causal_selection_unavailable_reason(q, k, v) -> str | None:
+    """Why :func:`causal_selection_attention` cannot run this call, or None."""
+    return unavailable_reason(q, k, v) or cudnn_unavailable_reason(q)
+
+
+def _selection_bias(selected: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The selection ``[B, T, K]`` as cuDNN's bias ``[B, 1, T, T]`` (a view of rows padded to
+    ``_BIAS_ALIGN`` keys)."""
+    seq_len = q.shape[1]
+    width = -(-seq_len // _BIAS_ALIGN) * _BIAS_ALIGN
+    from . import triton_select
+
+    return triton_select.selection_bias(selected, width, q.dtype)[:, None, :, :seq_len]
+
+
+class _CausalSelection(torch.autograd.Function):
+    """q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]``, an fp32 sink ``[Hq]`` or None, the keys
+    ``selected [B, T, K]`` (each at or before its query; -1 none) -> o ``[B, T, Hq, D]``. A
+    query that lists no key has no output (the sink's value vector is zero) and, without a
+    sink, a log-sum-exp of +inf, so that the backward gives its row probabilities of 0."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, selected, scale):
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        out, lse, state = _cudnn_forward(*(x.transpose(1, 2) for x in (q, k, v)), scale,
+                                         causal=True, bias=_selection_bias(selected, q))
+        listed = (selected >= 0).any(-1)[:, None]  # [B, 1, T]
+        wide = torch.promote_types(q.dtype, torch.float32)
+        out = torch.where(listed[..., None], out.to(wide), 0.0)
+        lse = torch.where(listed, lse, float("-inf"))
+        if sink is not None:
+            with_sink = torch.logaddexp(lse, sink.float()[:, None])
+            out = out * torch.exp(lse - with_sink)[..., None]
+            lse = with_sink
+        else:
+            lse = torch.where(listed, lse, float("inf"))
+        out = out.to(q.dtype).transpose(1, 2).contiguous()
+        ctx.save_for_backward(q, k, v, out, lse, sink, selected)
+        ctx.state, ctx.scale = state, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse, sink, selected = ctx.saved_tensors
+        d_out = d_out.contiguous()
+        grads = _cudnn_backward(*(x.transpose(1, 2) for x in (d_out, q, k, v, out)), lse,
+                                ctx.state, ctx.scale, causal=True,
+                                bias=_selection_bias(selected, q))
+        d_sink = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            heads, dim = q.shape[2:]
+            d_sink = _sink_gradient(sink, d_out.view(-1, heads, dim), out.view(-1, heads, dim),
+                                    lse.transpose(1, 2).reshape(-1, heads))
+        return *(g.transpose(1, 2) for g in grads), d_sink, None, None
+
+
+def causal_selection_attention(q, k, v, selected, *, sink=None, scale=None):
+    """DSA's attention (``dsa_attention``: each query over the keys it lists in ``selected
+    [B, T, K]``, -1 none) where every listed key is at or before its query, on cuDNN (see
+    above). Call only where :func:`causal_selection_unavailable_reason` is None."""
+    return _CausalSelection.apply(q, k, v, sink, selected, scale)
+
+
 @functools.cache
 def checked(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernels passed their first-use check (:func:`check`) on ``device`` in
@@ -638,16 +715,26 @@ def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
 
 @torch.inference_mode(False)
 def check_cudnn(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
-    """The first-use check of cuDNN's attention in block selections, as :func:`check`: MoBA
-    with every block full, on 2 x 128 tokens in blocks of 32, top 3, without a sink (the own
-    blocks on cuDNN), and on 2 x 4 blocks of ``CUDNN_MIN_EARLIER_BLOCK``, with one (the
-    earlier blocks too, where the Triton merge runs)."""
+    """The first-use check of cuDNN's attention in block selections and in DSA's attention, as
+    :func:`check`: MoBA with every block full, on 2 x 128 tokens in blocks of 32, top 3,
+    without a sink (the own blocks on cuDNN), and on 2 x 4 blocks of
+    ``CUDNN_MIN_EARLIER_BLOCK``, with one (the earlier blocks too, where the Triton merge
+    runs); :func:`causal_selection_attention` on 2 x 75 tokens, 24 causal keys a query at
+    random (all of them, then -1, for the first 23; one query with none), with and without a
+    sink."""
     generator = torch.Generator(device=device).manual_seed(1)
     moba = (functools.partial(moba_attention, cudnn=True), moba_attention_reference)
+    keys = torch.rand(2, 75, 75, device=device, generator=generator).tril().topk(24).indices
+    selected = torch.where(keys <= torch.arange(75, device=device)[:, None], keys, -1)
+    selected[1, 40] = -1
+    dsa = (functools.partial(causal_selection_attention, selected=selected),
+           functools.partial(dsa_attention_reference, selected=selected))
     return _check_calls(device, dtype, generator, [
         (moba, 2, 128, dict(block_size=32, top_k=3), False),
         (moba, 2, 4 * CUDNN_MIN_EARLIER_BLOCK, dict(block_size=CUDNN_MIN_EARLIER_BLOCK, top_k=3),
          True),
+        (dsa, 2, 75, {}, True),
+        (dsa, 2, 75, {}, False),
     ])
 
 

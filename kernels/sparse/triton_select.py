@@ -1,7 +1,8 @@
-"""Four selection kernels: the top-k block choice of MoBA and NSA (``reference.chosen_blocks``),
+"""Five selection kernels: the top-k block choice of MoBA and NSA (``reference.chosen_blocks``),
 MoBA's whole selection from q and the block means of k (:func:`moba_chosen`), the bitmap of
-DSA's and CSA's per-token key selection (:func:`selection_words`), and NSA's block importance,
-the scores that choice ranks (:func:`nsa_importance`).
+DSA's and CSA's per-token key selection (:func:`selection_words`) and the same selection as an
+attention bias (:func:`selection_bias`), and NSA's block importance, the scores that choice
+ranks (:func:`nsa_importance`).
 
 ``chosen_blocks(scores [..., n], top_k)`` marks, per row, the ``top_k`` highest-scoring blocks,
 ``-inf`` marking a block that cannot be chosen and ``+inf`` one that must be. In PyTorch that is
@@ -33,6 +34,10 @@ row t of ``selected [B, T, K]``, one program per row and an atomic OR per listed
 words as ``layout.selection_words_reference`` (a bool ``[B, c, S]`` per chunk of rows, packed),
 which took 10.4 ms at B T = 32768, K = 2048, S = 16384 on an H200 (session 13).
 
+:func:`selection_bias` writes the same selection as an additive bias (0 on the listed keys,
+-inf elsewhere), the mask cuDNN's fused attention takes (flash.py's
+:func:`~.flash.causal_selection_attention`).
+
 :func:`nsa_importance` is layout.nsa_importance in one kernel per chunk of queries: per tile of
 64 queries and key/value head, pass 1 takes each query head's log-sum-exp over the compressed
 blocks it sees, pass 2 the probabilities of the compressed blocks overlapping each 16 selection
@@ -55,6 +60,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["chosen_blocks", "moba_chosen", "check_moba", "moba_checked", "selection_words",
+           "selection_bias",
            "nsa_importance", "check_importance", "importance_checked", "MOBA_CHECK_TOLERANCE",
            "IMPORTANCE_TOLERANCE", "MAX_BLOCKS"]
 
@@ -207,6 +213,28 @@ def selection_words(selected: torch.Tensor, rows: int, width: int) -> torch.Tens
         _words_kernel[(batch * seq_len,)](selected.contiguous(), words, seq_len, top_k, rows,
                                           width, BLOCK_K=256, num_warps=4)
     return words
+
+
+@triton.jit
+def _bias_kernel(selected, bias, top_k, key_len, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # over B T
+    for start in range(0, top_k, BLOCK_K):
+        j = start + tl.arange(0, BLOCK_K)
+        key = tl.load(selected + row * top_k + j, mask=j < top_k, other=-1).to(tl.int64)
+        tl.store(bias + row * key_len + key, tl.zeros([BLOCK_K], bias.dtype.element_ty),
+                 mask=(key >= 0) & (key < key_len))
+
+
+def selection_bias(selected: torch.Tensor, key_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, T, key_len]`` in ``dtype``: 0 where row t of ``selected [B, T, K]`` lists key s,
+    -inf elsewhere (an additive attention bias: the selection's mask, 16 bits a pair)."""
+    batch, seq_len, top_k = selected.shape
+    bias = torch.full((batch, seq_len, key_len), float("-inf"), dtype=dtype,
+                      device=selected.device)
+    if selected.numel() and key_len:
+        _bias_kernel[(batch * seq_len,)](selected.contiguous(), bias, top_k, key_len,
+                                         BLOCK_K=256, num_warps=4)
+    return bias
 
 
 # ---------------------------------------------------------------------------------------------

@@ -203,7 +203,7 @@ class DSACoreAttention(HeadSplitCoreAttention):
         if ext.dsa_stage == "sparse":
             selected = sparse.dsa_select(index_q, index_k, index_weights, top_k=ext.dsa_top_k,
                                          cu_seqlens=cu_seqlens, backend=ext.sparse_backend)
-            out = sparse.dsa_attention(q, k, v, selected, **options)
+            out = sparse.dsa_attention(q, k, v, selected, causal=True, **options)
         else:
             out = sparse.softmax_attention(q, k, v, cu_seqlens=cu_seqlens, **options)
         if loss_q.requires_grad and ext.dsa_indexer_loss_coeff > 0:

@@ -6,10 +6,12 @@ as FlashAttention aligns them; query rows past the last sequence left alone), ca
 windows and grouped heads. :func:`emulate` puts it in
 place of the kernels; :func:`emulate_cudnn` also puts it in place of the cuDNN calls of a block
 selection (``[N, H, L, D]`` batches, log-sum-exp ``[N, H, L]``: the own blocks causal, the
-earlier blocks' chunks not) and makes every selection whose blocks are all full take them."""
+earlier blocks' chunks not) and makes every selection whose blocks are all full take them, and
+cuDNN's call with a bias (DSA's causal selection: dense scores plus the bias), whose bias it
+makes in PyTorch (the Triton kernel's own test is tests/gpu/test_sparse_select.py's)."""
 import torch
 
-from megatron_ext.kernels.sparse import flash
+from megatron_ext.kernels.sparse import flash, reference
 
 
 def emulate(monkeypatch):
@@ -24,6 +26,7 @@ def emulate_cudnn(monkeypatch, earlier_chunk=0):
     emulate(monkeypatch)
     monkeypatch.setattr(flash, "_cudnn_forward", emulated_cudnn_forward)
     monkeypatch.setattr(flash, "_cudnn_backward", emulated_cudnn_backward)
+    monkeypatch.setattr(flash, "_selection_bias", _selection_bias)
     monkeypatch.setattr(flash, "_on_cudnn", lambda q: True)
     monkeypatch.setattr(flash, "cudnn_checked", lambda device, dtype: True)
     monkeypatch.setattr(flash, "_own_blocks_on_cudnn",
@@ -40,7 +43,50 @@ def _batch_as_rows(x):
     return rows, torch.arange(0, n * length + 1, length)
 
 
-def emulated_cudnn_forward(q, k, v, scale, causal=True):
+def _selection_bias(selected, q):
+    listed = reference.selected_mask(selected, q.shape[1])[:, None]
+    return torch.zeros(listed.shape, dtype=q.dtype).masked_fill(~listed, float("-inf"))
+
+
+def _dense_scores(q, k, scale, causal, bias):
+    """Scaled scores ``[N, H, L, S]`` plus the bias (-inf after the query where causal)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = scale * torch.einsum("nhld,nhsd->nhls", q, k) + bias
+    if causal:
+        after = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(after, float("-inf"))
+    return scores, scale
+
+
+def _dense_forward(q, k, v, scale, causal, bias):
+    dtype = q.dtype
+    q, k, v, bias = _wide(q, k, v, bias)
+    scores, _ = _dense_scores(q, k, scale, causal, bias)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a row without keys: 0
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return torch.einsum("nhls,nhsd->nhld", probs, v).to(dtype), lse, "state"
+
+
+def _dense_backward(d_out, q, k, v, out, lse, scale, causal, bias):
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    d_out, q, k, v, out, bias = _wide(d_out, q, k, v, out, bias)
+    scores, scale = _dense_scores(q, k, scale, causal, bias)
+    group = q.shape[1] // k.shape[1]
+    probs = torch.exp(scores - lse[..., None])  # recomputed from the lse given
+    d_probs = torch.einsum("nhld,nhsd->nhls", d_out, v.repeat_interleave(group, dim=1))
+    d_scores = probs * (d_probs - (d_out * out).sum(-1)[..., None])
+    dq = scale * torch.einsum("nhls,nhsd->nhld", d_scores, k.repeat_interleave(group, dim=1))
+    dk = scale * torch.einsum("nhls,nhld->nhsd", d_scores, q)
+    dv = torch.einsum("nhls,nhld->nhsd", probs, d_out)
+    dk, dv = (x.unflatten(1, (k.shape[1], group)).sum(2) for x in (dk, dv))
+    return [g.to(dtype) for g, dtype in zip((dq, dk, dv), dtypes)]
+
+
+def emulated_cudnn_forward(q, k, v, scale, causal=True, bias=None):
+    if bias is not None:
+        return _dense_forward(q, k, v, scale, causal, bias)
     (q_rows, cu_q), (k_rows, cu_k), (v_rows, _) = (_batch_as_rows(x) for x in (q, k, v))
     out, lse = emulated_forward(q_rows, k_rows, v_rows, cu_q, cu_k, 0, 0, causal, -1,
                                 0 if causal else -1, scale)
@@ -49,8 +95,10 @@ def emulated_cudnn_forward(q, k, v, scale, causal=True):
             lse.view(heads, n, length).transpose(0, 1), "state")
 
 
-def emulated_cudnn_backward(d_out, q, k, v, out, lse, state, scale, causal=True):
+def emulated_cudnn_backward(d_out, q, k, v, out, lse, state, scale, causal=True, bias=None):
     assert state == "state"
+    if bias is not None:
+        return _dense_backward(d_out, q, k, v, out, lse, scale, causal, bias)
     (d_rows, cu_q), (q_rows, _), (k_rows, cu_k), (v_rows, _), (out_rows, _) = (
         _batch_as_rows(x) for x in (d_out, q, k, v, out))
     assert lse.shape == q.shape[:3]

@@ -240,11 +240,11 @@ def test_cudnn_check_passes_faithful_calls_and_a_failure_keeps_flash_attention(m
     checked.cache_clear()
     assert checked(device, torch.bfloat16)
 
-    def misread_backward(d_out, q, k, v, out, lse, state, scale, causal=True):
+    def misread_backward(d_out, q, k, v, out, lse, state, scale, causal=True, bias=None):
         n, heads, length = lse.shape
         lse = lse.reshape(n, length, heads).transpose(1, 2)  # [N, L, H] read as [N, H, L]
         return flash_emulation.emulated_cudnn_backward(d_out, q, k, v, out, lse, state, scale,
-                                                       causal)
+                                                       causal, bias)
 
     monkeypatch.setattr(flash, "_cudnn_backward", misread_backward)
     assert max(flash.check_cudnn(device, torch.bfloat16).values()) > flash.CHECK_TOLERANCE
@@ -260,6 +260,62 @@ def test_cudnn_check_passes_faithful_calls_and_a_failure_keeps_flash_attention(m
     assert not calls
     assert max(flash.check(device, torch.bfloat16).values()) <= flash.CHECK_TOLERANCE
     checked.cache_clear()
+
+
+def _causal_selection(seed, batch, seq_len, top_k, twice=True):
+    """``[B, T, K]`` int32: K keys at or before each query at random (all of them, then -1,
+    where it has fewer), a key listed twice (where ``twice``), and a query (t = 20) with
+    none."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.rand(batch, seq_len, seq_len, generator=generator).tril().topk(top_k).indices
+    selected = torch.where(keys <= torch.arange(seq_len)[:, None], keys, -1).int()
+    if twice:
+        selected[0, 30, 1] = selected[0, 30, 0]
+    selected[:, 20] = -1
+    return selected
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("sink", [True, False])
+def test_causal_selection_on_cudnn_equals_the_reference(monkeypatch, kv_heads, sink):
+    """DSA's attention on cuDNN with the selection as a bias (emulated), T = 37, 7 keys a query
+    (a query with none: no output, and no gradient reaches any key through it), with and
+    without a sink, MHA and groups of 2, against the reference."""
+    emulate_cudnn(monkeypatch)
+    leaves, grad = _leaves(4, 2, 37, kv_heads=kv_heads, sink=sink)
+    selected = _causal_selection(5, 2, 37, 7)
+    _assert_equal(flash.causal_selection_attention, sparse.dsa_attention_reference, leaves, grad,
+                  selected=selected)
+    out = flash.causal_selection_attention(leaves["q"], leaves["k"], leaves["v"], selected,
+                                           sink=leaves.get("sink"))
+    assert torch.equal(out[:, 20], torch.zeros_like(out[:, 20]))
+
+
+def test_dsa_attention_takes_cudnn_for_causal_selections(monkeypatch):
+    """``causal=True`` drops the listed keys after their query (so does every backend), and
+    then "flash" (and "auto", once cuDNN passed its check) runs the cuDNN form; without it
+    "flash" refuses and "auto" keeps its other backends."""
+    emulate_cudnn(monkeypatch)
+    monkeypatch.setattr(flash, "causal_selection_unavailable_reason", lambda q, k, v: None)
+    calls, forward = [], flash._cudnn_forward
+    monkeypatch.setattr(flash, "_cudnn_forward",
+                        lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    leaves, _ = _leaves(6, 2, 37)
+    x = [leaves[name] for name in ("q", "k", "v")]
+    selected = _causal_selection(7, 2, 37, 7, twice=False)  # (the backends may differ there)
+    later = selected.clone()
+    later[:, 3, -1] = 30  # a key after query 3
+    want = sparse.dsa_attention(*x, selected, sink=leaves["sink"], backend="reference")
+    assert not torch.allclose(want, sparse.dsa_attention(*x, later, sink=leaves["sink"],
+                                                         backend="reference"))
+    for backend in ("reference", "gathered", "flash", "auto"):
+        got = sparse.dsa_attention(*x, later, sink=leaves["sink"], causal=True, backend=backend)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert len(calls) == 2  # flash and auto
+    with pytest.raises(ValueError, match="causal selections only"):
+        sparse.dsa_attention(*x, selected, backend="flash")
+    sparse.dsa_attention(*x, selected, backend="auto")
+    assert len(calls) == 2
 
 
 def test_first_use_under_inference_mode_runs_the_check(emulated):

@@ -17,7 +17,7 @@ def main() -> None:
     triton_interpreter.setup()
     checks = triton_interpreter.gpu_checks("test_sparse_select")
     print(f"kernel: {checks.check('cpu')} cases ok", flush=True)
-    print(f"bitmap words: {checks.check_words('cpu')} cases ok", flush=True)
+    print(f"bitmap words and bias: {checks.check_words('cpu')} cases ok", flush=True)
     ran = checks.check_importance("cpu", (torch.float32, torch.float16))
     print(f"NSA importance: {ran} cases ok", flush=True)
     print(f"MoBA selection: {checks.check_moba('cpu', (torch.float32, torch.float16))} cases ok",

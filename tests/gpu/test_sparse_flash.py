@@ -6,8 +6,10 @@ causality, packed sequences (one empty, one across the window), grouped heads, a
 1, 63, 64, 65 and 1000 tokens; MoBA with partial last blocks or full ones (the own blocks then
 on cuDNN, also compared with them on FlashAttention-2; from blocks of 128 the earlier blocks on
 cuDNN in chunks, compared likewise), top-k of 1 to 8; NSA (its
-selected and window branches on the kernels) against the gathered path; a sink of -inf; the
-first-use checks (the path's and its cuDNN calls'); and "auto" choosing it on a GPU.
+selected and window branches on the kernels) against the gathered path; DSA's attention over
+a causal selection on cuDNN with the selection as a bias (odd lengths, a query with no key, a
+key listed twice, with and without a sink); a sink of -inf; the first-use checks (the path's
+and its cuDNN calls'); and "auto" choosing it on a GPU.
 
 Tolerance: relative error (Frobenius norm) 2e-2 on the output and each gradient, the first-use
 check's (flash.CHECK_TOLERANCE): the kernels round q, k, v, P and o to 16 bits (about 2^-8
@@ -207,3 +209,43 @@ def test_auto_runs_flash_for_nsa_from_its_minimum_length(monkeypatch):
                              compress_stride=16, select_block=64, select_top_k=4, window=100,
                              backend="auto")
         assert len(calls) == expected, seq_len
+
+
+def _causal_selection(batch, seq_len, top_k, seed=4):
+    """``[B, T, K]`` int32 on the GPU: K keys at or before each query at random (all of them,
+    then -1, where it has fewer), a key listed twice, and a query with none."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    keys = torch.rand(batch, seq_len, seq_len, device="cuda", generator=g).tril().topk(top_k)
+    position = torch.arange(seq_len, device="cuda")[:, None]
+    selected = torch.where(keys.indices <= position, keys.indices, -1).int()
+    selected[0, -1, 1] = selected[0, -1, 0]
+    selected[:, seq_len // 2] = -1
+    return selected
+
+
+@pytest.mark.parametrize("sink", [True, False])
+@pytest.mark.parametrize(("seq_len", "top_k"), [(1000, 100), (1024, 300), (77, 8)])
+def test_dsa_causal_selection_matches_reference(seq_len, top_k, sink):
+    """dsa_attention(causal=True) on "flash" (cuDNN, the selection as a bias) in bf16 against
+    the fp32 reference; the query with no key gives zeros."""
+    leaves, grad = _leaves(2, seq_len, sink=sink)
+    selected = _causal_selection(2, seq_len, top_k)
+
+    def dsa(q, k, v, sink, backend):
+        return sparse.dsa_attention(q, k, v, selected, sink=sink, causal=True, backend=backend)
+
+    _compare(leaves, grad, torch.bfloat16, op=dsa)
+    q, k, v = (leaves[n].bfloat16() for n in ("q", "k", "v"))
+    out = dsa(q, k, v, leaves.get("sink"), "flash")
+    assert torch.equal(out[:, seq_len // 2], torch.zeros_like(out[:, seq_len // 2]))
+
+
+def test_auto_runs_cudnn_for_causal_dsa_selections(monkeypatch):
+    calls = _spy(monkeypatch, "causal_selection_attention")
+    leaves, _ = _leaves(2, 200)
+    q, k, v = (leaves[n].bfloat16() for n in ("q", "k", "v"))
+    selected = _causal_selection(2, 200, 16)
+    sparse.dsa_attention(q, k, v, selected, sink=leaves["sink"], causal=True, backend="auto")
+    assert len(calls) == 1
+    sparse.dsa_attention(q, k, v, selected, sink=leaves["sink"], backend="auto")
+    assert len(calls) == 1  # not declared causal: FlexAttention

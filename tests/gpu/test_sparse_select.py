@@ -7,7 +7,8 @@ row, as MoBA's and NSA's selections make them, for block counts that are and are
 two and k from 1 to more than the blocks, and asserts the same chosen set, bit for bit (the
 scores are distinct).
 It also checks rows of equal finite scores: as many chosen as torch.topk's, the lowest columns.
-``check_words`` checks the key-selection bitmap kernel (``selection_words``) the same way.
+``check_words`` checks the key-selection bitmap kernel (``selection_words``) the same way, and
+the same selection as an attention bias (``selection_bias``).
 ``check_moba`` checks MoBA's selection in one kernel (``triton_select.moba_chosen``) against
 ``layout.moba_chosen_pytorch`` on the same device: the same chosen set, bit for bit.
 ``check_importance`` checks NSA's block-importance kernel (``nsa_importance``) against
@@ -51,8 +52,9 @@ def check(device) -> int:
 def check_words(device) -> int:
     """``selection_words`` (DSA's and CSA's bitmap, an atomic OR per listed key) against
     ``layout.selection_words_reference``, bit for bit: -1 slots, a row of only -1, a key listed
-    twice, keys at bit 31 and in the last word, rows padded past T; and the layout made with
-    it against the one made without. Returns how many cases ran."""
+    twice, keys at bit 31 and in the last word, rows padded past T; and ``selection_bias`` (0
+    on the listed keys, -inf elsewhere, in bf16 and fp32) against ``reference.selected_mask``,
+    with keys past its width dropped. Returns how many cases ran."""
     from megatron_ext.kernels.sparse import layout, triton_select
 
     generator = torch.Generator().manual_seed(2)
@@ -68,6 +70,12 @@ def check_words(device) -> int:
         want = layout.selection_words_reference(selected, rows, width)
         got = triton_select.selection_words(selected.to(device), rows, width).cpu()
         assert torch.equal(got, want), (batch, seq_len, top_k, (got != want).nonzero()[:5])
+        for dtype, bias_len in ((torch.bfloat16, key_len), (torch.float32, key_len - 3)):
+            listed = reference.selected_mask(selected.masked_fill(selected >= bias_len, -1),
+                                             bias_len)
+            want = torch.zeros(listed.shape, dtype=dtype).masked_fill(~listed, float("-inf"))
+            got = triton_select.selection_bias(selected.to(device), bias_len, dtype).cpu()
+            assert torch.equal(got, want), (batch, seq_len, top_k, dtype)
     return len(cases)
 
 
