@@ -38,7 +38,9 @@ check on the device in the call's dtype. With "flex", and with "auto" on CUDA fo
 ``SELECTED_FLEX_MAX_KEYS`` keys, ``dsa_attention`` and ``csa_attention`` run FlexAttention over
 the selection written as a bitmap (``layout.key_selection_layout``): dense tiles on tensor
 cores instead of a gather of each query's keys per key/value head (the indexer losses' sparse
-stage runs as under "auto" then).
+stage runs as under "auto" then). A selection declared causal (``dsa_attention(...,
+causal=True)``, as the DSA layer declares ``dsa_select``'s) runs, with "flash" and with "auto"
+before those, on cuDNN's fused attention with the selection as an additive bias (flash.py).
 
 DeepSeek-V4's compressed attentions (compressed.py): ``compress_kv`` makes one entry per block
 of tokens; HCA's ``compressed_attention`` (all the entries a query sees, plus a sliding window)

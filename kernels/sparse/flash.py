@@ -594,9 +594,11 @@ def moba_attention(q, k, v, *, block_size, top_k, sink=None, scale=None, cudnn=N
 # cuDNN's fused attention, causal, with the selection as an additive bias ``[B, 1, T, T']`` in
 # q's dtype (T' = T rounded up to 8 keys; triton_select.selection_bias), made again in the
 # backward rather than kept from the forward: 2 B T^2 bytes, 1 GiB at B = 2, T = 16384. There, on
-# an H200 (16 heads of 128, 2,048 keys a query, bf16), fwd+bwd took 30.1 ms against 61.5 for
-# FlexAttention over the selection's bitmap, and 49.1 with the bias alone (no causal flag: every
-# tile computed) (benchmarks/results/dsa_cudnn_bias_probe_h200_s23.log).
+# an H200 (16 heads of 128, 2,048 keys a query, bf16), the attention took 36.7 ms fwd+bwd
+# against 63.5 for FlexAttention over the selection's bitmap (the bias made twice 3.2 ms of it;
+# cuDNN's calls alone 30.1, and 49.1 with the bias but no causal flag: every tile computed), and
+# DSA's whole sparse stage 139.3 against 165.0 ms; its peak memory rose from 3.20 to 3.59 GiB
+# (from 3.33 to 4.59 at T = 32768, B = 1) (benchmarks/results/*dsa*_s23*).
 _BIAS_ALIGN = 8
 
 
