@@ -242,48 +242,46 @@ _PLAN_ELEMENTS = 4096  # a program's tile of tokens x blocks
 
 
 @triton.jit
-def _earlier_chosen(chosen, bh, tile, seq_len, num_blocks, block_size,
+def _earlier_chosen(chosen, seq_len, num_blocks, block_size, kv_heads, repeat,
                     BLOCK_T: tl.constexpr, NP: tl.constexpr):
-    """The tile's ``[BLOCK_T, NP]`` int32 flags: block j chosen by token t (of selection row
-    ``bh`` = b Hs + h) and before t's own block; and t."""
+    """A program's tile of the plan's kernels (grid [tiles of BLOCK_T tokens, B Hs]): its
+    ``[BLOCK_T, NP]`` int32 flags (block j chosen by token t of selection row b Hs + h, and
+    before t's own block), each token's row ``(b T + t) Hs + h``, each block's sequence
+    ``(b, g, j)`` and the tile's place ``at`` in ``partial [sequences, repeat * tiles]``."""
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    tiles = tl.num_programs(0)
+    b, h = bh // (kv_heads * repeat), bh % (kv_heads * repeat)
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, NP)
     earlier = (t < seq_len)[:, None] & (j[None, :] < (t // block_size)[:, None])
-    at = (bh.to(tl.int64) * seq_len + t)[:, None] * num_blocks + j[None, :]
-    return tl.load(chosen + at, mask=earlier, other=0).to(tl.int32), t
+    flags = tl.load(chosen + ((bh.to(tl.int64) * seq_len + t)[:, None] * num_blocks + j[None, :]),
+                    mask=earlier, other=0).to(tl.int32)
+    row = (b * seq_len + t).to(tl.int64) * (kv_heads * repeat) + h
+    sequence = (b * kv_heads + h // repeat) * num_blocks + j
+    at = sequence.to(tl.int64) * (repeat * tiles) + (h % repeat) * tiles + tile
+    return flags, row, sequence, at
 
 
 @triton.jit
 def _pair_count_kernel(chosen, partial, seq_len, num_blocks, block_size, kv_heads, repeat,
                        BLOCK_T: tl.constexpr, NP: tl.constexpr):
-    tile, bh = tl.program_id(0), tl.program_id(1)
-    tiles = tl.num_programs(0)
-    b, h = bh // (kv_heads * repeat), bh % (kv_heads * repeat)
-    flags, _ = _earlier_chosen(chosen, bh, tile, seq_len, num_blocks, block_size, BLOCK_T, NP)
-    j = tl.arange(0, NP)
-    sequence = (b * kv_heads + h // repeat) * num_blocks + j
-    at = sequence.to(tl.int64) * (repeat * tiles) + (h % repeat) * tiles + tile
-    tl.store(partial + at, tl.sum(flags, 0), mask=j < num_blocks)
+    flags, _, _, at = _earlier_chosen(chosen, seq_len, num_blocks, block_size, kv_heads, repeat,
+                                      BLOCK_T, NP)
+    tl.store(partial + at, tl.sum(flags, 0), mask=tl.arange(0, NP) < num_blocks)
 
 
 @triton.jit
 def _pair_place_kernel(chosen, partial, inclusive, start, rows, pairs, seq_len, num_blocks,
                        block_size, kv_heads, repeat, per_row,
                        BLOCK_T: tl.constexpr, NP: tl.constexpr):
-    tile, bh = tl.program_id(0), tl.program_id(1)
-    tiles = tl.num_programs(0)
-    b, h = bh // (kv_heads * repeat), bh % (kv_heads * repeat)
-    flags, t = _earlier_chosen(chosen, bh, tile, seq_len, num_blocks, block_size, BLOCK_T, NP)
-    j = tl.arange(0, NP)
-    real = j < num_blocks
-    sequence = (b * kv_heads + h // repeat) * num_blocks + j
-    at = sequence.to(tl.int64) * (repeat * tiles) + (h % repeat) * tiles + tile
+    flags, row, sequence, at = _earlier_chosen(chosen, seq_len, num_blocks, block_size, kv_heads,
+                                               repeat, BLOCK_T, NP)
+    real = tl.arange(0, NP) < num_blocks
     # the sequence's pairs before this tile's: its first slot, plus its earlier tiles' counts
     first = (tl.load(start + sequence, mask=real, other=0).to(tl.int64)
              + tl.load(inclusive + at, mask=real, other=0) - tl.load(partial + at, mask=real,
                                                                      other=0))
     slot = first[None, :] + (tl.cumsum(flags, 0) - flags)
-    row = (b * seq_len + t).to(tl.int64) * (kv_heads * repeat) + h
     chosen_pair = flags > 0
     tl.store(rows + slot, tl.broadcast_to(row[:, None], (BLOCK_T, NP)), mask=chosen_pair)
     nth = tl.cumsum(flags, 1) - flags  # the pair's place among its row's
