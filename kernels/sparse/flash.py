@@ -48,8 +48,13 @@ The kernels run only after a first-use check per device and dtype (:func:`check`
 grouped heads, packed sequences; MoBA with a partial last block; blocks chosen per key/value
 head), forward and backward, against the fp32 reference; a failure is logged once and "auto"
 keeps FlexAttention. cuDNN's calls have a check of their own (:func:`check_cudnn`, MoBA with
-full blocks, run once by :func:`cudnn_checked`): where it fails, FlashAttention-2 runs every
-block and the rest of the path stays.
+full blocks and DSA's attention, run once by :func:`cudnn_checked`): where it fails,
+FlashAttention-2 runs every block and the rest of the path stays, and DSA's attention keeps
+FlexAttention.
+
+DSA's attention over keys chosen per query (:func:`causal_selection_attention`, each key at
+or before its query) is one cuDNN call, causal, with the selection as an additive bias; the
+sink and a query that chose no key are handled through the log-sum-exp as above.
 """
 from __future__ import annotations
 
