@@ -21,7 +21,7 @@ one is finite and within the tolerance (``tolerance_for``).
 
 After them, ``run_all`` gives the first-use checks of the fast paths outside ``OPS`` a row each
 (``FIRST_USE_BACKENDS``): the sparse ops' FlashAttention path (``sparse.flash.check``, and
-``sparse.flash.check_cudnn`` for its blocks on cuDNN), the
+``sparse.flash.check_cudnn`` for its blocks and DSA's attention on cuDNN), the
 residual Triton kernels (``residual.efficient.first_use_checks``), DSA's and CSA's
 selected-attention kernels (``sparse.triton.check``), MoBA's selection kernel
 (``sparse.triton_select.check_moba``) and NSA's block-importance kernel
