@@ -447,8 +447,8 @@ def dsa_attention(q, k, v, selected, *, sink=None, scale=None, causal=False, bac
     memory O(T K), but O(T^2 / 8) bytes on flex and 2 T^2 on flash. ``causal``: a listed key
     after its query is dropped (:func:`dsa_select` lists none). Backends: the reference;
     cuDNN's fused attention with the selection as a bias (flash.py: "flash", and "auto" on a
-    causal selection where it runs and has passed its first-use check, up to
-    ``SELECTED_FLEX_MAX_KEYS`` keys); FlexAttention over the selection's bitmap ("flex", and
+    causal selection where it runs and has passed its first-use check, with a bias of up to
+    ``CAUSAL_SELECTION_MAX_BIAS`` bytes); FlexAttention over the selection's bitmap ("flex", and
     "auto" on CUDA up to ``SELECTED_FLEX_MAX_KEYS`` keys); triton.py's kernels ("triton", and
     "auto" beyond, where they run); else the gathered form of selected.py."""
     check_qkv(OP, q, k, v)
@@ -464,11 +464,18 @@ def dsa_attention(q, k, v, selected, *, sink=None, scale=None, causal=False, bac
     return _selected_attention(backend, q, k, v, selected, sink, scale)
 
 
+# The largest bias (2 B T^2 bytes, made in the forward and again in the backward) for which
+# "auto" runs dsa_attention on cuDNN; beyond it FlexAttention's bitmap (B T^2 / 8 bytes). At 4 GiB:
+# B = 2 at T = 32768, B = 8 at T = 16384; on an H200 the bias of B = 1, T = 32768 (2 GiB) took
+# DSA's sparse stage from 3.33 to 4.59 GiB of peak memory (benchmarks/results, session 23).
+CAUSAL_SELECTION_MAX_BIAS = 4 << 30
+
+
 def _runs_causal_selection(backend: str, q, k, v, causal: bool) -> bool:
     """Whether dsa_attention runs on flash.py's cuDNN form: asked for ("flash", which raises
     ValueError with the reason where it cannot), or under "auto" on a causal selection where
-    it can, of at most ``SELECTED_FLEX_MAX_KEYS`` keys (its bias grows as T^2), and cuDNN has
-    passed its first-use check on this device and dtype."""
+    it can, with a bias of at most ``CAUSAL_SELECTION_MAX_BIAS`` bytes, and cuDNN has passed
+    its first-use check on this device and dtype."""
     if backend not in ("flash", "auto"):
         return False
     reason = flash.causal_selection_unavailable_reason(q, k, v)
@@ -478,7 +485,8 @@ def _runs_causal_selection(backend: str, q, k, v, causal: bool) -> bool:
         if reason is not None:
             raise ValueError(f"{OP}: backend='flash' cannot run this dsa_attention: {reason}")
         return True
-    return (reason is None and k.shape[1] <= SELECTED_FLEX_MAX_KEYS
+    bias_bytes = q.shape[0] * q.shape[1] * k.shape[1] * q.element_size()
+    return (reason is None and bias_bytes <= CAUSAL_SELECTION_MAX_BIAS
             and flash.cudnn_checked(q.device, q.dtype))
 
 

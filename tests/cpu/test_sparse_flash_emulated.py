@@ -316,6 +316,13 @@ def test_dsa_attention_takes_cudnn_for_causal_selections(monkeypatch):
         sparse.dsa_attention(*x, selected, backend="flash")
     sparse.dsa_attention(*x, selected, backend="auto")
     assert len(calls) == 2
+    # a bias (2 x 37 x 37 values of 8 bytes here) over the limit: "auto" keeps the others
+    monkeypatch.setattr(sparse, "CAUSAL_SELECTION_MAX_BIAS", 2 * 37 * 37 * 8 - 1)
+    sparse.dsa_attention(*x, selected, causal=True, backend="auto")
+    assert len(calls) == 2
+    monkeypatch.setattr(sparse, "CAUSAL_SELECTION_MAX_BIAS", 2 * 37 * 37 * 8)
+    sparse.dsa_attention(*x, selected, causal=True, backend="auto")
+    assert len(calls) == 3
 
 
 def test_first_use_under_inference_mode_runs_the_check(emulated):
