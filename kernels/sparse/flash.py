@@ -682,14 +682,16 @@ def checked(device: torch.device, dtype: torch.dtype) -> bool:
 
 @functools.cache
 def cudnn_checked(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether cuDNN's attention passed its first-use check for block selections
-    (:func:`check_cudnn`) on ``device`` in ``dtype``; run once, a failure logged once. Where it
-    fails, FlashAttention-2 runs every block (the rest of the flash path is checked apart)."""
+    """Whether cuDNN's attention passed its first-use check for block selections and DSA's
+    attention (:func:`check_cudnn`) on ``device`` in ``dtype``; run once, a failure logged
+    once. Where it fails, FlashAttention-2 runs every block and FlexAttention DSA's attention
+    (the rest of the flash path is checked apart)."""
     from ..selfcheck import passes_first_use_check
 
     return passes_first_use_check(check_cudnn, device, dtype, CHECK_TOLERANCE,
-                                  "cuDNN's attention for block selections",
-                                  "FlashAttention-2 runs their blocks instead", _log)
+                                  "cuDNN's attention for block selections and DSA",
+                                  "FlashAttention-2 runs their blocks and FlexAttention DSA's "
+                                  "attention instead", _log)
 
 
 @torch.inference_mode(False)  # a first use under inference mode checks as any other
