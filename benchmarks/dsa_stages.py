@@ -5,7 +5,9 @@ gather each query's keys; "flex", FlexAttention over the selection's bitmap, who
 also timed alone as ``flex_bitmap``; "flash", cuDNN's fused attention with the selection as a
 bias; every backend told the selection is causal) and the indexer loss (``dsa_indexer_loss`` on the
 selected keys, forward and forward+backward, on the backend "auto" picks: on CUDA our Triton
-kernels once their first-use check passed), each timed alone.
+kernels once their first-use check passed; with "flash" among the backends also as
+``loss_given_lse``, given the log-sum-exp that cuDNN's attention returns, as the DSA layer
+gives it), each timed alone.
 
 Shapes as ``benchmarks/sparse_attention.py``'s dsa op: B = batch_tokens / T, H heads for q and
 (``--kv-heads``, default H) for k and v, head dim D, bf16; ``--dsa`` = top-k, indexer heads,
@@ -66,8 +68,8 @@ def stages(seq_len: int, args) -> dict[str, float]:
         return lambda: sparse.dsa_attention(q, k, v, selected, sink=sink, causal=True,
                                             backend=backend)
 
-    def loss():
-        return sparse.dsa_indexer_loss(q, k, *index, selected=selected, sink=sink)
+    def loss(lse=None):
+        return sparse.dsa_indexer_loss(q, k, *index, selected=selected, sink=sink, lse=lse)
 
     calls = {"select": lambda: sparse.dsa_select(*index, top_k=top_k)}
     for backend in args.attention:
@@ -76,6 +78,12 @@ def stages(seq_len: int, args) -> dict[str, float]:
     if "flex" in args.attention:
         calls["flex_bitmap"] = lambda: layout.key_selection_layout(selected, seq_len, 128, 128)
     calls.update(loss_fwd=loss, loss_fwd_bwd=lambda: loss().backward())
+    if "flash" in args.attention:
+        with torch.no_grad():
+            _, lse = sparse.dsa_attention(q, k, v, selected, sink=sink, causal=True,
+                                          backend="flash", return_lse=True)
+        calls.update(loss_given_lse_fwd=lambda: loss(lse),
+                     loss_given_lse_fwd_bwd=lambda: loss(lse).backward())
     return {name: round(fastest_ms(fn, device, args.reps), 2) for name, fn in calls.items()}
 
 

@@ -216,10 +216,10 @@ def dsa_layer_op(x, top_k, backend):
     index = (x["index_q"], x["index_k"], x["index_weights"])
     rest = "auto" if backend == "flash" else backend  # "flash" is the attention's only
     selected = sparse.dsa_select(*index, top_k=top_k, backend=rest)
-    out = sparse.dsa_attention(x["q"], x["k"], x["v"], selected, sink=x["sink"], causal=True,
-                               backend=backend)
+    out, lse = sparse.dsa_attention(x["q"], x["k"], x["v"], selected, sink=x["sink"],
+                                    causal=True, backend=backend, return_lse=True)
     loss = sparse.dsa_indexer_loss(x["q"], x["k"], *index, selected=selected, sink=x["sink"],
-                                   backend=rest)
+                                   backend=rest, lse=lse)
     return IndexerLoss.apply(out, loss)
 
 

@@ -428,8 +428,9 @@ def dsa_select(index_q, index_k, index_weights, *, top_k, cu_seqlens=None, backe
     the ``top_k`` keys of each query among its causal keys (within its own sequence of a pack,
     ``cu_seqlens``, B == 1) by the lightning indexer's score ``sum_j w_tj relu(q_tj . k_s)``.
     index_q ``[B, T, HI, DI]``, index_k ``[B, T, DI]``, index_weights ``[B, T, HI]`` ->
-    ``[B, T, min(top_k, T)]`` int32 key positions; a query with fewer causal keys gets all of
-    them, then -1. No gradient: the choice is discrete."""
+    ``[B, T, min(top_k, T)]`` int32 key positions, in no particular order (ties go to the
+    earlier key); a query with fewer causal keys gets all of them and -1 in its other slots.
+    No gradient: the choice is discrete."""
     _check_index(index_q, index_k, index_weights, index_q.shape[1])
     if top_k < 1:
         raise ValueError(f"{OP}: DSA's top_k={top_k} must be >= 1")
@@ -439,7 +440,8 @@ def dsa_select(index_q, index_k, index_weights, *, top_k, cu_seqlens=None, backe
     return select_keys(index_q, index_k, index_weights, top_k=top_k, cu_seqlens=cu_seqlens)
 
 
-def dsa_attention(q, k, v, selected, *, sink=None, scale=None, causal=False, backend="auto"):
+def dsa_attention(q, k, v, selected, *, sink=None, scale=None, causal=False, backend="auto",
+                  return_lse=False):
     """DSA's sparse attention: each query attends to its ``selected [B, T, K]`` keys
     (:func:`dsa_select`; shared by all heads, -1 skipped, each key at most once a row: the
     backends may differ on a key listed twice), with the sink and scale of
@@ -450,18 +452,27 @@ def dsa_attention(q, k, v, selected, *, sink=None, scale=None, causal=False, bac
     causal selection where it runs and has passed its first-use check, with a bias of up to
     ``CAUSAL_SELECTION_MAX_BIAS`` bytes); FlexAttention over the selection's bitmap ("flex", and
     "auto" on CUDA up to ``SELECTED_FLEX_MAX_KEYS`` keys); triton.py's kernels ("triton", and
-    "auto" beyond, where they run); else the gathered form of selected.py."""
+    "auto" beyond, where they run); else the gathered form of selected.py.
+
+    ``return_lse``: ``(o, lse)``, lse the log-sum-exp ``[B, T, Hq]`` fp32 of each query head's
+    scaled scores over its keys and the sink, without gradient, where the backend that ran
+    gives it (cuDNN's), else None; :func:`dsa_indexer_loss` takes it so as not to compute it
+    again."""
     check_qkv(OP, q, k, v)
     _check_sink(sink, q)
     _check_selected(selected, q)
     if causal:
         after = torch.arange(q.shape[1], device=selected.device)[None, :, None] < selected
         selected = selected.masked_fill(after, -1)
+    lse = None
     if _runs_causal_selection(backend, q, k, v, causal):
-        return flash.causal_selection_attention(q, k, v, selected, sink=sink, scale=scale)
-    if _dsa_reference(backend):
-        return dsa_attention_reference(q, k, v, selected, sink=sink, scale=scale)
-    return _selected_attention(backend, q, k, v, selected, sink, scale)
+        out, lse = flash.causal_selection_attention(q, k, v, selected, sink=sink, scale=scale,
+                                                    return_lse=True)
+    elif _dsa_reference(backend):
+        out = dsa_attention_reference(q, k, v, selected, sink=sink, scale=scale)
+    else:
+        out = _selected_attention(backend, q, k, v, selected, sink, scale)
+    return (out, lse) if return_lse else out
 
 
 # The largest bias (2 B T^2 bytes, made in the forward and again in the backward) for which
@@ -491,7 +502,8 @@ def _runs_causal_selection(backend: str, q, k, v, causal: bool) -> bool:
 
 
 def dsa_indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seqlens=None,
-                     sink=None, scale=None, reduce_heads=None, shares=None, backend="auto"):
+                     sink=None, scale=None, reduce_heads=None, shares=None, backend="auto",
+                     lse=None):
     """The indexer's training loss (arXiv 2512.02556, sec. 2.1), averaged over the B * T
     queries: ``KL(p_t || softmax(I_t))``, p the main attention of q, k (with sink and scale; no
     gradient reaches q, k or the sink) summed over the heads and L1-normalised, I the indexer's
@@ -504,7 +516,11 @@ def dsa_indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu
     sequence of its own heads in q, k and selected): this process's share of the loss, over its
     queries ``shares.mine``, whose rows alone index_q and index_weights hold
     ``[B, n, ...]``; the target is reduce-scattered from every process's heads (and summed by
-    ``reduce_heads`` too, if given). The shares sum to the loss, still divided by B * T."""
+    ``reduce_heads`` too, if given). The shares sum to the loss, still divided by B * T.
+
+    ``lse``: :func:`dsa_attention`'s (``return_lse``) for this q, k, ``selected``, sink and
+    scale, or None. The sparse stage's target on triton.py's kernels then reuses it rather than
+    computing each query head's log-sum-exp again; the other paths compute their own."""
     check_qkv(OP, q, k, k)
     _check_sink(sink, q)
     _check_shares(shares, q.shape[1])
@@ -523,7 +539,7 @@ def dsa_indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu
     return indexer_loss(q, k, index_q, index_k, index_weights, selected=selected,
                         cu_seqlens=cu_seqlens, sink=sink, scale=scale, reduce_heads=reduce_heads,
                         shares=shares,
-                        kernels=_loss_kernels(backend, q, k, selected, index_q, index_k))
+                        kernels=_loss_kernels(backend, q, k, selected, index_q, index_k), lse=lse)
 
 
 # ------------------------------------------------------------------ DeepSeek-V4 CSA and HCA
@@ -618,8 +634,9 @@ def csa_select(index_q, index_k, index_weights, *, rate, top_k, cu_seqlens=None,
     the ``top_k`` compressed entries it sees with the highest lightning-indexer score
     ``sum_j w_tj relu(q_tj . k_i)``, k_i the indexer's own compressed keys. index_q
     ``[B, T, HI, DI]``, index_k ``[B, N, DI]``, index_weights ``[B, T, HI]`` ->
-    ``[B, T, min(top_k, N)]`` int32 entry indices; a query that sees fewer entries gets all of
-    them, then -1 (top_k is clamped, as DSA's is). No gradient."""
+    ``[B, T, min(top_k, N)]`` int32 entry indices, in no particular order; a query that sees
+    fewer entries gets all of them and -1 in its other slots (top_k is clamped, as DSA's is).
+    No gradient."""
     _check_rate(rate)
     _check_packed(cu_seqlens, index_q.shape[0])
     seq_len = index_q.shape[1]

@@ -624,9 +624,10 @@ def _selection_bias(selected: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 class _CausalSelection(torch.autograd.Function):
     """q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]``, an fp32 sink ``[Hq]`` or None, the keys
-    ``selected [B, T, K]`` (each at or before its query; -1 none) -> o ``[B, T, Hq, D]``. A
-    query that lists no key has no output (the sink's value vector is zero) and, without a
-    sink, a log-sum-exp of +inf, so that the backward gives its row probabilities of 0."""
+    ``selected [B, T, K]`` (each at or before its query; -1 none) -> o ``[B, T, Hq, D]`` and
+    (no gradient) the log-sum-exp ``[B, T, Hq]`` fp32, the sink included. A query that lists
+    no key has no output (the sink's value vector is zero) and, without a sink, a log-sum-exp
+    of +inf, so that the backward gives its row probabilities of 0."""
 
     @staticmethod
     def forward(ctx, q, k, v, sink, selected, scale):
@@ -646,10 +647,12 @@ class _CausalSelection(torch.autograd.Function):
         out = out.to(q.dtype).transpose(1, 2).contiguous()
         ctx.save_for_backward(q, k, v, out, lse, sink, selected)
         ctx.state, ctx.scale = state, scale
-        return out
+        token_lse = lse.transpose(1, 2).contiguous()
+        ctx.mark_non_differentiable(token_lse)
+        return out, token_lse
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx, d_out, _):
         q, k, v, out, lse, sink, selected = ctx.saved_tensors
         d_out = d_out.contiguous()
         grads = _cudnn_backward(*(x.transpose(1, 2) for x in (d_out, q, k, v, out)), lse,
@@ -663,11 +666,15 @@ class _CausalSelection(torch.autograd.Function):
         return *(g.transpose(1, 2) for g in grads), d_sink, None, None
 
 
-def causal_selection_attention(q, k, v, selected, *, sink=None, scale=None):
+def causal_selection_attention(q, k, v, selected, *, sink=None, scale=None, return_lse=False):
     """DSA's attention (``dsa_attention``: each query over the keys it lists in ``selected
     [B, T, K]``, -1 none) where every listed key is at or before its query, on cuDNN (see
-    above). Call only where :func:`causal_selection_unavailable_reason` is None."""
-    return _CausalSelection.apply(q, k, v, sink, selected, scale)
+    above): o ``[B, T, Hq, D]``; with ``return_lse``, ``(o, lse)``, lse ``[B, T, Hq]`` fp32 the
+    log-sum-exp of each query head's scaled scores over its keys and the sink (+inf for a
+    query with neither), without gradient. Call only where
+    :func:`causal_selection_unavailable_reason` is None."""
+    out, lse = _CausalSelection.apply(q, k, v, sink, selected, scale)
+    return (out, lse) if return_lse else out
 
 
 @functools.cache

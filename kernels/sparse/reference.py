@@ -273,15 +273,34 @@ _ORDERED_MINUS_INF = _ordered_bits(torch.tensor(float("-inf"), device="cpu")).it
 
 
 def top_k_keys(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    """int32 indices ``[..., K]`` of the ``K = min(top_k, S)`` highest scores of each row, best
-    first (ties go to the earlier key, so that every path picks the same set); -1 where a row
-    has fewer than K keys that may be chosen (score above ``-inf``).
+    """int32 indices ``[..., K]`` of the ``K = min(top_k, S)`` highest scores of each row, in no
+    particular order (ties go to the earlier key, so that every path picks the same set); -1 in
+    the slots of a row that has fewer than K keys that may be chosen (score above ``-inf``).
 
-    One ``topk`` over int64 keys ``(ordered score bits << 32) | (S - 1 - index)``: distinct for
-    every key of a row, so the order, ties included, is exact and deterministic, without the
-    full sort of the S scores that a stable order would otherwise take."""
+    One unsorted ``topk`` over the fp32 scores picks the set wherever no tie crosses its
+    threshold (the K-th score): exactly K scores at or above it, or a row without K choosable
+    keys. The rows where more scores equal the threshold than the set has room for (ReLU makes
+    exact ties at 0 possible) take :func:`_ordered_top_k` instead, whose order is exact (until
+    session 24 every row did, and its result was sorted)."""
     key_len = scores.shape[-1]
     count = min(top_k, key_len)
+    if count == 0:
+        return torch.empty(*scores.shape[:-1], 0, dtype=torch.int32, device=scores.device)
+    values, indices = scores.topk(count, dim=-1, sorted=False)
+    threshold = values.amin(-1, keepdim=True)
+    chosen = indices.int().masked_fill(values == float("-inf"), -1)
+    exact = (threshold == float("-inf")) | ((scores >= threshold).sum(-1, keepdim=True) == count)
+    tied = ~exact.squeeze(-1)
+    if tied.any():  # reads one flag back to the host
+        chosen[tied] = _ordered_top_k(scores[tied], count)
+    return chosen
+
+
+def _ordered_top_k(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """:func:`top_k_keys` of rows ``[R, S]``, best first: one ``topk`` over int64 keys
+    ``(ordered score bits << 32) | (S - 1 - index)``, distinct for every key of a row, so that
+    the order, ties included, is exact and deterministic without a full stable sort."""
+    key_len = scores.shape[-1]
     reverse = key_len - 1 - torch.arange(key_len, device=scores.device)
     keys = (_ordered_bits(scores).long() << 32) | reverse
     top = keys.topk(count, dim=-1).values
@@ -299,7 +318,8 @@ def selected_mask(selected: torch.Tensor, key_len: int) -> torch.Tensor:
 
 def dsa_select_reference(index_q, index_k, index_weights, *, top_k, cu_seqlens=None):
     """DSA's selection ``[B, T, K]``: each query's ``top_k`` causal keys (its own sequence of a
-    pack) by :func:`lightning_index_scores`; all of them, then -1, when it has fewer."""
+    pack) by :func:`lightning_index_scores`; all of them and -1 in the other slots, when it has
+    fewer (in no particular order: :func:`top_k_keys`)."""
     scores = lightning_index_scores(index_q, index_k, index_weights)
     allowed = causal_mask(index_q.shape[1], cu_seqlens, index_q.device)
     return top_k_keys(scores.masked_fill(~allowed, float("-inf")), top_k)
@@ -447,7 +467,8 @@ def compressed_attention_reference(q, k, v, compressed_k, compressed_v, *, rate,
 def csa_select_reference(index_q, index_k, index_weights, *, rate, top_k, cu_seqlens=None):
     """CSA's selection (arXiv 2606.19348, sec. 2.3.1) ``[B, T, min(top_k, N)]``: each query's
     ``top_k`` visible compressed entries by the lightning indexer's score over the indexer's
-    own compressed keys ``index_k [B, N, DI]``; all of them, then -1, when it sees fewer."""
+    own compressed keys ``index_k [B, N, DI]``; all of them and -1 in the other slots, when it
+    sees fewer (in no particular order)."""
     scores = lightning_index_scores(index_q, index_k, index_weights)
     allowed = compressed_visibility(index_q.shape[1], rate, cu_seqlens, index_q.device)
     return top_k_keys(scores.masked_fill(~allowed, float("-inf")), top_k)

@@ -99,8 +99,9 @@ def _maybe_checkpoint(fn, *args):
 # The device types whose indexer scores run in Triton (triton_indexer.index_scores); tests add
 # "cpu" under Triton's interpreter.
 SCORE_DEVICE_TYPES = {"cuda"}
-# The values a query's chunk holds per key with the fused scores: the fp32 scores, their masked
-# copy and top_k_keys's int64 keys (in PyTorch, the [B, c, HI, S] products bound the chunk).
+# The fp32 values a query's chunk holds per key with the fused scores: the scores (masked in
+# place) and what top_k_keys makes of them, at most a copy and the int64 keys of every row where
+# a tie crosses its threshold (in PyTorch, the [B, c, HI, S] products bound the chunk).
 _FUSED_VALUES = 8
 
 
@@ -134,7 +135,7 @@ def select_keys(index_q, index_k, index_weights, *, top_k, cu_seqlens=None,
         scores = scores_of(index_q[:, start:end], index_k[:, :key_len],
                            index_weights[:, start:end])
         allowed = _allowed(keys.rule, start, end, key_len, index_q.device)
-        selected[:, start:end] = top_k_keys(scores.masked_fill(~allowed, float("-inf")), count)
+        selected[:, start:end] = top_k_keys(scores.masked_fill_(~allowed, float("-inf")), count)
     return selected
 
 
@@ -179,12 +180,12 @@ class QueryShares:
 
 
 def _chunk_target(q, k, queries, selected, rule, sink, scale, shares, reduce_heads,
-                  mass_kernel=None):
+                  mass_kernel=None, lse=None):
     """The loss target of a chunk, without gradient: the main attention's mass over the keys,
     summed over the heads of every process, ``[B, c, S]`` for this process's ``c`` queries of
     the chunk. ``queries [R, c]``: the chunk's queries of every process (R = 1 without
-    ``shares``); keys: the selected ones (by ``mass_kernel`` when given, else gathered), else
-    those of k that ``rule`` allows."""
+    ``shares``); keys: the selected ones (by ``mass_kernel`` when given, with the attention's
+    ``lse [B, T, Hq]`` where given, else gathered), else those of k that ``rule`` allows."""
     rows = queries.flatten()
     if selected is None:
         allowed = rule(0, 0, rows[:, None], torch.arange(k.shape[1], device=q.device))[None]
@@ -192,7 +193,8 @@ def _chunk_target(q, k, queries, selected, rule, sink, scale, shares, reduce_hea
         chosen = selected[:, rows]
     with torch.no_grad():
         if selected is not None and mass_kernel is not None:
-            mass = mass_kernel(q[:, rows], k, chosen, sink=sink, scale=scale)
+            mass = mass_kernel(q[:, rows], k, chosen, sink=sink, scale=scale,
+                               lse=None if lse is None else lse[:, rows])
         else:
             if selected is not None:
                 allowed, k = chosen >= 0, _gather(k, chosen)
@@ -229,7 +231,7 @@ def _loss_chunk(q, k, queries, selected, rule, sink, scale, shares, reduce_heads
 
 def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seqlens=None,
                  sink=None, scale=None, reduce_heads=None, keys: Keys | None = None,
-                 shares: QueryShares | None = None, kernels=None) -> torch.Tensor:
+                 shares: QueryShares | None = None, kernels=None, lse=None) -> torch.Tensor:
     """Same contract as ``dsa_indexer_loss_reference``; without ``selected``, over the keys
     that ``keys`` (default: :func:`causal_keys`) allows.
 
@@ -245,7 +247,9 @@ def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seq
 
     ``kernels`` (triton.py's module, where its kernels run the call) computes the sparse stage
     without chunks: the target of every query at once with its ``selected_mass`` (``[B, n, K]``
-    fp32, kept for backward), then the loss over it with its ``selected_indexer_kl``."""
+    fp32, kept for backward), then the loss over it with its ``selected_indexer_kl``; ``lse``
+    (``[B, T, Hq]``, the attention's log-sum-exp where it gave one) spares that target's kernel
+    computing it again. The other paths do not use it."""
     batch, seq_len, heads, dim = q.shape
     q, k = q.detach(), k.detach()
     sink = None if sink is None else sink.detach()
@@ -260,7 +264,7 @@ def indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seq
     processes, count = positions.shape
     if kernels is not None and selected is not None:
         target = _chunk_target(q, k, positions, selected, keys.rule, sink, scale, shares,
-                               reduce_heads, kernels.selected_mass)
+                               reduce_heads, kernels.selected_mass, lse)
         mine = positions[0 if shares is None else shares.rank]
         return kernels.selected_indexer_kl(target, index_q, index_k, index_weights,
                                            selected[:, mine]) / (batch * seq_len)

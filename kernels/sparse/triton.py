@@ -336,14 +336,15 @@ def _selected_bits(words_ptr, token, width, start, real, key_len, BLOCK_S: tl.co
 def _mass_kernel(q_ptr, k_ptr, words_ptr, ends_ptr, order_ptr, sink_ptr, lse_ptr, mass_ptr,
                  seq_len, key_len, width, kv_heads, group, top_k, scale, D: tl.constexpr,
                  DP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-                 HAS_SINK: tl.constexpr, PRECISION: tl.constexpr):
+                 HAS_SINK: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr):
     """:func:`selected_mass` for BLOCK_T queries, grid [B T / BLOCK_T], the latest tiles first:
     over the ``[BLOCK_T, BLOCK_S]`` tiles of (query, key) pairs whose queries list any of the
-    keys (the selection's bitmap), up to the last key any of them lists, ``ends_ptr``. Phase 1,
-    one query head after the other: the head's log-sum-exp L over its rows' keys (and the sink),
-    kept in ``lse_ptr``. Phase 2, one key tile after the other: ``exp(s - L)`` summed over every
-    query head into the tile, stored at each listed key's slot: a row's listed keys in
-    ascending order are its slots ``order_ptr[rank]`` (rank: the keys it lists before)."""
+    keys (the selection's bitmap), up to the last key any of them lists, ``ends_ptr``. Phase 1
+    (unless HAS_LSE: then ``lse_ptr`` holds L already), one query head after the other: the
+    head's log-sum-exp L over its rows' keys (and the sink), kept in ``lse_ptr``. Phase 2, one
+    key tile after the other: ``exp(s - L)`` summed over every query head into the tile, stored
+    at each listed key's slot: a row's listed keys in ascending order are its slots
+    ``order_ptr[rank]`` (rank: the keys it lists before)."""
     tiles = tl.cdiv(seq_len, BLOCK_T)
     pid = tl.program_id(0)
     batch, tile = pid // tiles, tiles - 1 - pid % tiles
@@ -356,28 +357,29 @@ def _mass_kernel(q_ptr, k_ptr, words_ptr, ends_ptr, order_ptr, sink_ptr, lse_ptr
     q_rows = token[:, None] * q_heads * D + d[None, :]
     q_mask = real[:, None] & (d < D)[None, :]
     s_lanes = tl.arange(0, BLOCK_S)
-    for h in range(q_heads):
-        q = tl.load(q_ptr + q_rows + h * D, mask=q_mask, other=0.0)
-        keys = _kv_base(k_ptr, batch.to(tl.int64), key_len, kv_heads, h // group, D)
-        if HAS_SINK:
-            sink = tl.load(sink_ptr + h + tl.zeros([BLOCK_T], tl.int32))
-        else:
-            sink = tl.full([BLOCK_T], float("-inf"), tl.float32)
-        top = tl.maximum(sink, _FLOOR)
-        total = tl.exp(sink - top)
-        for start in range(0, end, BLOCK_S):
-            s = start + s_lanes
-            listed = _selected_bits(words_ptr, token, width, start, real, key_len, BLOCK_S)
-            if tl.max(listed.to(tl.int32)) > 0:
-                scores = tl.dot(q, _key_tile(keys, s * kv_heads, s < key_len, D, DP, True),
-                                input_precision=PRECISION) * scale
-                scores = tl.where(listed, scores, float("-inf"))
-                new_top = tl.maximum(top, tl.max(scores, 1))
-                total = (total * tl.exp(top - new_top)
-                         + tl.sum(tl.exp(scores - new_top[:, None]), 1))
-                top = new_top
-        lse = tl.where(total > 0, top + tl.log(total), float("inf"))
-        tl.store(lse_ptr + token * q_heads + h, lse, mask=real)
+    if not HAS_LSE:
+        for h in range(q_heads):
+            q = tl.load(q_ptr + q_rows + h * D, mask=q_mask, other=0.0)
+            keys = _kv_base(k_ptr, batch.to(tl.int64), key_len, kv_heads, h // group, D)
+            if HAS_SINK:
+                sink = tl.load(sink_ptr + h + tl.zeros([BLOCK_T], tl.int32))
+            else:
+                sink = tl.full([BLOCK_T], float("-inf"), tl.float32)
+            top = tl.maximum(sink, _FLOOR)
+            total = tl.exp(sink - top)
+            for start in range(0, end, BLOCK_S):
+                s = start + s_lanes
+                listed = _selected_bits(words_ptr, token, width, start, real, key_len, BLOCK_S)
+                if tl.max(listed.to(tl.int32)) > 0:
+                    scores = tl.dot(q, _key_tile(keys, s * kv_heads, s < key_len, D, DP, True),
+                                    input_precision=PRECISION) * scale
+                    scores = tl.where(listed, scores, float("-inf"))
+                    new_top = tl.maximum(top, tl.max(scores, 1))
+                    total = (total * tl.exp(top - new_top)
+                             + tl.sum(tl.exp(scores - new_top[:, None]), 1))
+                    top = new_top
+            lse = tl.where(total > 0, top + tl.log(total), float("inf"))
+            tl.store(lse_ptr + token * q_heads + h, lse, mask=real)
     before = tl.zeros([BLOCK_T], tl.int32)  # each row's keys listed in the tiles done
     for start in range(0, end, BLOCK_S):
         s = start + s_lanes
@@ -504,12 +506,15 @@ def selected_attention(q, k, v, selected, *, sink=None, scale=None) -> torch.Ten
     return _SelectedAttention.apply(q, k, v, selected, wide_sink, scale)
 
 
-def selected_mass(q, k, selected, *, sink=None, scale=None) -> torch.Tensor:
+def selected_mass(q, k, selected, *, sink=None, scale=None, lse=None) -> torch.Tensor:
     """The probabilities of ``selected_attention`` summed over the query heads, without
     gradient: ``[B, T, K]`` fp32, ``mass[b, t, j] = sum_h p_h(t, selected[b, t, j])`` (0 at -1).
     DSA's indexer loss takes it as its target (arXiv 2512.02556, sec. 2.1). A row lists each
-    key at most once (as DSA's top-k and CSA's selections do). Call only where
-    :func:`unavailable_reason` is None (k for v).
+    key at most once (as DSA's top-k and CSA's selections do). ``lse`` (``[B, T, Hq]`` fp32, or
+    None): that attention's log-sum-exp of each query head, the sink included (+inf for a
+    query with neither a key nor a sink), where the attention has computed it; the kernel then
+    skips its first phase, which computes it. Call only where :func:`unavailable_reason` is
+    None (k for v).
 
     On tiles of the selection's bitmap (``_mass_kernel``); besides the result it holds the
     bitmap (``B T S / 8`` bytes), each row's slots in ascending key order (int32, as
@@ -519,6 +524,10 @@ def selected_mass(q, k, selected, *, sink=None, scale=None) -> torch.Tensor:
     batch, seq_len, q_heads, dim = q.shape
     key_len, kv_heads = k.shape[1], k.shape[2]
     scale = dim ** -0.5 if scale is None else float(scale)
+    if lse is not None and (tuple(lse.shape) != (batch, seq_len, q_heads)
+                            or lse.dtype != torch.float32):
+        raise ValueError(f"{OP}: the attention's lse must be fp32 [B, T, Hq] = "
+                         f"{[batch, seq_len, q_heads]}; got {lse.dtype} {list(lse.shape)}")
     q, k, selected = (x.detach().contiguous() for x in (q, k, selected))
     wide_sink = None if sink is None else sink.detach().float().contiguous()
     top_k = selected.shape[-1]
@@ -533,13 +542,15 @@ def selected_mass(q, k, selected, *, sink=None, scale=None) -> torch.Tensor:
     last = torch.nn.functional.pad(selected.amax(-1), (0, tiles * _MASS_BLOCK - seq_len),
                                    value=-1)
     ends = (last.view(batch, tiles, _MASS_BLOCK).amax(-1) + 1).int()
-    lse = torch.empty(batch, seq_len, q_heads, dtype=torch.float32, device=q.device)
+    given_lse = lse is not None
+    lse = (lse.detach().contiguous() if given_lse else
+           torch.empty(batch, seq_len, q_heads, dtype=torch.float32, device=q.device))
     _mass_kernel[(batch * tiles,)](
         q, k, words, ends, order, mass if wide_sink is None else wide_sink, lse, mass, seq_len,
         key_len, width, kv_heads, q_heads // kv_heads, top_k, scale, D=dim,
         DP=max(_MIN_DOT, triton.next_power_of_2(dim)), BLOCK_T=_MASS_BLOCK, BLOCK_S=_MASS_BLOCK,
-        HAS_SINK=wide_sink is not None, PRECISION=_precision(q.dtype), num_warps=_NUM_WARPS,
-        num_stages=_NUM_STAGES)
+        HAS_SINK=wide_sink is not None, HAS_LSE=given_lse, PRECISION=_precision(q.dtype),
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
     return mass
 
 
@@ -557,7 +568,8 @@ def checked(device: torch.device, dtype: torch.dtype) -> bool:
 @torch.inference_mode(False)  # a first use under inference mode checks as any other
 def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """The first-use check: the worst relative error (Frobenius norm) of the output ("o"), of
-    each gradient ("grad_q", ...), of :func:`selected_mass` ("mass") and of
+    each gradient ("grad_q", ...), of :func:`selected_mass` ("mass"; "mass_given_lse", given
+    the reference's log-sum-exp) and of
     :func:`selected_indexer_kl` ("indexer_kl", "grad_index_q", ...; :func:`_check_indexer_kl`)
     over these calls in ``dtype`` against the fp32 reference on the same rounded values, 4 query
     heads on 2 key/value heads (and, without a sink, 2 on 2), head dims 64 and 128, 2 x 24
@@ -600,11 +612,13 @@ def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
                 grads = torch.autograd.grad(out.float(), list(inputs.values()), grad)
                 results.append([out.float(), *(g.float() for g in grads)])
             names = ["o", *(f"grad_{key}" for key in leaves)]
-            results[0].append(selected_mass(leaves["q"].to(dtype), leaves["k"].to(dtype),
-                                            selected, sink=leaves.get("sink")))
-            results[1].append(reference_mass(leaves["q"], leaves["k"], selected,
-                                             leaves.get("sink")))
-            for name, got, want in zip(names + ["mass"], *results):
+            rounded = (leaves["q"].to(dtype), leaves["k"].to(dtype), selected)
+            exact = (leaves["q"], leaves["k"], selected, leaves.get("sink"))
+            results[0] += [selected_mass(*rounded, sink=leaves.get("sink")),
+                           selected_mass(*rounded, sink=leaves.get("sink"),
+                                         lse=reference_lse(*exact))]
+            results[1] += [reference_mass(*exact)] * 2
+            for name, got, want in zip(names + ["mass", "mass_given_lse"], *results):
                 worst[name] = max(worst.get(name, 0.0), relative_error(got, want))
         worst.update(_check_indexer_kl(selected, dtype, generator))
     return worst
@@ -637,3 +651,19 @@ def reference_mass(q, k, selected, sink=None, scale=None) -> torch.Tensor:
     allowed = selected_mask(selected, k.shape[1])[:, None]
     mass = _masked_probs(q, k, allowed, sink, scale).sum(1)  # [B, T, S]
     return mass.gather(-1, selected.clamp(min=0).long()) * (selected >= 0)
+
+
+def reference_lse(q, k, selected, sink=None, scale=None) -> torch.Tensor:
+    """The log-sum-exp :func:`selected_mass` takes as ``lse`` (as ``dsa_attention`` returns it),
+    ``[B, T, Hq]`` fp32, by the dense fp32 definition (for the checks): each query head's
+    scaled scores over its selected keys, and the sink; +inf for a query with neither."""
+    heads, dim = q.shape[2:]
+    scale = dim ** -0.5 if scale is None else scale
+    keys = k.float().repeat_interleave(heads // k.shape[2], dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), keys) * scale
+    scores = scores.masked_fill(~selected_mask(selected, k.shape[1])[:, None], float("-inf"))
+    if sink is not None:
+        column = sink.float().view(1, heads, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, column], dim=-1)
+    lse = scores.logsumexp(-1).transpose(1, 2)
+    return lse.masked_fill(lse == float("-inf"), float("inf")).contiguous()

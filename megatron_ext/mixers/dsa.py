@@ -199,17 +199,18 @@ class DSACoreAttention(HeadSplitCoreAttention):
             heads = self.cp_heads
         options = dict(sink=heads(self.sink(q.device)), scale=self.softmax_scale,
                        backend=ext.sparse_backend)
-        selected = None
+        selected = lse = None
         if ext.dsa_stage == "sparse":
             selected = sparse.dsa_select(index_q, index_k, index_weights, top_k=ext.dsa_top_k,
                                          cu_seqlens=cu_seqlens, backend=ext.sparse_backend)
-            out = sparse.dsa_attention(q, k, v, selected, causal=True, **options)
+            out, lse = sparse.dsa_attention(q, k, v, selected, causal=True, return_lse=True,
+                                            **options)
         else:
             out = sparse.softmax_attention(q, k, v, cu_seqlens=cu_seqlens, **options)
         if loss_q.requires_grad and ext.dsa_indexer_loss_coeff > 0:
             loss = sparse.dsa_indexer_loss(
                 q, k, loss_q, index_k, loss_weights, selected=selected, cu_seqlens=cu_seqlens,
-                **self._indexer_loss_options(q.shape[1], packed, q.device), **options)
+                lse=lse, **self._indexer_loss_options(q.shape[1], packed, q.device), **options)
             out = IndexerLoss.apply(out, ext.dsa_indexer_loss_coeff * loss)
         return out if self.cp is None else self.cp.heads_to_sequence(out, packed)
 

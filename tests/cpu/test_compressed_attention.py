@@ -269,7 +269,8 @@ def test_csa_selection_matches_reference(packed, top_k, chunks):
         cu_seqlens=cu_seqlens, backend=backend) for backend in ("reference", "gathered")}
     n = x["index_k"].shape[1]
     assert selected["reference"].shape[-1] == min(top_k, n)  # top_k beyond N is clamped
-    torch.testing.assert_close(selected["gathered"], selected["reference"])
+    torch.testing.assert_close(selected["gathered"].sort(-1).values,  # in any order
+                               selected["reference"].sort(-1).values)
     # Only visible entries, min(top_k, visible) distinct ones per query.
     chosen = reference.selected_mask(selected["gathered"], n)
     seen = reference.compressed_visibility(T, CSA_RATE, cu_seqlens)

@@ -11,7 +11,7 @@ import flash_emulation
 from flash_emulation import emulate, emulate_cudnn, emulated_forward
 
 from megatron_ext.kernels import sparse
-from megatron_ext.kernels.sparse import flash
+from megatron_ext.kernels.sparse import flash, triton
 from megatron_ext.kernels.selfcheck import relative_error
 from megatron_ext.kernels.sparse.reference import moba_attention_reference, softmax_attention_reference
 
@@ -286,9 +286,15 @@ def test_causal_selection_on_cudnn_equals_the_reference(monkeypatch, kv_heads, s
     selected = _causal_selection(5, 2, 37, 7)
     _assert_equal(flash.causal_selection_attention, sparse.dsa_attention_reference, leaves, grad,
                   selected=selected)
-    out = flash.causal_selection_attention(leaves["q"], leaves["k"], leaves["v"], selected,
-                                           sink=leaves.get("sink"))
+    out, lse = flash.causal_selection_attention(leaves["q"], leaves["k"], leaves["v"], selected,
+                                                sink=leaves.get("sink"), return_lse=True)
     assert torch.equal(out[:, 20], torch.zeros_like(out[:, 20]))
+    # the log-sum-exp the indexer loss's target may reuse: +inf for the query with no key
+    # (without a sink), no gradient
+    want = triton.reference_lse(leaves["q"], leaves["k"], selected, leaves.get("sink"))
+    assert not lse.requires_grad
+    torch.testing.assert_close(lse.float(), want, rtol=1e-5, atol=1e-5)
+    assert sink or torch.isposinf(lse[:, 20]).all()
 
 
 def test_dsa_attention_takes_cudnn_for_causal_selections(monkeypatch):

@@ -20,7 +20,7 @@ import torch
 
 from megatron_ext.kernels import sparse
 from megatron_ext.kernels.selfcheck import relative_error
-from megatron_ext.kernels.sparse import flash
+from megatron_ext.kernels.sparse import flash, triton
 
 pytestmark = pytest.mark.gpu
 
@@ -227,7 +227,9 @@ def _causal_selection(batch, seq_len, top_k, seed=4):
 @pytest.mark.parametrize(("seq_len", "top_k"), [(1000, 100), (1024, 300), (77, 8)])
 def test_dsa_causal_selection_matches_reference(seq_len, top_k, sink):
     """dsa_attention(causal=True) on "flash" (cuDNN, the selection as a bias) in bf16 against
-    the fp32 reference; the query with no key gives zeros."""
+    the fp32 reference; the query with no key gives zeros; the log-sum-exp it returns
+    (``return_lse``, fp32) against the reference's, and the indexer loss's target from the mass
+    kernel given it against the reference's target."""
     leaves, grad = _leaves(2, seq_len, sink=sink)
     selected = _causal_selection(2, seq_len, top_k)
 
@@ -236,8 +238,16 @@ def test_dsa_causal_selection_matches_reference(seq_len, top_k, sink):
 
     _compare(leaves, grad, torch.bfloat16, op=dsa)
     q, k, v = (leaves[n].bfloat16() for n in ("q", "k", "v"))
-    out = dsa(q, k, v, leaves.get("sink"), "flash")
+    out, lse = sparse.dsa_attention(q, k, v, selected, sink=leaves.get("sink"), causal=True,
+                                    backend="flash", return_lse=True)
     assert torch.equal(out[:, seq_len // 2], torch.zeros_like(out[:, seq_len // 2]))
+    exact = (q.float(), k.float(), selected, leaves.get("sink"))
+    want = triton.reference_lse(*exact)
+    assert lse.dtype == torch.float32 and lse.shape == want.shape
+    assert relative_error(lse[lse.isfinite()], want[want.isfinite()]) <= 1e-5
+    assert torch.equal(lse.isposinf(), want.isposinf())
+    mass = triton.selected_mass(q, k, selected, sink=leaves.get("sink"), lse=lse)
+    assert relative_error(mass, triton.reference_mass(*exact)) <= 2e-2
 
 
 def test_auto_runs_cudnn_for_causal_dsa_selections(monkeypatch):

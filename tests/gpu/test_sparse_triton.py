@@ -211,12 +211,13 @@ def check_index_scores(device) -> int:
         triton_indexer.index_scores
     on_device = [x.to(device) for x in index]
     for top_k in (1, 7, 64):
-        got = sparse.dsa_select(*on_device, top_k=top_k).cpu()
-        want = sparse.dsa_select(*index, top_k=top_k, backend="reference")
+        got = sparse.dsa_select(*on_device, top_k=top_k).cpu().sort(-1).values  # any order
+        want = sparse.dsa_select(*index, top_k=top_k, backend="reference").sort(-1).values
         assert torch.equal(got, want), ("dsa", top_k, (got != want).nonzero()[:5])
     entries = [index[0], index[1][:, :22], index[2]]
     got = sparse.csa_select(*(x.to(device) for x in entries), rate=4, top_k=5).cpu()
-    want = sparse.csa_select(*entries, rate=4, top_k=5, backend="reference")
+    want = sparse.csa_select(*entries, rate=4, top_k=5, backend="reference").sort(-1).values
+    got = got.sort(-1).values
     assert torch.equal(got, want), ("csa", (got != want).nonzero()[:5])
     return len(SCORE_CASES) + 4
 
@@ -299,11 +300,14 @@ def check_case(case: Case, device, backend="triton") -> dict[str, float]:
         from megatron_ext.kernels.sparse import triton
 
         sink = leaves.get("sink")
-        mass = triton.selected_mass(
-            *(leaves[n].to(device, case.dtype) for n in ("q", "k")), selected.to(device),
-            sink=None if sink is None else sink.to(device))
+        rounded = [leaves[n].to(device, case.dtype) for n in ("q", "k")] + [selected.to(device)]
+        sink_on = None if sink is None else sink.to(device)
         expected = triton.reference_mass(leaves["q"], leaves["k"], selected, sink)
-        errors["mass"] = relative_error(mass.cpu(), expected)
+        errors["mass"] = relative_error(triton.selected_mass(*rounded, sink=sink_on).cpu(),
+                                        expected)
+        lse = triton.reference_lse(leaves["q"], leaves["k"], selected, sink).to(device)
+        given = triton.selected_mass(*rounded, sink=sink_on, lse=lse)  # its phase 1 skipped
+        errors["mass_given_lse"] = relative_error(given.cpu(), expected)
     over = {name: f"{error:.2e}" for name, error in errors.items()
             if not error <= TOLERANCE[case.dtype]}
     assert not over, f"{case}: relative errors over {TOLERANCE[case.dtype]}: {over}"
@@ -316,10 +320,12 @@ def check_case(case: Case, device, backend="triton") -> dict[str, float]:
 
 def check_indexer_loss(device, dtype=torch.float32) -> float:
     """DSA's sparse-stage indexer loss on the kernels (backend "triton": the target from the
-    mass kernel, the KL from ``selected_indexer_kl``) against the reference: the loss and the gradients of index_q, index_k and index_weights
-    (T = 70, K = 67, 4 query heads on 2, 3 indexer heads of dim 16, a sink), and the loss as
-    the sum of two shares of the queries (``QueryShares``). Returns the worst relative error;
-    asserts it is within ``TOLERANCE``."""
+    mass kernel, the KL from ``selected_indexer_kl``) against the reference: the loss and the
+    gradients of index_q, index_k and index_weights (T = 70, K = 67, 4 query heads on 2, 3
+    indexer heads of dim 16, a sink), on the kernels also given the attention's log-sum-exp
+    (``lse``, the reference's), and the loss as the sum of two shares of the queries
+    (``QueryShares``), given it too. Returns the worst relative error; asserts it is within
+    ``TOLERANCE``."""
     generator = torch.Generator().manual_seed(7)
     batch, seq_len, top_k = 2, 70, 67
 
@@ -340,16 +346,24 @@ def check_indexer_loss(device, dtype=torch.float32) -> float:
 
 
 def _indexer_losses(results, q, k, index, sink, selected, device, dtype):
-    """check_indexer_loss's runs: on the kernels and on the reference (loss and gradients),
-    then the kernels' loss as the sum of two shares."""
+    """check_indexer_loss's runs: on the kernels (without, then given the attention's lse) and
+    on the reference (loss and gradients), then the kernels' loss (given lse) as the sum of
+    two shares."""
+    from megatron_ext.kernels.sparse import triton
+
     seq_len = q.shape[1]
-    for backend, where, cast in (("triton", device, dtype), ("reference", "cpu", torch.float32)):
+
+    def run(backend, where, cast, lse=None):
         leaves = {n: x.to(where).requires_grad_() for n, x in index.items()}
         loss = sparse.dsa_indexer_loss(q.to(where, cast), k.to(where, cast), *leaves.values(),
                                        selected=selected.to(where), sink=sink.to(where),
-                                       backend=backend)
+                                       backend=backend, lse=lse)
         grads = torch.autograd.grad(loss, list(leaves.values()))
-        results.append([loss.detach().cpu(), *(g.cpu() for g in grads)])
+        return [loss.detach().cpu(), *(g.cpu() for g in grads)]
+
+    lse = triton.reference_lse(q.float(), k.float(), selected, sink).to(device)
+    want = run("reference", "cpu", torch.float32)
+    results += [run("triton", device, dtype) + run("triton", device, dtype, lse), want * 2]
     # Context parallelism's form: two shares of the queries (interleaved), whose losses sum to
     # the loss (one process holds every head here, so the reduce-scatter is the identity).
     positions = torch.arange(seq_len).view(seq_len // 2, 2).t()
@@ -360,7 +374,8 @@ def _indexer_losses(results, q, k, index, sink, selected, device, dtype):
         shared = shared + sparse.dsa_indexer_loss(
             q.to(device), k.to(device), index["index_q"][:, mine].to(device),
             index["index_k"].to(device), index["index_weights"][:, mine].to(device),
-            selected=selected.to(device), sink=sink.to(device), shares=shares, backend="triton")
+            selected=selected.to(device), sink=sink.to(device), shares=shares, backend="triton",
+            lse=lse)
     results[0].append(shared.detach().cpu())
     results[1].append(results[1][0])
 
