@@ -32,6 +32,10 @@ OPTIONS = {
     "full": dict(causal=False),
 }
 PACKED = [0, 37, 37, 300, 1000]
+# The log-sum-exp of DSA's attention on cuDNN in bf16 against the fp32 reference's on the same
+# rounded q and k, largest absolute difference: measured 9.5e-7 on an H200 (session 24); a
+# scale 1% off moves it by 3e-2 (fp32, on the CPU, T = 1000, 100 keys a query)
+LSE_TOLERANCE = 1e-5
 
 
 def _run(backend, leaves, grad, dtype, op=sparse.softmax_attention, **options):
@@ -241,13 +245,18 @@ def test_dsa_causal_selection_matches_reference(seq_len, top_k, sink):
     out, lse = sparse.dsa_attention(q, k, v, selected, sink=leaves.get("sink"), causal=True,
                                     backend="flash", return_lse=True)
     assert torch.equal(out[:, seq_len // 2], torch.zeros_like(out[:, seq_len // 2]))
-    exact = (q.float(), k.float(), selected, leaves.get("sink"))
-    want = triton.reference_lse(*exact)
+    want = triton.reference_lse(q.float(), k.float(), selected, leaves.get("sink"))
     assert lse.dtype == torch.float32 and lse.shape == want.shape
-    assert relative_error(lse[lse.isfinite()], want[want.isfinite()]) <= 1e-5
     assert torch.equal(lse.isposinf(), want.isposinf())
-    mass = triton.selected_mass(q, k, selected, sink=leaves.get("sink"), lse=lse)
-    assert relative_error(mass, triton.reference_mass(*exact)) <= 2e-2
+    error = (lse - want)[want.isfinite()].abs().max().item()
+    print(f"lse: largest absolute difference {error:.2e}")
+    assert error <= LSE_TOLERANCE
+    # the mass kernel takes rows without a key listed twice (the bias has that key once)
+    once = selected.clone()
+    once[0, -1, 1] = -1
+    mass = triton.selected_mass(q, k, once, sink=leaves.get("sink"), lse=lse)
+    want = triton.reference_mass(q.float(), k.float(), once, leaves.get("sink"))
+    assert relative_error(mass, want) <= 2e-2
 
 
 def test_auto_runs_cudnn_for_causal_dsa_selections(monkeypatch):
