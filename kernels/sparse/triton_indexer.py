@@ -78,14 +78,15 @@ def _query_tiles(q_ptr, w_ptr, query, heads, DI: tl.constexpr, HP: tl.constexpr,
 def _block_scores(q, keys, sel_ptr, query, start, top_k, DI: tl.constexpr, DP: tl.constexpr,
                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """Slots ``start ..`` of ``query``'s selection: the key indices (int32), which are real,
-    and the heads' scores ``q_j . k_s``, ``[HP, BLOCK_K]`` fp32."""
+    the key rows ``[BLOCK_K, DP]`` (each loaded along its contiguous dim) and the heads' scores
+    ``q_j . k_s``, ``[HP, BLOCK_K]`` fp32."""
     j = start + tl.arange(0, BLOCK_K)
     index = tl.load(sel_ptr + query * top_k + j, mask=j < top_k, other=-1).to(tl.int32)
     valid = index >= 0
     d = tl.arange(0, DP)
-    k_t = tl.load(keys + index[None, :] * DI + d[:, None],
-                  mask=valid[None, :] & (d < DI)[:, None], other=0.0)
-    return index, valid, tl.dot(q, k_t, input_precision=PRECISION)
+    k = tl.load(keys + index[:, None] * DI + d[None, :],
+                mask=valid[:, None] & (d < DI)[None, :], other=0.0)
+    return index, valid, k, tl.dot(q, tl.trans(k), input_precision=PRECISION)
 
 
 @triton.jit(do_not_specialize=["queries", "key_len", "heads", "top_k"])
@@ -102,8 +103,8 @@ def _kl_forward_kernel(q_ptr, k_ptr, w_ptr, sel_ptr, target_ptr, lse_ptr, mass_p
     mass_logit = tl.zeros([], tl.float32)  # sum m I
     mass_log_mass = tl.zeros([], tl.float32)  # sum m log m
     for start in range(0, top_k, BLOCK_K):
-        _, valid, scores = _block_scores(q, keys, sel_ptr, query, start, top_k, DI, DP,
-                                         BLOCK_K, PRECISION)
+        _, valid, _, scores = _block_scores(q, keys, sel_ptr, query, start, top_k, DI, DP,
+                                            BLOCK_K, PRECISION)
         logits = tl.sum(tl.maximum(scores, 0.0) * w[:, None], 0)
         logits = tl.where(valid, logits, float("-inf"))
         new_top = tl.maximum(top, tl.max(logits, 0))
@@ -143,8 +144,8 @@ def _kl_backward_kernel(q_ptr, k_ptr, w_ptr, sel_ptr, target_ptr, lse_ptr, mass_
     dq = tl.zeros([HP, DP], dtype=tl.float32)
     dw = tl.zeros([HP], dtype=tl.float32)
     for start in range(0, top_k, BLOCK_K):
-        index, valid, scores = _block_scores(q, keys, sel_ptr, query, start, top_k, DI, DP,
-                                             BLOCK_K, PRECISION)
+        index, valid, k, scores = _block_scores(q, keys, sel_ptr, query, start, top_k, DI, DP,
+                                                BLOCK_K, PRECISION)
         relu = tl.maximum(scores, 0.0)
         logits = tl.sum(relu * w[:, None], 0)
         j = start + tl.arange(0, BLOCK_K)
@@ -152,8 +153,6 @@ def _kl_backward_kernel(q_ptr, k_ptr, w_ptr, sel_ptr, target_ptr, lse_ptr, mass_
         d_logits = tl.where(valid, grad * (tl.exp(logits - lse) - m * inverse), 0.0)
         dw += tl.sum(relu * d_logits[None, :], 1)
         a = tl.where(scores > 0, w[:, None] * d_logits[None, :], 0.0).to(q.dtype)
-        k = tl.load(keys + index[:, None] * DI + d[None, :],
-                    mask=valid[:, None] & in_dim[None, :], other=0.0)
         dq += tl.dot(a, k, input_precision=PRECISION)
         dk = tl.dot(tl.trans(a), q, input_precision=PRECISION)  # [BLOCK_K, DP]
         tl.atomic_add(dk_ptr + row + index[:, None] * DI + d[None, :], dk,
