@@ -35,7 +35,10 @@ atomics cost determinism: index_k's gradient can differ in its last bits from ru
 Memory: nothing ``[T, K, DI]``; kept for backward: the inputs, lse and M (``[B, n]`` fp32);
 the backward's fp32 dk, ``[B, S, DI]``. On an H200 in that DSA stage (session 9), GPU time
 per call: forward 9-11 ms, backward 34-38 ms (T = 4096 to 32768); the whole loss (target, KL,
-backward) took 123-127 ms fwd+bwd, against 4.4 s before, at T = 4096 and 16384.
+backward) took 123-127 ms fwd+bwd, against 4.4 s before, at T = 4096 and 16384. Loading each
+block's key rows once, along their contiguous dim (the scores' ``tl.dot`` takes their
+transpose), took the KL's fwd+bwd at T = 16384 from 44.4 to 42.3 ms (session 24); its atomic
+adds compile to 16-byte vector atomics (``atom.global.v4.f32``).
 
 Precision as in triton.py: fp32 inputs run every ``tl.dot`` in full fp32 ("ieee"); 16-bit ones
 on tensor cores with fp32 accumulation, ``A`` rounded to the inputs' dtype before its two
