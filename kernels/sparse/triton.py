@@ -513,8 +513,9 @@ def selected_mass(q, k, selected, *, sink=None, scale=None, lse=None) -> torch.T
     key at most once (as DSA's top-k and CSA's selections do). ``lse`` (``[B, T, Hq]`` fp32, or
     None): that attention's log-sum-exp of each query head, the sink included (+inf for a
     query with neither a key nor a sink), where the attention has computed it; the kernel then
-    skips its first phase, which computes it. Call only where :func:`unavailable_reason` is
-    None (k for v).
+    skips its first phase, which computes it: on an H200 in DSA's sparse stage at T = 16384
+    (B T = 32768, 16 heads, K = 2048) the kernel took 8.6 ms so against 20.1 (session 24).
+    Call only where :func:`unavailable_reason` is None (k for v).
 
     On tiles of the selection's bitmap (``_mass_kernel``); besides the result it holds the
     bitmap (``B T S / 8`` bytes), each row's slots in ascending key order (int32, as
