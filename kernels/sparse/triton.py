@@ -106,7 +106,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import OP, _masked_probs, dsa_attention_reference, selected_mask
+from .reference import OP, _heads, _masked_probs, dsa_attention_reference, selected_mask
 from .triton_indexer import reference_indexer_kl, selected_indexer_kl
 from .triton_indexer import unavailable_reason as indexer_unavailable_reason
 from .triton_select import selection_words
@@ -660,8 +660,7 @@ def reference_lse(q, k, selected, sink=None, scale=None) -> torch.Tensor:
     scaled scores over its selected keys, and the sink; +inf for a query with neither."""
     heads, dim = q.shape[2:]
     scale = dim ** -0.5 if scale is None else scale
-    keys = k.float().repeat_interleave(heads // k.shape[2], dim=2)
-    scores = torch.einsum("bthd,bshd->bhts", q.float(), keys) * scale
+    scores = q.float().transpose(1, 2) @ _heads(k, heads).transpose(-1, -2) * scale
     scores = scores.masked_fill(~selected_mask(selected, k.shape[1])[:, None], float("-inf"))
     if sink is not None:
         column = sink.float().view(1, heads, 1, 1).expand(*scores.shape[:3], 1)
