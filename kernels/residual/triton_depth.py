@@ -66,8 +66,17 @@ variants tried and why they were not kept (8 tokens a program, register caps, su
 elementwise, two chunks a loop iteration, a one-pass forward with an online softmax) are in
 benchmarks/results/README.md, sessions 12 and 16-18: each was either within the runs' noise
 alone, slower alone (the one-pass forward), or faster alone and slower in the block AttnRes
-training step (8 tokens a program in the forward). The kernels take 0.284 ms forward and 0.569 ms
-backward a call at T = 32768 with 5 sources (2.1 TB/s of the backward's least bytes).
+training step (8 tokens a program in the forward). The kernels take 0.244 ms forward and 0.495 ms
+backward a call at T = 32768 with 5 sources (1.9 and 2.4 TB/s of their least bytes).
+
+Loads in flight: the loops that stream the sources (forward pass 1 over a source's columns,
+forward pass 2 and both backward passes over a group's sources) are ``tl.range`` loops with
+``num_stages = _LOOP_STAGES``, so Triton software-pipelines their loads (cp.async on sm_90)
+instead of issuing each iteration's loads and waiting on them; the kernels are latency-bound
+(1.7 and 2.1 TB/s before this). On an H200 (Triton 3.6; bf16, T = 32768, h = 1024, 5 sources,
+``benchmarks/residual_ops.py``, three alternating runs each, session 25) the kernels went from
+0.284 to 0.244 ms forward and from 0.570 to 0.495 ms backward; the 350M-class block AttnRes step
+(micro-batch 8) spent 238.7 ms in GPU kernels against 240.7 before, its wall time within noise.
 
 One compiled kernel per (number of groups, KP, dtypes, options); the token count and the numbers
 of sources are not specialised on. The strides are, and the launchers make every one of them a
@@ -109,6 +118,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # row's columns in 16-byte vectors; unspecialised, it loaded them one element at a time.
 _RUNTIME = ["T", "K"] + [f"k{i}" for i in range(MAX_GROUPS)]
 _STRIDE_MULTIPLE = 16
+# Software-pipelining depth of the loops that stream the sources (module docstring, "Loads in
+# flight"): with a plain ``range`` each iteration issues its loads and waits on them.
+_LOOP_STAGES = tl.constexpr(3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +153,7 @@ def _group_logits(v_ptr, t_stride, s_stride, count, offset, plus_rows, q_ptr, to
     for k in range(0, count):
         sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
         dot = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for c0 in range(0, H, BLOCK_H):
+        for c0 in tl.range(0, H, BLOCK_H, num_stages=_LOOP_STAGES):
             c = c0 + hs
             in_h = c < H
             v = _source(rows, k, s_stride, c, live[:, None] & in_h[None, :], plus_rows,
@@ -161,7 +173,7 @@ def _group_sum(v_ptr, t_stride, s_stride, count, offset, plus_rows, alpha, acc, 
                c, in_h, PLUS: tl.constexpr):
     """acc + sum_k alpha_k v_k over one group, on the columns c."""
     rows = v_ptr + tok[:, None] * t_stride
-    for k in range(0, count):
+    for k in tl.range(0, count, num_stages=_LOOP_STAGES):
         v = _source(rows, k, s_stride, c, live[:, None] & in_h[None, :], plus_rows, count - 1,
                     PLUS)
         acc += _column(alpha, ks, offset + k)[:, None] * v
@@ -173,7 +185,7 @@ def _chunk_dalpha(v_ptr, t_stride, s_stride, count, offset, plus_rows, g, tok, k
                   live_h, PLUS: tl.constexpr):
     """dalpha ([BLOCK_T, KP]) plus <g, v_k> on the columns c, for the sources of one group."""
     rows = v_ptr + tok[:, None] * t_stride
-    for k in range(0, count):
+    for k in tl.range(0, count, num_stages=_LOOP_STAGES):
         v = _source(rows, k, s_stride, c, live_h, plus_rows, count - 1, PLUS)
         dalpha = tl.where(ks[None, :] == offset + k, dalpha + tl.sum(v * g, 1)[:, None], dalpha)
     return dalpha
@@ -189,7 +201,7 @@ def _group_vjp(v_ptr, t_stride, s_stride, count, d_ptr, offset, plus_rows, dplus
     rows = v_ptr + tok[:, None] * t_stride
     d_rows = d_ptr + tok[:, None] * count * H
     live_h = live[:, None] & in_h[None, :]
-    for j in range(0, count):
+    for j in tl.range(0, count, num_stages=_LOOP_STAGES):
         k = count - 1 - j
         v = _source(rows, k, s_stride, c, live_h, plus_rows, count - 1, PLUS)
         along_k = _column(along, ks, offset + k)[:, None]
