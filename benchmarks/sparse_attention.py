@@ -89,7 +89,7 @@ INPUTS = {"swa_sink": ["q", "k", "v", "sink"], "causal_sink": ["q", "k", "v", "s
           "csa": ["q", "k", "v", "sink", "kv2", "gate2", "bias2", "index_q", "index_kv", "index_gate",
                   "index_bias", "index_weights"]}
 BACKENDS = ["flex", "gathered"]
-FLASH_FAMILIES = ["swa_sink", "causal_sink", "moba", "nsa", "dsa"]  # what "flash" runs
+FLASH_FAMILIES = ["swa_sink", "causal_sink", "moba", "nsa", "dsa", "csa"]  # what "flash" runs
 FLA_FAMILIES = ["swa_sink", "causal_sink"]  # what fla-core's parallel_attn runs
 TRITON_FAMILIES = ["dsa", "csa"]  # what our selected-attention kernels run
 # The largest relative error (output or any gradient) fla's op may have against the fp32
@@ -237,15 +237,16 @@ def csa_layer_op(x, rate, top_k, window, backend):
     loss attached to the output."""
     from megatron_ext.mixers.dsa import IndexerLoss
 
-    entries = sparse.compress_kv(x["kv2"], x["gate2"], x["bias2"], rate=rate, overlap=True, backend=backend)
+    rest = "auto" if backend == "flash" else backend  # "flash" is the attention's only
+    entries = sparse.compress_kv(x["kv2"], x["gate2"], x["bias2"], rate=rate, overlap=True, backend=rest)
     index_k = sparse.compress_kv(x["index_kv"], x["index_gate"], x["index_bias"], rate=rate,
-                                 overlap=True, backend=backend)[:, :, 0]
+                                 overlap=True, backend=rest)[:, :, 0]
     index = (x["index_q"], index_k, x["index_weights"])
-    selected = sparse.csa_select(*index, rate=rate, top_k=top_k, backend=backend)
+    selected = sparse.csa_select(*index, rate=rate, top_k=top_k, backend=rest)
     out = sparse.csa_attention(x["q"], x["k"], x["v"], entries, entries, selected, window=window,
-                               sink=x["sink"], backend=backend)
+                               sink=x["sink"], backend=backend, rate=rate)
     loss = sparse.csa_indexer_loss(x["q"], entries, *index, rate=rate, selected=selected,
-                                   sink=x["sink"], backend=backend)
+                                   sink=x["sink"], backend=rest)
     return IndexerLoss.apply(out, loss)
 
 

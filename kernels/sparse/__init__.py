@@ -651,18 +651,39 @@ def csa_select(index_q, index_k, index_weights, *, rate, top_k, cu_seqlens=None,
 
 
 def csa_attention(q, k, v, compressed_k, compressed_v, selected, *, window, sink=None,
-                  scale=None, cu_seqlens=None, backend="auto"):
+                  scale=None, cu_seqlens=None, backend="auto", rate=None):
     """CSA's attention (arXiv 2606.19348, sec. 2.3.1; see ``csa_attention_reference``): one
     softmax per query over the last ``window`` tokens of its sequence and its ``selected
-    [B, T, K]`` compressed entries (:func:`csa_select`; -1 skipped). Memory O(T (window + K)):
-    each query's keys are the window's raw tokens and its entries, run as :func:`dsa_attention`
-    runs its selected keys (on the same backends)."""
+    [B, T, K]`` compressed entries (:func:`csa_select`; -1 skipped). Memory O(T (window + K)).
+
+    ``rate``: the entries are one per complete block of ``rate`` tokens (N of them, as
+    :func:`compress_kv` makes them); a listed entry not complete at its query is then dropped
+    (:func:`csa_select` lists none), and the call may run on flash.py's
+    ``compressed_selection_attention`` (the window on FlashAttention-2, the entries on cuDNN):
+    "flash" (which raises ValueError with the reason where it cannot), and "auto" where it runs
+    and both kernels have passed their first-use checks. Otherwise each query's keys are the
+    window's raw tokens and its entries, run as :func:`dsa_attention` runs its selected keys
+    (on the same backends)."""
     check_qkv(OP, q, k, v)
     _check_sink(sink, q)
-    _check_rate(None, window)
+    _check_rate(rate, window)
     _check_packed(cu_seqlens, q.shape[0])
-    _check_entries(compressed_k, compressed_v, k)
     _check_selected(selected, q)
+    if rate is None:
+        _check_entries(compressed_k, compressed_v, k)
+    else:
+        entries = compressed_entries(q.shape[1], rate, cu_seqlens, q.device)
+        _check_entries(compressed_k, compressed_v, k, len(entries), rate)
+        if len(entries):
+            ends = entries.ends[selected.clamp(min=0, max=len(entries) - 1)]
+            early = ends > torch.arange(q.shape[1], device=q.device)[None, :, None]
+            selected = selected.masked_fill(early & (selected >= 0), -1)
+        else:
+            selected = torch.full_like(selected, -1)
+    if _runs_compressed_selection(backend, q, k, v, rate):
+        return flash.compressed_selection_attention(
+            q, k, v, compressed_k, compressed_v, selected, window=window, rate=rate, sink=sink,
+            scale=scale, cu_seqlens=cu_seqlens)
     if _dsa_reference(backend):
         return csa_attention_reference(q, k, v, compressed_k, compressed_v, selected,
                                        window=window, sink=sink, scale=scale,
@@ -670,6 +691,24 @@ def csa_attention(q, k, v, compressed_k, compressed_v, selected, *, window, sink
     chosen = window_and_selected(selected, first_tokens(q.shape[1], cu_seqlens, q.device), window)
     return _selected_attention(backend, q, *with_entries(k, v, compressed_k, compressed_v),
                                chosen, sink, scale)
+
+
+def _runs_compressed_selection(backend: str, q, k, v, rate) -> bool:
+    """Whether csa_attention runs on flash.py's ``compressed_selection_attention``: asked for
+    ("flash", which raises ValueError with the reason where it cannot), or under "auto" where
+    it can and FlashAttention-2 and cuDNN have passed their first-use checks on this device
+    and dtype."""
+    if backend not in ("flash", "auto"):
+        return False
+    reason = flash.causal_selection_unavailable_reason(q, k, v)
+    if reason is None and rate is None:
+        reason = "it needs the entries' compression rate (rate=)"
+    if backend == "flash":
+        if reason is not None:
+            raise ValueError(f"{OP}: backend='flash' cannot run this csa_attention: {reason}")
+        return True
+    return (reason is None and flash.checked(q.device, q.dtype)
+            and flash.cudnn_checked(q.device, q.dtype))
 
 
 def csa_indexer_loss(q, compressed_k, index_q, index_k, index_weights, *, rate, selected=None,

@@ -65,8 +65,8 @@ import logging
 import torch
 
 from .layout import moba_chosen
-from .reference import (OP, dsa_attention_reference, moba_attention_reference,
-                        softmax_attention_reference)
+from .reference import (OP, csa_attention_reference, dsa_attention_reference,
+                        moba_attention_reference, softmax_attention_reference)
 
 __all__ = ["flash_attention", "block_selection_attention", "moba_attention",
            "causal_selection_attention", "unavailable_reason",
@@ -612,14 +612,13 @@ def causal_selection_unavailable_reason(q, k, v) -> str | None:
     return unavailable_reason(q, k, v) or cudnn_unavailable_reason(q)
 
 
-def _selection_bias(selected: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The selection ``[B, T, K]`` as cuDNN's bias ``[B, 1, T, T]`` (a view of rows padded to
-    ``_BIAS_ALIGN`` keys)."""
-    seq_len = q.shape[1]
-    width = -(-seq_len // _BIAS_ALIGN) * _BIAS_ALIGN
+def _selection_bias(selected: torch.Tensor, key_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """The selection ``[B, L, K]`` (of keys below ``key_len``) as cuDNN's bias ``[B, 1, L,
+    key_len]`` in ``dtype`` (a view of rows padded to ``_BIAS_ALIGN`` keys)."""
+    width = -(-key_len // _BIAS_ALIGN) * _BIAS_ALIGN
     from . import triton_select
 
-    return triton_select.selection_bias(selected, width, q.dtype)[:, None, :, :seq_len]
+    return triton_select.selection_bias(selected, width, dtype)[:, None, :, :key_len]
 
 
 class _CausalSelection(torch.autograd.Function):
@@ -633,7 +632,8 @@ class _CausalSelection(torch.autograd.Function):
     def forward(ctx, q, k, v, sink, selected, scale):
         q, k, v = (x.contiguous() for x in (q, k, v))
         out, lse, state = _cudnn_forward(*(x.transpose(1, 2) for x in (q, k, v)), scale,
-                                         causal=True, bias=_selection_bias(selected, q))
+                                         causal=True,
+                                         bias=_selection_bias(selected, q.shape[1], q.dtype))
         listed = (selected >= 0).any(-1)[:, None]  # [B, 1, T]
         wide = torch.promote_types(q.dtype, torch.float32)
         out = torch.where(listed[..., None], out.to(wide), 0.0)
@@ -657,7 +657,7 @@ class _CausalSelection(torch.autograd.Function):
         d_out = d_out.contiguous()
         grads = _cudnn_backward(*(x.transpose(1, 2) for x in (d_out, q, k, v, out)), lse,
                                 ctx.state, ctx.scale, causal=True,
-                                bias=_selection_bias(selected, q))
+                                bias=_selection_bias(selected, q.shape[1], q.dtype))
         d_sink = None
         if sink is not None and ctx.needs_input_grad[3]:
             heads, dim = q.shape[2:]
@@ -675,6 +675,125 @@ def causal_selection_attention(q, k, v, selected, *, sink=None, scale=None, retu
     :func:`causal_selection_unavailable_reason` is None."""
     out, lse = _CausalSelection.apply(q, k, v, sink, selected, scale)
     return (out, lse) if return_lse else out
+
+
+# CSA's attention (:func:`compressed_selection_attention`): its selected entries run on cuDNN
+# in chunks of this many queries, each chunk against the entries its last query can see, so
+# that about half of the [T, N] tiles, where no entry is complete yet, are not computed; each
+# chunk's bias (2 B L N' bytes) is made when it runs, forward and again backward.
+CSA_QUERY_CHUNK = 2048
+
+
+def _split_rows(x: torch.Tensor, lse_rows: torch.Tensor, batch: int):
+    """``[B * T, H, D]`` rows and their log-sum-exp ``[H, B * T]`` (FlashAttention's layouts)
+    as ``[B, H, T, D]`` and ``[B, H, T]``."""
+    heads = lse_rows.shape[0]
+    return (x.view(batch, -1, *x.shape[1:]).transpose(1, 2),
+            lse_rows.view(heads, batch, -1).transpose(0, 1))
+
+
+class _CompressedSelection(torch.autograd.Function):
+    """CSA's attention: q ``[B, T, Hq, D]`` over the last ``window`` tokens of k, v ``[B, T,
+    Hkv, D]`` (FlashAttention-2, causal with a window) and over the entries ``ck``, ``cv``
+    ``[B, N, Hkv, D]`` each query lists in ``selected [B, T, K]`` (cuDNN with the selection as
+    a bias, in chunks of ``query_chunk`` queries against the entries ``visible(last query)`` can
+    see), merged through the log-sum-exps with the sink (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ck, cv, sink, selected, window, visible, scale, cu_seqlens,
+                max_len, query_chunk):
+        batch, seq_len, heads, _ = q.shape
+        rows = [x.reshape(-1, *x.shape[2:]).contiguous() for x in (q, k, v)]
+        flash = (cu_seqlens, cu_seqlens, max_len, max_len, True, window - 1, 0, scale)
+        out_w, lse_w = _kernel_forward(*rows, *flash)
+        q_t = rows[0].view(batch, seq_len, heads, -1).transpose(1, 2)
+        entries = [x.contiguous().transpose(1, 2) for x in (ck, cv)]
+        out_e = torch.zeros_like(q_t)
+        lse_e = torch.full((batch, heads, seq_len), float("-inf"), device=q.device)
+        chunks = []
+        for start in range(0, seq_len, query_chunk):
+            stop = min(start + query_chunk, seq_len)
+            count = visible(stop - 1)
+            if count == 0:
+                continue
+            bias = _selection_bias(selected[:, start:stop], count, q.dtype)
+            o, lse, state = _cudnn_forward(q_t[:, :, start:stop], *(x[:, :, :count] for x in entries),
+                                           scale, causal=False, bias=bias)
+            out_e[:, :, start:stop], lse_e[:, :, start:stop] = o, lse
+            chunks.append((start, stop, count, state))
+        listed = (selected >= 0).any(-1)[:, None]  # [B, 1, T]: a query without entries
+        lse_e = torch.where(listed, lse_e, float("-inf"))
+        lse_w_t = lse_w.view(heads, batch, seq_len).transpose(0, 1)
+        lse = torch.logaddexp(lse_w_t, lse_e)
+        if sink is not None:
+            lse = torch.logaddexp(lse, sink.float()[:, None])
+        wide = torch.promote_types(q.dtype, torch.float32)
+        out_w_t = out_w.view(batch, seq_len, heads, -1).transpose(1, 2)
+        out = (out_w_t.to(wide) * torch.exp(lse_w_t - lse)[..., None]
+               + torch.where(listed[..., None], out_e.to(wide), 0.0)
+               * torch.exp(lse_e - lse)[..., None])
+        out = out.to(q.dtype).transpose(1, 2).contiguous()  # [B, T, Hq, D]
+        ctx.save_for_backward(*rows, *entries, out, lse, sink, selected)
+        ctx.flash, ctx.chunks, ctx.scale = flash, chunks, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, ck, cv, out, lse, sink, selected = ctx.saved_tensors
+        batch, heads, seq_len = lse.shape
+        d_out = d_out.contiguous()
+        d_rows, out_rows = (x.view(-1, *x.shape[2:]) for x in (d_out, out))
+        lse_rows = lse.transpose(0, 1).reshape(heads, -1)
+        dq, dk, dv = _kernel_backward(d_rows, q, k, v, out_rows, lse_rows, *ctx.flash)
+        dq_t = dq.view(batch, seq_len, heads, -1).transpose(1, 2)
+        q_t, d_t, out_t = (x.view(batch, seq_len, heads, -1).transpose(1, 2)
+                           for x in (q, d_out, out))
+        d_entries = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (ck, cv)]
+        for start, stop, count, state in ctx.chunks:
+            part = slice(start, stop)
+            bias = _selection_bias(selected[:, part], count, q.dtype)
+            dq_c, dk_c, dv_c = _cudnn_backward(
+                d_t[:, :, part], q_t[:, :, part], ck[:, :, :count], cv[:, :, :count],
+                out_t[:, :, part], lse[:, :, part].contiguous(), state, ctx.scale, causal=False,
+                bias=bias)
+            dq_t[:, :, part] += dq_c
+            d_entries[0][:, :, :count] += dk_c
+            d_entries[1][:, :, :count] += dv_c
+        d_sink = None
+        if sink is not None and ctx.needs_input_grad[5]:
+            d_sink = _sink_gradient(sink, d_rows, out_rows, lse_rows.t())
+        dck, dcv = (d.to(x.dtype).transpose(1, 2) for d, x in zip(d_entries, (ck, cv)))
+        shape = (batch, seq_len, heads, -1)
+        return (dq.view(shape), dk.view(batch, seq_len, *k.shape[1:]),
+                dv.view(batch, seq_len, *v.shape[1:]), dck, dcv, d_sink, *([None] * 7))
+
+
+def compressed_selection_attention(q, k, v, compressed_k, compressed_v, selected, *, window,
+                                   rate, sink=None, scale=None, cu_seqlens=None,
+                                   query_chunk=None):
+    """CSA's attention (``csa_attention``: each query over the last ``window`` tokens of its
+    sequence and the entries it lists in ``selected [B, T, K]``, -1 none, each complete at its
+    query) with the window on FlashAttention-2 and the entries on cuDNN (see above); entries are
+    one per complete block of ``rate`` tokens. Call only where
+    :func:`causal_selection_unavailable_reason` is None."""
+    batch, seq_len = q.shape[:2]
+    num_entries = compressed_k.shape[1]
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32,
+                                  device=q.device)
+        max_len = seq_len
+
+        def visible(t):  # entries complete at token t
+            return min(num_entries, (t + 1) // rate)
+    else:  # entries of packed sequences: each chunk against all of them
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if len(cu_seqlens) > 1 else 0
+
+        def visible(t):
+            return num_entries
+    return _CompressedSelection.apply(q, k, v, compressed_k, compressed_v, sink, selected, window,
+                                      visible, scale, cu_seqlens, max_len,
+                                      query_chunk or CSA_QUERY_CHUNK)
 
 
 @functools.cache
@@ -737,20 +856,42 @@ def check_cudnn(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     ``CUDNN_MIN_EARLIER_BLOCK``, with one (the earlier blocks too, where the Triton merge
     runs); :func:`causal_selection_attention` on 2 x 75 tokens, 24 causal keys a query at
     random (all of them, then -1, for the first 23; one query with none), with and without a
-    sink."""
+    sink; :func:`compressed_selection_attention` on the same tokens, a window of 2 and up to 6
+    entries a query at random (-1 where fewer are complete; one query with none) of the 18
+    blocks of 4 (an entry: k and v at its block's last token), in 3 chunks of up to 32 queries,
+    with and without a sink."""
     generator = torch.Generator(device=device).manual_seed(1)
     moba = (functools.partial(moba_attention, cudnn=True), moba_attention_reference)
+    tokens = torch.arange(75, device=device)[:, None]
     keys = torch.rand(2, 75, 75, device=device, generator=generator).tril().topk(24).indices
-    selected = torch.where(keys <= torch.arange(75, device=device)[:, None], keys, -1)
+    selected = torch.where(keys <= tokens, keys, -1)
     selected[1, 40] = -1
     dsa = (functools.partial(causal_selection_attention, selected=selected),
            functools.partial(dsa_attention_reference, selected=selected))
+    rate = 4
+    complete = torch.arange(rate - 1, 75, rate, device=device) <= tokens  # [T, N]
+    entries = torch.rand(2, 75, complete.shape[1], device=device, generator=generator)
+    entries = entries.masked_fill(~complete, -1.0).topk(6)
+    chosen = torch.where(entries.values >= 0, entries.indices, -1)
+    chosen[1, 40] = -1
+
+    def csa(q, k, v, sink=None):
+        return compressed_selection_attention(q, k, v, k[:, rate - 1::rate], v[:, rate - 1::rate],
+                                              chosen, window=2, rate=rate, sink=sink,
+                                              query_chunk=32)
+
+    def csa_reference(q, k, v, sink=None):
+        return csa_attention_reference(q, k, v, k[:, rate - 1::rate], v[:, rate - 1::rate],
+                                       chosen, window=2, sink=sink)
+
     return _check_calls(device, dtype, generator, [
         (moba, 2, 128, dict(block_size=32, top_k=3), False),
         (moba, 2, 4 * CUDNN_MIN_EARLIER_BLOCK, dict(block_size=CUDNN_MIN_EARLIER_BLOCK, top_k=3),
          True),
         (dsa, 2, 75, {}, True),
         (dsa, 2, 75, {}, False),
+        ((csa, csa_reference), 2, 75, {}, True),
+        ((csa, csa_reference), 2, 75, {}, False),
     ])
 
 

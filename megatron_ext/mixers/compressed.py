@@ -234,7 +234,8 @@ class CSACoreAttention(HCACoreAttention):
             selected = sparse.csa_select(index_q, index_k, index_weights, rate=self.rate,
                                          top_k=ext.csa_top_k, cu_seqlens=options["cu_seqlens"],
                                          backend=ext.sparse_backend)
-            out = sparse.csa_attention(q, k, v, keys, values, selected, **options)
+            out = sparse.csa_attention(q, k, v, keys, values, selected, rate=self.rate,
+                                       **options)
         else:
             out = sparse.compressed_attention(q, k, v, keys, values, rate=self.rate, **options)
         if index_q.requires_grad and ext.dsa_indexer_loss_coeff > 0:

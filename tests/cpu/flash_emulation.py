@@ -43,9 +43,9 @@ def _batch_as_rows(x):
     return rows, torch.arange(0, n * length + 1, length)
 
 
-def _selection_bias(selected, q):
-    listed = reference.selected_mask(selected, q.shape[1])[:, None]
-    return torch.zeros(listed.shape, dtype=q.dtype).masked_fill(~listed, float("-inf"))
+def _selection_bias(selected, key_len, dtype):
+    listed = reference.selected_mask(selected, key_len)[:, None]
+    return torch.zeros(listed.shape, dtype=dtype).masked_fill(~listed, float("-inf"))
 
 
 def _dense_scores(q, k, scale, causal, bias):

@@ -339,3 +339,79 @@ def test_first_use_under_inference_mode_runs_the_check(emulated):
     with torch.inference_mode():
         assert flash.checked(torch.device("cpu"), torch.bfloat16)
     flash.checked.cache_clear()
+
+
+RATE = 4
+
+
+def _entries(k, v):
+    """CSA-like entries of blocks of RATE tokens, different from every raw key and value."""
+    count = k.shape[1] // RATE
+    return k[:, RATE - 1::RATE][:, :count] + v[:, :count * RATE:RATE], v[:, RATE - 1::RATE] * 0.5
+
+
+def _compressed_selection(seed, batch, seq_len, top_k):
+    """``[B, T, K]``: up to K entries complete at each query at random (-1 where fewer), and a
+    query (t = 20) with none."""
+    generator = torch.Generator().manual_seed(seed)
+    complete = torch.arange(RATE - 1, seq_len, RATE) <= torch.arange(seq_len)[:, None]
+    scores = torch.rand(batch, seq_len, complete.shape[1], generator=generator)
+    picked = scores.masked_fill(~complete, -1.0).topk(top_k)
+    selected = torch.where(picked.values >= 0, picked.indices, -1)
+    selected[:, 20] = -1
+    return selected
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("sink", [True, False])
+@pytest.mark.parametrize("query_chunk", [3, 16, None])
+def test_csa_on_flash_and_cudnn_equals_the_reference(monkeypatch, kv_heads, sink, query_chunk):
+    """CSA's attention with its window on FlashAttention-2 and its selected entries on cuDNN
+    (both emulated), merged by their log-sum-exps: T = 45 in blocks of 4 (11 entries), a window
+    of 5, 4 entries a query (a query with none), in one chunk of queries or in chunks of 16 or
+    of 3 (the first of which sees no entry and is skipped), MHA and groups of 2, with and
+    without a sink, against the reference, forward and backward (the entries' gradients reach
+    k and v)."""
+    emulate_cudnn(monkeypatch)
+    leaves, grad = _leaves(8, 2, 45, kv_heads=kv_heads, sink=sink)
+    selected = _compressed_selection(9, 2, 45, 4)
+
+    def ours(q, k, v, sink=None):
+        return flash.compressed_selection_attention(q, k, v, *_entries(k, v), selected, window=5,
+                                                    rate=RATE, sink=sink, query_chunk=query_chunk)
+
+    def reference(q, k, v, sink=None):
+        return sparse.csa_attention_reference(q, k, v, *_entries(k, v), selected, window=5,
+                                              sink=sink)
+
+    _assert_equal(ours, reference, leaves, grad)
+
+
+def test_csa_attention_drops_early_entries_and_takes_flash(monkeypatch):
+    """With ``rate``, an entry listed before it is complete is dropped on every backend; then
+    "flash" (and "auto", both kernels checked) runs the FlashAttention-2 + cuDNN form, equal to
+    the others; without ``rate`` "flash" refuses and "auto" runs another backend."""
+    emulate_cudnn(monkeypatch)
+    monkeypatch.setattr(flash, "causal_selection_unavailable_reason", lambda q, k, v: None)
+    monkeypatch.setattr(flash, "checked", lambda device, dtype: True)
+    calls, forward = [], flash._cudnn_forward
+    monkeypatch.setattr(flash, "_cudnn_forward",
+                        lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    leaves, _ = _leaves(10, 2, 45)
+    x = [leaves[name] for name in ("q", "k", "v")]
+    entries = _entries(x[1], x[2])
+    selected = _compressed_selection(11, 2, 45, 4)
+    early = selected.clone()
+    early[:, 9, -1] = 5  # entry 5 (tokens 20-23) at query 9
+    options = dict(window=5, sink=leaves["sink"])
+    want = sparse.csa_attention(*x, *entries, selected, backend="reference", **options)
+    assert not torch.allclose(want, sparse.csa_attention(*x, *entries, early,
+                                                         backend="reference", **options))
+    for backend in ("reference", "gathered", "flash", "auto"):
+        got = sparse.csa_attention(*x, *entries, early, backend=backend, rate=RATE, **options)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert len(calls) == 2  # flash and auto, one chunk of queries each
+    with pytest.raises(ValueError, match="compression rate"):
+        sparse.csa_attention(*x, *entries, selected, backend="flash", **options)
+    sparse.csa_attention(*x, *entries, selected, backend="auto", **options)
+    assert len(calls) == 2

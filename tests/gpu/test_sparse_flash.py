@@ -8,7 +8,9 @@ on cuDNN, also compared with them on FlashAttention-2; from blocks of 128 the ea
 cuDNN in chunks, compared likewise), top-k of 1 to 8; NSA (its
 selected and window branches on the kernels) against the gathered path; DSA's attention over
 a causal selection on cuDNN with the selection as a bias (odd lengths, a query with no key, a
-key listed twice, with and without a sink); a sink of -inf; the first-use checks (the path's
+key listed twice, with and without a sink); CSA's attention with its window on
+FlashAttention-2 and its selected entries on cuDNN (one chunk of queries or several); a sink
+of -inf; the first-use checks (the path's
 and its cuDNN calls'); and "auto" choosing it on a GPU.
 
 Tolerance: relative error (Frobenius norm) 2e-2 on the output and each gradient, the first-use
@@ -268,3 +270,55 @@ def test_auto_runs_cudnn_for_causal_dsa_selections(monkeypatch):
     assert len(calls) == 1
     sparse.dsa_attention(q, k, v, selected, sink=leaves["sink"], backend="auto")
     assert len(calls) == 1  # not declared causal: FlexAttention
+
+
+def _compressed_selection(batch, seq_len, rate, top_k, seed=5):
+    """``[B, T, K]`` on the GPU: up to K entries (blocks of ``rate``) complete at each query at
+    random (-1 where fewer), and a query with none."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    complete = (torch.arange(rate - 1, seq_len, rate, device="cuda")
+                <= torch.arange(seq_len, device="cuda")[:, None])
+    scores = torch.rand(batch, seq_len, complete.shape[1], device="cuda", generator=g)
+    picked = scores.masked_fill(~complete, -1.0).topk(min(top_k, complete.shape[1]))
+    selected = torch.where(picked.values >= 0, picked.indices, -1)
+    selected[:, seq_len // 2] = -1
+    return selected
+
+
+@pytest.mark.parametrize("sink", [True, False])
+@pytest.mark.parametrize(("seq_len", "window", "top_k", "query_chunk"),
+                         [(1000, 128, 64, None), (1000, 128, 64, 256), (77, 5, 8, 32)])
+def test_csa_on_flash_and_cudnn_matches_reference(monkeypatch, seq_len, window, top_k,
+                                                  query_chunk, sink):
+    """csa_attention on "flash" (the window on FlashAttention-2, the selected entries on cuDNN
+    in chunks of queries, merged by their log-sum-exps) in bf16 against the fp32 reference:
+    entries of blocks of 4 (k and v at each block's last token, plus v at its first: the
+    gradients reach k and v through both), one chunk or several."""
+    rate = 4
+    if query_chunk is not None:
+        monkeypatch.setattr(flash, "CSA_QUERY_CHUNK", query_chunk)
+    leaves, grad = _leaves(2, seq_len, sink=sink)
+    selected = _compressed_selection(2, seq_len, rate, top_k)
+
+    def csa(q, k, v, sink, backend):
+        count = seq_len // rate
+        ck = k[:, rate - 1::rate][:, :count] + v[:, :count * rate:rate]
+        cv = v[:, rate - 1::rate][:, :count]
+        return sparse.csa_attention(q, k, v, ck, cv, selected, window=window, sink=sink,
+                                    backend=backend, rate=rate)
+
+    _compare(leaves, grad, torch.bfloat16, op=csa)
+
+
+def test_auto_runs_flash_and_cudnn_for_csa_with_a_rate(monkeypatch):
+    # cuDNN's check first: it calls compressed_selection_attention itself
+    assert flash.cudnn_checked(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
+    calls = _spy(monkeypatch, "compressed_selection_attention")
+    leaves, _ = _leaves(2, 200)
+    q, k, v = (leaves[n].bfloat16() for n in ("q", "k", "v"))
+    ck, cv = k[:, 3::4], v[:, 3::4]
+    selected = _compressed_selection(2, 200, 4, 16)
+    sparse.csa_attention(q, k, v, ck, cv, selected, window=16, sink=leaves["sink"], rate=4)
+    assert len(calls) == 1
+    sparse.csa_attention(q, k, v, ck, cv, selected, window=16, sink=leaves["sink"])
+    assert len(calls) == 1  # without the rate: another backend
