@@ -243,10 +243,11 @@ def csa_layer_op(x, rate, top_k, window, backend):
                                  overlap=True, backend=rest)[:, :, 0]
     index = (x["index_q"], index_k, x["index_weights"])
     selected = sparse.csa_select(*index, rate=rate, top_k=top_k, backend=rest)
-    out = sparse.csa_attention(x["q"], x["k"], x["v"], entries, entries, selected, window=window,
-                               sink=x["sink"], backend=backend, rate=rate)
+    out, lse = sparse.csa_attention(x["q"], x["k"], x["v"], entries, entries, selected,
+                                    window=window, sink=x["sink"], backend=backend, rate=rate,
+                                    return_lse=True)
     loss = sparse.csa_indexer_loss(x["q"], entries, *index, rate=rate, selected=selected,
-                                   sink=x["sink"], backend=rest)
+                                   sink=x["sink"], backend=rest, lse=lse)
     return IndexerLoss.apply(out, loss)
 
 

@@ -651,7 +651,7 @@ def csa_select(index_q, index_k, index_weights, *, rate, top_k, cu_seqlens=None,
 
 
 def csa_attention(q, k, v, compressed_k, compressed_v, selected, *, window, sink=None,
-                  scale=None, cu_seqlens=None, backend="auto", rate=None):
+                  scale=None, cu_seqlens=None, backend="auto", rate=None, return_lse=False):
     """CSA's attention (arXiv 2606.19348, sec. 2.3.1; see ``csa_attention_reference``): one
     softmax per query over the last ``window`` tokens of its sequence and its ``selected
     [B, T, K]`` compressed entries (:func:`csa_select`; -1 skipped). Memory O(T (window + K)).
@@ -663,7 +663,12 @@ def csa_attention(q, k, v, compressed_k, compressed_v, selected, *, window, sink
     "flash" (which raises ValueError with the reason where it cannot), and "auto" where it runs
     and both kernels have passed their first-use checks. Otherwise each query's keys are the
     window's raw tokens and its entries, run as :func:`dsa_attention` runs its selected keys
-    (on the same backends)."""
+    (on the same backends).
+
+    ``return_lse``: ``(o, lse)``, lse ``[B, T, Hq]`` fp32 the log-sum-exp of each query head's
+    scaled scores over its selected entries and the sink (not the window), without gradient,
+    where the backend that ran gives it (flash.py's), else None; :func:`csa_indexer_loss` takes
+    it so as not to compute it again."""
     check_qkv(OP, q, k, v)
     _check_sink(sink, q)
     _check_rate(rate, window)
@@ -680,17 +685,21 @@ def csa_attention(q, k, v, compressed_k, compressed_v, selected, *, window, sink
             selected = selected.masked_fill(early & (selected >= 0), -1)
         else:
             selected = torch.full_like(selected, -1)
+    lse = None
     if _runs_compressed_selection(backend, q, k, v, rate):
-        return flash.compressed_selection_attention(
+        out, lse = flash.compressed_selection_attention(
             q, k, v, compressed_k, compressed_v, selected, window=window, rate=rate, sink=sink,
-            scale=scale, cu_seqlens=cu_seqlens)
-    if _dsa_reference(backend):
-        return csa_attention_reference(q, k, v, compressed_k, compressed_v, selected,
-                                       window=window, sink=sink, scale=scale,
-                                       cu_seqlens=cu_seqlens)
-    chosen = window_and_selected(selected, first_tokens(q.shape[1], cu_seqlens, q.device), window)
-    return _selected_attention(backend, q, *with_entries(k, v, compressed_k, compressed_v),
-                               chosen, sink, scale)
+            scale=scale, cu_seqlens=cu_seqlens, return_lse=True)
+    elif _dsa_reference(backend):
+        out = csa_attention_reference(q, k, v, compressed_k, compressed_v, selected,
+                                      window=window, sink=sink, scale=scale,
+                                      cu_seqlens=cu_seqlens)
+    else:
+        chosen = window_and_selected(selected, first_tokens(q.shape[1], cu_seqlens, q.device),
+                                     window)
+        out = _selected_attention(backend, q, *with_entries(k, v, compressed_k, compressed_v),
+                                  chosen, sink, scale)
+    return (out, lse) if return_lse else out
 
 
 def _runs_compressed_selection(backend: str, q, k, v, rate) -> bool:
@@ -713,12 +722,13 @@ def _runs_compressed_selection(backend: str, q, k, v, rate) -> bool:
 
 def csa_indexer_loss(q, compressed_k, index_q, index_k, index_weights, *, rate, selected=None,
                      cu_seqlens=None, sink=None, scale=None, reduce_heads=None, shares=None,
-                     backend="auto"):
+                     backend="auto", lse=None):
     """CSA's indexer loss (see ``csa_indexer_loss_reference``): :func:`dsa_indexer_loss` over
     compressed entries, averaged over the B * T queries (a query that sees no entry adds 0).
     The target is the main attention of q over the entries' keys ``compressed_k``: over every
     entry a query sees (``selected=None``, dense warm-up) or over its selected ones.
-    ``reduce_heads`` and ``shares`` as in :func:`dsa_indexer_loss`."""
+    ``reduce_heads``, ``shares`` and ``lse`` (:func:`csa_attention`'s, for this q,
+    compressed_k, ``selected``, sink and scale) as in :func:`dsa_indexer_loss`."""
     check_qkv(OP, q, compressed_k, compressed_k)
     _check_sink(sink, q)
     _check_rate(rate)
@@ -746,4 +756,4 @@ def csa_indexer_loss(q, compressed_k, index_q, index_k, index_weights, *, rate, 
     return indexer_loss(q, compressed_k, index_q, index_k, index_weights, keys=entries.keys(),
                         shares=shares, kernels=_loss_kernels(backend, q, compressed_k, selected,
                                                              index_q, index_k),
-                        **options)
+                        lse=lse, **options)

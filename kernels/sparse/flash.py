@@ -697,7 +697,9 @@ class _CompressedSelection(torch.autograd.Function):
     Hkv, D]`` (FlashAttention-2, causal with a window) and over the entries ``ck``, ``cv``
     ``[B, N, Hkv, D]`` each query lists in ``selected [B, T, K]`` (cuDNN with the selection as
     a bias, in chunks of ``query_chunk`` queries against the entries ``visible(last query)`` can
-    see), merged through the log-sum-exps with the sink (module docstring)."""
+    see), merged through the log-sum-exps with the sink (module docstring); and (no gradient)
+    the log-sum-exp ``[B, T, Hq]`` fp32 over the selected entries and the sink alone (+inf for
+    a query with neither), as :func:`causal_selection_attention`'s."""
 
     @staticmethod
     def forward(ctx, q, k, v, ck, cv, sink, selected, window, visible, scale, cu_seqlens,
@@ -708,8 +710,9 @@ class _CompressedSelection(torch.autograd.Function):
         out_w, lse_w = _kernel_forward(*rows, *flash)
         q_t = rows[0].view(batch, seq_len, heads, -1).transpose(1, 2)
         entries = [x.contiguous().transpose(1, 2) for x in (ck, cv)]
+        wide = torch.promote_types(q.dtype, torch.float32)
         out_e = torch.zeros_like(q_t)
-        lse_e = torch.full((batch, heads, seq_len), float("-inf"), device=q.device)
+        lse_e = torch.full((batch, heads, seq_len), float("-inf"), dtype=wide, device=q.device)
         chunks = []
         for start in range(0, seq_len, query_chunk):
             stop = min(start + query_chunk, seq_len)
@@ -727,7 +730,6 @@ class _CompressedSelection(torch.autograd.Function):
         lse = torch.logaddexp(lse_w_t, lse_e)
         if sink is not None:
             lse = torch.logaddexp(lse, sink.float()[:, None])
-        wide = torch.promote_types(q.dtype, torch.float32)
         out_w_t = out_w.view(batch, seq_len, heads, -1).transpose(1, 2)
         out = (out_w_t.to(wide) * torch.exp(lse_w_t - lse)[..., None]
                + torch.where(listed[..., None], out_e.to(wide), 0.0)
@@ -735,10 +737,16 @@ class _CompressedSelection(torch.autograd.Function):
         out = out.to(q.dtype).transpose(1, 2).contiguous()  # [B, T, Hq, D]
         ctx.save_for_backward(*rows, *entries, out, lse, sink, selected)
         ctx.flash, ctx.chunks, ctx.scale = flash, chunks, scale
-        return out
+        if sink is not None:
+            lse_e = torch.logaddexp(lse_e, sink.float()[:, None])
+        else:
+            lse_e = torch.where(listed, lse_e, float("inf"))
+        entries_lse = lse_e.transpose(1, 2).contiguous()
+        ctx.mark_non_differentiable(entries_lse)
+        return out, entries_lse
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx, d_out, _):
         q, k, v, ck, cv, out, lse, sink, selected = ctx.saved_tensors
         batch, heads, seq_len = lse.shape
         d_out = d_out.contiguous()
@@ -770,12 +778,14 @@ class _CompressedSelection(torch.autograd.Function):
 
 def compressed_selection_attention(q, k, v, compressed_k, compressed_v, selected, *, window,
                                    rate, sink=None, scale=None, cu_seqlens=None,
-                                   query_chunk=None):
+                                   query_chunk=None, return_lse=False):
     """CSA's attention (``csa_attention``: each query over the last ``window`` tokens of its
     sequence and the entries it lists in ``selected [B, T, K]``, -1 none, each complete at its
     query) with the window on FlashAttention-2 and the entries on cuDNN (see above); entries are
-    one per complete block of ``rate`` tokens. Call only where
-    :func:`causal_selection_unavailable_reason` is None."""
+    one per complete block of ``rate`` tokens. With ``return_lse``, ``(o, lse)``: lse ``[B, T,
+    Hq]`` fp32 the log-sum-exp of each query head's scaled scores over its selected entries and
+    the sink (not the window: what CSA's indexer loss targets; +inf for a query with neither),
+    without gradient. Call only where :func:`causal_selection_unavailable_reason` is None."""
     batch, seq_len = q.shape[:2]
     num_entries = compressed_k.shape[1]
     if cu_seqlens is None:
@@ -791,9 +801,10 @@ def compressed_selection_attention(q, k, v, compressed_k, compressed_v, selected
 
         def visible(t):
             return num_entries
-    return _CompressedSelection.apply(q, k, v, compressed_k, compressed_v, sink, selected, window,
-                                      visible, scale, cu_seqlens, max_len,
-                                      query_chunk or CSA_QUERY_CHUNK)
+    out, lse = _CompressedSelection.apply(q, k, v, compressed_k, compressed_v, sink, selected,
+                                          window, visible, scale, cu_seqlens, max_len,
+                                          query_chunk or CSA_QUERY_CHUNK)
+    return (out, lse) if return_lse else out
 
 
 @functools.cache

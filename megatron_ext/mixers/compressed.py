@@ -229,13 +229,13 @@ class CSACoreAttention(HCACoreAttention):
         keys, values = self._take("compressed")
         index_q, index_k, index_weights = self._take("index")
         ext, options = self.ext, self._options(q, packed_seq_params)
-        selected = None
+        selected = lse = None
         if ext.dsa_stage == "sparse":
             selected = sparse.csa_select(index_q, index_k, index_weights, rate=self.rate,
                                          top_k=ext.csa_top_k, cu_seqlens=options["cu_seqlens"],
                                          backend=ext.sparse_backend)
-            out = sparse.csa_attention(q, k, v, keys, values, selected, rate=self.rate,
-                                       **options)
+            out, lse = sparse.csa_attention(q, k, v, keys, values, selected, rate=self.rate,
+                                            return_lse=True, **options)
         else:
             out = sparse.compressed_attention(q, k, v, keys, values, rate=self.rate, **options)
         if index_q.requires_grad and ext.dsa_indexer_loss_coeff > 0:
@@ -250,7 +250,7 @@ class CSACoreAttention(HCACoreAttention):
                 index_q, index_weights = index_q[:, mine], index_weights[:, mine]
             loss = sparse.csa_indexer_loss(
                 q, keys, index_q, index_k, index_weights, rate=self.rate, selected=selected,
-                **shared, **options)
+                lse=lse, **shared, **options)
             out = IndexerLoss.apply(out, ext.dsa_indexer_loss_coeff * loss)
         return out
 

@@ -357,7 +357,7 @@ def _compressed_selection(seed, batch, seq_len, top_k):
     complete = torch.arange(RATE - 1, seq_len, RATE) <= torch.arange(seq_len)[:, None]
     scores = torch.rand(batch, seq_len, complete.shape[1], generator=generator)
     picked = scores.masked_fill(~complete, -1.0).topk(top_k)
-    selected = torch.where(picked.values >= 0, picked.indices, -1)
+    selected = torch.where(picked.values >= 0, picked.indices, -1).int()
     selected[:, 20] = -1
     return selected
 
@@ -385,6 +385,17 @@ def test_csa_on_flash_and_cudnn_equals_the_reference(monkeypatch, kv_heads, sink
                                               sink=sink)
 
     _assert_equal(ours, reference, leaves, grad)
+    # the log-sum-exp over the entries and the sink that CSA's indexer loss may reuse: +inf for
+    # the query with no entry (without a sink), no gradient
+    q, k, v = (leaves[name] for name in ("q", "k", "v"))
+    compressed_k, compressed_v = _entries(k, v)
+    _, lse = flash.compressed_selection_attention(
+        q, k, v, compressed_k, compressed_v, selected, window=5, rate=RATE,
+        sink=leaves.get("sink"), query_chunk=query_chunk, return_lse=True)
+    assert not lse.requires_grad
+    want = triton.reference_lse(q, compressed_k, selected, leaves.get("sink"))
+    torch.testing.assert_close(lse, want.to(lse.dtype), rtol=1e-6, atol=1e-6)
+    assert sink or torch.isposinf(lse[:, 20]).all()
 
 
 def test_csa_attention_drops_early_entries_and_takes_flash(monkeypatch):

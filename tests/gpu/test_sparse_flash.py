@@ -280,7 +280,7 @@ def _compressed_selection(batch, seq_len, rate, top_k, seed=5):
                 <= torch.arange(seq_len, device="cuda")[:, None])
     scores = torch.rand(batch, seq_len, complete.shape[1], device="cuda", generator=g)
     picked = scores.masked_fill(~complete, -1.0).topk(min(top_k, complete.shape[1]))
-    selected = torch.where(picked.values >= 0, picked.indices, -1)
+    selected = torch.where(picked.values >= 0, picked.indices, -1).int()
     selected[:, seq_len // 2] = -1
     return selected
 
@@ -293,21 +293,39 @@ def test_csa_on_flash_and_cudnn_matches_reference(monkeypatch, seq_len, window, 
     """csa_attention on "flash" (the window on FlashAttention-2, the selected entries on cuDNN
     in chunks of queries, merged by their log-sum-exps) in bf16 against the fp32 reference:
     entries of blocks of 4 (k and v at each block's last token, plus v at its first: the
-    gradients reach k and v through both), one chunk or several."""
+    gradients reach k and v through both), one chunk or several; the log-sum-exp over the
+    entries and the sink it returns against the reference's, and the indexer loss's target
+    from the mass kernel given it against the reference's target."""
     rate = 4
     if query_chunk is not None:
         monkeypatch.setattr(flash, "CSA_QUERY_CHUNK", query_chunk)
     leaves, grad = _leaves(2, seq_len, sink=sink)
     selected = _compressed_selection(2, seq_len, rate, top_k)
 
-    def csa(q, k, v, sink, backend):
+    def entries(k, v):
         count = seq_len // rate
-        ck = k[:, rate - 1::rate][:, :count] + v[:, :count * rate:rate]
-        cv = v[:, rate - 1::rate][:, :count]
-        return sparse.csa_attention(q, k, v, ck, cv, selected, window=window, sink=sink,
+        return (k[:, rate - 1::rate][:, :count] + v[:, :count * rate:rate],
+                v[:, rate - 1::rate][:, :count])
+
+    def csa(q, k, v, sink, backend):
+        return sparse.csa_attention(q, k, v, *entries(k, v), selected, window=window, sink=sink,
                                     backend=backend, rate=rate)
 
     _compare(leaves, grad, torch.bfloat16, op=csa)
+    q, k, v = (leaves[n].bfloat16() for n in ("q", "k", "v"))
+    compressed_k, compressed_v = entries(k, v)
+    out, lse = sparse.csa_attention(q, k, v, compressed_k, compressed_v, selected, window=window,
+                                    sink=leaves.get("sink"), backend="flash", rate=rate,
+                                    return_lse=True)
+    want = triton.reference_lse(q.float(), compressed_k.float(), selected, leaves.get("sink"))
+    assert lse.dtype == torch.float32 and lse.shape == want.shape
+    assert torch.equal(lse.isposinf(), want.isposinf())
+    error = (lse - want)[want.isfinite()].abs().max().item()
+    print(f"lse: largest absolute difference {error:.2e}")
+    assert error <= LSE_TOLERANCE
+    mass = triton.selected_mass(q, compressed_k, selected, sink=leaves.get("sink"), lse=lse)
+    want = triton.reference_mass(q.float(), compressed_k.float(), selected, leaves.get("sink"))
+    assert relative_error(mass, want) <= 2e-2
 
 
 def test_auto_runs_flash_and_cudnn_for_csa_with_a_rate(monkeypatch):
