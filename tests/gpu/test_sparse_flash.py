@@ -156,8 +156,9 @@ def test_first_use_check_passes(dtype):
 
 def _spy(monkeypatch, name):
     """Calls of ``flash.<name>`` (still run) are counted in the list returned, from after the
-    bf16 first-use check (which calls the kernels itself)."""
-    assert flash.checked(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
+    bf16 first-use checks (which call the kernels themselves)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert flash.checked(device, torch.bfloat16) and flash.cudnn_checked(device, torch.bfloat16)
     calls, run = [], getattr(flash, name)
     monkeypatch.setattr(flash, name, lambda *a, **kw: calls.append(kw) or run(*a, **kw))
     return calls
@@ -329,8 +330,6 @@ def test_csa_on_flash_and_cudnn_matches_reference(monkeypatch, seq_len, window, 
 
 
 def test_auto_runs_flash_and_cudnn_for_csa_with_a_rate(monkeypatch):
-    # cuDNN's check first: it calls compressed_selection_attention itself
-    assert flash.cudnn_checked(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
     calls = _spy(monkeypatch, "compressed_selection_attention")
     leaves, _ = _leaves(2, 200)
     q, k, v = (leaves[n].bfloat16() for n in ("q", "k", "v"))
