@@ -12,9 +12,11 @@ Backends, with one signature per op:
                 FlashAttention-2 kernels with the sink applied through their log-sum-exp (and
                 cuDNN's fused attention for MoBA's and NSA's own blocks where every block is
                 full, and for their earlier blocks from blocks of 128, once cuDNN passed its
-                own first-use check); CUDA, fp16/bf16, no extra mask (flash.py); and
+                own first-use check); CUDA, fp16/bf16, no extra mask (flash.py);
                 ``dsa_attention`` of a causal selection on cuDNN's fused attention, the
-                selection an additive bias
+                selection an additive bias; and ``csa_attention`` given its entries'
+                compression ``rate``: the window on FlashAttention-2, the selected entries on
+                cuDNN with the selection as a bias
     triton      ``dsa_attention`` and ``csa_attention`` only, and the sparse stage of
                 ``dsa_indexer_loss`` and ``csa_indexer_loss`` (its target and its KL): our
                 Triton kernels of the per-token selected attention and of the indexer's loss,
@@ -45,7 +47,9 @@ before those, on cuDNN's fused attention with the selection as an additive bias 
 DeepSeek-V4's compressed attentions (compressed.py): ``compress_kv`` makes one entry per block
 of tokens; HCA's ``compressed_attention`` (all the entries a query sees, plus a sliding window)
 is a block layout, run like ``softmax_attention``; CSA's ``csa_select``, ``csa_attention`` and
-``csa_indexer_loss`` pick entries per token and run like DSA's ops.
+``csa_indexer_loss`` pick entries per token and run like DSA's ops, but ``csa_attention`` given
+``rate=`` runs, with "flash" and with "auto" before those, on flash.py's window + entries split
+(both kernels' first-use checks passed), and returns the entries' log-sum-exp for the loss.
 
 ``exclusive_self_attention`` (XSA) post-processes any attention output.
 """

@@ -48,13 +48,24 @@ The kernels run only after a first-use check per device and dtype (:func:`check`
 grouped heads, packed sequences; MoBA with a partial last block; blocks chosen per key/value
 head), forward and backward, against the fp32 reference; a failure is logged once and "auto"
 keeps FlexAttention. cuDNN's calls have a check of their own (:func:`check_cudnn`, MoBA with
-full blocks and DSA's attention, run once by :func:`cudnn_checked`): where it fails,
-FlashAttention-2 runs every block and the rest of the path stays, and DSA's attention keeps
-FlexAttention.
+full blocks, DSA's and CSA's attention, run once by :func:`cudnn_checked`): where it fails,
+FlashAttention-2 runs every block and the rest of the path stays, and DSA's and CSA's
+attention keep their other backends.
 
 DSA's attention over keys chosen per query (:func:`causal_selection_attention`, each key at
 or before its query) is one cuDNN call, causal, with the selection as an additive bias; the
 sink and a query that chose no key are handled through the log-sum-exp as above.
+
+CSA's attention (:func:`compressed_selection_attention`, DeepSeek-V4's window of raw tokens
+plus the compressed entries each query selected) is the same identity over two disjoint key
+sets: the window in one FlashAttention-2 call (causal, ``window_size`` = window - 1), the
+entries on cuDNN with the selection as a bias, in chunks of ``CSA_QUERY_CHUNK`` queries each
+against only the entries its last query can see (an entry is complete once its block of
+``rate`` tokens is), merged with the sink through their log-sum-exps. On an H200 (B*T = 32768,
+16 heads of 128, bf16, T = 16384, V4's sizes: blocks of 4, 512 entries a query, a window of 128)
+CSA's whole sparse stage (compression, selection, attention, indexer loss) took 43.7 ms fwd+bwd
+against 50.6 with the attention on FlexAttention over the window and entries' bitmap, and 40.4
+with the entries' log-sum-exp handed to the indexer loss (benchmarks/results/csa_*_s25*).
 """
 from __future__ import annotations
 
@@ -820,15 +831,15 @@ def checked(device: torch.device, dtype: torch.dtype) -> bool:
 @functools.cache
 def cudnn_checked(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether cuDNN's attention passed its first-use check for block selections and DSA's
-    attention (:func:`check_cudnn`) on ``device`` in ``dtype``; run once, a failure logged
-    once. Where it fails, FlashAttention-2 runs every block and FlexAttention DSA's attention
-    (the rest of the flash path is checked apart)."""
+    and CSA's attention (:func:`check_cudnn`) on ``device`` in ``dtype``; run once, a failure
+    logged once. Where it fails, FlashAttention-2 runs every block, and DSA's and CSA's
+    attention run on their other backends (the rest of the flash path is checked apart)."""
     from ..selfcheck import passes_first_use_check
 
     return passes_first_use_check(check_cudnn, device, dtype, CHECK_TOLERANCE,
-                                  "cuDNN's attention for block selections and DSA",
-                                  "FlashAttention-2 runs their blocks and FlexAttention DSA's "
-                                  "attention instead", _log)
+                                  "cuDNN's attention for block selections, DSA and CSA",
+                                  "FlashAttention-2 runs their blocks, and DSA's and CSA's "
+                                  "attention their other backends, instead", _log)
 
 
 @torch.inference_mode(False)  # a first use under inference mode checks as any other
