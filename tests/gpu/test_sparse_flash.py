@@ -248,17 +248,25 @@ def test_dsa_causal_selection_matches_reference(seq_len, top_k, sink):
     out, lse = sparse.dsa_attention(q, k, v, selected, sink=leaves.get("sink"), causal=True,
                                     backend="flash", return_lse=True)
     assert torch.equal(out[:, seq_len // 2], torch.zeros_like(out[:, seq_len // 2]))
-    want = triton.reference_lse(q.float(), k.float(), selected, leaves.get("sink"))
+    # the mass kernel takes rows without a key listed twice (the bias has that key once)
+    once = selected.clone()
+    once[0, -1, 1] = -1
+    _check_lse_and_mass(lse, q, k, selected, leaves.get("sink"), mass_selected=once)
+
+
+def _check_lse_and_mass(lse, q, keys, selected, sink, mass_selected=None):
+    """The log-sum-exp an attention returned (``return_lse``) against the fp32 reference's,
+    and the indexer loss's target from the mass kernel given it against the reference's target
+    (over ``mass_selected``, by default ``selected``)."""
+    want = triton.reference_lse(q.float(), keys.float(), selected, sink)
     assert lse.dtype == torch.float32 and lse.shape == want.shape
     assert torch.equal(lse.isposinf(), want.isposinf())
     error = (lse - want)[want.isfinite()].abs().max().item()
     print(f"lse: largest absolute difference {error:.2e}")
     assert error <= LSE_TOLERANCE
-    # the mass kernel takes rows without a key listed twice (the bias has that key once)
-    once = selected.clone()
-    once[0, -1, 1] = -1
-    mass = triton.selected_mass(q, k, once, sink=leaves.get("sink"), lse=lse)
-    want = triton.reference_mass(q.float(), k.float(), once, leaves.get("sink"))
+    mass_selected = selected if mass_selected is None else mass_selected
+    mass = triton.selected_mass(q, keys, mass_selected, sink=sink, lse=lse)
+    want = triton.reference_mass(q.float(), keys.float(), mass_selected, sink)
     assert relative_error(mass, want) <= 2e-2
 
 
@@ -315,18 +323,10 @@ def test_csa_on_flash_and_cudnn_matches_reference(monkeypatch, seq_len, window, 
     _compare(leaves, grad, torch.bfloat16, op=csa)
     q, k, v = (leaves[n].bfloat16() for n in ("q", "k", "v"))
     compressed_k, compressed_v = entries(k, v)
-    out, lse = sparse.csa_attention(q, k, v, compressed_k, compressed_v, selected, window=window,
-                                    sink=leaves.get("sink"), backend="flash", rate=rate,
-                                    return_lse=True)
-    want = triton.reference_lse(q.float(), compressed_k.float(), selected, leaves.get("sink"))
-    assert lse.dtype == torch.float32 and lse.shape == want.shape
-    assert torch.equal(lse.isposinf(), want.isposinf())
-    error = (lse - want)[want.isfinite()].abs().max().item()
-    print(f"lse: largest absolute difference {error:.2e}")
-    assert error <= LSE_TOLERANCE
-    mass = triton.selected_mass(q, compressed_k, selected, sink=leaves.get("sink"), lse=lse)
-    want = triton.reference_mass(q.float(), compressed_k.float(), selected, leaves.get("sink"))
-    assert relative_error(mass, want) <= 2e-2
+    _, lse = sparse.csa_attention(q, k, v, compressed_k, compressed_v, selected, window=window,
+                                  sink=leaves.get("sink"), backend="flash", rate=rate,
+                                  return_lse=True)
+    _check_lse_and_mass(lse, q, compressed_k, selected, leaves.get("sink"))
 
 
 def test_auto_runs_flash_and_cudnn_for_csa_with_a_rate(monkeypatch):
