@@ -426,3 +426,33 @@ def test_csa_attention_drops_early_entries_and_takes_flash(monkeypatch):
         sparse.csa_attention(*x, *entries, selected, backend="flash", **options)
     sparse.csa_attention(*x, *entries, selected, backend="auto", **options)
     assert len(calls) == 2
+
+
+def test_csa_on_flash_and_cudnn_with_packed_sequences_equals_the_reference(monkeypatch):
+    """Packed sequences (``cu_seqlens``, one of them empty, one shorter than a block): the
+    window stays in each sequence, and every chunk of queries runs against all the entries
+    (those of other sequences are not selected), against the reference."""
+    emulate_cudnn(monkeypatch)
+    leaves, grad = _leaves(12, 1, 50)
+    cu_seqlens = torch.tensor([0, 13, 13, 16, 50])
+    entries = sparse.compressed_entries(50, RATE, cu_seqlens)
+    count = len(entries)
+    tokens = torch.arange(50)[:, None]
+    sees = entries.sees(0, 0, tokens, torch.arange(count)[None, :])  # [T, N]
+    scores = torch.rand(1, 50, count, generator=torch.Generator().manual_seed(13))
+    picked = scores.masked_fill(~sees, -1.0).topk(3)
+    selected = torch.where(picked.values >= 0, picked.indices, -1).int()
+    assert (selected >= 0).any()
+
+    def entries_of(k, v):
+        return k[:, :count] * 0.5 + v[:, 1:count + 1], v[:, :count]
+
+    def run(backend):
+        def call(q, k, v, sink=None):
+            return sparse.csa_attention(q, k, v, *entries_of(k, v), selected, window=5, sink=sink,
+                                        cu_seqlens=cu_seqlens, backend=backend, rate=RATE)
+        return call
+
+    monkeypatch.setattr(flash, "causal_selection_unavailable_reason", lambda q, k, v: None)
+    monkeypatch.setattr(flash, "CSA_QUERY_CHUNK", 16)
+    _assert_equal(run("flash"), run("reference"), leaves, grad)
