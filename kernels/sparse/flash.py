@@ -80,7 +80,7 @@ from .reference import (OP, csa_attention_reference, dsa_attention_reference,
                         moba_attention_reference, softmax_attention_reference)
 
 __all__ = ["flash_attention", "block_selection_attention", "moba_attention",
-           "causal_selection_attention", "unavailable_reason",
+           "causal_selection_attention", "compressed_selection_attention", "unavailable_reason",
            "causal_selection_unavailable_reason", "check", "checked", "check_cudnn",
            "cudnn_checked", "cudnn_unavailable_reason"]
 
@@ -695,14 +695,6 @@ def causal_selection_attention(q, k, v, selected, *, sink=None, scale=None, retu
 CSA_QUERY_CHUNK = 2048
 
 
-def _split_rows(x: torch.Tensor, lse_rows: torch.Tensor, batch: int):
-    """``[B * T, H, D]`` rows and their log-sum-exp ``[H, B * T]`` (FlashAttention's layouts)
-    as ``[B, H, T, D]`` and ``[B, H, T]``."""
-    heads = lse_rows.shape[0]
-    return (x.view(batch, -1, *x.shape[1:]).transpose(1, 2),
-            lse_rows.view(heads, batch, -1).transpose(0, 1))
-
-
 class _CompressedSelection(torch.autograd.Function):
     """CSA's attention: q ``[B, T, Hq, D]`` over the last ``window`` tokens of k, v ``[B, T,
     Hkv, D]`` (FlashAttention-2, causal with a window) and over the entries ``ck``, ``cv``
@@ -731,8 +723,9 @@ class _CompressedSelection(torch.autograd.Function):
             if count == 0:
                 continue
             bias = _selection_bias(selected[:, start:stop], count, q.dtype)
-            o, lse, state = _cudnn_forward(q_t[:, :, start:stop], *(x[:, :, :count] for x in entries),
-                                           scale, causal=False, bias=bias)
+            o, lse, state = _cudnn_forward(q_t[:, :, start:stop],
+                                           *(x[:, :, :count] for x in entries), scale,
+                                           causal=False, bias=bias)
             out_e[:, :, start:stop], lse_e[:, :, start:stop] = o, lse
             chunks.append((start, stop, count, state))
         listed = (selected >= 0).any(-1)[:, None]  # [B, 1, T]: a query without entries
