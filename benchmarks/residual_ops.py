@@ -78,10 +78,10 @@ def ops(x):
     mixes = forward[3]
     pre_grads = (s, w, b, gate, mixes, x["grad_u"], x["grad_post"], x["dres"], EPS)
     update = (s, y, post, res)
-    # Block AttnRes's FFN read: the packed state, its last slot plus the mixer's output y, and
-    # in backward the gradient the state has from its later use.
+    # Block AttnRes's FFN read: the packed state, its last slot plus the mixer's output y, passed
+    # on with y added, and in backward the gradient the passed state has from its later use.
     packed, query, g = x["sources"], x["query"], x["grad_u"]
-    groups = [packed]
+    groups, passed = [packed], torch.empty_like(packed)
     _, z, r, alpha = efficient._depth_forward(query, efficient._with_last_plus(groups, y), EPS)
     first_grad = x["sources_grad"]
     return {
@@ -97,10 +97,10 @@ def ops(x):
         "update_backward": (lambda: triton_mhc.update_backward(*update, grad),
                             lambda: efficient._stream_update_vjp(*update, grad),
                             nbytes(*update, grad, s, y, post, res)),
-        "depth_forward": (lambda: triton_depth.forward(query, groups, EPS, y),
+        "depth_forward": (lambda: triton_depth.forward(query, groups, EPS, y, passed),
                           lambda: efficient._depth_forward(
                               query, efficient._with_last_plus(groups, y), EPS),
-                          nbytes(packed, y, g, z, r, alpha)),
+                          nbytes(packed, y, g, z, r, alpha, passed)),
         "depth_backward": (lambda: triton_depth.backward(query, groups, g, z, r, alpha, EPS, y,
                                                          first_grad),
                            lambda: efficient._depth_backward_pytorch(

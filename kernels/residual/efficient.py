@@ -20,7 +20,7 @@ What runs where. The forward and backward of each op are PyTorch bodies (the ``_
 some run in Triton kernels of ours instead, each launched eagerly from its autograd Function:
 the Sinkhorn iterations (two kernels, :mod:`.triton_sinkhorn`), :func:`depth_attention`
 (one kernel each way for all source groups of a call, :mod:`.triton_depth`) and
-:func:`add_to_last_slot` (one pass, block AttnRes's exit; also :mod:`.triton_depth`). The two mHC
+:func:`add_into_last_slot` (block AttnRes's exit; also :mod:`.triton_depth`). The two mHC
 stream ops, :func:`mhc_pre` and :func:`stream_update`, have fused kernels too (forward and
 backward, :mod:`.triton_mhc`), on unless :func:`use_triton_mhc` turns them off: in a training
 step of the 350M-class model at micro-batch 8 on an H200 (session 14, benchmarks/results) they
@@ -51,7 +51,7 @@ from .reference import EPS
 __all__ = ["use_compile", "compile_enabled", "use_triton", "triton_enabled", "use_triton_mhc",
            "triton_mhc_enabled", "sinkhorn",
            "mhc_pre", "rms_project", "stream_mix", "stream_update", "depth_attention",
-           "add_to_last_slot"]
+           "add_into_last_slot"]
 
 _log = logging.getLogger(__name__)
 _compile_enabled = False
@@ -105,7 +105,7 @@ _TRITON_DEVICE_TYPES = {"cuda"}  # tests add "cpu" under Triton's interpreter
 
 def use_triton(enabled: bool) -> None:
     """Run the Sinkhorn iterations, the mHC ops (mhc_pre, stream_update), depth_attention and
-    add_to_last_slot of CUDA tensors in our Triton kernels (the default) or in the PyTorch
+    add_into_last_slot of CUDA tensors in our Triton kernels (the default) or in the PyTorch
     bodies (for comparisons)."""
     global _triton_enabled
     _triton_enabled = enabled
@@ -187,7 +187,7 @@ def first_use_checks(device: torch.device) -> list:
     autocast and autograd, as on first use), or a string saying why it cannot run here. The
     configurations are the defaults': n = 4 streams; depth attention over 2 groups of 4
     sources (as a block AttnRes layer passes its completed blocks and its partial block); the
-    packed state's last-slot sum over 3 slots."""
+    in-place addition into the packed state's last slot over 3 slots."""
     checks = [
         ("sinkhorn", "n=4, 20 iters", torch.float32, _triton_kernels, _check_triton_sinkhorn,
          (4,)),
@@ -195,8 +195,9 @@ def first_use_checks(device: torch.device) -> list:
           for dtype in (torch.float32, torch.bfloat16)),
         *(("depth_attention", "2 groups of 4", dtype, _triton_depth_kernels,
            _check_triton_depth, (dtype, 2, 8)) for dtype in (torch.float32, torch.bfloat16)),
-        *(("add_to_last_slot", "3 slots", dtype, _triton_depth_kernels,
-           _check_triton_add_to_last_slot, (dtype,)) for dtype in (torch.float32, torch.bfloat16)),
+        *(("add_into_last_slot", "3 slots", dtype, _triton_depth_kernels,
+           _check_triton_add_into_last_slot, (dtype,))
+          for dtype in (torch.float32, torch.bfloat16)),
     ]
 
     def run(check, *args):
@@ -690,10 +691,16 @@ def _depth_backward(query, groups, grad, z, r, alpha):
 # autograd would otherwise make of it (each the size of the whole state):
 # - ``last_plus``: the first group's last source is that slot plus ``last_plus`` (block AttnRes's
 #   FFN reads the partial sum as the packed input's last slot plus the mixer's output), without
-#   materialising the sum; its gradient goes to both;
+#   materialising the sum for the attention; its gradient goes to both;
 # - ``pass_through``: the op also returns its first group, so that the next use of the state
 #   takes it from here; the gradient reaching that output is added to the first group's dv by
 #   the backward kernel, instead of by autograd after the backward (one more pass over it).
+#   With ``last_plus`` the passed group is a new tensor, the first group with ``last_plus``
+#   added to its last source (the kernel writes it in the pass that reads the group): block
+#   AttnRes's exit then only adds the FFN's output into it (add_into_last_slot), and the
+#   passed gradient's last slot is part of ``last_plus``'s, written by the same kernel (where a
+#   separate exit op made a new state from the input and both outputs, and autograd added the
+#   mixer output's two gradients).
 @functools.cache
 def _triton_depth_kernels():
     """The module of the Triton depth-attention kernels, or None (logged once)."""
@@ -726,9 +733,9 @@ def _depth_backward_pytorch(query, groups, grad, z, r, alpha, last_plus, first_g
     """The PyTorch path of triton_depth.backward (with its last_plus and first_grad)."""
     dquery, dgroups = _depth_backward(query, _with_last_plus(groups, last_plus), grad, z, r,
                                       alpha)
-    dplus = None if last_plus is None else dgroups[0][..., -1, :]
     if first_grad is not None:
         dgroups[0] = dgroups[0] + first_grad
+    dplus = None if last_plus is None else dgroups[0][..., -1, :]
     return dquery, dgroups, dplus
 
 
@@ -736,9 +743,10 @@ def _check_triton_depth(device: torch.device, dtype: torch.dtype, groups: int,
                         padded: int) -> None:
     """The depth-attention kernels' first-use check: forward and backward on 37 tokens, h = 144
     (a partial chunk of columns), ``groups`` groups of ``padded`` sources in all (K = KP, the
-    others strided views, the first with a ``last_plus`` and an incoming gradient), random
-    sources and gradient in ``dtype`` and an fp32 query, against the PyTorch path (eager);
-    raises on a mismatch (``_CHECK_TOLERANCES``, relative to each output's largest value)."""
+    others strided views, the first with a ``last_plus``, passed on as ``first_out``, and an
+    incoming gradient), random sources and gradient in ``dtype`` and an fp32 query, against the
+    PyTorch path (eager); raises on a mismatch (``_CHECK_TOLERANCES``, relative to each output's
+    largest value; the passed-on group bitwise)."""
     kernels = _triton_depth_kernels()
     generator = torch.Generator(device=device).manual_seed(0)
 
@@ -751,8 +759,11 @@ def _check_triton_depth(device: torch.device, dtype: torch.dtype, groups: int,
     sources += [randn(tokens, size + 1, h)[:, 1:] for size in sizes[1:]]
     plus, first_grad = randn(tokens, h), randn(tokens, sizes[0], h)
     query, grad = randn(h, dtype=torch.float32), randn(tokens, h)
-    forward = kernels.forward(query, sources, EPS, plus)
-    expected = _depth_forward(query, _with_last_plus(sources, plus), EPS)
+    passed = torch.empty_like(sources[0], memory_format=torch.contiguous_format)
+    forward = kernels.forward(query, sources, EPS, plus, passed)
+    read = _with_last_plus(sources, plus)
+    expected = _depth_forward(query, read, EPS)
+    torch.testing.assert_close(passed, read[0], rtol=0, atol=0)
     dquery, dgroups, dplus = kernels.backward(query, sources, grad, *forward[1:], EPS, plus,
                                               first_grad)
     want_dquery, want_dgroups, want_dplus = _depth_backward_pytorch(
@@ -777,13 +788,19 @@ class _DepthAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, eps, pass_through, last_plus, *groups):
         kernels = _triton_depth_for(query, groups, last_plus)
+        passed = groups[0]  # what pass_through returns: the first group as read
         if kernels is not None:
-            out, z, r, alpha = kernels.forward(query, groups, eps, last_plus)
+            if pass_through and last_plus is not None:
+                passed = torch.empty_like(groups[0], memory_format=torch.contiguous_format)
+            out, z, r, alpha = kernels.forward(query, groups, eps, last_plus,
+                                               None if passed is groups[0] else passed)
         else:
-            out, z, r, alpha = _depth_forward(query, _with_last_plus(groups, last_plus), eps)
+            read = _with_last_plus(groups, last_plus)
+            out, z, r, alpha = _depth_forward(query, read, eps)
+            passed = read[0]
         ctx.eps = eps
         ctx.save_for_backward(query, z, r, alpha, last_plus, *groups)
-        return (out, groups[0]) if pass_through else out
+        return (out, passed) if pass_through else out
 
     @staticmethod
     def backward(ctx, grad, first_grad=None):
@@ -804,61 +821,59 @@ def depth_attention(query: torch.Tensor, sources: Sequence[torch.Tensor], eps: f
     (views into a packed state need no copy), keeping only references and per-token scalars.
 
     ``last_plus [..., h]``: the first group's last source is that slot plus ``last_plus``
-    (computed where it is read, never stored). ``pass_through``: return ``(out, sources[0])``;
-    a gradient reaching the second output is added to the first group's inside the backward
+    (computed where it is read). ``pass_through``: return ``(out, first)``, ``first`` the first
+    group as read: ``sources[0]`` itself, or with ``last_plus`` a new contiguous tensor, the
+    group with ``last_plus`` added to its last source; a gradient reaching the second output is
+    added to the first group's (and, in its last slot, to ``last_plus``'s) inside the backward
     (see the comment above :func:`_triton_depth_kernels`)."""
     return _DepthAttention.apply(query, eps, pass_through, last_plus, *sources)
 
 
 # ------------------------------------------------------------- the packed state's last slot
-# Block AttnRes's exit makes the new packed state: the input's slots with the layer's two outputs
-# added to the last one (the partial sum of the block). In PyTorch that is a copy of the state
-# and two additions into its last slot, a strided view, so each addition runs TensorIterator's
-# strided (not vectorised) kernel; where Triton runs, one kernel makes it in a pass
-# (triton_depth.add_to_last_slot), bitwise the same.
-def _add_to_last_slot_pytorch(packed, first, second):
-    out = packed.clone()
-    last = out[..., -first.shape[-1]:]
-    last += first
-    last += second
-    return out
+# Block AttnRes's exit adds the FFN's output into the last slot (the partial sum of the block) of
+# the state its depth attention passed on, a new tensor of its own (depth_attention's
+# pass_through with last_plus), in place. In PyTorch that slot is a strided view, whose
+# addition runs TensorIterator's strided (not vectorised) kernel; where Triton runs, one kernel
+# (triton_depth.add_into_last_slot) adds it, bitwise the same.
+def _add_into_last_slot_pytorch(slots, addend):
+    slots[..., -1, :] += addend
+    return slots
 
 
-def _check_triton_add_to_last_slot(device: torch.device, dtype: torch.dtype) -> None:
-    """The first-use check of triton_depth.add_to_last_slot: 37 tokens, 3 slots of h = 144,
+def _check_triton_add_into_last_slot(device: torch.device, dtype: torch.dtype) -> None:
+    """The first-use check of triton_depth.add_into_last_slot: 37 tokens, 3 slots of h = 144,
     random values in ``dtype``, bitwise against the PyTorch path."""
     kernels = _triton_depth_kernels()
     generator = torch.Generator(device=device).manual_seed(0)
-    packed, first, second = (torch.randn(37, width, device=device, generator=generator).to(dtype)
-                             for width in (3 * 144, 144, 144))
-    torch.testing.assert_close(kernels.add_to_last_slot(packed, first, second),
-                               _add_to_last_slot_pytorch(packed, first, second), rtol=0, atol=0)
+    slots = torch.randn(37, 3, 144, device=device, generator=generator).to(dtype)
+    addend = torch.randn(37, 144, device=device, generator=generator).to(dtype)
+    torch.testing.assert_close(kernels.add_into_last_slot(slots.clone(), addend),
+                               _add_into_last_slot_pytorch(slots.clone(), addend), rtol=0, atol=0)
 
 
-class _AddToLastSlot(torch.autograd.Function):
-    """Backward: packed's gradient is the incoming one as it is; each addend's a copy of its
-    last slot (a copy, not a view, so that autograd may add into it in place)."""
+class _AddIntoLastSlot(torch.autograd.Function):
+    """In place. Backward: the slots' gradient is the incoming one as it is; the addend's a
+    contiguous copy of its last slot."""
 
     @staticmethod
-    def forward(ctx, packed, first, second):
-        kernels = _triton_depth_kernels() if _triton_runs(packed) else None
-        if (kernels is not None and kernels.add_unsupported_reason(packed, first, second) is None
-                and _triton_checked("packed-state", _check_triton_add_to_last_slot,
-                                    packed.device, packed.dtype)):
-            out = kernels.add_to_last_slot(packed, first, second)
+    def forward(ctx, slots, addend):
+        kernels = _triton_depth_kernels() if _triton_runs(slots) else None
+        if (kernels is not None and kernels.add_unsupported_reason(slots, addend) is None
+                and _triton_checked("packed-state", _check_triton_add_into_last_slot,
+                                    slots.device, slots.dtype)):
+            kernels.add_into_last_slot(slots, addend)
         else:
-            out = _add_to_last_slot_pytorch(packed, first, second)
-        ctx.width = first.shape[-1]
-        return out
+            _add_into_last_slot_pytorch(slots, addend)
+        ctx.mark_dirty(slots)
+        return slots
 
     @staticmethod
     def backward(ctx, grad):
-        last = grad[..., -ctx.width:].clone()
-        return grad, last, last
+        return grad, grad[..., -1, :].contiguous()
 
 
-def add_to_last_slot(packed: torch.Tensor, first: torch.Tensor,
-                     second: torch.Tensor) -> torch.Tensor:
-    """A new ``packed [..., S h]`` with ``first`` and then ``second`` (``[..., h]``) added to its
-    last h columns, each sum rounded to the dtype (block AttnRes's exit)."""
-    return _AddToLastSlot.apply(packed, first, second)
+def add_into_last_slot(slots: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
+    """``slots [..., S, h]`` with ``addend [..., h]`` added to its last slot, in place (the sum
+    rounded to the dtype); returns ``slots`` (block AttnRes's exit). ``slots`` must be a tensor
+    no other op saved for backward (depth_attention's passed-on state with ``last_plus`` is)."""
+    return _AddIntoLastSlot.apply(slots, addend)

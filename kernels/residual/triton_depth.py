@@ -1,8 +1,7 @@
 """Depth attention of Attention Residuals in Triton, forward and backward, in one launch each
-for all the source groups of a call; and block AttnRes's exit, :func:`add_to_last_slot` (the
-packed state with a layer's two outputs added to its last slot, in one pass: bitwise the
-PyTorch path's two in-place additions into a copy, whose strided additions took 3.6 ms of the
-350M-class step at micro-batch 8 on an H200, session 17).
+for all the source groups of a call; and block AttnRes's exit, :func:`add_into_last_slot` (the
+FFN's output added to the packed state's last slot in place; vectorised, where PyTorch's
+addition into a strided slot is not).
 
 Attention Residuals (Kimi Team 2026, "Attention Residuals", arXiv 2603.15031): a sublayer's
 input is a softmax over depth, ``h = sum_k alpha_k v_k``, ``alpha = softmax_k(z)``, ``z_k = r_k
@@ -11,14 +10,21 @@ input is a softmax over depth, ``h = sum_k alpha_k v_k``, ``alpha = softmax_k(z)
 ``[..., k_i, h]`` (views into the packed state between layers, and the layer's own outputs);
 each group is read in place through its own pointer, token stride and slot stride, so a view
 needs no copy, and the group sizes are kernel arguments. Two options serve block AttnRes's
-packed state (efficient.py says why):
+packed state (efficient.py says why), and a third the forward's pass 2:
 
 - ``last_plus [..., h]``: the first group's last source is that slot plus ``last_plus``, the sum
   made where it is read (rounded to the group's dtype, as PyTorch's addition would); backward
-  also writes that source's dv as the gradient of ``last_plus``;
+  also writes that source's gradient as the gradient of ``last_plus``;
 - ``first_grad`` (backward, the first group's shape, any strides): a gradient the first group
   already has, added to its dv before it is written (in fp32 after rounding dv to the dtype, as
-  autograd's addition of the two would).
+  autograd's addition of the two would);
+- ``first_out`` (forward): the first group as read, ``last_plus`` included, written out as it is
+  read in pass 2 (block AttnRes's FFN passes the packed state on with the mixer's output added:
+  one write of the state in a pass that reads it anyway, where a separate exit op read it once
+  more). Its gradient is the backward's ``first_grad``. In the 350M-class block AttnRes step at
+  micro-batch 8 on an H200 (session 27) the forward kernels took 8.24 ms a step against 7.27
+  without it, and the step's GPU time went from 237.5 to 235.5-236.4 ms (two runs each): the
+  exit's kernel and 15 of autograd's additions are gone.
 
 The kernels compute exactly efficient._DepthAttention's PyTorch path (to fp32 rounding), one
 program per block of ``BLOCK_T`` tokens, the sources read in their own dtype, h in chunks of
@@ -101,7 +107,7 @@ import triton.language as tl
 
 from .triton_common import block_tokens, divide, launch_device
 
-__all__ = ["forward", "backward", "add_to_last_slot", "unsupported_reason",
+__all__ = ["forward", "backward", "add_into_last_slot", "unsupported_reason",
            "add_unsupported_reason", "MAX_GROUPS", "MAX_SOURCES", "H_MULTIPLE", "padded_sources"]
 
 MAX_GROUPS = 4
@@ -169,13 +175,16 @@ def _group_logits(v_ptr, t_stride, s_stride, count, offset, plus_rows, q_ptr, to
 
 
 @triton.jit
-def _group_sum(v_ptr, t_stride, s_stride, count, offset, plus_rows, alpha, acc, tok, live, ks,
-               c, in_h, PLUS: tl.constexpr):
-    """acc + sum_k alpha_k v_k over one group, on the columns c."""
+def _group_sum(v_ptr, t_stride, s_stride, count, offset, plus_rows, copy_rows, alpha, acc, tok,
+               live, ks, c, in_h, H, PLUS: tl.constexpr, COPY: tl.constexpr):
+    """acc + sum_k alpha_k v_k over one group, on the columns c; where COPY, each source (with
+    its plus) also stored into copy_rows ([count, H] a token, in the group's dtype)."""
     rows = v_ptr + tok[:, None] * t_stride
+    mask = live[:, None] & in_h[None, :]
     for k in tl.range(0, count, num_stages=_LOOP_STAGES):
-        v = _source(rows, k, s_stride, c, live[:, None] & in_h[None, :], plus_rows, count - 1,
-                    PLUS)
+        v = _source(rows, k, s_stride, c, mask, plus_rows, count - 1, PLUS)
+        if COPY:  # v holds a value of the dtype (the sum rounded in _source): stored exactly
+            tl.store(copy_rows + k * H + c[None, :], v.to(copy_rows.dtype.element_ty), mask=mask)
         acc += _column(alpha, ks, offset + k)[:, None] * v
     return acc
 
@@ -196,7 +205,7 @@ def _group_vjp(v_ptr, t_stride, s_stride, count, d_ptr, offset, plus_rows, dplus
                a_slot, g, q, alpha, along, coef, dq, tok, live, ks, c, in_h, H,
                PLUS: tl.constexpr, ACC: tl.constexpr):
     """dv_k of one group on the columns c, written into d_ptr [T, count, H] (where ACC, plus the
-    incoming gradient at a_rows; where PLUS, the last source's dv also into dplus_rows), and
+    incoming gradient at a_rows; where PLUS, the last source's also into dplus_rows), and
     dq + sum_k along_k v_k. The sources in reverse order (the backward's pass 2 runs backwards)."""
     rows = v_ptr + tok[:, None] * t_stride
     d_rows = d_ptr + tok[:, None] * count * H
@@ -207,11 +216,11 @@ def _group_vjp(v_ptr, t_stride, s_stride, count, d_ptr, offset, plus_rows, dplus
         along_k = _column(along, ks, offset + k)[:, None]
         dv = (_column(alpha, ks, offset + k)[:, None] * g + along_k * q[None, :]
               - _column(coef, ks, offset + k)[:, None] * v).to(d_ptr.dtype.element_ty)
-        if PLUS:
-            tl.store(dplus_rows + c[None, :], dv, mask=live_h & (k == count - 1))
         if ACC:
             a = tl.load(a_rows + k * a_slot + c[None, :], mask=live_h, other=0.0)
             dv = (dv.to(tl.float32) + a.to(tl.float32)).to(d_ptr.dtype.element_ty)
+        if PLUS:
+            tl.store(dplus_rows + c[None, :], dv, mask=live_h & (k == count - 1))
         tl.store(d_rows + k * H + c[None, :], dv, mask=live_h)
         dq += along_k * v
     return dq
@@ -222,16 +231,18 @@ def _group_vjp(v_ptr, t_stride, s_stride, count, d_ptr, offset, plus_rows, dplus
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=_RUNTIME)
-def _forward_kernel(q_ptr, out_ptr, z_ptr, r_ptr, alpha_ptr, p_ptr, pt,
+def _forward_kernel(q_ptr, out_ptr, z_ptr, r_ptr, alpha_ptr, p_ptr, pt, copy_ptr,
                     v0, t0, s0, k0, v1, t1, s1, k1, v2, t2, s2, k2, v3, t3, s3, k3,
                     T, K, H, eps, NG: tl.constexpr, KP: tl.constexpr, PLUS: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                    COPY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """out, z, r, alpha of BLOCK_T tokens over the NG groups (vi [T, ki, H] at token stride ti,
-    slot stride si); where PLUS, group 0's last source plus p [T, H] (token stride pt)."""
+    slot stride si); where PLUS, group 0's last source plus p [T, H] (token stride pt); where
+    COPY, group 0's sources as read (with the plus) also into copy [T, k0, H] (contiguous)."""
     tok, live = block_tokens(T, BLOCK_T)
     ks = tl.arange(0, KP)
     in_k = ks < K
     p_rows = p_ptr + tok[:, None] * pt
+    copy_rows = copy_ptr + tok[:, None] * k0 * H
 
     # Pass 1: r_k and z_k of every source.
     z = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
@@ -264,16 +275,17 @@ def _forward_kernel(q_ptr, out_ptr, z_ptr, r_ptr, alpha_ptr, p_ptr, pt,
         c = c0 + hs
         in_h = c < H
         acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-        acc = _group_sum(v0, t0, s0, k0, 0, p_rows, alpha, acc, tok, live, ks, c, in_h, PLUS)
+        acc = _group_sum(v0, t0, s0, k0, 0, p_rows, copy_rows, alpha, acc, tok, live, ks, c,
+                         in_h, H, PLUS, COPY)
         if NG > 1:
-            acc = _group_sum(v1, t1, s1, k1, k0, p_rows, alpha, acc, tok, live, ks, c, in_h,
-                             False)
+            acc = _group_sum(v1, t1, s1, k1, k0, p_rows, copy_rows, alpha, acc, tok, live, ks, c,
+                             in_h, H, False, False)
         if NG > 2:
-            acc = _group_sum(v2, t2, s2, k2, k0 + k1, p_rows, alpha, acc, tok, live, ks, c, in_h,
-                             False)
+            acc = _group_sum(v2, t2, s2, k2, k0 + k1, p_rows, copy_rows, alpha, acc, tok, live,
+                             ks, c, in_h, H, False, False)
         if NG > 3:
-            acc = _group_sum(v3, t3, s3, k3, k0 + k1 + k2, p_rows, alpha, acc, tok, live, ks, c,
-                             in_h, False)
+            acc = _group_sum(v3, t3, s3, k3, k0 + k1 + k2, p_rows, copy_rows, alpha, acc, tok,
+                             live, ks, c, in_h, H, False, False)
         tl.store(out_ptr + tok[:, None] * H + c[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=live[:, None] & in_h[None, :])
 
@@ -346,22 +358,17 @@ def _backward_kernel(q_ptr, g_ptr, gt, z_ptr, r_ptr, alpha_ptr, dq_ptr, p_ptr, p
 
 
 @triton.jit(do_not_specialize=["T"])
-def _add_to_last_kernel(packed_ptr, first_ptr, second_ptr, out_ptr, T, W, H,
-                        BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
-    """out = packed [T, W] with first [T, H] and then second added to its last H columns, each
-    sum rounded to the dtype (as two additions in place), on BLOCK_T tokens and BLOCK_W columns;
-    the programs left of the last slot only copy."""
+def _add_into_last_kernel(packed_ptr, addend_ptr, T, W, H, BLOCK_T: tl.constexpr,
+                          BLOCK_H: tl.constexpr):
+    """packed [T, W]'s last H columns += addend [T, H] in place (the sum rounded to the dtype),
+    on BLOCK_T tokens and BLOCK_H columns of the last slot."""
     tok, live = block_tokens(T, BLOCK_T)
-    col = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    mask = live[:, None] & (col < W)[None, :]
-    v = tl.load(packed_ptr + tok[:, None] * W + col[None, :], mask=mask, other=0.0)
-    last = col - (W - H)  # the column in the last slot
-    in_last = mask & (last >= 0)[None, :]
-    at = tok[:, None] * H + last[None, :]
-    a = tl.load(first_ptr + at, mask=in_last, other=0.0).to(tl.float32)
-    b = tl.load(second_ptr + at, mask=in_last, other=0.0).to(tl.float32)
-    added = ((v.to(tl.float32) + a).to(v.dtype).to(tl.float32) + b).to(v.dtype)
-    tl.store(out_ptr + tok[:, None] * W + col[None, :], tl.where(in_last, added, v), mask=mask)
+    col = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = live[:, None] & (col < H)[None, :]
+    at = packed_ptr + tok[:, None] * W + (W - H) + col[None, :]
+    v = tl.load(at, mask=mask, other=0.0)
+    a = tl.load(addend_ptr + tok[:, None] * H + col[None, :], mask=mask, other=0.0)
+    tl.store(at, (v.to(tl.float32) + a.to(tl.float32)).to(v.dtype), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,14 +458,20 @@ def _group_arguments(views, grads=None):
 
 
 def forward(query: torch.Tensor, groups: Sequence[torch.Tensor], eps: float,
-            last_plus: torch.Tensor | None = None):
+            last_plus: torch.Tensor | None = None, first_out: torch.Tensor | None = None):
     """efficient._DepthAttention's forward: ``(out [..., h] in the groups' dtype, z, r, alpha
     [..., K] fp32)``; with ``last_plus``, the first group's last source is that slot plus
-    ``last_plus``."""
+    ``last_plus``. ``first_out`` (contiguous, the first group's shape and dtype): also written
+    with the first group as read, its last source plus ``last_plus`` (block AttnRes's packed
+    state with the mixer's output added, made in the pass that reads it)."""
     query, views, plus, total = _prepare(query, groups, last_plus)
     first, shape = views[0], groups[0].shape
     tokens, h = first.shape[0], shape[-1]
     lead = shape[:-2]
+    if first_out is not None and (first_out.shape != shape or first_out.dtype != first.dtype
+                                  or not first_out.is_contiguous()):
+        raise ValueError(f"triton depth: first_out must be a contiguous {first.dtype} "
+                         f"{tuple(shape)}, got {first_out.dtype} {tuple(first_out.shape)}")
     out = torch.empty((tokens, h), dtype=first.dtype, device=first.device)
     z, r, alpha = (torch.empty((tokens, total), dtype=torch.float32, device=first.device)
                    for _ in range(3))
@@ -466,8 +479,9 @@ def forward(query: torch.Tensor, groups: Sequence[torch.Tensor], eps: float,
         with launch_device(first.device):
             _forward_kernel[(triton.cdiv(tokens, _FORWARD_LAUNCH["BLOCK_T"]),)](
                 query, out, z, r, alpha, first if plus is None else plus,
-                0 if plus is None else _stride(plus, 0), *_group_arguments(views), tokens, total,
-                h, float(eps), NG=len(views), KP=padded_sources(total), PLUS=plus is not None,
+                0 if plus is None else _stride(plus, 0), out if first_out is None else first_out,
+                *_group_arguments(views), tokens, total, h, float(eps), NG=len(views),
+                KP=padded_sources(total), PLUS=plus is not None, COPY=first_out is not None,
                 BLOCK_H=BLOCK_H, **_FORWARD_LAUNCH)
     return (out.view(*lead, h), z.view(*lead, total), r.view(*lead, total),
             alpha.view(*lead, total))
@@ -477,10 +491,12 @@ def backward(query: torch.Tensor, groups: Sequence[torch.Tensor], grad: torch.Te
              z: torch.Tensor, r: torch.Tensor, alpha: torch.Tensor, eps: float,
              last_plus: torch.Tensor | None = None, first_grad: torch.Tensor | None = None):
     """efficient._DepthAttention's backward given ``grad`` at the output and the forward's z, r,
-    alpha: ``(dquery in the query's dtype, [dv of each group in its dtype and shape], dv of the
-    first group's last source where last_plus is given, else None)``. With ``first_grad`` (the
-    first group's shape), the first group's gradient is its dv plus first_grad. (``eps`` is not
-    needed: r is the forward's.)"""
+    alpha: ``(dquery in the query's dtype, [dv of each group in its dtype and shape], the first
+    group's last gradient where last_plus is given, else None)``. With ``first_grad`` (the first
+    group's shape), the first group's gradient is its dv plus first_grad; the gradient of
+    ``last_plus`` is then the last source's dv plus first_grad's last slot too (first_grad is the
+    gradient of the first group as read, last_plus included: what ``first_out`` passes on).
+    (``eps`` is not needed: r is the forward's.)"""
     del eps
     query, views, plus, total = _prepare(query, groups, last_plus)
     first, shape = views[0], groups[0].shape
@@ -517,41 +533,34 @@ def backward(query: torch.Tensor, groups: Sequence[torch.Tensor], grad: torch.Te
             None if dplus is None else dplus.view(*lead, h))
 
 
-_ADD_LAUNCH = dict(BLOCK_T=16, BLOCK_W=256, num_warps=4)
+_ADD_LAUNCH = dict(BLOCK_T=16, BLOCK_H=256, num_warps=4)
 
 
-def add_unsupported_reason(packed: torch.Tensor, first: torch.Tensor,
-                           second: torch.Tensor) -> str | None:
-    """Why :func:`add_to_last_slot` cannot run these tensors, or None if it can."""
-    h = first.shape[-1] if first.dim() else 0
-    if (packed.dtype not in _DTYPES or first.dtype != packed.dtype
-            or second.dtype != packed.dtype or h == 0 or h % H_MULTIPLE
-            or packed.shape[-1] % h or tuple(first.shape) != (*packed.shape[:-1], h)
-            or second.shape != first.shape):
-        return (f"triton depth: add_to_last_slot needs packed [..., S h] and two [..., h] of its "
-                f"dtype (fp32, bf16 or fp16), h a multiple of {H_MULTIPLE}; got {packed.dtype} "
-                f"{tuple(packed.shape)}, {first.dtype} {tuple(first.shape)}, {second.dtype} "
-                f"{tuple(second.shape)}")
+def add_unsupported_reason(slots: torch.Tensor, addend: torch.Tensor) -> str | None:
+    """Why :func:`add_into_last_slot` cannot run these tensors, or None if it can."""
+    if (slots.dim() < 2 or slots.dtype not in _DTYPES or addend.dtype != slots.dtype
+            or slots.shape[-1] % H_MULTIPLE or not slots.is_contiguous()
+            or tuple(addend.shape) != (*slots.shape[:-2], slots.shape[-1])):
+        return (f"triton depth: add_into_last_slot needs contiguous slots [..., S, h] and an "
+                f"addend [..., h] of its dtype (fp32, bf16 or fp16), h a multiple of "
+                f"{H_MULTIPLE}; got {slots.dtype} {tuple(slots.shape)} "
+                f"{'' if slots.is_contiguous() else '(strided) '}and {addend.dtype} "
+                f"{tuple(addend.shape)}")
     return None
 
 
-def add_to_last_slot(packed: torch.Tensor, first: torch.Tensor,
-                     second: torch.Tensor) -> torch.Tensor:
-    """A new ``packed [..., S h]`` with ``first`` and then ``second`` ``[..., h]`` added to its
-    last slot (h columns), each sum rounded to the dtype as PyTorch's in-place additions; one
-    pass over the state (block AttnRes's exit: the partial sum plus the layer's two outputs)."""
-    reason = add_unsupported_reason(packed, first, second)
+def add_into_last_slot(slots: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
+    """``slots [..., S, h]``'s last slot plus ``addend [..., h]``, in place (the sum rounded to
+    the dtype, as PyTorch's in-place addition): block AttnRes's exit, the partial sum plus the
+    FFN's output. Returns ``slots``."""
+    reason = add_unsupported_reason(slots, addend)
     if reason is not None:
         raise ValueError(reason)
-    width, h = packed.shape[-1], first.shape[-1]
-    flat = packed.reshape(-1, width).contiguous()
-    out = torch.empty_like(flat)
-    tokens = flat.shape[0]
+    h = slots.shape[-1]
+    tokens = slots.numel() // (slots.shape[-2] * h) if slots.numel() else 0
     if tokens:
-        grid = (triton.cdiv(tokens, _ADD_LAUNCH["BLOCK_T"]),
-                triton.cdiv(width, _ADD_LAUNCH["BLOCK_W"]))
-        with launch_device(flat.device):
-            _add_to_last_kernel[grid](flat, first.reshape(-1, h).contiguous(),
-                                      second.reshape(-1, h).contiguous(), out, tokens, width, h,
-                                      **_ADD_LAUNCH)
-    return out.view(packed.shape)
+        grid = (triton.cdiv(tokens, _ADD_LAUNCH["BLOCK_T"]), triton.cdiv(h, _ADD_LAUNCH["BLOCK_H"]))
+        with launch_device(slots.device):
+            _add_into_last_kernel[grid](slots, addend.reshape(-1, h).contiguous(), tokens,
+                                        slots.shape[-2] * h, h, **_ADD_LAUNCH)
+    return slots

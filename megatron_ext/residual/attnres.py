@@ -31,16 +31,17 @@ several uses (each a pass over the whole state, and for a slice a zero tensor an
   its backward adds its gradient to the one coming from later uses in the same pass;
 - where the mixer's output is added to the partial sum that is the packed input's last slot
   (block AttnRes, except in a block's first layer), the FFN's depth attention reads that slot
-  plus the output (``last_plus``) rather than a new tensor holding the sum, and the exit makes
-  the one new packed tensor with both outputs added
-  (:func:`megatron_ext.kernels.residual.efficient.add_to_last_slot`);
+  plus the output (``last_plus``) rather than a new tensor holding the sum, and passes on the
+  one new packed tensor, the input with the mixer's output added, written as it reads it; the
+  exit adds the FFN's output into its last slot in place
+  (:func:`megatron_ext.kernels.residual.efficient.add_into_last_slot`);
 - an output that starts a slot of its own (full: every output; block: the first output of a
   block) is appended at the exit, in one concatenation.
 
 On an H200 (20 layers, hidden 1024, seq 4096, blocks of 4 layers, micro-batch 8) block AttnRes
-takes +12.2% GPU time a training step over the standard residual, peak memory +6.37 GiB; the
-depth-attention kernels are 24.4 of its 26.1 ms (session 18; the steps there from session 11 on
-in benchmarks/results/README.md).
+takes +10.4% GPU time a training step over the standard residual (236.4 against 214.2 ms; 235.5
+in a second run), peak memory +6.37 GiB; the depth-attention kernels are 22.1 ms of it
+(session 27; the steps there from session 11 on in benchmarks/results/README.md).
 """
 from __future__ import annotations
 
@@ -70,10 +71,9 @@ class DepthQuery(torch.nn.Module):
 
 @dataclass
 class _State:
-    slots: torch.Tensor  # [s, b, S, h]: the packed input, as the last depth attention passed it
+    slots: torch.Tensor  # [s, b, S, h]: the packed state, as the last depth attention passed it
     tail: list = field(default_factory=list)  # outputs that start slots of their own, [s, b, h]
-    last_plus: torch.Tensor | None = None  # the mixer's output, added to the last slot
-    result: torch.Tensor | None = None  # the new packed state [s, b, S * h], once made
+    last_plus: torch.Tensor | None = None  # the mixer's output, to add to the last slot
     sublayer: int = 0
     new_slot: bool = False  # whether the next output starts a slot of its own
 
@@ -107,6 +107,7 @@ class AttentionResiduals(ResidualScheme):
 
     def sublayer_input(self, state: _State) -> torch.Tensor:
         query = (self.mixer, self.ffn)[state.sublayer]
+        # With last_plus, the passed-on slots are a new tensor with it added to the last slot.
         x, state.slots = query(self._sources(state), last_plus=state.last_plus,
                                pass_through=True)
         # full: every output is a source; block: the first sublayer of a block commits the
@@ -122,12 +123,12 @@ class AttentionResiduals(ResidualScheme):
             state.tail[-1] = state.tail[-1] + output
         elif state.sublayer == 0:  # the partial sum is the input's last slot; the FFN reads it
             state.last_plus = output
-        else:
-            state.result = ops.add_to_last_slot(state.slots.flatten(-2), state.last_plus, output)
+        else:  # the slots the FFN passed on have the mixer's output in the last already
+            state.slots = ops.add_into_last_slot(state.slots, output)
         state.sublayer += 1
 
     def exit(self, state: _State) -> torch.Tensor:
-        packed = state.slots.flatten(-2) if state.result is None else state.result
+        packed = state.slots.flatten(-2)
         if self.last:
             return self.output([packed.unflatten(-1, (-1, self.hidden_size)),
                                 *(output.unsqueeze(-2) for output in state.tail)])

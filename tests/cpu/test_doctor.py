@@ -53,7 +53,7 @@ def test_every_cpu_check_passes(tmp_path, capsys):
     first_use = [r for r in results if r["op"] not in selfcheck.OPS]
     assert [(r["op"], r["backend"]) for r in first_use] == (
         [("sparse_attention", "flash")] * 4 + [("sinkhorn", "triton")] + [("mhc", "triton")] * 2
-        + [("depth_attention", "triton")] * 2 + [("add_to_last_slot", "triton")] * 2
+        + [("depth_attention", "triton")] * 2 + [("add_into_last_slot", "triton")] * 2
         + [("selected_attention", "triton")] * 3 + [("moba_selection", "triton")] * 3
         + [("nsa_selection", "triton")] * 3)
     assert all(r["status"] == "skip" and "CUDA" in r["skipped_reason"] for r in first_use)

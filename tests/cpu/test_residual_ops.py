@@ -100,9 +100,10 @@ def test_stream_ops_keep_the_stream_in_its_dtype_or_nothing():
 
 def test_depth_attention_reads_a_last_slot_plus_an_output_and_passes_its_input_on():
     """``last_plus`` reads the first group's last source as that slot plus a tensor, and
-    ``pass_through`` also returns the first group, whose gradient from later uses is added to
-    the op's own: as autograd through the sum, the copy and the sum of the two uses would give
-    (each option alone and both together, as block AttnRes's FFN calls it)."""
+    ``pass_through`` also returns the first group as read (with ``last_plus``: a new tensor with
+    it added), whose gradient from later uses is added to the op's own: as autograd through the
+    sum, the copy and the sum of the two uses would give (each option alone and both together,
+    as block AttnRes's FFN calls it)."""
     packed, plus, extra, query = _leaf(3, 5, 4 * H), _leaf(3, 5, H), _leaf(3, 5, H), _leaf(H)
     weight = torch.randn(4, H)
 
@@ -119,7 +120,7 @@ def test_depth_attention_reads_a_last_slot_plus_an_output_and_passes_its_input_o
         read = slots if a is None else torch.cat([slots[..., :3, :],
                                                   (slots[..., 3, :] + a).unsqueeze(-2)], -2)
         out = reference.depth_attention(q, [read, e.unsqueeze(-2)])
-        return (out, later_use(slots)) if pass_through else out
+        return (out, later_use(read)) if pass_through else out
 
     for inputs in ((query, packed, extra), (query, packed, extra, plus)):
         for pass_through in (False, True):

@@ -11,7 +11,7 @@ tokens (not a multiple of the 16 of a program), tokens as [3, 13], no tokens; h 
 of the 128-column chunk; fp32 at 1e-5 of the largest magnitude and fp16 at 2^-6), every load and
 store checked to stay inside the tensors of its launch, then its ``check_ops``:
 efficient.depth_attention with the kernels running CPU tensors against it with them off, values
-and autograd gradients (K = 1, 2, 6, 41); and ``check_add_to_last_slot`` (block AttnRes's exit:
+and autograd gradients (K = 1, 2, 6, 41); and ``check_add_into_last_slot`` (block AttnRes's exit:
 bitwise, 37 tokens, 3 slots of 144 columns). bf16 is not run (the interpreter's bf16 is emulated;
 fp16 runs the same reduced-precision code path). ~10 s on two cores.
 """
@@ -45,8 +45,8 @@ def main() -> None:
     triton_interpreter.run_cases(cases, checks.check_launchers)
     triton_interpreter.run_ops(checks, "efficient.depth_attention")
     for dtype in (torch.float32, torch.float16):  # 37 tokens; 3 slots of 144: partial tiles
-        checks.check_add_to_last_slot("cpu", dtype, shape=(37,), h=144, slots=3)
-    print(f"add_to_last_slot: ok; all {len(cases)} interpreter cases passed")
+        checks.check_add_into_last_slot("cpu", dtype, shape=(37,), h=144, slots=3)
+    print(f"add_into_last_slot: ok; all {len(cases)} interpreter cases passed")
 
 
 @needs_triton
@@ -110,7 +110,7 @@ def test_depth_kernels_that_fail_their_check_are_not_used(monkeypatch, caplog):
     module whose forward is off by 1%."""
     from megatron_ext.kernels.residual import efficient
 
-    def off(query, groups, eps, last_plus=None):
+    def off(query, groups, eps, last_plus=None, first_out=None):
         out, *rest = efficient._depth_forward(
             query, efficient._with_last_plus(groups, last_plus), eps)
         return (1.01 * out, *rest)

@@ -10,7 +10,9 @@ device and inputs: the sources as groups of given sizes, strided views into pack
 (``packed[..., 1:, :]``) or, with ``separate``, the last one a tensor of its own; with ``plus``
 the first group's last source read as that slot plus a tensor (``last_plus``), and with
 ``first_grad`` an incoming gradient for the first group (strided, as a slice of a concatenation's
-gradient) added to its dv; sources and gradients in the case's dtype, the query fp32. Cases on
+gradient) added to its dv (and, with ``plus``, to the plus's gradient); with ``plus`` the forward
+also writes the first group as read (``first_out``, compared bitwise); sources and gradients in
+the case's dtype, the query fp32. Cases on
 CUDA: h = 1024, T = 8192 + 37 (a partial block of tokens), 2 + 1 and 40 + 1 sources, fp32 and
 bf16, and 5 sources in one group without either option; tokens as [3, 13] with four groups.
 
@@ -92,8 +94,13 @@ def check_launchers(case: Case, device) -> dict[str, float]:
     from megatron_ext.kernels.residual import triton_depth
 
     query, groups, grad, plus, first_grad = _inputs(case, device)
-    got = triton_depth.forward(query, groups, EPS, plus)
-    expected = efficient._depth_forward(query, efficient._with_last_plus(groups, plus), EPS)
+    passed = (torch.empty_like(groups[0], memory_format=torch.contiguous_format) if case.plus
+              else None)
+    got = triton_depth.forward(query, groups, EPS, plus, passed)
+    read = efficient._with_last_plus(groups, plus)
+    expected = efficient._depth_forward(query, read, EPS)
+    if passed is not None:  # the group as read: the same sums, each rounded to the dtype
+        torch.testing.assert_close(passed, read[0], rtol=0, atol=0, msg=f"{case} first_out")
     dquery, dgroups, dplus = triton_depth.backward(query, groups, grad, *expected[1:], EPS, plus,
                                                    first_grad)
     want_dquery, want_dgroups, want_dplus = efficient._depth_backward_pytorch(
@@ -182,36 +189,38 @@ def check_ops(device, dtype=torch.float32, h: int = 48, sizes=(1, 2, 6, 41)) -> 
     return len(launches)
 
 
-def check_add_to_last_slot(device, dtype, shape=(8229,), h=1024, slots=4) -> None:
-    """triton_depth.add_to_last_slot (block AttnRes's exit) equals the PyTorch path bitwise (the
-    same sums, each rounded to the dtype) on a packed state of ``slots`` slots; through
-    efficient.add_to_last_slot, packed's gradient is the incoming one and each addend's that of
-    the last slot."""
+def check_add_into_last_slot(device, dtype, shape=(8229,), h=1024, slots=4) -> None:
+    """triton_depth.add_into_last_slot (block AttnRes's exit) equals the PyTorch path bitwise
+    (the same sum, rounded to the dtype) on a packed state of ``slots`` slots, in place; through
+    efficient.add_into_last_slot, the state's gradient is the incoming one and the addend's that
+    of the last slot."""
     from megatron_ext.kernels.residual import triton_depth
 
     generator = torch.Generator(device=device).manual_seed(slots)
-    packed, first, second, grad = (
-        torch.randn(*shape, width, device=device, generator=generator).to(dtype)
-        for width in (slots * h, h, h, slots * h))
-    want = efficient._add_to_last_slot_pytorch(packed, first, second)
-    torch.testing.assert_close(triton_depth.add_to_last_slot(packed, first, second), want,
-                               rtol=0, atol=0)
-    leaves = [t.clone().requires_grad_() for t in (packed, first, second)]
-    out = efficient.add_to_last_slot(*leaves)
+    packed, addend, grad = (torch.randn(*shape, *size, device=device, generator=generator)
+                            .to(dtype) for size in ((slots, h), (h,), (slots, h)))
+    want = efficient._add_into_last_slot_pytorch(packed.clone(), addend)
+    target = packed.clone()
+    assert triton_depth.add_into_last_slot(target, addend) is target
+    torch.testing.assert_close(target, want, rtol=0, atol=0)
+    leaves = [t.clone().requires_grad_() for t in (packed, addend)]
+    out = efficient.add_into_last_slot(leaves[0] * 1, leaves[1])  # in place on a non-leaf
     torch.testing.assert_close(out.detach(), want, rtol=0, atol=0)
     out.backward(grad)
-    for leaf, expected in zip(leaves, (grad, grad[..., -h:], grad[..., -h:])):
+    for leaf, expected in zip(leaves, (grad, grad[..., -1, :])):
         torch.testing.assert_close(leaf.grad, expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="multiple of 16"):
-        triton_depth.add_to_last_slot(packed[..., :3 * 24], first[..., :24], second[..., :24])
+        triton_depth.add_into_last_slot(packed[..., :24].contiguous(), addend[..., :24])
+    with pytest.raises(ValueError, match="strided"):
+        triton_depth.add_into_last_slot(packed[..., :1, :], addend)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_add_to_last_slot_equals_the_pytorch_path(dtype):
+def test_add_into_last_slot_equals_the_pytorch_path(dtype):
     efficient._triton_checked.cache_clear()
     device = torch.empty(0, device="cuda").device
-    check_add_to_last_slot(device, dtype)
-    assert efficient._triton_checked("packed-state", efficient._check_triton_add_to_last_slot,
+    check_add_into_last_slot(device, dtype)
+    assert efficient._triton_checked("packed-state", efficient._check_triton_add_into_last_slot,
                                      device, dtype)
 
 
@@ -231,3 +240,77 @@ def test_first_use_check_passes(dtype, groups, padded):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_ops_run_the_kernels_and_equal_the_pytorch_path(dtype):
     check_ops("cuda", dtype, h=1024)
+
+
+@pytest.mark.parametrize("block_layers", [None, 2], ids=["full", "block2"])
+def test_attnres_model_runs_the_kernels_and_equals_the_pytorch_path(megatron_on_cuda,
+                                                                    block_layers):
+    """A 5-layer GPTModel with Attention Residuals (full, or blocks of 2 layers: layers that
+    start a block and layers that add into its partial sum) on CUDA in fp32: loss and every
+    gradient with the Triton kernels equal those of the PyTorch path, and the kernels ran (block:
+    the FFN's depth attention passing the state on with the mixer's output added, and the
+    exit's in-place addition)."""
+    from megatron.core.models.gpt import GPTModel
+
+    import harness
+    from megatron_ext.config import ExtConfig
+    from megatron_ext.kernels.residual import triton_depth
+    from megatron_ext.specs import block_spec
+
+    seq, vocab = 37, 64
+    config = harness.tiny_config(num_layers=5, hidden_size=128, ffn_hidden_size=256)
+    ext = ExtConfig(pattern="*", residual="attnres_full" if block_layers is None
+                    else "attnres_block", **({} if block_layers is None
+                                             else dict(attnres_block_layers=block_layers)))
+    torch.manual_seed(3)
+    model = GPTModel(config, block_spec(config, ext=ext), vocab_size=vocab,
+                     max_sequence_length=seq, position_embedding_type="none").cuda()
+    with torch.no_grad():  # non-zero queries: softmax weights that differ between sources
+        for name, p in model.named_parameters():
+            if ".residual." in name:
+                p.add_(0.3 * torch.randn_like(p))
+    tokens = torch.randint(0, vocab, (2, seq + 1), generator=torch.Generator().manual_seed(4))
+    tokens = tokens.cuda()
+    originals = {name: getattr(triton_depth, name) for name in ("forward", "add_into_last_slot")}
+    launches = []
+
+    def counted(name):
+        def call(*args):
+            launches.append((name, name == "forward" and args[-1] is not None))
+            return originals[name](*args)
+        return call
+
+    def loss_of_model():
+        return model(tokens[:, :-1], torch.arange(seq, device="cuda").expand(2, -1), None,
+                     labels=tokens[:, 1:]).mean()
+
+    with triton_kernels(True), torch.no_grad():
+        loss_of_model()  # the kernels' first-use checks (they call the launchers), not counted
+    results = []
+    for enabled in (True, False):
+        model.zero_grad(set_to_none=True)
+        for name in originals:
+            setattr(triton_depth, name, counted(name))
+        try:
+            with triton_kernels(enabled):
+                loss = loss_of_model()
+                loss.backward()
+        finally:
+            for name, original in originals.items():
+                setattr(triton_depth, name, original)
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                        if p.grad is not None}))
+    (loss_fast, grads_fast), (loss_slow, grads_slow) = results
+    torch.testing.assert_close(loss_fast, loss_slow, rtol=1e-5, atol=1e-6)
+    assert grads_fast.keys() == grads_slow.keys()
+    for name, grad in grads_slow.items():
+        torch.testing.assert_close(grads_fast[name], grad, rtol=1e-4,
+                                   atol=1e-5 * max(1.0, grad.abs().max().item()), msg=name)
+    forwards = [passed for name, passed in launches if name == "forward"]
+    # every sublayer's and the final aggregation's depth attention ran its kernel; with blocks
+    # of 2, the FFN of layers 2 and 4 (1-based) passed the state on with the mixer's output
+    # added and their exits added the FFN's output in place
+    assert len(forwards) == 2 * 5 + 1
+    expected_passes = 0 if block_layers is None else 2
+    assert sum(forwards) == expected_passes
+    assert launches.count(("add_into_last_slot", False)) == expected_passes
