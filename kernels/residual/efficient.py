@@ -788,12 +788,12 @@ class _DepthAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, eps, pass_through, last_plus, *groups):
         kernels = _triton_depth_for(query, groups, last_plus)
-        passed = groups[0]  # what pass_through returns: the first group as read
         if kernels is not None:
-            if pass_through and last_plus is not None:
-                passed = torch.empty_like(groups[0], memory_format=torch.contiguous_format)
-            out, z, r, alpha = kernels.forward(query, groups, eps, last_plus,
-                                               None if passed is groups[0] else passed)
+            # what pass_through returns, the first group as read: with last_plus a new tensor
+            copy = (torch.empty_like(groups[0], memory_format=torch.contiguous_format)
+                    if pass_through and last_plus is not None else None)
+            out, z, r, alpha = kernels.forward(query, groups, eps, last_plus, copy)
+            passed = groups[0] if copy is None else copy
         else:
             read = _with_last_plus(groups, last_plus)
             out, z, r, alpha = _depth_forward(query, read, eps)
