@@ -3,28 +3,34 @@
 The top-level folders ``kernels/`` and ``launch/`` are installed as ``megatron_ext.kernels`` and
 ``megatron_ext.launch`` (names like ``kernels`` exist on PyPI and must not be importable top level).
 """
-from setuptools import setup
+from setuptools import find_packages, setup
 
-_SUBPACKAGES = {
+# Import name -> folder of each installed tree. Sub-packages are discovered (any folder with an
+# __init__.py below these); setuptools maps them by the longest matching prefix.
+_ROOTS = {
     "megatron_ext": "megatron_ext",
-    "megatron_ext.mixers": "megatron_ext/mixers",
-    "megatron_ext.residual": "megatron_ext/residual",
     "megatron_ext.kernels": "kernels",
-    "megatron_ext.kernels.delta_rule": "kernels/delta_rule",
-    "megatron_ext.kernels.decay": "kernels/decay",
-    "megatron_ext.kernels.residual": "kernels/residual",
-    "megatron_ext.kernels.sparse": "kernels/sparse",
     "megatron_ext.launch": "launch",
     "megatron_ext.slurm": "slurm",
 }
+
+
+def _packages() -> list[str]:
+    found = []
+    for name, folder in _ROOTS.items():
+        found.append(name)
+        found += [f"{name}.{sub}" for sub in find_packages(folder)
+                  if f"{name}.{sub}" not in _ROOTS]
+    return sorted(set(found))
+
 
 setup(
     name="megatron-ext",
     version="0.1.0",
     description="Hybrid token mixers and residual schemes for megatron-core, as layer specs",
     python_requires=">=3.12",
-    packages=list(_SUBPACKAGES),
-    package_dir=_SUBPACKAGES,
+    packages=_packages(),
+    package_dir=_ROOTS,
     package_data={"megatron_ext.launch": ["presets/*.yaml"],
                   "megatron_ext.slurm": ["*.tmpl", "README.md"]},
     install_requires=[
@@ -42,7 +48,8 @@ setup(
     extras_require={
         "fla": ["fla-core>=0.6"],
         "te": ["transformer-engine[pytorch]"],
-        "dev": ["pytest>=8", "pytest-timeout"],
+        # setuptools: tests/cpu/test_install.py builds the wheel without build isolation.
+        "dev": ["pytest>=8", "pytest-timeout", "setuptools>=70.1"],
     },
     entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},
 )
