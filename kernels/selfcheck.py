@@ -24,8 +24,9 @@ After them, ``run_all`` gives the first-use checks of the fast paths outside ``O
 ``sparse.flash.check_cudnn`` for its blocks and DSA's attention on cuDNN), the
 residual Triton kernels (``residual.efficient.first_use_checks``), DSA's and CSA's
 selected-attention kernels (``sparse.triton.check``), MoBA's selection kernel
-(``sparse.triton_select.check_moba``) and NSA's block-importance kernel
-(``sparse.triton_select.check_importance``).
+(``sparse.triton_select.check_moba``), NSA's block-importance kernel
+(``sparse.triton_select.check_importance``) and the fused layer kernels around the linear
+mixers (``fused.ops.check_errors``).
 
 A backend that cannot run a case here is skipped with its reason and not run: by the backend's
 own rule (``fla_unavailable_reason``), or because it refuses the call with a RuntimeError saying
@@ -571,6 +572,20 @@ def _first_use_rows(device: torch.device, backends: list[str] | None):
                                skipped_reason=run if isinstance(run, str) else None), run)
         yield from _selected_attention_checks(device)
         yield from _selection_checks(device)
+        yield from _fused_layer_checks(device)
+
+
+def _fused_layer_checks(device: torch.device):
+    """The first-use check of the fused layer kernels (short conv + SiLU + L2 norm, gated
+    RMSNorm; ``fused.ops.check_errors``), one row per dtype."""
+    from .fused import ops as fused
+
+    reason = None if device.type == "cuda" else f"our Triton kernels run on CUDA, not {device.type}"
+    for dtype in (torch.float32, torch.bfloat16):
+        yield (CheckResult("fused_layer_ops", "first-use check", "triton", str(device),
+                           str(dtype).removeprefix("torch."), tolerance=fused.CHECK_TOLERANCE[dtype],
+                           skipped_reason=reason),
+               functools.partial(fused.check_errors, device, dtype))
 
 
 def _selected_attention_checks(device: torch.device):

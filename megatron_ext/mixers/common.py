@@ -3,8 +3,8 @@
 - :class:`HeadShardedMixer`: a MegatronModule whose raw per-head parameters are sharded over TP
   along dim 0, drawn at full size and sliced (every TP size starts from the same model), and
   declared in ``sharded_state_dict`` so checkpoints reshard.
-- :func:`causal_depthwise_conv`: the short causal convolution, aware of packed sequences.
-- :func:`gated_rms_norm`: RMSNorm per group of channels, times a per-channel weight and a gate.
+- :func:`conv_silu_heads`: the short causal convolution + SiLU (+ L2 norm) of a projection,
+  aware of packed sequences and of context parallelism's halo.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
@@ -23,6 +22,8 @@ from megatron.core.transformer.utils import (
     make_sharded_tensors_for_checkpoint,
     sharded_state_dict_default,
 )
+
+from megatron_ext.kernels.fused import short_conv
 
 
 @dataclass
@@ -126,39 +127,12 @@ def packed_cu_seqlens(packed_seq_params):
     return None
 
 
-def same_sequence_masks(cu_seqlens, length: int, kernel: int, device):
-    """For packed sequences: mask[j][t] says whether token t-j is in t's sequence (j < kernel)."""
-    if cu_seqlens is None:
-        return None
-    positions = torch.arange(length, device=device)
-    seq_id = torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
-    masks = []
-    for shift in range(kernel):
-        earlier = torch.full_like(seq_id, -1)
-        earlier[shift:] = seq_id[: length - shift]
-        masks.append(earlier == seq_id)
-    return masks
-
-
-def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, same_sequence=None):
-    """``y[:, t, c] = sum_j weight[c, K-1-j] * x[:, t-j, c]`` for ``[b, s, C]`` inputs.
-
-    Tap ``K-1`` multiplies the current token (torch Conv1d's orientation). With packed
-    sequences, ``same_sequence[j]`` drops taps that would reach into the previous sequence.
-    """
-    kernel = weight.shape[1]
-    out = x * weight[:, kernel - 1]
-    for shift in range(1, kernel):
-        shifted = F.pad(x, (0, 0, shift, 0))[:, : x.shape[1]]
-        if same_sequence is not None:
-            shifted = shifted * same_sequence[shift].view(1, -1, 1).to(x.dtype)
-        out = out + shifted * weight[:, kernel - 1 - shift]
-    return out
-
-
-def conv_silu_heads(x: torch.Tensor, weight: torch.Tensor, heads: int, same_sequence=None,
-                    cp=None, packed=None):
-    """``[s, b, heads * d]`` projection -> causal conv + SiLU -> ``[b, s, heads, d]``.
+def conv_silu_heads(x: torch.Tensor, weight: torch.Tensor, heads: int, positions=None, cp=None,
+                    packed=None, l2_norm: bool = False):
+    """``[s, b, heads * d]`` projection -> causal conv + SiLU (+ L2 norm per head) -> ``[b, s,
+    heads, d]``, in one kernel (:func:`megatron_ext.kernels.fused.short_conv`, which reads the
+    projection in place). ``positions``: each token's index within its packed sequence
+    (:func:`~megatron_ext.kernels.fused.sequence_positions`), or None.
 
     Under context parallelism (``cp``, a :class:`~megatron_ext.parallel.ContextParallel`) the
     local sequence is two chunks of Megatron's load-balanced layout, or with packed sequences
@@ -169,23 +143,20 @@ def conv_silu_heads(x: torch.Tensor, weight: torch.Tensor, heads: int, same_sequ
     s, b = x.shape[:2]
     x = x.transpose(0, 1)
     halo = weight.shape[1] - 1
+    head_dim = x.shape[-1] // heads if l2_norm else None
+
+    def conv(inputs, positions=None):
+        return short_conv(inputs, weight, positions, head_dim)
+
     if cp is None or halo == 0:
-        x = causal_depthwise_conv(x, weight, same_sequence)
+        x = conv(x, positions)
     elif packed is not None:  # b = 1; one convolution per piece, after its halo
         pieces = packed.split(x)
         before = cp.before_tails(torch.cat([piece[:, piece.shape[1] - halo:] for piece in pieces]))
-        x = torch.cat([causal_depthwise_conv(torch.cat([before[i:i + 1], piece], dim=1), weight)[:, halo:]
+        x = torch.cat([conv(torch.cat([before[i:i + 1], piece], dim=1))[:, halo:]
                        for i, piece in enumerate(pieces)], dim=1)
     else:
         chunks = cp.split_chunks(x)
-        if halo:
-            chunks = torch.cat([cp.previous_tokens(chunks, halo), chunks], dim=1)
-        x = cp.merge_chunks(causal_depthwise_conv(chunks, weight)[:, halo:])
-    return F.silu(x).reshape(b, s, heads, -1)
-
-
-def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float):
-    """``rmsnorm(x) * weight * silu(gate)`` over the last dim, in fp32; ``weight`` broadcasts."""
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return x * weight.float() * F.silu(gate.float())
+        chunks = torch.cat([cp.previous_tokens(chunks, halo), chunks], dim=1)
+        x = cp.merge_chunks(conv(chunks)[:, halo:])
+    return x.reshape(b, s, heads, -1)

@@ -31,13 +31,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_ext.config import ConfigError
 from megatron_ext.kernels import decay_linear_attention
 from megatron_ext.kernels.decay import decay_linear_attention_summary
+from megatron_ext.kernels.fused import gated_rms_norm, sequence_positions
 from megatron_ext.mixers.common import (
     HeadShardedMixer,
     LinearMixerSubmodules,
     conv_silu_heads,
-    gated_rms_norm,
     packed_cu_seqlens,
-    same_sequence_masks,
 )
 from megatron_ext.parallel import ContextParallel
 from megatron_ext.parallel.linear import check_heads, check_sequence, linear_recurrence
@@ -116,9 +115,9 @@ class DecayMixer(HeadShardedMixer):
         o, _ = linear_recurrence(self.cp, self.cp_method, decay_linear_attention,
                                  decay_linear_attention_summary, dict(q=q, k=k, v=v, g=g),
                                  cu_seqlens=cu_seqlens, backend=self.kernel_backend)
-        o = gated_rms_norm(o, self.out_norm_weight, to_heads(gate), self.norm_eps)
-        return self.linear_out(o.to(hidden_states.dtype).reshape(b, s, -1).transpose(0, 1)
-                               .contiguous())
+        o = gated_rms_norm(o.to(hidden_states.dtype), self.out_norm_weight, to_heads(gate),
+                           self.norm_eps, sequence_first=True)  # [s, b, heads * V]
+        return self.linear_out(o)
 
 
 class Mamba2Mixer(HeadShardedMixer):
@@ -176,11 +175,11 @@ class Mamba2Mixer(HeadShardedMixer):
         s, b = x.shape[:2]
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
         packed = check_sequence(self.cp, s, cu_seqlens, self.conv_x.shape[1], "mamba2")
-        same_sequence = same_sequence_masks(cu_seqlens, s, self.conv_x.shape[1], x.device)
+        positions = sequence_positions(cu_seqlens, s, x.device)
 
-        x = conv_silu_heads(x, self.conv_x, self.heads, same_sequence, self.cp, packed)   # [b, s, H, P]
-        B = conv_silu_heads(B, self.conv_B, self.groups, same_sequence, self.cp, packed)  # [b, s, G, N]
-        C = conv_silu_heads(C, self.conv_C, self.groups, same_sequence, self.cp, packed)
+        x = conv_silu_heads(x, self.conv_x, self.heads, positions, self.cp, packed)   # [b, s, H, P]
+        B = conv_silu_heads(B, self.conv_B, self.groups, positions, self.cp, packed)  # [b, s, G, N]
+        C = conv_silu_heads(C, self.conv_C, self.groups, positions, self.cp, packed)
         dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())  # [b, s, H]
         g = -self.A_log.float().exp() * dt
         # C reads and B writes the state; dt scales the write; scale 1 as in Mamba-2.

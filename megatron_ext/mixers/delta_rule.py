@@ -44,13 +44,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_ext.config import ConfigError
 from megatron_ext.kernels import gated_delta_rule
 from megatron_ext.kernels.delta_rule import gated_delta_rule_summary
+from megatron_ext.kernels.fused import gated_rms_norm, sequence_positions
 from megatron_ext.mixers.common import (
     HeadShardedMixer,
     LinearMixerSubmodules,
     conv_silu_heads,
-    gated_rms_norm,
     packed_cu_seqlens,
-    same_sequence_masks,
 )
 from megatron_ext.parallel import ContextParallel
 from megatron_ext.parallel.linear import check_heads, check_sequence, linear_recurrence
@@ -152,18 +151,17 @@ class DeltaRuleMixer(HeadShardedMixer):
         s, b = q.shape[:2]
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
         packed = check_sequence(self.cp, s, cu_seqlens, self.conv_q.shape[1], self.variant)
-        same_sequence = same_sequence_masks(cu_seqlens, s, self.conv_q.shape[1], q.device)
+        positions = sequence_positions(cu_seqlens, s, q.device)
 
         def sigmoid_gate(linear, per_head_channels):
             out, _ = linear(hidden_states)
             return torch.sigmoid(out.transpose(0, 1).float()).reshape(
                 b, s, self.value_heads, *per_head_channels)
 
-        q = F.normalize(conv_silu_heads(q, self.conv_q, self.key_heads, same_sequence,
-                                        self.cp, packed).float(), dim=-1)
-        k = F.normalize(conv_silu_heads(k, self.conv_k, self.key_heads, same_sequence,
-                                        self.cp, packed).float(), dim=-1)
-        v = conv_silu_heads(v, self.conv_v, self.value_heads, same_sequence, self.cp, packed)
+        # q and k: conv + SiLU + L2 norm per head in one kernel; bf16 in and out.
+        q = conv_silu_heads(q, self.conv_q, self.key_heads, positions, self.cp, packed, l2_norm=True)
+        k = conv_silu_heads(k, self.conv_k, self.key_heads, positions, self.cp, packed, l2_norm=True)
+        v = conv_silu_heads(v, self.conv_v, self.value_heads, positions, self.cp, packed)
         gates = {}
         if self.variant == "gated_deltanet2":
             gates["erase"] = sigmoid_gate(self.linear_erase, (self.key_dim,))
@@ -172,16 +170,17 @@ class DeltaRuleMixer(HeadShardedMixer):
             gates["beta"] = sigmoid_gate(self.linear_beta, ())
         o, _, *residual = linear_recurrence(
             self.cp, self.cp_method, gated_delta_rule, gated_delta_rule_summary,
-            dict(q=q.to(v.dtype), k=k.to(v.dtype), v=v, g=self._decay(hidden_states, b, s), **gates),
+            dict(q=q, k=k, v=v, g=self._decay(hidden_states, b, s), **gates),
             cu_seqlens=cu_seqlens, backend=self.kernel_backend,
             return_write_residual=self.routing == "cler_h")
         if self.routing != "none":
             signal = residual[0] if self.routing == "cler_h" else v
             self.routed_signal = signal.reshape(b, s, -1).transpose(0, 1)
 
-        gate = gate.transpose(0, 1).reshape(b, s, self.value_heads, self.value_dim)
-        o = gated_rms_norm(o, self.out_norm_weight, gate, self.norm_eps).to(hidden_states.dtype)
-        return self.linear_out(o.reshape(b, s, -1).transpose(0, 1).contiguous())
+        gate = gate.transpose(0, 1).unflatten(-1, (self.value_heads, self.value_dim))
+        o = gated_rms_norm(o.to(hidden_states.dtype), self.out_norm_weight, gate, self.norm_eps,
+                           sequence_first=True)  # [s, b, value heads * V]
+        return self.linear_out(o)
 
 
 def delta_rule_spec(ext_config, transformer_config, variant: str) -> ModuleSpec:

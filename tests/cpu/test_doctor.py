@@ -49,13 +49,14 @@ def test_every_cpu_check_passes(tmp_path, capsys):
         assert [r["op"] for r in skipped] == list(selfcheck.OPS)
         assert all(r["status"] == "skip" and r["errors"] == {} for r in skipped)
     # Nor the first-use checks of the sparse FlashAttention path, the residual kernels, the
-    # selected-attention kernels, MoBA's selection kernel and NSA's block-importance kernel.
+    # selected-attention kernels, MoBA's selection kernel, NSA's block-importance kernel and the
+    # fused layer kernels.
     first_use = [r for r in results if r["op"] not in selfcheck.OPS]
     assert [(r["op"], r["backend"]) for r in first_use] == (
         [("sparse_attention", "flash")] * 4 + [("sinkhorn", "triton")] + [("mhc", "triton")] * 2
         + [("depth_attention", "triton")] * 2 + [("add_into_last_slot", "triton")] * 2
         + [("selected_attention", "triton")] * 3 + [("moba_selection", "triton")] * 3
-        + [("nsa_selection", "triton")] * 3)
+        + [("nsa_selection", "triton")] * 3 + [("fused_layer_ops", "triton")] * 2)
     assert all(r["status"] == "skip" and "CUDA" in r["skipped_reason"] for r in first_use)
     fla = next(r for r in results if r["backend"] == "fla")
     assert fla["skipped_reason"] == fla_unavailable_reason("kda", "cpu", requires_grad=True)

@@ -167,7 +167,7 @@ def ops_on_cp_ranks(rank, world_size):
 
 def _halo_and_kv_gather(cp, world_size):
     """The convolution halo and the attention KV gather: values, and bytes against README."""
-    from megatron_ext.mixers.common import causal_depthwise_conv
+    from megatron_ext.kernels.fused.reference import short_conv
     from megatron_ext.parallel.attention import gather_keys_values
 
     failures = []
@@ -188,14 +188,15 @@ def _halo_and_kv_gather(cp, world_size):
     with counted_bytes() as counts:
         chunks = cp.split_chunks(channels[:, positions])
         halo = cp.previous_tokens(chunks, width - 1)
-    convolved = cp.merge_chunks(causal_depthwise_conv(torch.cat([halo, chunks], 1), weight)[:, width - 1:])
+    convolved = cp.merge_chunks(short_conv(torch.cat([halo, chunks], 1), weight)[:, width - 1:])
     volume = 2 * batch * (width - 1) * heads * dim * 4 * (world_size - 1)
-    if not (torch.allclose(convolved, causal_depthwise_conv(channels, weight)[:, positions])
+    if not (torch.allclose(convolved, short_conv(channels, weight)[:, positions])
             and counts["all_gather"] == volume):
         failures.append(f"conv halo: {counts}, expected {volume}")
 
     # Packed: the halo and the KV gather on Megatron's per-document split.
-    from megatron_ext.mixers.common import conv_silu_heads, same_sequence_masks
+    from megatron_ext.kernels.fused import sequence_positions
+    from megatron_ext.mixers.common import conv_silu_heads
     from megatron_ext.parallel.context import PackedLayout
 
     total = sum(PACKED_LENGTHS)
@@ -211,7 +212,7 @@ def _halo_and_kv_gather(cp, world_size):
     channels = full.flatten(2).transpose(0, 1)  # [s, b = 1, C]
     with counted_bytes() as counts:
         local = conv_silu_heads(channels[index], weight, heads, cp=cp, packed=packed)
-    whole = conv_silu_heads(channels, weight, heads, same_sequence_masks(cu_seqlens, total, width, None))
+    whole = conv_silu_heads(channels, weight, heads, sequence_positions(cu_seqlens, total, None))
     volume = 2 * len(PACKED_LENGTHS) * (width - 1) * heads * dim * 4 * (world_size - 1)  # 2 B -> 2 D
     if not (torch.allclose(local, whole[:, index]) and counts["all_gather"] == volume):
         failures.append(f"packed conv halo: {counts}, expected {volume}")

@@ -1,0 +1,284 @@
+"""Training throughput in Megatron's own loop: ``megatron-ext pretrain --mock-data`` on one GPU.
+
+For every preset, pattern and sequence length T, one run of ``--iterations`` iterations with
+``--tokens-per-micro-batch`` tokens per micro-batch (micro-batch = that / T) and
+``--tokens-per-iteration`` per iteration (global batch = that / T; gradient accumulation makes up
+the rest). It records, per run:
+
+- ``ms_per_iteration``: the median of Megatron's own "elapsed time per iteration" over the
+  iterations after the first ``--warmup`` and before the profiled one; ``tokens_per_s`` from it;
+- ``peak_gib``: Megatron's "max allocated" memory report;
+- ``mfu``: model FLOPs per token (:func:`model_flops_per_token`) x tokens/s / ``--peak-tflops``;
+- ``breakdown``: the GPU time of one iteration (``--profile-iteration``, profiled by Megatron's
+  ``--profile --use-pytorch-profiler``) by kernel category (:func:`category`), in ms, and
+  ``idle`` = the timed iterations' median minus the GPU's busy time (time the GPU waits for
+  the host).
+
+Model FLOPs per token (forward + backward = 3x forward): 6 per weight of every matrix multiply
+(the embedding lookup excluded, the output layer included); for each softmax layer
+``6 * T * heads * head_dim`` (causal: half of the T x T scores; sparse layers count as dense, an
+upper bound); for each linear-recurrent layer, per value head,
+``3 * (6 * K * V + 2 * C * (2 * K + V))``: the chunked recurrence's state read, state update and
+intra-chunk correction (``2 K V`` each) plus the in-chunk scores and their use, chunk C = 64.
+
+Output: ``--out`` (JSON, one row per run, stamped with the commit, GPU, torch and Triton) and a
+plot of tokens/s against T per pattern next to it (``.png``); each run's log under ``--log-dir``
+(not kept on main).
+
+    python benchmarks/throughput.py --presets hybrid-350m --patterns preset,'*' \\
+        --seq-lengths 4096,16384 --out benchmarks/results/throughput_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gzip
+import json
+import pathlib
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+from megatron_ext.launch.presets import load_settings, parameter_count
+from megatron_ext.pattern import expand_pattern
+
+CHUNK = 64
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+.*elapsed time per iteration \(ms\): ([\d.]+)")
+LOSS = re.compile(r"lm loss: ([\d.E+-]+)")
+MEMORY = re.compile(r"max allocated: ([\d.]+)")
+CATEGORIES = ("gemm", "attention", "linear_mixer", "mixer_glue", "elementwise_copy_reduce",
+              "optimizer", "communication", "other")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def model_flops_per_token(settings) -> float:
+    """Training FLOPs per token of the model ``settings`` describe (see the module docstring)."""
+    m, ext = settings.model, settings.ext
+    flops = 6.0 * (parameter_count(settings) - settings.data.vocab_size * m.hidden_size)
+    head_dim = m.hidden_size // m.num_attention_heads
+    for mixer in expand_pattern(ext.pattern, m.num_layers):
+        if mixer.self_attention:
+            flops += 6.0 * m.seq_length * m.num_attention_heads * head_dim
+        else:
+            heads = ext.linear_num_value_heads or m.num_attention_heads
+            key_dim = ext.linear_key_head_dim or head_dim
+            value_dim = ext.linear_value_head_dim or head_dim
+            flops += heads * 3 * (6 * key_dim * value_dim + 2 * CHUNK * (2 * key_dim + value_dim))
+    return flops
+
+
+def _triton_names(modules) -> tuple[str, ...]:
+    import importlib
+
+    import triton
+
+    names = []
+    for module in modules:
+        for name, value in vars(importlib.import_module(module)).items():
+            if isinstance(value, (triton.runtime.JITFunction, triton.runtime.Autotuner,
+                                  triton.runtime.Heuristics)):
+                names.append(name)
+    return tuple(names)
+
+
+def categoriser():
+    """``category(kernel name) -> one of CATEGORIES`` for this tree's kernels."""
+    mixer = _triton_names(["megatron_ext.kernels.delta_rule.triton",
+                           "megatron_ext.kernels.decay.triton"])
+    glue = _triton_names(["megatron_ext.kernels.fused.triton"])
+
+    def category(name: str) -> str:
+        low = name.lower()
+        if "nccl" in low:
+            return "communication"
+        if any(low.startswith(n.lower()) for n in glue):
+            return "mixer_glue"
+        if any(low.startswith(n.lower()) for n in mixer):
+            return "linear_mixer"
+        if any(k in low for k in ("flash", "fmha", "sdpa", "attention", "attn")):
+            return "attention"
+        if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")):
+            return "gemm"
+        if any(k in low for k in ("adam", "multi_tensor", "foreach", "l2norm")):
+            return "optimizer"
+        if any(k in low for k in ("elementwise", "reduce", "copy", "memcpy", "memset", "cat",
+                                  "triton_poi", "triton_red", "triton_per", "index", "scatter",
+                                  "gather", "softmax", "norm", "where", "fill")):
+            return "elementwise_copy_reduce"
+        return "other"
+
+    return category
+
+
+def breakdown(trace_path: pathlib.Path, ms_per_iteration: float) -> dict:
+    """GPU ms per category in the profiled iteration of a Chrome trace, the GPU's busy time, and
+    ``idle``: the (unprofiled) iteration time minus the busy time, the time the GPU waits."""
+    category = categoriser()
+    with gzip.open(trace_path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy",
+                                                                          "gpu_memset")]
+    totals = {c: 0.0 for c in CATEGORIES}
+    top: dict[str, float] = {}
+    for e in gpu:
+        ms = e["dur"] / 1e3
+        totals[category(e["name"])] += ms
+        top[e["name"]] = top.get(e["name"], 0.0) + ms
+    busy = sum(totals.values())
+    result = {c: round(v, 2) for c, v in totals.items()}
+    result.update(gpu_busy=round(busy, 2), idle=round(max(ms_per_iteration - busy, 0.0), 2),
+                  top_kernels={k: round(v, 2) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:25]})
+    return result
+
+
+def run_one(preset: str, pattern: str | None, seq_length: int, args) -> dict:
+    """One ``megatron-ext pretrain`` run; returns its row."""
+    settings = load_settings(preset)
+    if pattern is not None:
+        settings.ext.pattern = pattern
+    settings.model.seq_length = seq_length
+    micro = max(1, args.tokens_per_micro_batch // seq_length)
+    global_batch = max(micro, args.tokens_per_iteration // seq_length)
+    name = f"{preset}_{(pattern or 'preset').replace('*', 'x').replace(' ', '')}_{seq_length}"
+    run_dir = (pathlib.Path(args.scratch) / name).resolve()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    profile_at = args.iterations + 1
+    command = [sys.executable, "-m", "megatron_ext.cli", "pretrain", "--preset", preset,
+               "--mock-data", "--run-dir", str(run_dir),
+               *(["--pattern", pattern] if pattern is not None else []), "--",
+               "--seq-length", str(seq_length), "--max-position-embeddings", str(seq_length),
+               "--micro-batch-size", str(micro), "--global-batch-size", str(global_batch),
+               "--train-iters", str(profile_at), "--log-interval", "1",
+               "--eval-iters", "0", "--eval-interval", str(10**6),
+               # No checkpoint: an empty --save / --load turns saving and loading off.
+               "--save", "", "--load", "", "--save-interval", str(10**6),
+               "--profile", "--use-pytorch-profiler", "--profile-step-start", str(profile_at - 1),
+               "--profile-step-end", str(profile_at), "--tensorboard-dir", str(run_dir / "tb"),
+               *args.megatron_args]
+    log_path = pathlib.Path(args.log_dir) / f"{name}.log"
+    log(f"{name}: micro-batch {micro}, global batch {global_batch}")
+    times, losses, peak_mib = {}, {}, None
+    start = time.time()
+    with open(log_path, "w") as out:
+        # From the run's folder: a checkout's ./megatron_ext must not shadow the installed one.
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, cwd=run_dir)
+        for line in process.stdout:
+            out.write(line)
+            if (match := ITERATION.search(line)):
+                it = int(match.group(1))
+                times[it] = float(match.group(2))
+                if (loss := LOSS.search(line)):
+                    losses[it] = float(loss.group(1))
+                log(f"  iteration {it}: {times[it]:.1f} ms, loss {losses.get(it)}")
+            if (memory := MEMORY.search(line)):
+                peak_mib = max(peak_mib or 0.0, float(memory.group(1)))
+        returncode = process.wait()
+    row = {"preset": preset, "pattern": settings.ext.pattern if isinstance(settings.ext.pattern, str)
+           else ",".join(settings.ext.pattern), "seq_length": seq_length, "micro_batch": micro,
+           "global_batch": global_batch, "returncode": returncode,
+           "wall_s": round(time.time() - start, 1), "log": log_path.name}
+    timed = [times[i] for i in sorted(times) if args.warmup < i < profile_at - 1]
+    if returncode != 0 or not timed:
+        row["error"] = f"exit {returncode}; see {log_path}"
+        return row
+    ms = statistics.median(timed)
+    tokens_per_s = global_batch * seq_length / (ms / 1e3)
+    flops = model_flops_per_token(settings)
+    row.update(parameters=parameter_count(settings), ms_per_iteration=round(ms, 1),
+               ms_spread=[round(min(timed), 1), round(max(timed), 1)],
+               tokens_per_s=round(tokens_per_s), peak_gib=round((peak_mib or 0) / 1024, 2),
+               model_flops_per_token=flops, mfu=round(flops * tokens_per_s / (args.peak_tflops * 1e12), 4),
+               loss_last=losses.get(max(losses)) if losses else None)
+    traces = sorted((run_dir / "torch_profile").glob("*.json.gz"))
+    if traces:
+        row["breakdown"] = breakdown(traces[-1], ms)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return row
+
+
+def environment() -> dict:
+    import torch
+    import triton
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or None
+    return {"commit": commit, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "torch": torch.__version__, "triton": triton.__version__,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def plot(record: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, list] = {}
+    for row in record["rows"]:
+        if "tokens_per_s" in row:
+            series.setdefault(f"{row['preset']}: {row['pattern']}", []).append(
+                (row["seq_length"], row["tokens_per_s"]))
+    for label, points in sorted(series.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] / 1e3 for p in points], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length T (tokens per micro-batch fixed)")
+    ax.set_ylabel("thousand tokens / s")
+    env = record["environment"]
+    ax.set_title(f"megatron-ext pretrain, one {env['gpu']} ({env['commit']})", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default="hybrid-350m")
+    parser.add_argument("--patterns", default="preset,*",
+                        help="comma-separated; 'preset' = the preset's own pattern")
+    parser.add_argument("--seq-lengths", default="4096,16384")
+    parser.add_argument("--tokens-per-micro-batch", type=int, default=16384)
+    parser.add_argument("--tokens-per-iteration", type=int, default=65536)
+    parser.add_argument("--iterations", type=int, default=8, help="timed iterations + warm-up")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="dense bf16 peak of one GPU (H100/H200 SXM: 989)")
+    parser.add_argument("--scratch", default="runs/throughput")
+    parser.add_argument("--log-dir", default="runs/throughput/logs")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("megatron_args", nargs=argparse.REMAINDER,
+                        help="after --: extra Megatron flags for every run")
+    args = parser.parse_args(argv)
+    if args.megatron_args[:1] == ["--"]:
+        args.megatron_args = args.megatron_args[1:]
+    pathlib.Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"environment": environment(), "command": " ".join(sys.argv),
+              "peak_tflops": args.peak_tflops, "rows": []}
+    for preset in args.presets.split(","):
+        for pattern in args.patterns.split(","):
+            for seq_length in (int(t) for t in args.seq_lengths.split(",")):
+                row = run_one(preset, None if pattern == "preset" else pattern, seq_length, args)
+                log(json.dumps({k: v for k, v in row.items() if k != "breakdown"}))
+                if "breakdown" in row:
+                    log("  breakdown: " + json.dumps({k: v for k, v in row["breakdown"].items()
+                                                      if k != "top_kernels"}))
+                record["rows"].append(row)
+                out.write_text(json.dumps(record, indent=1))
+    plot(record, out.with_suffix(".png"))
+    return 0 if all("error" not in row for row in record["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

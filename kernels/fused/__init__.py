@@ -1,0 +1,7 @@
+"""Fused layer pieces around the token-mixer ops (short causal conv + SiLU + L2 norm, gated
+RMSNorm): an fp32 reference (``reference.py``), Triton kernels (``triton.py``) and their autograd
+entry points with the backend choice (``ops.py``)."""
+from .ops import first_use_check, gated_rms_norm, short_conv
+from .reference import sequence_positions
+
+__all__ = ["first_use_check", "gated_rms_norm", "sequence_positions", "short_conv"]

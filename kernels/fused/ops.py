@@ -1,0 +1,172 @@
+"""Autograd entry points of the fused layer pieces, with ``backend="auto"|"reference"|"triton"``.
+
+"auto" runs the Triton kernels on CUDA tensors once they have passed a first-use check on that
+GPU (:func:`first_use_check`: forward and backward against the fp32 reference on small shapes
+with packed sequences, odd lengths and the L2 norm, in the call's dtype; once per process,
+device and dtype), and the PyTorch reference otherwise; a failed check is logged once.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from . import reference
+
+logger = logging.getLogger("megatron_ext.kernels")
+
+BACKENDS = ("auto", "reference", "triton")
+# Relative errors (Frobenius) the first-use check allows, per dtype of the inputs: the kernels
+# compute in fp32, so the fp32 bound is rounding; bf16 outputs round once more.
+CHECK_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+
+
+def _triton():
+    from . import triton as kernels
+
+    return kernels
+
+
+class _ShortConv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, positions, l2_norm_dim):
+        ctx.save_for_backward(x, weight, positions)
+        ctx.l2_norm_dim = l2_norm_dim
+        return _triton().short_conv_forward(x, weight, positions, l2_norm_dim)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, positions = ctx.saved_tensors
+        dx, dw = _triton().short_conv_backward(x, weight, positions, ctx.l2_norm_dim, dy)
+        return dx, dw, None, None
+
+
+class _GatedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, o, weight, gate, eps, sequence_first):
+        batch, length, heads, dim = o.shape
+        if sequence_first:
+            out = torch.empty(length, batch, heads * dim, device=o.device, dtype=o.dtype)
+            view = out.transpose(0, 1).unflatten(-1, (heads, dim))
+        else:
+            out = view = torch.empty_like(o, memory_format=torch.contiguous_format)
+        _triton().gated_rms_norm_forward(o, weight, gate, eps, view)
+        ctx.save_for_backward(o, weight, gate)
+        ctx.eps, ctx.sequence_first = eps, sequence_first
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        o, weight, gate = ctx.saved_tensors
+        dy = dy.contiguous()
+        if ctx.sequence_first:
+            dy = dy.transpose(0, 1).unflatten(-1, o.shape[2:])
+        do, dgate, dweight = _triton().gated_rms_norm_backward(o, weight, gate, ctx.eps, dy)
+        return do, dweight, dgate, None, None
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {list(BACKENDS)}")
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | None = None,
+               l2_norm_dim: int | None = None, backend: str = "auto") -> torch.Tensor:
+    """Causal depthwise conv + SiLU (+ L2 norm per ``l2_norm_dim`` channels), see
+    :func:`reference.short_conv`. ``x [B, T, C]`` in any strides; returns ``[B, T, C]``
+    contiguous in ``x.dtype``; the gradient of ``x`` comes back in ``x``'s strides."""
+    _check_backend(backend)
+    if backend == "triton" or (backend == "auto" and _use_triton(x)):
+        return _ShortConv.apply(x, weight, positions, l2_norm_dim)
+    return reference.short_conv(x, weight, positions, l2_norm_dim)
+
+
+def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float,
+                   sequence_first: bool = False, backend: str = "auto") -> torch.Tensor:
+    """``rmsnorm(o) * weight * silu(gate)`` per head, see :func:`reference.gated_rms_norm`.
+    ``o``, ``gate``: ``[B, T, H, D]`` (any strides with a dense last dim); ``weight``: ``[H, D]``
+    or ``[D]``. Returns ``[B, T, H, D]``, or with ``sequence_first`` Megatron's ``[T, B, H*D]``
+    (contiguous, ready for the output projection), in ``o.dtype``."""
+    _check_backend(backend)
+    if backend == "triton" or (backend == "auto" and _use_triton(o)):
+        return _GatedRMSNorm.apply(o, weight, gate, eps, sequence_first)
+    out = reference.gated_rms_norm(o, weight, gate, eps)
+    return out.transpose(0, 1).flatten(2).contiguous() if sequence_first else out
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and first_use_check(x.device, x.dtype)
+
+
+@functools.cache
+def first_use_check(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernels give the reference's outputs and gradients on ``device`` in
+    ``dtype`` (:func:`check_errors` within :data:`CHECK_TOLERANCE`); a failure is logged once
+    and the PyTorch reference runs instead."""
+    try:
+        errors = check_errors(device, dtype)
+    except Exception as error:  # noqa: BLE001 - a kernel that cannot run fails its check
+        logger.warning("megatron-ext: the fused layer kernels (short_conv, gated_rms_norm) failed "
+                       "their first-use check on %s in %s (%s: %s); the PyTorch reference runs "
+                       "instead", device, dtype, type(error).__name__, error)
+        return False
+    over = {name: f"{e:.2e}" for name, e in errors.items() if not e <= CHECK_TOLERANCE[dtype]}
+    if over:
+        logger.warning("megatron-ext: the fused layer kernels failed their first-use check on %s "
+                       "in %s (relative errors over %s: %s); the PyTorch reference runs instead",
+                       device, dtype, CHECK_TOLERANCE[dtype], over)
+    return not over
+
+
+def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
+    """Relative errors of the Triton kernels against the fp32 reference, forward and backward:
+    the short convolution over a transposed ``[s, b, C]`` input (T = 45, odd and across the
+    kernels' token blocks), with and without the L2 norm, and on three packed sequences (5, 33
+    and 7 tokens); the gated RMSNorm with per-head and shared weights, both output layouts."""
+    from ..selfcheck import relative_error
+
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+    errors = {}
+
+    def compare(name, fast, slow, inputs):
+        """Outputs and input gradients of fast (on device) and slow (fp32 reference on CPU)."""
+        probe = randn(*slow(*[t.float() if t.is_floating_point() else t for t in inputs]).shape)
+        results = []
+        for function, where, cast in ((fast, device, lambda t: t), (slow, "cpu", lambda t: t.float())):
+            args = [cast(t).to(where).detach().clone().requires_grad_(t.is_floating_point())
+                    for t in inputs]
+            out = function(*args)
+            (out.float() * probe.to(where).float()).sum().backward()
+            results.append([out] + [a.grad for a in args if a.is_floating_point()])
+        for i, (a, b) in enumerate(zip(*results)):
+            errors[name if i == 0 else f"grad_{i} {name}"] = relative_error(a.float(), b)
+
+    batch, length, heads, dim = 2, 45, 3, 16
+    x = randn(length, batch, heads * dim).transpose(0, 1)  # Megatron's layout, read in place
+    weight = randn(heads * dim, 4, scale=0.5)
+    for l2 in (None, dim):
+        compare(f"short_conv l2={l2}",
+                lambda x, w: short_conv(x, w, None, l2, backend="triton"),
+                lambda x, w: reference.short_conv(x, w, None, l2), [x, weight])
+    cu_seqlens = torch.tensor([0, 5, 38, 45], dtype=torch.int32)
+    positions = reference.sequence_positions(cu_seqlens, length, "cpu")
+    compare("short_conv packed",
+            lambda x, w: short_conv(x, w, positions.to(device), dim, backend="triton"),
+            lambda x, w: reference.short_conv(x, w, positions, dim), [x[:1], weight])
+
+    o = randn(batch, length, heads, dim)
+    gate = randn(length, batch, heads * dim).transpose(0, 1).unflatten(-1, (heads, dim))
+    for shape in ((heads, dim), (dim,)):
+        norm_weight = randn(*shape, scale=0.3) + 1
+        for sequence_first in (False, True):
+            compare(f"gated_rms_norm w{list(shape)} sequence_first={sequence_first}",
+                    lambda o, w, g: gated_rms_norm(o, w, g, 1e-6, sequence_first, "triton"),
+                    lambda o, w, g: gated_rms_norm(o, w, g, 1e-6, sequence_first, "reference"),
+                    [o, norm_weight, gate])
+    return errors

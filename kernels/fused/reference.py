@@ -1,0 +1,54 @@
+"""The layer pieces around the token-mixer ops, in fp32 PyTorch: the definitions that the fused
+Triton kernels (``triton.py``) are tested against, and the path on CPUs.
+
+- :func:`short_conv`: ``y[b, t, c] = act(sum_j w[c, K-1-j] x[b, t-j, c])``, a causal depthwise
+  convolution of width K (tap ``K-1`` multiplies the current token, torch Conv1d's orientation)
+  followed by SiLU, and optionally an L2 normalisation of each group of ``l2_norm_dim`` channels
+  (one head of q or k). Taps that would reach before the start of the token's sequence are
+  dropped: ``positions[t]`` is the token's index within its sequence (packed sequences), or t.
+- :func:`gated_rms_norm`: ``rmsnorm(o) * w * silu(gate)`` over each head's channels.
+
+Shapes: ``x`` is ``[B, T, C]`` in any strides (a transposed view of Megatron's ``[s, b, C]`` is
+read in place); ``o`` and ``gate`` are ``[B, T, H, D]``, ``w`` is ``[H, D]`` or ``[D]``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2_EPS = 1e-12  # as F.normalize
+
+
+def sequence_positions(cu_seqlens: torch.Tensor | None, length: int, device) -> torch.Tensor | None:
+    """Each token's index within its sequence for ``thd``-packed sequences (int32 ``[length]``),
+    or None for ordinary batches (then the index is t)."""
+    if cu_seqlens is None:
+        return None
+    t = torch.arange(length, device=device, dtype=torch.int32)
+    sequence = torch.searchsorted(cu_seqlens[1:].to(torch.int32), t, right=True)
+    return t - cu_seqlens[sequence].to(torch.int32)
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | None = None,
+               l2_norm_dim: int | None = None) -> torch.Tensor:
+    """``[B, T, C]`` -> ``[B, T, C]`` in ``x.dtype``: causal depthwise conv + SiLU (+ L2 norm)."""
+    kernel, length = weight.shape[1], x.shape[1]
+    xf, w = x.float(), weight.float()
+    t = torch.arange(length, device=x.device)
+    pos = t if positions is None else positions.to(x.device).long()
+    acc = torch.zeros_like(xf)
+    for shift in range(kernel):
+        valid = (pos >= shift).view(1, -1, 1)
+        shifted = F.pad(xf, (0, 0, shift, 0))[:, :length]
+        acc = acc + torch.where(valid, shifted, 0.0) * w[:, kernel - 1 - shift]
+    y = F.silu(acc)
+    if l2_norm_dim is not None:
+        y = F.normalize(y.unflatten(-1, (-1, l2_norm_dim)), dim=-1, eps=L2_EPS).flatten(-2)
+    return y.to(x.dtype)
+
+
+def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float):
+    """``rmsnorm(o) * weight * silu(gate)`` over the last dim, in fp32, returned in ``o.dtype``."""
+    x = o.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (x * weight.float() * F.silu(gate.float())).to(o.dtype)

@@ -1,0 +1,233 @@
+"""Triton kernels of the layer pieces in ``reference.py``: one kernel per pass, fp32 inside,
+inputs and outputs in their own dtype and strides, so that Megatron's ``[s, b, C]`` tensors are
+read and written in place (the layout change to the ops' ``[B, T, ...]`` happens in the loads and
+stores, not in a copy).
+
+Short convolution (``short_conv_forward`` / ``short_conv_backward``): a program takes ``BT``
+tokens x ``BC`` channels of one batch row; with the L2 normalisation ``BC`` is one head
+(``l2_norm_dim``, a power of two), so that the norm is a row sum of the tile. The backward
+recomputes the pre-activation instead of saving it: the gradient at token t needs the SiLU/norm
+gradient at tokens ``t .. t+K-1``, each recomputed from K inputs (K(K+1) cached loads a value);
+the weight gradient is summed per program into ``[programs, C, K]`` partials (no atomics).
+
+Gated RMSNorm (``gated_rms_norm_forward`` / ``_backward``): a program takes ``BT`` tokens of one
+head (D channels); the weight gradient is summed per program as above.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import L2_EPS
+
+TOKENS_PER_PROGRAM = 32
+
+
+@triton.jit
+def _conv_preactivation(x_ptr, w_ptr, pos_ptr, b, rows, row_ok, cols, col_ok, sxb, sxt, sxc,
+                        K: tl.constexpr, HAS_POS: tl.constexpr):
+    """``sum_j w[c, K-1-j] x[b, row-j, c]`` over taps inside the row's sequence, fp32."""
+    if HAS_POS:
+        pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+    else:
+        pos = rows
+    acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
+    for j in tl.static_range(K):
+        ok = row_ok & (pos >= j)
+        xj = tl.load(x_ptr + b * sxb + (rows - j)[:, None] * sxt + cols[None, :] * sxc,
+                     mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        wj = tl.load(w_ptr + cols * K + (K - 1 - j), mask=col_ok, other=0.0).to(tl.float32)
+        acc += xj * wj[None, :]
+    return acc
+
+
+@triton.jit
+def _short_conv_fwd_kernel(x_ptr, w_ptr, pos_ptr, y_ptr, T, C, sxb, sxt, sxc,
+                           K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                           HAS_POS: tl.constexpr, L2: tl.constexpr, EPS: tl.constexpr):
+    t_block, b, c_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = t_block * BT + tl.arange(0, BT)
+    cols = c_block * BC + tl.arange(0, BC)
+    row_ok, col_ok = rows < T, cols < C
+    acc = _conv_preactivation(x_ptr, w_ptr, pos_ptr, b, rows, row_ok, cols, col_ok,
+                              sxb, sxt, sxc, K, HAS_POS)
+    y = acc * tl.sigmoid(acc)
+    if L2:
+        y = y / tl.maximum(tl.sqrt(tl.sum(y * y, axis=1)), EPS)[:, None]
+    tl.store(y_ptr + (b * T + rows[:, None]) * C + cols[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _short_conv_bwd_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_ptr, T, C,
+                           sxb, sxt, sxc, sdb, sdt, sdc,
+                           K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                           HAS_POS: tl.constexpr, L2: tl.constexpr, EPS: tl.constexpr):
+    t_block, b, c_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = t_block * BT + tl.arange(0, BT)
+    cols = c_block * BC + tl.arange(0, BC)
+    row_ok, col_ok = rows < T, cols < C
+    dx = tl.zeros([BT, BC], dtype=tl.float32)
+    for i in tl.static_range(K):
+        # The gradient of the pre-activation at token row + i, which tap K-1-i of this token feeds.
+        later = rows + i
+        if HAS_POS:
+            later_pos = tl.load(pos_ptr + later, mask=later < T, other=0)
+        else:
+            later_pos = later
+        same = (later < T) & (later_pos >= i)  # token row + i is in row's sequence
+        acc = _conv_preactivation(x_ptr, w_ptr, pos_ptr, b, later, later < T, cols, col_ok,
+                                  sxb, sxt, sxc, K, HAS_POS)
+        sig = tl.sigmoid(acc)
+        u = acc * sig
+        dy = tl.load(dy_ptr + (b * T + later[:, None]) * C + cols[None, :],
+                     mask=same[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        if L2:
+            norm = tl.maximum(tl.sqrt(tl.sum(u * u, axis=1)), EPS)
+            y = u / norm[:, None]
+            dy = (dy - y * tl.sum(dy * y, axis=1)[:, None]) / norm[:, None]
+        dacc = dy * sig * (1.0 + acc * (1.0 - sig))
+        wi = tl.load(w_ptr + cols * K + (K - 1 - i), mask=col_ok, other=0.0).to(tl.float32)
+        dx += dacc * wi[None, :]
+        if i == 0:  # this program's share of the weight gradient
+            if HAS_POS:
+                pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+            else:
+                pos = rows
+            program = b * tl.num_programs(0) + t_block
+            for j in tl.static_range(K):
+                ok = row_ok & (pos >= j)
+                xj = tl.load(x_ptr + b * sxb + (rows - j)[:, None] * sxt + cols[None, :] * sxc,
+                             mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                tl.store(dw_ptr + (program * C + cols) * K + (K - 1 - j),
+                         tl.sum(dacc * xj, axis=0), mask=col_ok)
+    tl.store(dx_ptr + b * sdb + rows[:, None] * sdt + cols[None, :] * sdc,
+             dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _channel_block(channels: int, l2_norm_dim: int | None) -> int:
+    if l2_norm_dim is not None:
+        if l2_norm_dim & (l2_norm_dim - 1) or channels % l2_norm_dim:
+            raise ValueError(f"short_conv: the L2-normalised group ({l2_norm_dim} channels) must "
+                             f"be a power of two dividing the {channels} channels")
+        return l2_norm_dim
+    return min(128, triton.next_power_of_2(channels))
+
+
+def short_conv_forward(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | None,
+                       l2_norm_dim: int | None) -> torch.Tensor:
+    """``x [B, T, C]`` (any strides) -> ``y [B, T, C]`` contiguous, ``x.dtype``."""
+    batch, length, channels = x.shape
+    block = _channel_block(channels, l2_norm_dim)
+    y = torch.empty(batch, length, channels, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(length, TOKENS_PER_PROGRAM), batch, triton.cdiv(channels, block))
+    _short_conv_fwd_kernel[grid](
+        x, weight, positions if positions is not None else x, y, length, channels, *x.stride(),
+        K=weight.shape[1], BT=TOKENS_PER_PROGRAM, BC=block, HAS_POS=positions is not None,
+        L2=l2_norm_dim is not None, EPS=L2_EPS)
+    return y
+
+
+def short_conv_backward(x, weight, positions, l2_norm_dim, dy):
+    """Gradients of :func:`short_conv_forward`: ``dx`` in ``x``'s strides and dtype, ``dw``
+    ``[C, K]`` in ``weight``'s dtype."""
+    batch, length, channels = x.shape
+    block = _channel_block(channels, l2_norm_dim)
+    dy = dy.contiguous()
+    dx = torch.empty_like(x)  # keeps x's strides (a transposed view's gradient stays [s, b, C])
+    grid = (triton.cdiv(length, TOKENS_PER_PROGRAM), batch, triton.cdiv(channels, block))
+    dw = torch.empty(grid[0] * batch, channels, weight.shape[1], device=x.device,
+                     dtype=torch.float32)
+    _short_conv_bwd_kernel[grid](
+        x, weight, positions if positions is not None else x, dy, dx, dw, length, channels,
+        *x.stride(), *dx.stride(), K=weight.shape[1], BT=TOKENS_PER_PROGRAM, BC=block,
+        HAS_POS=positions is not None, L2=l2_norm_dim is not None, EPS=L2_EPS)
+    return dx, dw.sum(0).to(weight.dtype)
+
+
+@triton.jit
+def _gated_norm_fwd_kernel(o_ptr, g_ptr, w_ptr, y_ptr, T, H, sob, sot, soh, sgb, sgt, sgh,
+                           syb, syt, syh, W_PER_HEAD: tl.constexpr, D: tl.constexpr,
+                           BT: tl.constexpr, EPS: tl.constexpr):
+    t_block, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = t_block * BT + tl.arange(0, BT)
+    cols = tl.arange(0, D)
+    ok = (rows < T)[:, None]
+    o = tl.load(o_ptr + b * sob + rows[:, None] * sot + h * soh + cols[None, :], mask=ok,
+                other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + b * sgb + rows[:, None] * sgt + h * sgh + cols[None, :], mask=ok,
+                other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + W_PER_HEAD * h * D + cols).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / D + EPS)
+    y = o * r[:, None] * w[None, :] * (g * tl.sigmoid(g))
+    tl.store(y_ptr + b * syb + rows[:, None] * syt + h * syh + cols[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gated_norm_bwd_kernel(o_ptr, g_ptr, w_ptr, dy_ptr, do_ptr, dg_ptr, dw_ptr, T, H,
+                           sob, sot, soh, sgb, sgt, sgh, syb, syt, syh, sdob, sdot, sdoh,
+                           sdgb, sdgt, sdgh, W_PER_HEAD: tl.constexpr, D: tl.constexpr,
+                           BT: tl.constexpr, EPS: tl.constexpr):
+    t_block, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = t_block * BT + tl.arange(0, BT)
+    cols = tl.arange(0, D)
+    ok = (rows < T)[:, None]
+    o = tl.load(o_ptr + b * sob + rows[:, None] * sot + h * soh + cols[None, :], mask=ok,
+                other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + b * sgb + rows[:, None] * sgt + h * sgh + cols[None, :], mask=ok,
+                other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + b * syb + rows[:, None] * syt + h * syh + cols[None, :], mask=ok,
+                 other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + W_PER_HEAD * h * D + cols).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / D + EPS)
+    xhat = o * r[:, None]
+    sig = tl.sigmoid(g)
+    gate = g * sig
+    dxhat = dy * w[None, :] * gate
+    do = r[:, None] * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=1) / D)[:, None])
+    dg = dy * xhat * w[None, :] * sig * (1.0 + g * (1.0 - sig))
+    tl.store(do_ptr + b * sdob + rows[:, None] * sdot + h * sdoh + cols[None, :],
+             do.to(do_ptr.dtype.element_ty), mask=ok)
+    tl.store(dg_ptr + b * sdgb + rows[:, None] * sdgt + h * sdgh + cols[None, :],
+             dg.to(dg_ptr.dtype.element_ty), mask=ok)
+    program = b * tl.num_programs(0) + t_block
+    tl.store(dw_ptr + (program * H + h) * D + cols, tl.sum(dy * xhat * gate, axis=0))
+
+
+def _heads(t: torch.Tensor) -> tuple[int, int, int]:
+    """Strides (batch, token, head) of a ``[B, T, H, D]`` tensor whose last dim is dense."""
+    assert t.stride(-1) == 1, "the channel dim must be contiguous"
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _check_head_dim(dim: int) -> None:
+    if dim & (dim - 1):
+        raise ValueError(f"gated_rms_norm: the head dim ({dim}) must be a power of two")
+
+
+def gated_rms_norm_forward(o, weight, gate, eps, out):
+    """Writes ``rmsnorm(o) * weight * silu(gate)`` into ``out`` (all ``[B, T, H, D]`` views)."""
+    batch, length, heads, dim = o.shape
+    _check_head_dim(dim)
+    grid = (triton.cdiv(length, TOKENS_PER_PROGRAM), batch, heads)
+    _gated_norm_fwd_kernel[grid](o, gate, weight, out, length, heads, *_heads(o), *_heads(gate),
+                                 *_heads(out), W_PER_HEAD=int(weight.dim() == 2), D=dim,
+                                 BT=TOKENS_PER_PROGRAM, EPS=eps)
+    return out
+
+
+def gated_rms_norm_backward(o, weight, gate, eps, dy):
+    """Gradients of :func:`gated_rms_norm_forward`: ``do`` and ``dgate`` in the strides of ``o``
+    and ``gate``, ``dweight`` in ``weight``'s shape and dtype."""
+    batch, length, heads, dim = o.shape
+    do, dgate = torch.empty_like(o), torch.empty_like(gate)
+    grid = (triton.cdiv(length, TOKENS_PER_PROGRAM), batch, heads)
+    dw = torch.empty(grid[0] * batch, heads, dim, device=o.device, dtype=torch.float32)
+    _gated_norm_bwd_kernel[grid](o, gate, weight, dy, do, dgate, dw, length, heads, *_heads(o),
+                                 *_heads(gate), *_heads(dy), *_heads(do), *_heads(dgate),
+                                 W_PER_HEAD=int(weight.dim() == 2), D=dim, BT=TOKENS_PER_PROGRAM,
+                                 EPS=eps)
+    dw = dw.sum(0)
+    return do, dgate, (dw if weight.dim() == 2 else dw.sum(0)).to(weight.dtype)

@@ -1,0 +1,54 @@
+"""The fused layer kernels (kernels/fused/triton.py) on Triton's CPU interpreter, forward and
+backward against the fp32 reference, every load and store checked to stay inside its tensors:
+this file run as a script runs tests/gpu/test_fused_layer_ops.py's first-use cases in fp32 and
+bf16 and one long case. Skipped where Triton is not installed. ~20 s on two cores."""
+import time
+
+import torch
+
+import triton_interpreter
+from triton_interpreter import needs_triton
+
+
+def main() -> None:
+    triton_interpreter.setup()
+    checks = triton_interpreter.gpu_checks("test_fused_layer_ops")
+    for dtype in (torch.float32, torch.bfloat16):
+        start = time.perf_counter()
+        errors = checks.check_first_use_cases("cpu", dtype)
+        print(f"first-use cases {dtype}: worst {max(errors.values()):.1e} "
+              f"({time.perf_counter() - start:.1f} s)", flush=True)
+    errors = checks.check_large((1, 70, 64, 32), "cpu", torch.float32)
+    print(f"long case: worst {max(errors.values()):.1e}")
+    print("all interpreter cases passed")
+
+
+@needs_triton
+def test_kernels_on_the_interpreter():
+    triton_interpreter.run_as_script(__file__)
+
+
+def test_reference_conv_is_torch_conv1d_per_sequence():
+    """The reference short conv equals torch's Conv1d (causal padding, depthwise) + SiLU run on
+    each packed sequence separately; the L2 variant has unit-norm heads."""
+    import torch.nn.functional as F
+
+    from megatron_ext.kernels.fused import reference
+
+    gen = torch.Generator().manual_seed(0)
+    lengths, channels, width = (3, 9, 1, 6), 8, 4
+    x = torch.randn(1, sum(lengths), channels, generator=gen)
+    w = torch.randn(channels, width, generator=gen)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    positions = reference.sequence_positions(cu_seqlens, sum(lengths), "cpu")
+    expected = torch.cat([
+        F.silu(F.conv1d(F.pad(piece.transpose(1, 2), (width - 1, 0)), w.unsqueeze(1),
+                        groups=channels)).transpose(1, 2)
+        for piece in x.split(lengths, dim=1)], dim=1)
+    torch.testing.assert_close(reference.short_conv(x, w, positions), expected)
+    normed = reference.short_conv(x, w, positions, l2_norm_dim=4).unflatten(-1, (2, 4))
+    torch.testing.assert_close(normed.norm(dim=-1), torch.ones(1, sum(lengths), 2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The fused layer kernels (kernels/fused/triton.py: short conv + SiLU + L2 norm, gated RMSNorm)
+against their fp32 reference, forward and backward, on a GPU; ``check_*`` take a device so that
+tests/cpu/test_triton_interpret_fused.py runs the same checks on Triton's CPU interpreter."""
+import pytest
+import torch
+
+from megatron_ext.kernels.fused import ops, reference
+
+pytestmark = pytest.mark.gpu
+
+# The first-use check's cases (T = 45 across the 32-token blocks, packed sequences of 5, 33 and
+# 7 tokens, a transposed [s, b, C] input, per-head and shared norm weights) and, at the 350M
+# preset's sizes, a long sequence: 4 key heads of 64 with the L2 norm, 16 value heads of 64.
+LARGE_CASES = [  # (batch, length, channels, l2 head dim or None)
+    (2, 4099, 256, 64),
+    (1, 4096, 1024, None),
+    (2, 1000, 512, 128),
+]
+
+
+def check_first_use_cases(device, dtype) -> dict[str, float]:
+    errors = ops.check_errors(device, dtype)
+    over = {k: v for k, v in errors.items() if not v <= ops.CHECK_TOLERANCE[dtype]}
+    assert not over, over
+    return errors
+
+
+def check_large(case, device, dtype=torch.bfloat16) -> dict[str, float]:
+    """Output and gradients of the Triton short conv on a transposed [s, b, C] input against
+    the fp32 reference (on the same device), and the input gradient's strides."""
+    from megatron_ext.kernels.selfcheck import relative_error
+
+    batch, length, channels, l2 = case
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(length, batch, channels, generator=gen).to(device, dtype).transpose(0, 1)
+    w = (torch.randn(channels, 4, generator=gen) * 0.5).to(device, dtype)
+    probe = torch.randn(batch, length, channels, generator=gen).to(device)
+    results = []
+    for fast in (True, False):
+        xi = (x if fast else x.float()).detach().clone().requires_grad_()
+        wi = (w if fast else w.float()).detach().clone().requires_grad_()
+        y = (ops.short_conv(xi, wi, None, l2, backend="triton") if fast
+             else reference.short_conv(xi, wi, None, l2))
+        (y.float() * probe).sum().backward()
+        results.append((y, xi.grad, wi.grad))
+    assert results[0][1].stride() == x.stride()  # the gradient stays in Megatron's layout
+    errors = {name: relative_error(a.float(), b.float())
+              for name, a, b in zip(("y", "dx", "dw"), *results)}
+    over = {k: v for k, v in errors.items() if not v <= ops.CHECK_TOLERANCE[dtype]}
+    assert not over, (case, over)
+    return errors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_use_cases(dtype):
+    check_first_use_cases("cuda", dtype)
+
+
+@pytest.mark.parametrize("case", LARGE_CASES)
+def test_large(case):
+    check_large(case, "cuda")
+
+
+def test_auto_runs_triton_after_its_check():
+    assert ops.first_use_check(torch.device("cuda", 0), torch.bfloat16)
