@@ -6,10 +6,11 @@ For every preset, pattern and sequence length T, one run of ``--iterations`` ite
 the rest). It records, per run:
 
 - ``ms_per_iteration``: the median of Megatron's own "elapsed time per iteration" over the
-  iterations after the first ``--warmup`` and before the profiled one; ``tokens_per_s`` from it;
+  iterations after the first ``--warmup`` and before the two next to the profiled one (the
+  profiler slows those); ``tokens_per_s`` from it;
 - ``peak_gib``: Megatron's "max allocated" memory report;
 - ``mfu``: model FLOPs per token (:func:`model_flops_per_token`) x tokens/s / ``--peak-tflops``;
-- ``breakdown``: the GPU time of one iteration (``--profile-iteration``, profiled by Megatron's
+- ``breakdown``: the GPU time of the last iteration (profiled by Megatron's
   ``--profile --use-pytorch-profiler``) by kernel category (:func:`category`), in ms, and
   ``idle`` = the timed iterations' median minus the GPU's busy time (time the GPU waits for
   the host).
@@ -185,7 +186,8 @@ def run_one(preset: str, pattern: str | None, seq_length: int, args) -> dict:
            else ",".join(settings.ext.pattern), "seq_length": seq_length, "micro_batch": micro,
            "global_batch": global_batch, "returncode": returncode,
            "wall_s": round(time.time() - start, 1), "log": log_path.name}
-    timed = [times[i] for i in sorted(times) if args.warmup < i < profile_at - 1]
+    # The profiler starts a step early (its warm-up) and slows the iterations next to it.
+    timed = [times[i] for i in sorted(times) if args.warmup < i < profile_at - 2]
     if returncode != 0 or not timed:
         row["error"] = f"exit {returncode}; see {log_path}"
         return row
@@ -200,6 +202,9 @@ def run_one(preset: str, pattern: str | None, seq_length: int, args) -> dict:
     traces = sorted((run_dir / "torch_profile").glob("*.json.gz"))
     if traces:
         row["breakdown"] = breakdown(traces[-1], ms)
+        if args.keep_traces:
+            pathlib.Path(args.keep_traces).mkdir(parents=True, exist_ok=True)
+            shutil.copy(traces[-1], pathlib.Path(args.keep_traces) / f"{name}.json.gz")
     shutil.rmtree(run_dir, ignore_errors=True)
     return row
 
@@ -249,12 +254,16 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-lengths", default="4096,16384")
     parser.add_argument("--tokens-per-micro-batch", type=int, default=16384)
     parser.add_argument("--tokens-per-iteration", type=int, default=65536)
-    parser.add_argument("--iterations", type=int, default=8, help="timed iterations + warm-up")
+    parser.add_argument("--iterations", type=int, default=10,
+                        help="iterations before the profiled one: --warmup, the timed ones, and "
+                             "two next to the profiler's start")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="dense bf16 peak of one GPU (H100/H200 SXM: 989)")
     parser.add_argument("--scratch", default="runs/throughput")
     parser.add_argument("--log-dir", default="runs/throughput/logs")
+    parser.add_argument("--keep-traces", default=None, metavar="DIR",
+                        help="keep each run's profiled-iteration trace (Chrome JSON) in DIR")
     parser.add_argument("--out", required=True)
     parser.add_argument("megatron_args", nargs=argparse.REMAINDER,
                         help="after --: extra Megatron flags for every run")
