@@ -424,7 +424,8 @@ def global_grads(chunks, config):
             if parts[:2] == ["decoder", "layers"]:
                 parts[2] = str(int(parts[2]) + offset)
             grads[".".join(parts)] = (p.grad.cpu().clone(), getattr(p, "partition_dim", None)
-                                      if getattr(p, "tensor_model_parallel", False) else None)
+                                      if getattr(p, "tensor_model_parallel", False) else None,
+                                      getattr(p, "fused_part_sizes", None))
     return grads
 
 
@@ -492,11 +493,16 @@ def merge_layout(results):
     merged = {}
     for name in {n for r in results for n in r["grads"]}:
         owners = sorted((r for r in results if name in r["grads"]), key=lambda r: r["tp_rank"])
-        dim = owners[0]["grads"][name][1]
+        _, dim, part_sizes = owners[0]["grads"][name]
         shards = [r["grads"][name][0] for r in owners]
-        merged[name] = shards[0] if dim is None else torch.cat(
-            [shards[i] for i in sorted({r["tp_rank"]: i for i, r in enumerate(owners)}.values())],
-            dim=dim)
+        shards = [shards[i] for i in sorted({r["tp_rank"]: i for i, r in enumerate(owners)}.values())]
+        if dim is None:
+            merged[name] = shards[0]
+        elif part_sizes is None:
+            merged[name] = torch.cat(shards, dim=dim)
+        else:  # a fused projection: each rank holds its slice of every part, in order
+            pieces = [shard.split(part_sizes, dim=dim) for shard in shards]
+            merged[name] = torch.cat([torch.cat(part, dim=dim) for part in zip(*pieces)], dim=dim)
     return losses, merged
 
 

@@ -73,7 +73,8 @@ _fwd_output, _bwd_scores and _bwd_qkg (8 in those two in fp32), 8 for the others
 capped at K or V): BK = 32 in _fwd_scores and _bwd_qkg (16 in _bwd_qkg with a per-channel decay),
 else 64; BV = 32 in _bwd_scores, min(64, 4096 / K) in _fwd_state, 64 in _bwd_state up to K = 128
 in bf16 and fp16 (else as in _fwd_state: at K = 256 and BV = 32 it would need 244 KB of shared
-memory), else 64. These were chosen so that ptxas spills nothing or little (at most ~150 bytes
+memory), else 64; the two state kernels' BV then halves (down to 16) while (sequences x value
+heads x V / BV) programs fit on the SMs (``_parallel_block``). These were chosen so that ptxas spills nothing or little (at most ~150 bytes
 per thread) for sm_90 in bf16 with K, V of 64, 128 and 256 (compiled without a GPU). The fp32
 path, whose dots run on FMA units, spills a lot (_bwd_qkg and _fwd_scores with a per-channel
 decay ~1 KB per thread at 8 warps, _bwd_qkg 24 KB and _bwd_scores 8 to 15 KB at 4, hence 8;
@@ -844,15 +845,31 @@ class _Config:
         self.qkg_warps = 8 if fp32 else 4  # _bwd_qkg
         self.score_block_v = min(value_dim, 32)  # _bwd_scores
         self.score_warps = 8 if fp32 else 4  # _bwd_scores
-        self.state_block_v = min(value_dim, 64, max(16, 4096 // key_dim))  # _fwd_state
+        state_block_v = min(value_dim, 64, max(16, 4096 // key_dim))  # _fwd_state
         # _bwd_state: 64 up to K = 128 on tensor cores (at K = 256 the shared memory would not fit)
-        self.bwd_state_block_v = self.state_block_v if fp32 or key_dim > 128 else min(value_dim, 64)
+        bwd_state_block_v = state_block_v if fp32 or key_dim > 128 else min(value_dim, 64)
+        # The state kernels walk each sequence's chunks in one program per (sequence, head, value
+        # tile); with few sequences and heads (B = 1 at long T) most SMs would idle, so the value
+        # tile narrows (down to 16) while the programs still fit on the SMs at once.
+        programs = self.num_states * self.value_heads
+        self.state_block_v = _parallel_block(state_block_v, value_dim, programs, q.device)
+        self.bwd_state_block_v = _parallel_block(bwd_state_block_v, value_dim, programs, q.device)
 
     def empty(self, *shape, dtype=None):
         """A new tensor on the device, [tokens, Hv, *shape] (no shape: one value per token), in the
         dot dtype unless given."""
         return torch.empty(self.tokens, self.value_heads, *shape, device=self.bounds.device,
                            dtype=dtype or self.store_dtype)
+
+
+def _parallel_block(block_v: int, value_dim: int, programs: int, device) -> int:
+    """The widest value tile <= block_v (a power of two >= 16) at which ``programs`` x the value
+    tiles still fit on the device's SMs, or block_v where even it does not."""
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count
+           if device.type == "cuda" else 128)  # the interpreter: as a GPU of 128 SMs
+    while block_v > 16 and programs * (value_dim // (block_v // 2)) <= sms:
+        block_v //= 2
+    return block_v
 
 
 def _flat(tensor):

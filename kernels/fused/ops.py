@@ -122,8 +122,8 @@ def first_use_check(device: torch.device, dtype: torch.dtype) -> bool:
 def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
     """Relative errors of the Triton kernels against the fp32 reference, forward and backward:
     the short convolution over a transposed ``[s, b, C]`` input (T = 45, odd and across the
-    kernels' token blocks), with and without the L2 norm, and on three packed sequences (5, 33
-    and 7 tokens); the gated RMSNorm with per-head and shared weights, both output layouts."""
+    kernels' token blocks), with and without the L2 norm, over a slice of a wider projection,
+    and on three packed sequences (5, 33 and 7 tokens); the gated RMSNorm with per-head and shared weights, both output layouts."""
     from ..selfcheck import relative_error
 
     device = torch.device(device)
@@ -149,11 +149,13 @@ def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
 
     batch, length, heads, dim = 2, 45, 3, 16
     x = randn(length, batch, heads * dim).transpose(0, 1)  # Megatron's layout, read in place
+    # A part of a fused projection's output: a strided slice of [s, b, wider].
+    part = randn(length, batch, 8 + heads * dim)[..., 8:].transpose(0, 1)
     weight = randn(heads * dim, 4, scale=0.5)
-    for l2 in (None, dim):
-        compare(f"short_conv l2={l2}",
+    for l2, inputs in ((None, x), (dim, x), (dim, part)):
+        compare(f"short_conv l2={l2}{' slice' if inputs is part else ''}",
                 lambda x, w: short_conv(x, w, None, l2, backend="triton"),
-                lambda x, w: reference.short_conv(x, w, None, l2), [x, weight])
+                lambda x, w: reference.short_conv(x, w, None, l2), [inputs, weight])
     cu_seqlens = torch.tensor([0, 5, 38, 45], dtype=torch.int32)
     positions = reference.sequence_positions(cu_seqlens, length, "cpu")
     compare("short_conv packed",

@@ -135,7 +135,7 @@ def short_conv_backward(x, weight, positions, l2_norm_dim, dy):
     batch, length, channels = x.shape
     block = _channel_block(channels, l2_norm_dim)
     dy = dy.contiguous()
-    dx = torch.empty_like(x)  # keeps x's strides (a transposed view's gradient stays [s, b, C])
+    dx = empty_in_order_of(x)
     grid = (triton.cdiv(length, TOKENS_PER_PROGRAM), batch, triton.cdiv(channels, block))
     dw = torch.empty(grid[0] * batch, channels, weight.shape[1], device=x.device,
                      dtype=torch.float32)
@@ -196,6 +196,16 @@ def _gated_norm_bwd_kernel(o_ptr, g_ptr, w_ptr, dy_ptr, do_ptr, dg_ptr, dw_ptr, 
     tl.store(dw_ptr + (program * H + h) * D + cols, tl.sum(dy * xhat * gate, axis=0))
 
 
+def empty_in_order_of(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of ``t``'s shape, dense, with its first two dims in ``t``'s memory order:
+    the gradient of a view of Megatron's ``[s, b, C]`` (a transposed view, or a slice of a fused
+    projection's output) comes back sequence-first, as the projection's backward wants it."""
+    if t.dim() >= 2 and t.stride(0) < t.stride(1):
+        return torch.empty(t.shape[1], t.shape[0], *t.shape[2:], device=t.device,
+                           dtype=t.dtype).transpose(0, 1)
+    return torch.empty(t.shape, device=t.device, dtype=t.dtype)
+
+
 def _heads(t: torch.Tensor) -> tuple[int, int, int]:
     """Strides (batch, token, head) of a ``[B, T, H, D]`` tensor whose last dim is dense."""
     assert t.stride(-1) == 1, "the channel dim must be contiguous"
@@ -222,7 +232,7 @@ def gated_rms_norm_backward(o, weight, gate, eps, dy):
     """Gradients of :func:`gated_rms_norm_forward`: ``do`` and ``dgate`` in the strides of ``o``
     and ``gate``, ``dweight`` in ``weight``'s shape and dtype."""
     batch, length, heads, dim = o.shape
-    do, dgate = torch.empty_like(o), torch.empty_like(gate)
+    do, dgate = empty_in_order_of(o), empty_in_order_of(gate)
     grid = (triton.cdiv(length, TOKENS_PER_PROGRAM), batch, heads)
     dw = torch.empty(grid[0] * batch, heads, dim, device=o.device, dtype=torch.float32)
     _gated_norm_bwd_kernel[grid](o, gate, weight, dy, do, dgate, dw, length, heads, *_heads(o),

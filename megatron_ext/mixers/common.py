@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from megatron.core.ssm.utils import _split_tensor_factory  # megatron-core's TP split map
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
@@ -42,6 +43,44 @@ class HeadShardedMixer(MegatronModule):
         self.tp_size = self.tp_group.size() if self.tp_group is not None else 1
         self.tp_rank = self.tp_group.rank() if self.tp_group is not None else 0
         self._tp_sharded: list[str] = []
+        self._fused_splits: dict[str, dict[str, int]] = {}  # projection -> part -> local width
+
+    def fused_column(self, name: str, in_size: int, parts: dict[str, int]):
+        """One column-parallel projection for several outputs of the same input (one GEMM, and
+        under SP one all-gather): ``parts`` maps each output's name to its width over all TP
+        ranks. Each rank's weight rows are its slices of the parts, in order (``[q_r | k_r |
+        v_r | ...]``); apply with :meth:`split_outputs`. Checkpoints save every part as its own
+        TP-sharded tensor (``<weight key>.<part>``), so they reshard across TP sizes."""
+        from megatron_ext.config import ConfigError
+
+        for part, size in parts.items():
+            if size % self.tp_size:
+                raise ConfigError(f"the {part} projection's width {size} is not divisible by "
+                                  f"tensor_model_parallel_size={self.tp_size}")
+        local = {part: size // self.tp_size for part, size in parts.items()}
+        linear = self.column(name, in_size, sum(parts.values()))
+        if self.config.perform_initialization and self.config.use_cpu_initialization:
+            # Megatron's CPU initialisation slices one master weight into contiguous blocks; draw
+            # each part at full size and keep this rank's slice instead, so that every TP size
+            # starts from the same model (as the separate projections did).
+            with torch.no_grad():
+                masters = []
+                for size in parts.values():
+                    master = torch.empty(size, in_size, dtype=torch.float32)
+                    self.config.init_method(master)
+                    masters.append(master.chunk(self.tp_size)[self.tp_rank])
+                linear.weight.copy_(torch.cat(masters))
+        self._fused_splits[name] = local
+        # The layout of the rows, for tools that gather TP shards (Megatron's partition_dim
+        # alone would concatenate the ranks' blocks, not the parts).
+        linear.weight.fused_part_sizes = tuple(local.values())
+        return linear
+
+    def split_outputs(self, name: str, output: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The parts of the fused projection ``name``'s output ``[s, b, sum of widths]``, as
+        views by part name."""
+        local = self._fused_splits[name]
+        return dict(zip(local, output.split(list(local.values()), dim=-1)))
 
     def column(self, name: str, in_size: int, out_size: int, gather_output: bool = False,
                config=None):
@@ -117,6 +156,9 @@ class HeadShardedMixer(MegatronModule):
         for name, child in self.named_children():
             sharded.update(sharded_state_dict_default(
                 child, f"{prefix}{name}.", sharded_offsets, metadata, tp_group=self.tp_group))
+        for name, local in self._fused_splits.items():
+            key = f"{prefix}{name}.weight"
+            sharded[key] = _split_tensor_factory(sharded[key], list(local.values()), list(local), 0)
         return sharded
 
 

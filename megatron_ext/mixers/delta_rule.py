@@ -16,18 +16,20 @@ variant                       decay ``g``                 erase ``b`` / write ``
 
 Decays follow Mamba-2 / GDN: ``g = -exp(A_log) * softplus(a + dt_bias)`` with ``A_log`` per head
 and, per key channel, ``a`` from a low-rank projection ``x W_down W_up`` as in Kimi Linear.
-Around the op: q, k, v projections, each through a short causal depthwise convolution and
-SiLU; q and k L2-normalised per head; a per-head RMSNorm gated by ``silu(x W_z)``; the output
-projection. (KDA's paper gates its output with a low-rank sigmoid; we use GDN's full-rank SiLU
+Around the op: one fused input projection (q, k, v, the output gate, the erase/write gates and
+GDN's decay); q, k and v each through a short causal depthwise convolution and SiLU, q and k
+L2-normalised per head, in one kernel per tensor (:mod:`megatron_ext.kernels.fused`); a per-head
+RMSNorm gated by ``silu(x W_z)`` (one kernel, which also writes Megatron's ``[s, b, h]``
+layout); the output projection. (KDA's paper gates its output with a low-rank sigmoid; we use GDN's full-rank SiLU
 gate for all four, so that they differ only in the recurrence.)
 
-Tensor parallelism splits heads: every projection is column-parallel over heads and the output
-projection row-parallel; the per-head parameters (``A_log``, ``dt_bias``, conv weights,
+Tensor parallelism splits heads: the input projections are column-parallel over heads (each
+rank's rows of the fused one are its slices of every part, and checkpoints store the parts as
+separate TP-sharded tensors, so they reshard across TP sizes) and the output projection
+row-parallel; the per-head parameters (``A_log``, ``dt_bias``, conv weights,
 output-norm weight) are sharded with their heads, so no gradient needs a TP all-reduce (hence
 one output-norm weight per value head, where fla-core shares one over heads). The low-rank
-decay projection's first factor is column-parallel with its output gathered. Separate
-projections, rather than one fused matrix, keep each TP shard a plain slice of the full weight,
-so checkpoints reshard across TP sizes without split factories.
+decay projection's first factor is column-parallel with its output gathered.
 
 Context parallelism (``context_parallel_size > 1``, Megatron's load-balanced layout): the
 convolutions take their halo from the neighbouring chunks, and the op runs under
@@ -103,18 +105,17 @@ class DeltaRuleMixer(HeadShardedMixer):
         # Per-channel decays act on the key channels of each value head.
         decay_size = value_heads * self.key_dim if per_channel_decay else value_heads
 
-        self.linear_q = self.column("delta_q", h, qk_size)
-        self.linear_k = self.column("delta_k", h, qk_size)
-        self.linear_v = self.column("delta_v", h, v_size)
-        self.linear_gate = self.column("delta_gate", h, v_size)
+        # One input projection for q, k, v, the output gate, the erase/write gates and, for GDN,
+        # the per-head decay (its TP split map in HeadShardedMixer.fused_column).
+        parts = {"q": qk_size, "k": qk_size, "v": v_size, "gate": v_size}
         if variant == "gated_deltanet2":
-            self.linear_erase = self.column("delta_erase", h, value_heads * self.key_dim)
-            self.linear_write = self.column("delta_write", h, v_size)
+            parts.update(erase=value_heads * self.key_dim, write=v_size)
         else:
-            self.linear_beta = self.column("delta_beta", h, value_heads)
+            parts["beta"] = value_heads
         if variant == "gated_deltanet":
-            self.linear_decay = self.column("delta_decay", h, value_heads)
-        elif per_channel_decay:
+            parts["decay"] = value_heads
+        self.in_proj = self.fused_column("in_proj", h, parts)
+        if per_channel_decay:
             self.low_rank_decay_projection("delta", h, ext.linear_decay_rank or self.value_dim,
                                            decay_size)
         self.linear_out = self.row("delta_out", v_size, h)
@@ -128,14 +129,11 @@ class DeltaRuleMixer(HeadShardedMixer):
         self.sharded_parameter("out_norm_weight", torch.ones(value_heads, self.value_dim))
         self.norm_eps = config.layernorm_epsilon
 
-    def _decay(self, x: torch.Tensor, b: int, s: int) -> torch.Tensor | None:
+    def _decay(self, x: torch.Tensor, projected: dict, b: int, s: int) -> torch.Tensor | None:
         """Log-decay g: None, ``[b, s, Hv]`` or ``[b, s, Hv, K]`` (fp32, <= 0)."""
         if self.variant == "deltanet":
             return None
-        if self.variant == "gated_deltanet":
-            a, _ = self.linear_decay(x)
-        else:
-            a = self.low_rank_decay(x)
+        a = projected["decay"] if self.variant == "gated_deltanet" else self.low_rank_decay(x)
         a = a.transpose(0, 1).float().reshape(b, s, self.value_heads, -1)
         a = a + self.dt_bias.float().view(self.value_heads, -1)
         g = -self.A_log.float().exp().view(-1, 1) * F.softplus(a)
@@ -144,40 +142,39 @@ class DeltaRuleMixer(HeadShardedMixer):
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None,
                 **_unused):
         """hidden_states ``[s, b, h]`` -> (``[s, b, h]``, bias or None)."""
-        q, _ = self.linear_q(hidden_states)  # [s, b, Hk*K] (full s: SP gathers here)
-        k, _ = self.linear_k(hidden_states)
-        v, _ = self.linear_v(hidden_states)
-        gate, _ = self.linear_gate(hidden_states)
-        s, b = q.shape[:2]
+        projected, _ = self.in_proj(hidden_states)  # [s, b, widths] (full s: SP gathers here)
+        projected = self.split_outputs("in_proj", projected)
+        s, b = projected["q"].shape[:2]
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
         packed = check_sequence(self.cp, s, cu_seqlens, self.conv_q.shape[1], self.variant)
-        positions = sequence_positions(cu_seqlens, s, q.device)
+        positions = sequence_positions(cu_seqlens, s, hidden_states.device)
 
-        def sigmoid_gate(linear, per_head_channels):
-            out, _ = linear(hidden_states)
-            return torch.sigmoid(out.transpose(0, 1).float()).reshape(
+        def sigmoid_gate(name, per_head_channels):
+            return torch.sigmoid(projected[name].transpose(0, 1).float()).reshape(
                 b, s, self.value_heads, *per_head_channels)
 
-        # q and k: conv + SiLU + L2 norm per head in one kernel; bf16 in and out.
-        q = conv_silu_heads(q, self.conv_q, self.key_heads, positions, self.cp, packed, l2_norm=True)
-        k = conv_silu_heads(k, self.conv_k, self.key_heads, positions, self.cp, packed, l2_norm=True)
-        v = conv_silu_heads(v, self.conv_v, self.value_heads, positions, self.cp, packed)
+        # Conv + SiLU (+ L2 norm per head for q and k) in one kernel each, read in place.
+        q = conv_silu_heads(projected["q"], self.conv_q, self.key_heads, positions, self.cp,
+                            packed, l2_norm=True)
+        k = conv_silu_heads(projected["k"], self.conv_k, self.key_heads, positions, self.cp,
+                            packed, l2_norm=True)
+        v = conv_silu_heads(projected["v"], self.conv_v, self.value_heads, positions, self.cp, packed)
         gates = {}
         if self.variant == "gated_deltanet2":
-            gates["erase"] = sigmoid_gate(self.linear_erase, (self.key_dim,))
-            gates["write"] = sigmoid_gate(self.linear_write, (self.value_dim,))
+            gates["erase"] = sigmoid_gate("erase", (self.key_dim,))
+            gates["write"] = sigmoid_gate("write", (self.value_dim,))
         else:
-            gates["beta"] = sigmoid_gate(self.linear_beta, ())
+            gates["beta"] = sigmoid_gate("beta", ())
         o, _, *residual = linear_recurrence(
             self.cp, self.cp_method, gated_delta_rule, gated_delta_rule_summary,
-            dict(q=q, k=k, v=v, g=self._decay(hidden_states, b, s), **gates),
+            dict(q=q, k=k, v=v, g=self._decay(hidden_states, projected, b, s), **gates),
             cu_seqlens=cu_seqlens, backend=self.kernel_backend,
             return_write_residual=self.routing == "cler_h")
         if self.routing != "none":
             signal = residual[0] if self.routing == "cler_h" else v
             self.routed_signal = signal.reshape(b, s, -1).transpose(0, 1)
 
-        gate = gate.transpose(0, 1).unflatten(-1, (self.value_heads, self.value_dim))
+        gate = projected["gate"].transpose(0, 1).unflatten(-1, (self.value_heads, self.value_dim))
         o = gated_rms_norm(o.to(hidden_states.dtype), self.out_norm_weight, gate, self.norm_eps,
                            sequence_first=True)  # [s, b, value heads * V]
         return self.linear_out(o)

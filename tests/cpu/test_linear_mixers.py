@@ -63,8 +63,10 @@ def test_delta_rule_gates_have_the_shapes_of_their_variant():
     assert "A_log" not in params["deltanet"]
     assert params["gated_deltanet"]["dt_bias"].shape == (4,)          # one decay per value head
     assert params["kda"]["dt_bias"].shape == (4 * 16,)                # one per key channel
-    assert "linear_erase.weight" in params["gated_deltanet2"]
-    assert "linear_beta.weight" not in params["gated_deltanet2"]
+    parts = {v: _mixer(v)._fused_splits["in_proj"] for v in delta_rule.VARIANTS}
+    assert list(parts["gated_deltanet"]) == ["q", "k", "v", "gate", "beta", "decay"]
+    assert list(parts["kda"]) == ["q", "k", "v", "gate", "beta"]      # low-rank decay apart
+    assert list(parts["gated_deltanet2"]) == ["q", "k", "v", "gate", "erase", "write"]
 
 
 def test_bad_head_counts_fail_with_the_fix():
