@@ -265,6 +265,8 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-traces", default=None, metavar="DIR",
                         help="keep each run's profiled-iteration trace (Chrome JSON) in DIR")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--append", action="store_true",
+                        help="add the rows to --out's (another preset's sequence lengths)")
     parser.add_argument("megatron_args", nargs=argparse.REMAINDER,
                         help="after --: extra Megatron flags for every run")
     args = parser.parse_args(argv)
@@ -273,8 +275,11 @@ def main(argv=None) -> int:
     pathlib.Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"environment": environment(), "command": " ".join(sys.argv),
-              "peak_tflops": args.peak_tflops, "rows": []}
+    record = {"environment": environment(), "commands": [], "peak_tflops": args.peak_tflops,
+              "rows": []}
+    if args.append and out.exists():
+        record = json.loads(out.read_text())
+    record["commands"].append("python " + " ".join(sys.argv))
     for preset in args.presets.split(","):
         for pattern in args.patterns.split(","):
             for seq_length in (int(t) for t in args.seq_lengths.split(",")):
