@@ -5,14 +5,9 @@ Records, from Megatron's own log lines, every logged iteration's loss and time p
 then tokens/s and model FLOP utilisation (MFU), and whether the run stopped with the preemption
 exit status and resumed where it stopped. Output: ``--out`` (JSON) and the two logs next to it.
 
-MFU counts the model's FLOPs per token (``model_flops_per_token``): 6 per weight of every matrix
-multiply (the embedding lookup excluded, the output layer included), plus the token mixers'
-sequence terms (forward + backward = 3x forward): causal softmax attention
-``6 * T * heads * head_dim`` per layer (half of the full T x T scores), and for a chunked linear
-recurrence per head ``3 * (6 * K * V + 2 * C * (2 * K + V))`` (the state read, the state update and
-the UT-transform correction, ``2 K V`` each, plus the in-chunk scores and their use over chunks of
-C = 64); sparse softmax layers (MoBA, NSA) are counted as dense causal attention, an upper
-bound. It is divided by the GPU's dense bf16 peak (``--peak-tflops``, 989 for an H100/H200 SXM).
+MFU counts the model's FLOPs per token by ``throughput.model_flops_per_token`` (its module
+docstring states the formula), divided by the GPU's dense bf16 peak (``--peak-tflops``, 989 for
+an H100/H200 SXM).
 
     python benchmarks/pretrain_run.py --preset hybrid-350m --steps 300 --stop-at 150 \\
         --out benchmarks/results/pretrain_350m_h200.json -- --global-batch-size 8
@@ -31,8 +26,9 @@ import sys
 import threading
 import time
 
+from throughput import model_flops_per_token  # benchmarks/throughput.py
+
 from megatron_ext.launch.presets import load_settings, parameter_count
-from megatron_ext.pattern import expand_pattern
 from megatron_ext.train import PREEMPTED_EXIT_CODE
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)")
@@ -43,29 +39,10 @@ FIELDS = {
     "global_batch_size": re.compile(r"global batch size:\s+(\d+)"),
 }
 MEMORY = re.compile(r"max allocated: ([\d.]+)")
-CHUNK = 64
 
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def model_flops_per_token(preset: str, vocab_size: int) -> float:
-    """Training FLOPs per token of a preset (see the module docstring)."""
-    settings = load_settings(preset)
-    m, ext = settings.model, settings.ext
-    matmul_weights = parameter_count(preset) - vocab_size * m.hidden_size  # embedding lookup out
-    flops = 6.0 * matmul_weights
-    head_dim = m.hidden_size // m.num_attention_heads
-    for mixer in expand_pattern(ext.pattern, m.num_layers):
-        if mixer.self_attention:  # sparse softmax layers too, as dense (an upper bound)
-            flops += 6.0 * m.seq_length * m.num_attention_heads * head_dim
-        else:
-            heads = ext.linear_num_value_heads or m.num_attention_heads
-            key_dim = ext.linear_key_head_dim or head_dim
-            value_dim = ext.linear_value_head_dim or head_dim
-            flops += heads * 3 * (6 * key_dim * value_dim + 2 * CHUNK * (2 * key_dim + value_dim))
-    return flops
 
 
 def run_phase(command: list[str], log_path: pathlib.Path, stop_at: int | None,
@@ -157,7 +134,7 @@ def main(argv=None) -> int:
         batch = timed[-1].get("global_batch_size", settings.train.global_batch_size)
         ms = statistics.median(r["ms_per_iteration"] for r in timed)
         tokens_per_s = batch * settings.model.seq_length / (ms / 1e3)
-        flops = model_flops_per_token(args.preset, settings.data.vocab_size)
+        flops = model_flops_per_token(settings)
         summary.update(global_batch_size=batch, median_ms_per_iteration=ms,
                        tokens_per_s=round(tokens_per_s), model_flops_per_token=flops,
                        model_tflops_per_gpu=round(flops * tokens_per_s / 1e12, 1),
