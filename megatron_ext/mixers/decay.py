@@ -11,13 +11,15 @@ where q, k, v and the decay come from:
   ``exp(-slope_h * (1 - (l-1)/(L-1) + 1e-5))`` with ALiBi slopes ``2^(-8 (h+1) / H)`` and the
   layer's position l of L; SiLU feature maps on q and k.
 
-Around the op (all three): q, k, v projections, a per-head RMSNorm gated by ``silu(x W_z)`` and
-the output projection. :class:`Mamba2Mixer` keeps Mamba-2's own layout (z, x, B, C, dt; a
-causal convolution over x, B and C; ``A`` per head; ``D`` skip) on the same op: Dao & Gu,
-"Transformers are SSMs" (ICML 2024).
+Around the op (all three): one fused input projection (q, k, v and the output gate), a per-head
+RMSNorm gated by ``silu(x W_z)`` (one kernel, :mod:`megatron_ext.kernels.fused`) and the output
+projection. :class:`Mamba2Mixer` keeps Mamba-2's own layout (one fused projection to z, x, B, C
+and dt; a causal convolution + SiLU over x, B and C; ``A`` per head; ``D`` skip) on the same op:
+Dao & Gu, "Transformers are SSMs" (ICML 2024).
 
-Tensor parallelism splits heads (and Mamba-2's B/C groups); per-head raw parameters are sharded
-with their heads (see :class:`~megatron_ext.mixers.common.HeadShardedMixer`). Context
+Tensor parallelism splits heads (and Mamba-2's B/C groups); the fused projections' rows and the
+per-head raw parameters are sharded with their heads (see
+:class:`~megatron_ext.mixers.common.HeadShardedMixer`). Context
 parallelism: as in :mod:`megatron_ext.mixers.delta_rule` (convolution halo for Mamba-2; state
 passing or all-to-all around the op, :mod:`megatron_ext.parallel.linear`).
 """
@@ -70,10 +72,8 @@ class DecayMixer(HeadShardedMixer):
         h = config.hidden_size
         qk_size, v_size = heads * self.key_dim, heads * self.value_dim
 
-        self.linear_q = self.column("decay_q", h, qk_size)
-        self.linear_k = self.column("decay_k", h, qk_size)
-        self.linear_v = self.column("decay_v", h, v_size)
-        self.linear_gate = self.column("decay_gate", h, v_size)
+        self.in_proj = self.fused_column("in_proj", h, {"q": qk_size, "k": qk_size,
+                                                         "v": v_size, "gate": v_size})
         self.linear_out = self.row("decay_out", v_size, h)
         if variant == "gla":
             self.low_rank_decay_projection("gla", h, ext.linear_decay_rank or 16, qk_size)
@@ -93,10 +93,8 @@ class DecayMixer(HeadShardedMixer):
         self.norm_eps = config.layernorm_epsilon
 
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **_unused):
-        q, _ = self.linear_q(hidden_states)
-        k, _ = self.linear_k(hidden_states)
-        v, _ = self.linear_v(hidden_states)
-        gate, _ = self.linear_gate(hidden_states)
+        projected, _ = self.in_proj(hidden_states)  # [s, b, widths] (full s: SP gathers here)
+        q, k, v, gate = self.split_outputs("in_proj", projected).values()
         s, b = q.shape[:2]
 
         def to_heads(x):
@@ -151,11 +149,8 @@ class Mamba2Mixer(HeadShardedMixer):
         check_heads(self.cp, self.cp_method, "mamba2", heads=self.heads, groups=self.groups)
         inner, bc_size = heads * self.head_dim, groups * self.state_dim
 
-        self.linear_z = self.column("mamba_z", h, inner)
-        self.linear_x = self.column("mamba_x", h, inner)
-        self.linear_B = self.column("mamba_B", h, bc_size)
-        self.linear_C = self.column("mamba_C", h, bc_size)
-        self.linear_dt = self.column("mamba_dt", h, heads)
+        self.in_proj = self.fused_column("in_proj", h, {"z": inner, "x": inner, "B": bc_size,
+                                                         "C": bc_size, "dt": heads})
         self.linear_out = self.row("mamba_out", inner, h)
         kernel = ext_config.linear_conv_kernel
         self.conv_x = self.conv_parameter("conv_x", inner, kernel)
@@ -167,11 +162,8 @@ class Mamba2Mixer(HeadShardedMixer):
         self.norm_eps = config.layernorm_epsilon
 
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **_unused):
-        z, _ = self.linear_z(hidden_states)
-        x, _ = self.linear_x(hidden_states)
-        B, _ = self.linear_B(hidden_states)
-        C, _ = self.linear_C(hidden_states)
-        dt, _ = self.linear_dt(hidden_states)
+        projected, _ = self.in_proj(hidden_states)  # [s, b, widths] (full s: SP gathers here)
+        z, x, B, C, dt = self.split_outputs("in_proj", projected).values()
         s, b = x.shape[:2]
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
         packed = check_sequence(self.cp, s, cu_seqlens, self.conv_x.shape[1], "mamba2")

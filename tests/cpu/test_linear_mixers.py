@@ -92,17 +92,19 @@ def test_mamba2_equals_the_ssm_recurrence_written_out():
     hidden = torch.randn(9, 1, 64)
     out, _ = m(hidden)
 
-    def proj(linear):
-        return linear(hidden)[0][:, 0].float()  # [s, C]
+    parts = m.split_outputs("in_proj", m.in_proj(hidden)[0])
+
+    def proj(name):
+        return parts[name][:, 0].float()  # [s, C]
 
     def conv(t, w):
         return F.silu(F.conv1d(t.T[None], w[:, None], padding=w.shape[1] - 1,
                                groups=w.shape[0])[0, :, : t.shape[0]].T)
 
-    x = conv(proj(m.linear_x), m.conv_x).view(9, m.heads, m.head_dim)
-    B = conv(proj(m.linear_B), m.conv_B).view(9, m.groups, m.state_dim)
-    C = conv(proj(m.linear_C), m.conv_C).view(9, m.groups, m.state_dim)
-    dt = F.softplus(proj(m.linear_dt) + m.dt_bias)
+    x = conv(proj("x"), m.conv_x).view(9, m.heads, m.head_dim)
+    B = conv(proj("B"), m.conv_B).view(9, m.groups, m.state_dim)
+    C = conv(proj("C"), m.conv_C).view(9, m.groups, m.state_dim)
+    dt = F.softplus(proj("dt") + m.dt_bias)
     A = -m.A_log.exp()
     per_group = m.heads // m.groups
     state = torch.zeros(m.heads, m.state_dim, m.head_dim)
@@ -113,7 +115,7 @@ def test_mamba2_equals_the_ssm_recurrence_written_out():
                  + B[t, g][:, :, None] * (dt[t][:, None] * x[t])[:, None, :])
         ys.append(torch.einsum("hn,hnp->hp", C[t, g], state) + m.D[:, None] * x[t])
     y = torch.stack(ys).reshape(9, m.groups, -1)
-    z = proj(m.linear_z).reshape(9, m.groups, -1)
+    z = proj("z").reshape(9, m.groups, -1)
     y = y * F.silu(z)
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + m.norm_eps) * m.norm_weight.view(m.groups, -1)
     expected, _ = m.linear_out(y.reshape(9, 1, -1))
