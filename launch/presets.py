@@ -30,7 +30,7 @@ def preset_path(name_or_path: str) -> pathlib.Path:
         return path
     path = PRESET_DIR / f"{name_or_path}.yaml"
     if not path.exists():
-        raise ValueError(
+        raise ConfigError(
             f"unknown preset {name_or_path!r}; known presets: {', '.join(list_presets())} "
             "(or give a path to a .yaml file)"
         )

@@ -165,7 +165,7 @@ class ExtConfig:
             raise ConfigError(
                 f"unknown megatron-ext setting(s) {unknown}; known settings: {sorted(known)}"
             )
-        return cls(**values)
+        return cls(**typed_values("ext", cls, values))
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "ExtConfig":
@@ -300,6 +300,49 @@ def _cli_fields():
 
 def _arg_dest(name: str) -> str:
     return f"ext_{name}"
+
+
+def typed_values(section: str, cls, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` checked against the annotations of the dataclass ``cls`` (ints given for
+    float fields become floats); a value of the wrong type raises ConfigError naming
+    ``section.field``, the value and the fix. YAML reads ``3e-4`` (no dot) as a string, the
+    usual way a learning rate arrives as text."""
+    import types
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    checked = {}
+    for name, value in values.items():
+        hint = hints[name]
+        options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        if value is None and type(None) in options:
+            checked[name] = value
+            continue
+        for option in options:
+            base = typing.get_origin(option) or option
+            if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+                checked[name] = float(value)
+                break
+            if option is int and isinstance(value, int) and not isinstance(value, bool):
+                checked[name] = value
+                break
+            if base in (bool, str) and isinstance(value, base):
+                checked[name] = value
+                break
+            if base is list and isinstance(value, list) and all(
+                    isinstance(item, typing.get_args(option)[0]) for item in value):
+                checked[name] = value
+                break
+        else:
+            expected = " or ".join(getattr(o, "__name__", str(o)) for o in options)
+            fix = ""
+            if isinstance(value, str) and float in options:
+                fix = " (YAML reads a number without a dot, such as 3e-4, as text: write 3.0e-4)"
+            elif isinstance(value, str) and int in options:
+                fix = " (write the number without quotes)"
+            raise ConfigError(f"{section}.{name}={value!r} is a {type(value).__name__}, "
+                              f"expected {expected}{fix}")
+    return checked
 
 
 def _parse_bool(text: str) -> bool:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from megatron_ext.config import ConfigError, ExtConfig
+from megatron_ext.config import ConfigError, ExtConfig, typed_values
 
 
 # ---------------------------------------------------------------------------- settings
@@ -133,7 +133,8 @@ class RunSettings:
             if bad:
                 raise ConfigError(f"unknown setting(s) {bad} in section {f.name!r}; "
                                   f"known: {sorted(known)}")
-            kwargs[f.name] = section_cls(**section)
+            kwargs[f.name] = (section_cls.from_dict(section) if section_cls is ExtConfig
+                              else section_cls(**typed_values(f.name, section_cls, section)))
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
@@ -144,9 +145,13 @@ class RunSettings:
         if not 0 <= t.warmup_steps < t.steps:
             raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0 and smaller "
                               f"than train.steps={t.steps}")
-        for name in ("log_interval", "eval_interval", "save_interval", "micro_batch_size"):
+        for name in ("log_interval", "eval_interval", "save_interval", "micro_batch_size",
+                     "global_batch_size", "eval_batches"):
             if getattr(t, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(t, name)} must be >= 1")
+        if not 0 <= t.min_lr <= t.lr or t.lr <= 0:
+            raise ConfigError(f"train.lr={t.lr} and train.min_lr={t.min_lr} need 0 <= min_lr "
+                              "<= lr and lr > 0")
         styles = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
         if t.decay_style not in styles:
             raise ConfigError(f"train.decay_style={t.decay_style!r} is not one of {list(styles)}")
@@ -753,6 +758,10 @@ def train(settings: RunSettings, run_dir: str | os.PathLike, resume: bool = Fals
                "preempted": preempted}
     if is_main and end == t.steps and not preempted:
         summary["loss_curve"] = str(write_loss_curve(run_dir))
-        print(f"done: loss {first_loss:.3f} (step {start + 1}) -> {last_loss:.3f} (step {end}); "
-              f"curve in {summary['loss_curve']}", flush=True)
+        if first_loss is None:  # resumed at the last step: nothing left to train
+            print(f"done: the run in {run_dir} had finished all {t.steps} steps; curve in "
+                  f"{summary['loss_curve']}", flush=True)
+        else:
+            print(f"done: loss {first_loss:.3f} (step {start + 1}) -> {last_loss:.3f} (step "
+                  f"{end}); curve in {summary['loss_curve']}", flush=True)
     return summary

@@ -4,9 +4,10 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 
-find_python312() {
-    # pyenv's shims answer to `python3.12` even when 3.12 is not the active version, so each
-    # candidate must actually run as 3.12.
+find_python() {
+    # Python 3.12 (the version megatron-ext is tested with) if there is one, else a newer
+    # python3 (setup.py asks for >= 3.12). pyenv's shims answer to `python3.12` even when 3.12
+    # is not the active version, so each candidate must actually run as that version.
     local candidates=()
     if command -v pyenv >/dev/null 2>&1; then
         local v
@@ -15,27 +16,29 @@ find_python312() {
         done
     fi
     candidates+=(python3.12 python3)
-    local c
-    for c in "${candidates[@]}"; do
-        if "$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; then
-            command -v "$c"
-            return
-        fi
+    local c want
+    for want in '== (3, 12)' '>= (3, 12)'; do
+        for c in "${candidates[@]}"; do
+            if "$c" -c "import sys; sys.exit(not sys.version_info[:2] $want)" >/dev/null 2>&1; then
+                command -v "$c"
+                return
+            fi
+        done
     done
-    echo "megatron-ext needs Python 3.12 (python3.12 on PATH, or installed with pyenv)" >&2
+    echo "megatron-ext needs Python >= 3.12 (tested with 3.12: python3.12 on PATH, or installed with pyenv)" >&2
     return 1
 }
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[env] creating $VENV"
-    "$(find_python312)" -m venv "$VENV"
+    "$(find_python)" -m venv "$VENV"
 fi
 STAMP="$VENV/.megatron-ext-installed"
 WANT="$(cat "$ROOT/setup.py" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-    echo "[env] installing megatron-ext and its dependencies (first time: a few minutes)"
+    echo "[env] installing megatron-ext and its dependencies (the first time downloads PyPI's torch, 4-5 GB)"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -e "$ROOT[dev]"
+    "$VENV/bin/python" -m pip install --progress-bar on -e "$ROOT[dev]"
     echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

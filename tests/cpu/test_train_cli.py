@@ -73,6 +73,36 @@ def test_train_saves_curve_and_resume_continues_the_same_run(preset):
         assert b[step] == pytest.approx(a[step], rel=1e-6), step
     assert a[6] < a[1]
 
+    # --resume on a finished run trains nothing and says so.
+    again = _train(preset_path, straight, "--resume")
+    assert "had finished all 6 steps" in again.stdout
+    assert _train_losses(straight) == a
+
+
+def test_unknown_preset_and_mistyped_values_are_errors_not_tracebacks(preset, tmp_path):
+    root, preset_path = preset
+
+    def train(preset_arg):
+        return subprocess.run(
+            [sys.executable, "-m", "megatron_ext.cli", "train", "--preset", preset_arg,
+             "--run-dir", str(tmp_path / "run"), "--device", "cpu"], capture_output=True,
+            text=True)
+
+    done = train("hybrid-35m")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "unknown preset 'hybrid-35m'; known presets: hybrid-1.3b" in done.stderr
+    for section, name, value, message in (
+            ("train", "lr", "3e-4", "train.lr='3e-4' is a str, expected float (YAML reads"),
+            ("train", "global_batch_size", 0, "train.global_batch_size=0 must be >= 1"),
+            ("train", "bf16", "yes", "train.bf16='yes' is a str, expected bool"),
+            ("ext", "linear_conv_kernel", 2.5, "ext.linear_conv_kernel=2.5 is a float, expected int")):
+        bad = yaml.safe_load(preset_path.read_text())
+        bad[section][name] = value
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(bad))
+        done = train(str(path))
+        assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
 
 def test_bad_settings_fail_before_training(preset, tmp_path):
     root, preset_path = preset
