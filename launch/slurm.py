@@ -82,13 +82,15 @@ class LaunchOptions:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     signal_seconds: int = DEFAULT_SIGNAL_SECONDS
     trainer: str = "pretrain"  # one of TRAINERS
+    mock_data: bool = False  # pretrain: Megatron's mock data (a speed run)
+    megatron_args: list[str] = dataclasses.field(default_factory=list)  # pretrain: after "--"
 
 
 TRAINERS = {
     # Megatron's loop; it resumes from RUN_DIR/checkpoints when a checkpoint is there. Besides
     # SIGUSR1, Megatron's own clock stops it (saving first) when the signal would have come.
-    "pretrain": ('    exec megatron-ext pretrain --preset "$RUN_DIR/preset.yaml" --run-dir "$RUN_DIR" '
-                 '-- --exit-duration-in-mins {exit_minutes}\n'),
+    "pretrain": ('    exec megatron-ext pretrain --preset "$RUN_DIR/preset.yaml" --run-dir "$RUN_DIR"'
+                 '{mock_data} -- --exit-duration-in-mins {exit_minutes}{megatron_args}\n'),
     "train": ('    if [ "$MEGATRON_EXT_RESUME" = 1 ]; then\n'
               '        exec megatron-ext train --preset "$RUN_DIR/preset.yaml" --run-dir "$RUN_DIR" '
               '--resume\n'
@@ -96,7 +98,8 @@ TRAINERS = {
               '    exec megatron-ext train --preset "$RUN_DIR/preset.yaml" --run-dir "$RUN_DIR"\n'),
 }
 """The training command every task runs, by ``--trainer`` (``{exit_minutes}``: the minutes from
-the start of the job to Slurm's warning signal)."""
+the start of the job to Slurm's warning signal; ``{mock_data}`` and ``{megatron_args}``: the
+launch's ``--mock-data`` and its Megatron flags after ``--``, which win over the preset's)."""
 
 CHECKPOINT_TRACKERS = ("latest", "latest_checkpointed_iteration.txt")
 """Written into RUN_DIR/checkpoints after each complete save: by megatron-ext train, and by
@@ -180,8 +183,14 @@ def check(job: Job) -> Job:
         raise ConfigError(f"--signal-seconds {o.signal_seconds} must be > 0 and below the time "
                           f"limit --time {o.time} ({limit} s)")
 
-    # The preset: schedule, batch vs micro-batch, pattern vs layers, mixer settings.
+    # The preset: schedule, batch vs micro-batch, pattern vs layers, mixer settings, data.
     s.validate()
+    if o.trainer == "pretrain":
+        from megatron_ext.pretrain import check_data_source
+
+        check_data_source(s, mock_data=o.mock_data, megatron_args=o.megatron_args)
+    elif o.mock_data or o.megatron_args:
+        raise ConfigError("--mock-data and Megatron flags after -- are for --trainer pretrain")
     tp, pp = s.parallel.tensor, s.parallel.pipeline
     world = job.nodes * job.gpus_per_node
     if world % (tp * pp):
@@ -307,7 +316,9 @@ def render_job(job: Job) -> str:
         "srun_options": "".join(f"    {shlex.quote(opt)} \\\n" for opt in _srun_options(job)),
         "activate": ('    . "$MEGATRON_EXT_VENV/bin/activate"\n' if o.venv else ""),
         "train_command": TRAINERS[o.trainer].format(
-            exit_minutes=max(1, (_seconds(o.time) - o.signal_seconds) // 60)),
+            exit_minutes=max(1, (_seconds(o.time) - o.signal_seconds) // 60),
+            mock_data=" --mock-data" if o.mock_data else "",
+            megatron_args="".join(f" {shlex.quote(arg)}" for arg in o.megatron_args)),
     }
     template = (TEMPLATE_DIR / TEMPLATE).read_text()
     # A placeholder alone on its line that renders empty leaves no blank line behind.
@@ -390,8 +401,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trainer", choices=list(TRAINERS), default="pretrain",
                         help="pretrain: Megatron's training loop (default); train: megatron-ext's "
                              "small loop (also runs on CPUs)")
+    parser.add_argument("--mock-data", action="store_true",
+                        help="pretrain on Megatron's mock data (a speed run)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the script; write nothing, submit nothing")
+    parser.add_argument("megatron_args", nargs=argparse.REMAINDER,
+                        help="after --: Megatron flags for every task's `megatron-ext pretrain` "
+                             "(e.g. -- --use-distributed-optimizer --data-path ...)")
 
 
 def _parse_env(items: list[str]) -> dict[str, str]:
@@ -413,7 +429,10 @@ def run(args: argparse.Namespace) -> int:
             gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
             environment=args.environment, container_image=args.container_image,
             container_mounts=args.container_mounts, venv=args.venv,
-            env=_parse_env(args.env), signal_seconds=args.signal_seconds, trainer=args.trainer)
+            env=_parse_env(args.env), signal_seconds=args.signal_seconds, trainer=args.trainer,
+            mock_data=args.mock_data,
+            megatron_args=args.megatron_args[1:] if args.megatron_args[:1] == ["--"]
+            else args.megatron_args)
         if args.dry_run:
             print(render_job(job), end="")
             return 0

@@ -2,7 +2,7 @@
 
     megatron-ext train [--preset NAME|FILE] [--run-dir DIR] [--resume] [--steps N] [--pattern P]
     megatron-ext pretrain [--preset NAME|FILE] [--run-dir DIR] [--mock-data] [-- MEGATRON FLAGS]
-    megatron-ext prepare-data [INPUT ...] --output-dir DIR [--vocab-size N]
+    megatron-ext prepare-data [INPUT ...] --output-dir DIR [--tokenizer-model M | --vocab-size N]
     megatron-ext doctor [--device auto|cpu|cuda] [--json PATH]
     megatron-ext launch --cluster {alps-gh200,h100-ib,generic} --nodes N --preset NAME [--dry-run]
     megatron-ext presets
@@ -53,7 +53,8 @@ def _prepare_data(args) -> int:
     from megatron_ext.data import prepare_data
 
     prepare_data(inputs=args.inputs or None, output_dir=args.output_dir,
-                 vocab_size=args.vocab_size, overwrite=args.overwrite)
+                 vocab_size=args.vocab_size, overwrite=args.overwrite,
+                 tokenizer_model=args.tokenizer_model)
     return 0
 
 
@@ -96,10 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_pretrain)
 
     p = sub.add_parser("prepare-data",
-                       help="train a sentencepiece tokenizer and write a Megatron indexed dataset")
+                       help="tokenize a corpus into a Megatron indexed dataset (with an existing "
+                            "sentencepiece model, or one trained on the corpus)")
     p.add_argument("inputs", nargs="*", help="text/jsonl files or folders (default: the stdlib)")
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--tokenizer-model", default=None,
+                   help="an existing sentencepiece .model to tokenize with (default: train one)")
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="the vocabulary of a tokenizer trained here")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_prepare_data)
 

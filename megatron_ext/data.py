@@ -572,8 +572,10 @@ def prepare_data(
     max_training_lines: int = DEFAULT_MAX_TRAINING_LINES,
     seed: int = DEFAULT_SEED,
     overwrite: bool = False,
+    tokenizer_model: PathLike | None = None,
 ) -> PreparedData:
-    """Train a tokenizer on a corpus and write it as a Megatron indexed dataset.
+    """Train a tokenizer on a corpus (or take an existing one) and write the corpus as a Megatron
+    indexed dataset.
 
     Writes into ``output_dir``: ``tokenizer.model``, ``<name>_text_document.bin/.idx`` and
     ``meta.json`` (inputs, settings, the file list in document order, file/document/token counts,
@@ -595,6 +597,9 @@ def prepare_data(
         model_type, max_training_lines: see :func:`train_tokenizer`.
         seed: seed for the file order and the tokenizer's line sample.
         overwrite: rebuild even if matching outputs exist.
+        tokenizer_model: an existing sentencepiece ``.model`` (with an ``eos`` piece, the
+            documents' separator) to tokenize with, copied to ``output_dir``; None trains one
+            (then ``vocab_size``, ``model_type`` and ``max_training_lines`` apply).
 
     Returns:
         PreparedData: output paths, the meta dict and whether outputs were reused.
@@ -621,14 +626,17 @@ def prepare_data(
         "model_type": model_type,
         "max_training_lines": max_training_lines,
         "seed": seed,
+        "tokenizer_model": None if tokenizer_model is None else {
+            "path": str(Path(tokenizer_model).resolve()),
+            "sha256": hashlib.sha256(Path(tokenizer_model).read_bytes()).hexdigest()},
     }
     fingerprint = _inputs_fingerprint(files)
-    tokenizer_model = output_dir / TOKENIZER_MODEL_FILENAME
+    model_path = output_dir / TOKENIZER_MODEL_FILENAME
     data_prefix = output_dir / f"{name}_text_document"
     meta_path = output_dir / META_FILENAME
 
     meta = _load_meta(meta_path)
-    outputs_exist = tokenizer_model.is_file() and IndexedDataset.exists(str(data_prefix))
+    outputs_exist = model_path.is_file() and IndexedDataset.exists(str(data_prefix))
     if (
         not overwrite
         and meta is not None
@@ -649,19 +657,22 @@ def prepare_data(
     shutil.rmtree(output_dir / INDEX_CACHE_DIRNAME, ignore_errors=True)
     random.Random(seed).shuffle(files)
 
-    _log(
-        f"training a {model_type} tokenizer (vocab {vocab_size}) on up to {max_training_lines:,} "
-        f"lines sampled from {len(files)} files"
-    )
     tokenizer_started = time.perf_counter()
-    tokenizer = train_tokenizer(
-        read_documents(files, text_field),
-        output_dir / Path(TOKENIZER_MODEL_FILENAME).stem,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        max_training_lines=max_training_lines,
-        seed=seed,
-    )
+    if tokenizer_model is not None:
+        _log(f"tokenizing with {tokenizer_model}")
+        shutil.copyfile(tokenizer_model, model_path)
+        tokenizer = SentencePieceTokenizer(model_path)
+    else:
+        _log(f"training a {model_type} tokenizer (vocab {vocab_size}) on up to "
+             f"{max_training_lines:,} lines sampled from {len(files)} files")
+        tokenizer = train_tokenizer(
+            read_documents(files, text_field),
+            output_dir / Path(TOKENIZER_MODEL_FILENAME).stem,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            max_training_lines=max_training_lines,
+            seed=seed,
+        )
     tokenizer_seconds = time.perf_counter() - tokenizer_started
 
     _log(f"writing {data_prefix}.bin/.idx")
@@ -677,7 +688,7 @@ def prepare_data(
         "eod_id": tokenizer.eod,
         "pad_id": tokenizer.pad,
         "characters_per_token": round(stats["characters"] / stats["tokens"], 3),
-        "outputs": {"tokenizer_model": tokenizer_model.name, "data_prefix": data_prefix.name},
+        "outputs": {"tokenizer_model": model_path.name, "data_prefix": data_prefix.name},
         "python_version": sys.version,
         "timings_s": {
             "tokenizer": round(tokenizer_seconds, 2),

@@ -71,9 +71,15 @@ def megatron_argv(settings: RunSettings, run_dir: str | os.PathLike, *, mock_dat
         "--transformer-impl", transformer_impl, "--spec", "megatron_ext.specs", "hybrid_block",
         "--save", checkpoints, "--load", checkpoints,
         "--exit-signal-handler", "--exit-signal", "SIGUSR1",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", settings.data.vocab_size,
         "--log-throughput",
     ]
+    d = settings.data
+    if d.paths:
+        argv += ["--data-path", *d.paths, "--split", d.split, "--tokenizer-type", d.tokenizer_type]
+        if d.tokenizer_model:
+            argv += ["--tokenizer-model", d.tokenizer_model]
+    else:  # mock data, or a corpus tokenized by our own sentencepiece model (ids < vocab_size)
+        argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", d.vocab_size]
     if m.num_query_groups:
         argv += ["--group-query-attention", "--num-query-groups", m.num_query_groups]
     if m.num_moe_experts:
@@ -98,20 +104,64 @@ def megatron_argv(settings: RunSettings, run_dir: str | os.PathLike, *, mock_dat
     return [str(a) for a in argv] + _ext_flags(settings.ext)
 
 
+# The Megatron flags that name the training data (any of them: the run has its own data).
+DATA_FLAGS = ("--mock-data", "--data-path", "--train-data-path", "--data-args-path",
+              "--per-split-data-args-path")
+# Presets this large refuse the standard-library corpus unless asked (parameters).
+SMOKE_TEST_CORPUS_LIMIT = 100e6
+
+
+def check_data_source(settings: RunSettings, *, mock_data: bool,
+                      megatron_args: list[str] | None = None) -> None:
+    """Refuse to pretrain a large model on the standard-library corpus by default: a preset of
+    at least SMOKE_TEST_CORPUS_LIMIT parameters needs data.paths, data.inputs, a Megatron data
+    flag after ``--`` or ``--mock-data``."""
+    from megatron_ext.launch.presets import parameter_count
+
+    d = settings.data
+    if mock_data or d.paths or d.inputs is not None or any(
+            arg.split("=")[0] in DATA_FLAGS for arg in megatron_args or []):
+        return
+    count = parameter_count(settings)
+    if count >= SMOKE_TEST_CORPUS_LIMIT:
+        raise ConfigError(
+            f"this {count / 1e6:,.0f}M-parameter model would train on the Python standard "
+            "library, a smoke-test corpus. Give it data: data.paths and data.tokenizer_type / "
+            "data.tokenizer_model in the preset, or `-- --data-path PREFIX ... --tokenizer-type "
+            "... --tokenizer-model ...` (Megatron indexed datasets, e.g. from `megatron-ext "
+            "prepare-data --tokenizer-model`), or data.inputs (text files tokenized in the job); "
+            "or --mock-data to measure speed")
+
+
 def _datasets_provider(settings: RunSettings, run_dir: pathlib.Path):
-    """Megatron's ``train_valid_test_dataset_provider``: mock data, or the preset's corpus
-    (tokenizer and indexed dataset built once by rank 0, as ``megatron-ext train`` does)."""
+    """Megatron's ``train_valid_test_dataset_provider``: Megatron's GPT datasets over the blend
+    that ``--data-path`` / ``--train-data-path`` ... name (with Megatron's tokenizer), mock data,
+    or the preset's text corpus (tokenizer and indexed dataset built once by rank 0, as
+    ``megatron-ext train`` does)."""
     from megatron.core import parallel_state
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.training import get_args, get_tokenizer
+    from megatron.training.utils import get_blend_and_blend_per_split
 
     from megatron_ext import data
 
     def provide(num_samples):
         args = get_args()
+        blend, blend_per_split = get_blend_and_blend_per_split(args)
+        if blend is not None or blend_per_split is not None:
+            config = GPTDatasetConfig(
+                random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
+                blend_per_split=blend_per_split, split=args.split,
+                path_to_cache=args.data_cache_path, tokenizer=get_tokenizer(),
+                reset_position_ids=args.reset_position_ids,
+                reset_attention_mask=args.reset_attention_mask,
+                eod_mask_loss=args.eod_mask_loss, create_attention_mask=False)
+            return BlendedMegatronDatasetBuilder(
+                GPTDataset, num_samples,
+                lambda: parallel_state.get_tensor_model_parallel_rank() == 0, config).build()
         if args.mock_data:
             # No blend: the config switches itself to mock data.
             config = GPTDatasetConfig(
@@ -246,6 +296,7 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
     from megatron_ext.specs import HAVE_TE
 
     settings.validate()
+    check_data_source(settings, mock_data=mock_data, megatron_args=megatron_args)
     run_dir = pathlib.Path(run_dir)
     # A lone process (no torchrun, no Slurm task) is rank 0 of 1.
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),

@@ -63,9 +63,20 @@ class ModelSettings:
 
 @dataclass
 class DataSettings:
-    inputs: list[str] | None = None  # None: the Python standard library
+    """Where the tokens come from. ``paths`` (``megatron-ext pretrain``): Megatron's ``--data-path``
+    blend of preprocessed indexed datasets (``[weight] prefix ...``, prefixes without
+    ``.bin``/``.idx``), split by ``split``, with Megatron's tokenizer ``tokenizer_type`` (e.g.
+    SentencePieceTokenizer, HuggingFaceTokenizer) and ``tokenizer_model``. Without paths: the
+    text files ``inputs`` (None: the Python standard library, a smoke-test corpus), tokenized
+    with a sentencepiece model trained on them, ``vocab_size`` pieces, into ``output_dir``."""
+
+    inputs: list[str] | None = None
     vocab_size: int = 4096
     output_dir: str | None = None  # None: <run_dir>/../data/<corpus name> (shared by runs)
+    paths: list[str] | None = None
+    split: str = "98,2,0"
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
 
 
 @dataclass
@@ -167,6 +178,11 @@ class RunSettings:
         if t.global_batch_size % t.micro_batch_size:
             raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a "
                               f"multiple of train.micro_batch_size={t.micro_batch_size}")
+        d = self.data
+        if d.paths and not d.tokenizer_type:
+            raise ConfigError("data.paths needs data.tokenizer_type (Megatron's --tokenizer-type, "
+                              "e.g. SentencePieceTokenizer or HuggingFaceTokenizer) and "
+                              "data.tokenizer_model")
         self.ext.validate(self.model.num_layers)
         return self
 
@@ -344,6 +360,9 @@ def prepare_datasets(settings: RunSettings, run_dir: pathlib.Path, runtime: Runt
     from megatron_ext import data
 
     t = settings.train
+    if settings.data.paths:
+        raise ConfigError("data.paths (Megatron's indexed datasets) are read by `megatron-ext "
+                          "pretrain`; `megatron-ext train` tokenizes data.inputs itself")
     prepared = prepared_data(settings, run_dir, runtime.rank)
     train_samples = t.steps * t.global_batch_size
     valid_samples = max(1, t.eval_batches * t.global_batch_size * (t.steps // t.eval_interval + 1))

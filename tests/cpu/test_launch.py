@@ -21,9 +21,10 @@ PRESETS = presets.list_presets()
 SHELLCHECK = shutil.which("shellcheck")
 
 
-def launch_options(cluster, preset, tmp_path):
-    """A valid launch of ``preset`` on ``cluster`` (with a container where the profile has one)."""
-    options = {}
+def launch_options(cluster, preset, tmp_path, trainer="pretrain"):
+    """A valid launch of ``preset`` on ``cluster`` (with a container where the profile has one;
+    Megatron's mock data for the large presets, which refuse the standard-library corpus)."""
+    options = {"mock_data": trainer == "pretrain" and preset != "tiny-hybrid"}
     if cluster == "generic":
         options["gpus_per_node"] = 8
     if clusters.PROFILES[cluster].container == "edf":
@@ -49,7 +50,7 @@ def in_tmp(tmp_path, monkeypatch):
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("cluster", CLUSTERS)
 def test_every_cluster_and_preset_renders_a_valid_script(cluster, preset, trainer, in_tmp):
-    nodes, options = launch_options(cluster, preset, in_tmp)
+    nodes, options = launch_options(cluster, preset, in_tmp, trainer)
     script = slurm.render(cluster, nodes, preset, account="a01", trainer=trainer, **options)
     run_dir = in_tmp / "runs" / preset
     profile = clusters.PROFILES[cluster]
@@ -67,8 +68,9 @@ def test_every_cluster_and_preset_renders_a_valid_script(cluster, preset, traine
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
     assert "RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS" in script
     exit_minutes = (12 * 3600 - slurm.DEFAULT_SIGNAL_SECONDS) // 60  # the default --time 12:00:00
+    mock = " --mock-data" if options["mock_data"] else ""
     command = {"pretrain": 'exec megatron-ext pretrain --preset "$RUN_DIR/preset.yaml" '
-                           f'--run-dir "$RUN_DIR" -- --exit-duration-in-mins {exit_minutes}\n',
+                           f'--run-dir "$RUN_DIR"{mock} -- --exit-duration-in-mins {exit_minutes}\n',
                "train": 'exec megatron-ext train --preset "$RUN_DIR/preset.yaml" --run-dir '
                         '"$RUN_DIR" --resume\n'}[trainer]
     assert command in script
@@ -137,7 +139,7 @@ def test_a_launch_that_would_fail_is_refused_with_the_fix(cluster, nodes, option
     preset = in_tmp / "custom.yaml"
     preset.write_text(yaml.safe_dump(values))
     with pytest.raises(ConfigError, match=message):
-        slurm.render(cluster, nodes, str(preset), **options)
+        slurm.render(cluster, nodes, str(preset), mock_data=True, **options)
 
 
 @pytest.mark.parametrize("tracker", slurm.CHECKPOINT_TRACKERS)
@@ -145,11 +147,11 @@ def test_a_run_dir_with_checkpoints_of_other_settings_is_refused(tracker, in_tmp
     run_dir = in_tmp / "runs" / "hybrid-350m"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "checkpoints" / tracker).write_text("500\n")
-    job = slurm.prepare("alps-gh200", 2, "hybrid-350m")
+    job = slurm.prepare("alps-gh200", 2, "hybrid-350m", mock_data=True)
     (run_dir / "preset.yaml").write_text(slurm.preset_yaml(job))
-    slurm.render("alps-gh200", 2, "hybrid-350m")  # the same settings: continues the run
+    slurm.render("alps-gh200", 2, "hybrid-350m", mock_data=True)  # the same settings: continues
     with pytest.raises(ConfigError, match="use a new --run-dir"):
-        slurm.render("alps-gh200", 2, "hybrid-350m", pattern="GGG*" * 5)
+        slurm.render("alps-gh200", 2, "hybrid-350m", pattern="GGG*" * 5, mock_data=True)
 
 
 def fake_sbatch(tmp_path, monkeypatch, job_id="4242"):
@@ -167,7 +169,7 @@ def fake_sbatch(tmp_path, monkeypatch, job_id="4242"):
 def test_dry_run_prints_the_script_and_submits_nothing(in_tmp, monkeypatch, capsys):
     calls = fake_sbatch(in_tmp, monkeypatch)
     exit_code = cli.main(["launch", "--cluster", "alps-gh200", "--nodes", "2", "--preset", "hybrid-350m",
-                            "--dry-run"])
+                            "--mock-data", "--dry-run"])
     out = capsys.readouterr().out
     assert exit_code == 0
     assert out.startswith("#!/bin/bash\n") and "#SBATCH --nodes=2" in out
@@ -198,7 +200,32 @@ def test_submit_returns_the_job_id_and_fills_the_run_dir(in_tmp, monkeypatch, ca
 def test_submit_without_sbatch_names_the_fix(in_tmp, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(in_tmp))  # no sbatch there
     exit_code = cli.main(["launch", "--cluster", "alps-gh200", "--nodes", "2", "--preset",
-                            "hybrid-350m"])
+                            "hybrid-350m", "--mock-data"])
     assert exit_code == 2
     assert re.search(r"sbatch is not on PATH.*--dry-run", capsys.readouterr().err)
 
+
+
+def test_large_preset_without_data_is_refused_before_the_queue(in_tmp, capsys):
+    exit_code = cli.main(["launch", "--cluster", "alps-gh200", "--nodes", "2", "--preset",
+                          "hybrid-350m", "--dry-run"])
+    assert exit_code == 2
+    err = capsys.readouterr().err
+    assert "306M-parameter model would train on the Python standard library" in err
+    assert "--data-path" in err and "--mock-data" in err
+
+
+def test_megatron_flags_pass_through_to_every_task(in_tmp, capsys):
+    """Flags after -- reach `megatron-ext pretrain` in the script, quoted; a --data-path among
+    them counts as the run's data."""
+    exit_code = cli.main(["launch", "--cluster", "h100-ib", "--nodes", "1", "--preset",
+                          "hybrid-350m", "--dry-run", "--", "--use-distributed-optimizer",
+                          "--data-path", "0.7", "/data/a doc", "0.3", "/data/b",
+                          "--tokenizer-type", "SentencePieceTokenizer"])
+    out = capsys.readouterr().out
+    assert exit_code == 0, out
+    assert ("-- --exit-duration-in-mins 710 --use-distributed-optimizer --data-path 0.7 "
+            "'/data/a doc' 0.3 /data/b --tokenizer-type SentencePieceTokenizer\n") in out
+    with pytest.raises(ConfigError, match="for --trainer pretrain"):
+        slurm.render("h100-ib", 1, "tiny-hybrid", gpus_per_node=2, trainer="train",
+                     megatron_args=["--use-distributed-optimizer"])

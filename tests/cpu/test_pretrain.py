@@ -177,3 +177,68 @@ def test_every_rank_calls_the_datasets_provider(tmp_path):
     assert 'getattr(build_train_valid_test_datasets_provider, "is_distributed", False)' in rule
     provider = _datasets_provider(presets.load_settings("tiny-hybrid"), tmp_path)
     assert provider.is_distributed is True
+
+
+@pytest.fixture(scope="module")
+def two_datasets(tmp_path_factory):
+    """Two indexed datasets tokenized by one sentencepiece model: the first trains it on its
+    corpus, the second is `prepare-data --tokenizer-model` with that existing model."""
+    import sysconfig
+    from pathlib import Path
+
+    from megatron_ext import data
+
+    root = tmp_path_factory.mktemp("blend")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    first = data.prepare_data(stdlib / "json", output_dir=root / "a", vocab_size=512)
+    second = data.prepare_data(stdlib / "email", output_dir=root / "b",
+                               tokenizer_model=first.tokenizer_model)
+    assert second.meta["settings"]["tokenizer_model"]["path"] == str(first.tokenizer_model)
+    assert second.tokenizer_model.read_bytes() == first.tokenizer_model.read_bytes()
+    return first, second
+
+
+def test_a_blend_of_indexed_datasets_with_an_existing_tokenizer(
+        two_datasets, monkeypatch, tmp_path, megatron_single_process):
+    """data.paths and the tokenizer in the preset become Megatron's --data-path, --split and
+    tokenizer flags, and the datasets provider builds Megatron's GPT datasets over that blend
+    with Megatron's SentencePieceTokenizer (not mock data, not the preset's corpus)."""
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+    from megatron.training import global_vars
+
+    from megatron_ext.pretrain import _datasets_provider
+
+    first, second = two_datasets
+    settings = presets.load_settings("tiny-hybrid")
+    settings.data.paths = ["0.7", str(first.data_prefix), "0.3", str(second.data_prefix)]
+    settings.data.split = "90,10,0"
+    settings.data.tokenizer_type = "SentencePieceTokenizer"
+    settings.data.tokenizer_model = str(first.tokenizer_model)
+    argv = megatron_argv(settings, tmp_path, mock_data=False)
+    assert argv[argv.index("--data-path") + 1:argv.index("--data-path") + 5] == settings.data.paths
+    assert "NullTokenizer" not in argv
+    args = _parse(argv, monkeypatch)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    monkeypatch.setattr(global_vars, "_GLOBAL_TOKENIZER", global_vars.build_tokenizer(args))
+    train, valid, test = _datasets_provider(settings, tmp_path)([64, 8, 0])
+    assert isinstance(train, BlendedDataset) and len(train.datasets) == 2
+    assert [d.dataset.path_prefix for d in train.datasets] == [
+        str(first.data_prefix), str(second.data_prefix)]
+    assert train.weights == pytest.approx([0.7, 0.3]) and len(train) >= 64 and test is None
+    sample = train[0]["tokens"]
+    assert sample.shape == (settings.model.seq_length,) and int(sample.max()) < 512
+
+
+def test_large_presets_refuse_the_stdlib_corpus_unless_asked():
+    from megatron_ext.pretrain import check_data_source
+
+    settings = presets.load_settings("hybrid-350m")
+    with pytest.raises(ConfigError, match="306M-parameter model would train on the Python "
+                                          "standard library"):
+        check_data_source(settings, mock_data=False, megatron_args=["--lr", "1e-4"])
+    check_data_source(settings, mock_data=True)
+    check_data_source(settings, mock_data=False, megatron_args=["--data-path", "/d/x"])
+    check_data_source(settings, mock_data=False, megatron_args=["--train-data-path=/d/x"])
+    settings.data.inputs = ["corpus/"]
+    check_data_source(settings, mock_data=False)
+    check_data_source(presets.load_settings("tiny-hybrid"), mock_data=False)  # 5M: a smoke test
