@@ -191,21 +191,22 @@ def check(job: Job) -> Job:
         check_data_source(s, mock_data=o.mock_data, megatron_args=o.megatron_args)
     elif o.mock_data or o.megatron_args:
         raise ConfigError("--mock-data and Megatron flags after -- are for --trainer pretrain")
-    tp, pp = s.parallel.tensor, s.parallel.pipeline
+    tp, pp, cp = s.parallel.tensor, s.parallel.pipeline, s.parallel.context
     world = job.nodes * job.gpus_per_node
-    if world % (tp * pp):
+    if world % (tp * pp * cp):
         raise ConfigError(
             f"{job.nodes} node(s) x {job.gpus_per_node} GPUs = {world} GPUs is not a multiple of "
-            f"parallel.tensor ({tp}) x parallel.pipeline ({pp}) = {tp * pp}: change --nodes, or "
-            f"the preset's parallel section so that tensor x pipeline divides {world}")
-    dp = world // (tp * pp)
+            f"parallel.tensor ({tp}) x parallel.pipeline ({pp}) x parallel.context ({cp}) = "
+            f"{tp * pp * cp}: change --nodes, or the preset's parallel section so that their "
+            f"product divides {world}")
+    dp = world // (tp * pp * cp)
     t = s.train
     if t.global_batch_size % (t.micro_batch_size * dp):
         step = t.micro_batch_size * dp
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} must be a multiple of "
             f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp} = {world} "
-            f"GPUs / (tensor {tp} x pipeline {pp})) = {step}: set global_batch_size to "
+            f"GPUs / (tensor {tp} x pipeline {pp} x context {cp})) = {step}: set global_batch_size to "
             f"{max(step, t.global_batch_size // step * step)}, lower micro_batch_size, or "
             f"change --nodes")
     for path in s.data.inputs or ():
@@ -295,7 +296,11 @@ def render_job(job: Job) -> str:
     optional = [f"#SBATCH --{name}={value}" for name, value in
                 (("account", o.account), ("partition", o.partition)) if value]
     env_lines = [f"# {line}" for line in p.env_notes]
-    env = {**p.env, **o.env}
+    # Triton's compiled kernels and megatron-ext's kernel self-checks, shared by the runs under
+    # the same parent folder (not the home directory, slow or small on most clusters).
+    cache = job.run_dir.parent / ".megatron-ext-cache"
+    env = {"TRITON_CACHE_DIR": str(cache / "triton"),
+           "MEGATRON_EXT_CACHE_DIR": str(cache / "megatron-ext"), **p.env, **o.env}
     if o.venv:
         env["MEGATRON_EXT_VENV"] = o.venv
     env_lines += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]

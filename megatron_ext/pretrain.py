@@ -91,6 +91,8 @@ def megatron_argv(settings: RunSettings, run_dir: str | os.PathLike, *, mock_dat
         argv.append("--bf16")
     if p.sequence_parallel and p.tensor > 1:
         argv.append("--sequence-parallel")
+    argv += _parallel_flags(settings)
+    argv += _logging_flags(settings, run_dir)
     # Megatron's own fused cross-entropy (torch.compile'd pieces; no Transformer Engine needed):
     # the fp32 passes over [tokens, vocab] logits are a large part of the step otherwise.
     argv += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]
@@ -131,6 +133,43 @@ def check_data_source(settings: RunSettings, *, mock_data: bool,
             "... --tokenizer-model ...` (Megatron indexed datasets, e.g. from `megatron-ext "
             "prepare-data --tokenizer-model`), or data.inputs (text files tokenized in the job); "
             "or --mock-data to measure speed")
+
+
+def _parallel_flags(settings: RunSettings) -> list:
+    """Context and virtual pipeline parallelism, the distributed optimizer and recompute."""
+    p, m = settings.parallel, settings.model
+    flags = []
+    if p.context > 1:
+        flags += ["--context-parallel-size", p.context]
+    if p.virtual_pipeline:
+        flags += ["--num-layers-per-virtual-pipeline-stage",
+                  m.num_layers // (p.pipeline * p.virtual_pipeline)]
+    data_parallel = int(os.environ.get("WORLD_SIZE", "1")) // (p.tensor * p.pipeline * p.context)
+    if p.distributed_optimizer or (p.distributed_optimizer is None and data_parallel > 1):
+        flags.append("--use-distributed-optimizer")
+    if p.recompute == "selective":
+        flags += ["--recompute-granularity", "selective"]
+    elif p.recompute == "full":
+        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", 1]
+    return flags
+
+
+def _logging_flags(settings: RunSettings, run_dir) -> list:
+    """TensorBoard in RUN_DIR/tensorboard (where tensorboard imports: Megatron's writer needs it),
+    Weights & Biases when a project is set."""
+    import importlib.util
+
+    log = settings.logging
+    flags = []
+    if log.tensorboard and importlib.util.find_spec("tensorboard") is not None:
+        flags += ["--tensorboard-dir", str(pathlib.Path(run_dir) / "tensorboard"),
+                  "--log-timers-to-tensorboard", "--log-memory-to-tensorboard"]
+    if log.wandb_project:
+        flags += ["--wandb-project", log.wandb_project,
+                  "--wandb-exp-name", log.wandb_exp_name or pathlib.Path(run_dir).name,
+                  "--wandb-save-dir", str(pathlib.Path(run_dir) / "wandb")]
+    return flags
 
 
 def _datasets_provider(settings: RunSettings, run_dir: pathlib.Path):

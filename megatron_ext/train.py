@@ -116,9 +116,28 @@ class TrainSettings:
 
 @dataclass
 class ParallelSettings:
+    """How a run splits over GPUs. ``megatron-ext train`` takes tensor (and pipeline, sequence
+    parallelism on CUDA); the rest are Megatron's, for ``megatron-ext pretrain``."""
+
     tensor: int = 1
     pipeline: int = 1
     sequence_parallel: bool = False
+    context: int = 1  # --context-parallel-size (ext.context_parallel_method for linear mixers)
+    virtual_pipeline: int | None = None  # model chunks per pipeline rank (interleaved 1F1B)
+    # None: Megatron's distributed optimizer (ZeRO-1 sharded optimizer state) whenever there is
+    # more than one data-parallel rank; True / False: always / never.
+    distributed_optimizer: bool | None = None
+    recompute: str | None = None  # activation recompute: None, "selective" or "full"
+
+
+@dataclass
+class LoggingSettings:
+    """``megatron-ext pretrain``'s logging besides its log: TensorBoard in RUN_DIR/tensorboard
+    (when the tensorboard package imports), and Weights & Biases when a project is given."""
+
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None  # default: the run directory's name
 
 
 @dataclass
@@ -128,6 +147,7 @@ class RunSettings:
     data: DataSettings = field(default_factory=DataSettings)
     train: TrainSettings = field(default_factory=TrainSettings)
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
 
     @classmethod
     def from_dict(cls, values: dict) -> "RunSettings":
@@ -178,6 +198,18 @@ class RunSettings:
         if t.global_batch_size % t.micro_batch_size:
             raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a "
                               f"multiple of train.micro_batch_size={t.micro_batch_size}")
+        p = self.parallel
+        if p.recompute not in (None, "selective", "full"):
+            raise ConfigError(f"parallel.recompute={p.recompute!r} is not one of None, "
+                              "'selective', 'full'")
+        for name in ("tensor", "pipeline", "context"):
+            if getattr(p, name) < 1:
+                raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
+        if p.virtual_pipeline is not None and (p.pipeline < 2 or p.virtual_pipeline < 2 or
+                                               self.model.num_layers % (p.pipeline * p.virtual_pipeline)):
+            raise ConfigError(
+                f"parallel.virtual_pipeline={p.virtual_pipeline} needs parallel.pipeline >= 2 and "
+                f"num_layers ({self.model.num_layers}) divisible by pipeline x virtual_pipeline")
         d = self.data
         if d.paths and not d.tokenizer_type:
             raise ConfigError("data.paths needs data.tokenizer_type (Megatron's --tokenizer-type, "

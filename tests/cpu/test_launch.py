@@ -226,6 +226,9 @@ def test_megatron_flags_pass_through_to_every_task(in_tmp, capsys):
     assert exit_code == 0, out
     assert ("-- --exit-duration-in-mins 710 --use-distributed-optimizer --data-path 0.7 "
             "'/data/a doc' 0.3 /data/b --tokenizer-type SentencePieceTokenizer\n") in out
+    cache = in_tmp / "runs" / ".megatron-ext-cache"  # shared by the runs under runs/
+    assert f"export TRITON_CACHE_DIR={cache}/triton" in out.splitlines()
+    assert f"export MEGATRON_EXT_CACHE_DIR={cache}/megatron-ext" in out.splitlines()
     with pytest.raises(ConfigError, match="for --trainer pretrain"):
         slurm.render("h100-ib", 1, "tiny-hybrid", gpus_per_node=2, trainer="train",
                      megatron_args=["--use-distributed-optimizer"])

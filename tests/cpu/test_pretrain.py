@@ -242,3 +242,38 @@ def test_large_presets_refuse_the_stdlib_corpus_unless_asked():
     settings.data.inputs = ["corpus/"]
     check_data_source(settings, mock_data=False)
     check_data_source(presets.load_settings("tiny-hybrid"), mock_data=False)  # 5M: a smoke test
+
+
+def test_parallel_and_logging_sections_become_megatron_flags(monkeypatch, tmp_path):
+    """parallel.context / pipeline / virtual_pipeline / recompute / distributed_optimizer (on by
+    default when there is more than one data-parallel rank) and logging.wandb_project parse as Megatron's
+    settings; TensorBoard only where the tensorboard package imports."""
+    import importlib.util
+
+    settings = presets.load_settings("hybrid-350m")
+    p = settings.parallel
+    p.context = 2
+    argv = megatron_argv(settings, tmp_path, mock_data=True)
+    assert argv[argv.index("--context-parallel-size") + 1] == "2"
+    # (Megatron's validation of CP > 1 asks the CUDA device for its architecture.)
+    p.pipeline, p.context, p.virtual_pipeline, p.recompute = 2, 1, 2, "full"
+    settings.logging.wandb_project = "hybrids"
+    monkeypatch.setenv("WORLD_SIZE", "4")  # 2 pipeline x 2 data-parallel
+    args = _parse(megatron_argv(settings, tmp_path / "run", mock_data=True), monkeypatch,
+                  world_size=4)
+    assert args.pipeline_model_parallel_size == 2
+    assert args.virtual_pipeline_model_parallel_size == 2
+    assert args.use_distributed_optimizer
+    assert (args.recompute_granularity, args.recompute_method) == ("full", "uniform")
+    assert (args.wandb_project, args.wandb_exp_name) == ("hybrids", "run")
+    has_tensorboard = importlib.util.find_spec("tensorboard") is not None
+    assert args.tensorboard_dir == (str(tmp_path / "run" / "tensorboard") if has_tensorboard
+                                    else None)
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # one data-parallel rank: no distributed optimizer
+    assert "--use-distributed-optimizer" not in megatron_argv(settings, tmp_path, mock_data=True)
+    settings.parallel.distributed_optimizer = True
+    assert "--use-distributed-optimizer" in megatron_argv(settings, tmp_path, mock_data=True)
+    settings.parallel.recompute = "most"
+    with pytest.raises(ConfigError, match="parallel.recompute='most'"):
+        settings.validate()
