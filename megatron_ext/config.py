@@ -53,8 +53,11 @@ class ExtConfig:
 
     pattern: str | list[str] = "*"
 
-    # Softmax attention core. "auto": Transformer Engine when installed, else torch SDPA.
-    # "local" is Megatron's unfused DotProductAttention (kept for comparison).
+    # Softmax attention core. "auto" and "sdpa": torch SDPA (flash / cuDNN) in Megatron's local
+    # layer, the path the tests run. "te": Transformer Engine's layer (its norm-fused QKV and FC1
+    # linears, its attention core and row-parallel linears; the linear mixers keep Megatron's
+    # local linears): opt-in, not exercised by our tests. "local": Megatron's unfused
+    # DotProductAttention (kept for comparison).
     attention_backend: str = "auto"
 
     # Linear-recurrent mixers (DeltaNet, Gated DeltaNet, KDA, GDN-2). Head counts default to

@@ -23,6 +23,7 @@ use ``megatron-ext train``.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import pathlib
 import signal
@@ -96,11 +97,14 @@ def megatron_argv(settings: RunSettings, run_dir: str | os.PathLike, *, mock_dat
     # Megatron's own fused cross-entropy (torch.compile'd pieces; no Transformer Engine needed):
     # the fp32 passes over [tokens, vocab] logits are a large part of the step otherwise.
     argv += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]
+    # Accumulating weight gradients in the GEMM needs apex's fused_weight_gradient_mlp_cuda.
+    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        argv.append("--no-gradient-accumulation-fusion")
     if transformer_impl == "local":
         # The fused kernels behind these defaults come from Transformer Engine or apex. (The
         # bias-dropout-add fusion is torch.compile'd instead; it is left off, not shown to help.)
-        argv += ["--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-                 "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--no-rope-fusion"]
+        argv += ["--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
+                 "--no-persist-layer-norm", "--no-rope-fusion"]
     if mock_data:
         argv.append("--mock-data")
     return [str(a) for a in argv] + _ext_flags(settings.ext)
@@ -158,8 +162,6 @@ def _parallel_flags(settings: RunSettings) -> list:
 def _logging_flags(settings: RunSettings, run_dir) -> list:
     """TensorBoard in RUN_DIR/tensorboard (where tensorboard imports: Megatron's writer needs it),
     Weights & Biases when a project is set."""
-    import importlib.util
-
     log = settings.logging
     flags = []
     if log.tensorboard and importlib.util.find_spec("tensorboard") is not None:
@@ -332,7 +334,7 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
 
     from megatron_ext.config import add_megatron_args
     from megatron_ext.multi_tensor import use_foreach_multi_tensor_ops
-    from megatron_ext.specs import HAVE_TE
+    from megatron_ext.specs import uses_te
 
     settings.validate()
     check_data_source(settings, mock_data=mock_data, megatron_args=megatron_args)
@@ -346,7 +348,7 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(settings.to_dict(), sort_keys=False))
     argv = megatron_argv(settings, run_dir, mock_data=mock_data,
-                         transformer_impl="transformer_engine" if HAVE_TE else "local")
+                         transformer_impl="transformer_engine" if uses_te(settings.ext) else "local")
     sys.argv = ["megatron-ext pretrain", *argv, *(megatron_args or [])]
     args = parse_and_validate_args(extra_args_provider=add_megatron_args)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))

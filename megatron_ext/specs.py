@@ -52,13 +52,14 @@ if HAVE_TE:
 
 
 def uses_te(ext: ExtConfig) -> bool:
-    """Whether layers are built from Transformer Engine modules."""
+    """Whether layers are built from Transformer Engine modules: only when asked for
+    (``attention_backend='te'``); "auto" is the torch SDPA path our tests run, TE or not."""
     if ext.attention_backend == "te" and not HAVE_TE:
         raise ConfigError(
             "attention_backend='te' but Transformer Engine is not installed; install "
             "megatron-ext[te] or use attention_backend='sdpa'"
         )
-    return ext.attention_backend == "te" or (ext.attention_backend == "auto" and HAVE_TE)
+    return ext.attention_backend == "te"
 
 
 def _base_submodules(ext: ExtConfig, config) -> TransformerLayerSubmodules:

@@ -277,3 +277,18 @@ def test_parallel_and_logging_sections_become_megatron_flags(monkeypatch, tmp_pa
     settings.parallel.recompute = "most"
     with pytest.raises(ConfigError, match="parallel.recompute='most'"):
         settings.validate()
+
+
+def test_transformer_engine_only_when_asked(monkeypatch, tmp_path):
+    """"auto" stays on the tested SDPA path even where TE imports; "te" without TE names the
+    fix; without apex's weight-gradient kernel the fusion that needs it is off."""
+    from megatron_ext import specs
+
+    monkeypatch.setattr(specs, "HAVE_TE", True)
+    assert not specs.uses_te(ExtConfig(attention_backend="auto"))
+    assert specs.uses_te(ExtConfig(attention_backend="te"))
+    monkeypatch.setattr(specs, "HAVE_TE", False)
+    with pytest.raises(ConfigError, match="install megatron-ext\\[te\\]"):
+        specs.uses_te(ExtConfig(attention_backend="te"))
+    argv = megatron_argv(presets.load_settings("tiny-hybrid"), tmp_path, mock_data=True)
+    assert "--no-gradient-accumulation-fusion" in argv  # no apex here
