@@ -1,9 +1,10 @@
 """Autograd entry points of the fused layer pieces, with ``backend="auto"|"reference"|"triton"``.
 
-"auto" runs the Triton kernels on CUDA tensors once they have passed a first-use check on that
-GPU (:func:`first_use_check`: forward and backward against the fp32 reference on small shapes
-with packed sequences, odd lengths and the L2 norm, in the call's dtype; once per process,
-device and dtype), and the PyTorch reference otherwise; a failed check is logged once.
+"auto" runs the Triton kernels on CUDA tensors whose head dim (the L2-normalised group, the
+normalised head) is a power of two, once they have passed a first-use check on that GPU
+(:func:`first_use_check`: forward and backward against the fp32 reference on small shapes with
+packed sequences, odd lengths and the L2 norm, in the call's dtype; once per process, device and
+dtype), and the PyTorch reference otherwise; a failed check is logged once.
 """
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | 
     :func:`reference.short_conv`. ``x [B, T, C]`` in any strides; returns ``[B, T, C]``
     contiguous in ``x.dtype``; the gradient of ``x`` comes back in ``x``'s strides."""
     _check_backend(backend)
-    if backend == "triton" or (backend == "auto" and _use_triton(x)):
+    tiled = l2_norm_dim is None or _power_of_two(l2_norm_dim)  # one head is one kernel tile
+    if backend == "triton" or (backend == "auto" and tiled and _use_triton(x)):
         return _ShortConv.apply(x, weight, positions, l2_norm_dim)
     return reference.short_conv(x, weight, positions, l2_norm_dim)
 
@@ -89,10 +91,15 @@ def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
     or ``[D]``. Returns ``[B, T, H, D]``, or with ``sequence_first`` Megatron's ``[T, B, H*D]``
     (contiguous, ready for the output projection), in ``o.dtype``."""
     _check_backend(backend)
-    if backend == "triton" or (backend == "auto" and _use_triton(o)):
+    tiled = _power_of_two(o.shape[-1]) and o.stride(-1) == gate.stride(-1) == 1
+    if backend == "triton" or (backend == "auto" and tiled and _use_triton(o)):
         return _GatedRMSNorm.apply(o, weight, gate, eps, sequence_first)
     out = reference.gated_rms_norm(o, weight, gate, eps)
     return out.transpose(0, 1).flatten(2).contiguous() if sequence_first else out
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def _use_triton(x: torch.Tensor) -> bool:

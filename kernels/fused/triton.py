@@ -106,6 +106,16 @@ def _short_conv_bwd_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_ptr, T, C,
              dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+def empty_in_order_of(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of ``t``'s shape, dense, with its first two dims in ``t``'s memory order:
+    the gradient of a view of Megatron's ``[s, b, C]`` (a transposed view, or a slice of a fused
+    projection's output) comes back sequence-first, as the projection's backward wants it."""
+    if t.dim() >= 2 and t.stride(0) < t.stride(1):
+        return torch.empty(t.shape[1], t.shape[0], *t.shape[2:], device=t.device,
+                           dtype=t.dtype).transpose(0, 1)
+    return torch.empty(t.shape, device=t.device, dtype=t.dtype)
+
+
 def _channel_block(channels: int, l2_norm_dim: int | None) -> int:
     if l2_norm_dim is not None:
         if l2_norm_dim & (l2_norm_dim - 1) or channels % l2_norm_dim:
@@ -194,16 +204,6 @@ def _gated_norm_bwd_kernel(o_ptr, g_ptr, w_ptr, dy_ptr, do_ptr, dg_ptr, dw_ptr, 
              dg.to(dg_ptr.dtype.element_ty), mask=ok)
     program = b * tl.num_programs(0) + t_block
     tl.store(dw_ptr + (program * H + h) * D + cols, tl.sum(dy * xhat * gate, axis=0))
-
-
-def empty_in_order_of(t: torch.Tensor) -> torch.Tensor:
-    """An empty tensor of ``t``'s shape, dense, with its first two dims in ``t``'s memory order:
-    the gradient of a view of Megatron's ``[s, b, C]`` (a transposed view, or a slice of a fused
-    projection's output) comes back sequence-first, as the projection's backward wants it."""
-    if t.dim() >= 2 and t.stride(0) < t.stride(1):
-        return torch.empty(t.shape[1], t.shape[0], *t.shape[2:], device=t.device,
-                           dtype=t.dtype).transpose(0, 1)
-    return torch.empty(t.shape, device=t.device, dtype=t.dtype)
 
 
 def _heads(t: torch.Tensor) -> tuple[int, int, int]:

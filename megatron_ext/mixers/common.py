@@ -2,7 +2,8 @@
 
 - :class:`HeadShardedMixer`: a MegatronModule whose raw per-head parameters are sharded over TP
   along dim 0, drawn at full size and sliced (every TP size starts from the same model), and
-  declared in ``sharded_state_dict`` so checkpoints reshard.
+  declared in ``sharded_state_dict`` so checkpoints reshard; its fused input projections
+  (:meth:`~HeadShardedMixer.fused_column`) carry a split map so that they reshard too.
 - :func:`conv_silu_heads`: the short causal convolution + SiLU (+ L2 norm) of a projection,
   aware of packed sequences and of context parallelism's halo.
 """
@@ -62,7 +63,7 @@ class HeadShardedMixer(MegatronModule):
         if self.config.perform_initialization and self.config.use_cpu_initialization:
             # Megatron's CPU initialisation slices one master weight into contiguous blocks; draw
             # each part at full size and keep this rank's slice instead, so that every TP size
-            # starts from the same model (as the separate projections did).
+            # starts from the same model (as for the raw per-head parameters).
             with torch.no_grad():
                 masters = []
                 for size in parts.values():
