@@ -11,7 +11,7 @@ set by ``env`` in the command).
 
 Per split, from Megatron's log lines (``run_phase`` of ``benchmarks/pretrain_run.py``): the median
 ms per iteration over the iterations after ``--warmup``, tokens/s in all and per GPU, model
-TFLOP/s per GPU and MFU (``model_flops_per_token`` of pretrain_run.py, against ``--peak-tflops``),
+TFLOP/s per GPU and MFU (``megatron_ext.launch.presets.model_flops_per_token``, against ``--peak-tflops``),
 Megatron's own TFLOP/s figure, the peak allocated memory (the largest "max allocated" that any
 rank reports: every rank of the first data-parallel replica prints it after iterations 1 and 2
 and at the last one), the return code and the wall time. A split that fails or passes
@@ -43,7 +43,7 @@ import tempfile
 from typing import NamedTuple
 
 from megatron_ext.config import CHOICES
-from megatron_ext.launch.presets import load_settings
+from megatron_ext.launch.presets import load_settings, model_flops_per_token
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
@@ -54,7 +54,7 @@ LOG_TAIL = 30
 
 
 def _pretrain_run():
-    """benchmarks/pretrain_run.py, for run_phase, model_flops_per_token and log (loaded by path:
+    """benchmarks/pretrain_run.py, for run_phase and log (loaded by path:
     benchmarks/ is a folder of scripts, not a package)."""
     path = pathlib.Path(__file__).with_name("pretrain_run.py")
     spec = importlib.util.spec_from_file_location("pretrain_run", path)
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     seq = settings.model.seq_length
-    flops = pretrain_run.model_flops_per_token(args.preset, settings.data.vocab_size)
+    flops = model_flops_per_token(settings)
     report = {"preset": args.preset, "gpus": args.gpus, "steps": args.steps,
               "warmup": args.warmup, "global_batch_size": args.global_batch_size,
               "micro_batch_size": args.micro_batch_size, "seq_length": seq,

@@ -5,8 +5,8 @@ Records, from Megatron's own log lines, every logged iteration's loss and time p
 then tokens/s and model FLOP utilisation (MFU), and whether the run stopped with the preemption
 exit status and resumed where it stopped. Output: ``--out`` (JSON) and the two logs next to it.
 
-MFU counts the model's FLOPs per token by ``throughput.model_flops_per_token`` (its module
-docstring states the formula), divided by the GPU's dense bf16 peak (``--peak-tflops``, 989 for
+MFU counts the model's FLOPs per token by ``megatron_ext.launch.presets.model_flops_per_token``
+(its docstring states the count), divided by the GPU's dense bf16 peak (``--peak-tflops``, 989 for
 an H100/H200 SXM).
 
     python benchmarks/pretrain_run.py --preset hybrid-350m --steps 300 --stop-at 150 \\
@@ -26,9 +26,7 @@ import sys
 import threading
 import time
 
-from throughput import model_flops_per_token  # benchmarks/throughput.py
-
-from megatron_ext.launch.presets import load_settings, parameter_count
+from megatron_ext.launch.presets import load_settings, model_flops_per_token, parameter_count
 from megatron_ext.train import PREEMPTED_EXIT_CODE
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)")

@@ -9,18 +9,12 @@ the rest). It records, per run:
   iterations after the first ``--warmup`` and before the two next to the profiled one (the
   profiler slows those); ``tokens_per_s`` from it;
 - ``peak_gib``: Megatron's "max allocated" memory report;
-- ``mfu``: model FLOPs per token (:func:`model_flops_per_token`) x tokens/s / ``--peak-tflops``;
+- ``mfu``: model FLOPs per token (``megatron_ext.launch.presets.model_flops_per_token``, whose
+  docstring states the count) x tokens/s / ``--peak-tflops``;
 - ``breakdown``: the GPU time of the last iteration (profiled by Megatron's
   ``--profile --use-pytorch-profiler``) by kernel category (:func:`category`), in ms, and
   ``idle`` = the timed iterations' median minus the GPU's busy time (time the GPU waits for
   the host).
-
-Model FLOPs per token (forward + backward = 3x forward): 6 per weight of every matrix multiply
-(the embedding lookup excluded, the output layer included); for each softmax layer
-``6 * T * heads * head_dim`` (causal: half of the T x T scores; sparse layers count as dense, an
-upper bound); for each linear-recurrent layer, per value head,
-``3 * (6 * K * V + 2 * C * (2 * K + V))``: the chunked recurrence's state read, state update and
-intra-chunk correction (``2 K V`` each) plus the in-chunk scores and their use, chunk C = 64.
 
 Output: ``--out`` (JSON, one row per run, stamped with the commit, GPU, torch and Triton) and a
 plot of tokens/s against T per pattern next to it (``.png``); each run's log under ``--log-dir``
@@ -32,7 +26,6 @@ plot of tokens/s against T per pattern next to it (``.png``); each run's log und
 from __future__ import annotations
 
 import argparse
-import copy
 import gzip
 import json
 import pathlib
@@ -43,10 +36,8 @@ import subprocess
 import sys
 import time
 
-from megatron_ext.launch.presets import load_settings, parameter_count
-from megatron_ext.pattern import expand_pattern
+from megatron_ext.launch.presets import load_settings, model_flops_per_token, parameter_count
 
-CHUNK = 64
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+.*elapsed time per iteration \(ms\): ([\d.]+)")
 LOSS = re.compile(r"lm loss: ([\d.E+-]+)")
 MEMORY = re.compile(r"max allocated: ([\d.]+)")
@@ -56,22 +47,6 @@ CATEGORIES = ("gemm", "attention", "linear_mixer", "mixer_glue", "elementwise_co
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def model_flops_per_token(settings) -> float:
-    """Training FLOPs per token of the model ``settings`` describe (see the module docstring)."""
-    m, ext = settings.model, settings.ext
-    flops = 6.0 * (parameter_count(settings) - settings.data.vocab_size * m.hidden_size)
-    head_dim = m.hidden_size // m.num_attention_heads
-    for mixer in expand_pattern(ext.pattern, m.num_layers):
-        if mixer.self_attention:
-            flops += 6.0 * m.seq_length * m.num_attention_heads * head_dim
-        else:
-            heads = ext.linear_num_value_heads or m.num_attention_heads
-            key_dim = ext.linear_key_head_dim or head_dim
-            value_dim = ext.linear_value_head_dim or head_dim
-            flops += heads * 3 * (6 * key_dim * value_dim + 2 * CHUNK * (2 * key_dim + value_dim))
-    return flops
 
 
 def _triton_names(modules) -> tuple[str, ...]:

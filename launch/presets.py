@@ -139,6 +139,35 @@ def parameter_count(settings_or_preset_name, vocab_size: int | None = None) -> i
     return sum(p.numel() for p in model.parameters())
 
 
+def model_flops_per_token(settings) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward) of the model a
+    :class:`~megatron_ext.train.RunSettings` describes, the count behind the benchmarks' MFU:
+
+    - 6 per weight of every matrix multiply (the embedding lookup excluded, the output layer
+      included);
+    - each softmax layer ``6 * T * heads * head_dim`` (causal: half of the T x T scores; sparse
+      layers count as dense, an upper bound);
+    - each linear-recurrent layer, per value head, ``3 * (6 * K * V + 2 * C * (2 * K + V))``:
+      the chunked recurrence's state read, state update and intra-chunk correction (``2 K V``
+      each) plus the in-chunk scores and their use, chunk C = 64.
+    """
+    from megatron_ext.pattern import expand_pattern
+
+    chunk = 64
+    m, ext = settings.model, settings.ext
+    flops = 6.0 * (parameter_count(settings) - settings.data.vocab_size * m.hidden_size)
+    head_dim = m.hidden_size // m.num_attention_heads
+    for mixer in expand_pattern(ext.pattern, m.num_layers):
+        if mixer.self_attention:
+            flops += 6.0 * m.seq_length * m.num_attention_heads * head_dim
+        else:
+            heads = ext.linear_num_value_heads or m.num_attention_heads
+            key_dim = ext.linear_key_head_dim or head_dim
+            value_dim = ext.linear_value_head_dim or head_dim
+            flops += heads * 3 * (6 * key_dim * value_dim + 2 * chunk * (2 * key_dim + value_dim))
+    return flops
+
+
 def check_parameter_count(name_or_path: str, count: int | None = None) -> int:
     """The preset's parameter count, checked against the size in its name (see
     :data:`SIZE_TOLERANCE`); ``count`` skips the measurement when already known."""

@@ -1,10 +1,9 @@
-"""benchmarks/throughput.py's parts that run without a GPU: the kernel categories of the GPU-time
-breakdown, the breakdown of a Chrome trace, and the FLOP count behind its MFU."""
+"""benchmarks/throughput.py's parts that run without a GPU (the kernel categories of the GPU-time
+breakdown, the breakdown of a Chrome trace) and the FLOP count behind its MFU."""
 
 import gzip
 import json
 import pathlib
-import sys
 
 import pytest
 
@@ -15,7 +14,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def benchmark():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     return harness.load_script(ROOT / "benchmarks" / "throughput.py", "throughput_benchmark")
 
 
@@ -53,15 +51,15 @@ def test_breakdown_of_a_trace(benchmark, tmp_path):
     assert sum(result[c] for c in benchmark.CATEGORIES) == expected_busy
 
 
-def test_flops_per_token(benchmark):
+def test_flops_per_token():
     """hybrid-350m at T = 4096: 6 per matmul weight, 14 GDN layers of 16 value heads (K = V = 64)
     and 6 attention layers of 16 heads of 64."""
-    from megatron_ext.launch.presets import load_settings, parameter_count
+    from megatron_ext.launch.presets import load_settings, model_flops_per_token, parameter_count
 
     settings = load_settings("hybrid-350m")
     weights = parameter_count(settings) - 32000 * 1024
     linear = 16 * 3 * (6 * 64 * 64 + 2 * 64 * (2 * 64 + 64))
     expected = 6 * weights + 14 * linear + 6 * 6 * 4096 * 16 * 64
-    assert benchmark.model_flops_per_token(settings) == expected
+    assert model_flops_per_token(settings) == expected
     settings.ext.pattern = "*"
-    assert benchmark.model_flops_per_token(settings) > expected  # 20 attention layers at T = 4096
+    assert model_flops_per_token(settings) > expected  # 20 attention layers at T = 4096
