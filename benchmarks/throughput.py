@@ -184,12 +184,12 @@ def run_one(preset: str, pattern: str | None, seq_length: int, args) -> dict:
     return row
 
 
-def environment() -> dict:
+def environment(commit: str | None) -> dict:
     import torch
     import triton
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or None
+    commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                      capture_output=True, text=True).stdout.strip() or None
     return {"commit": commit, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d")}
@@ -240,17 +240,25 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-traces", default=None, metavar="DIR",
                         help="keep each run's profiled-iteration trace (Chrome JSON) in DIR")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--commit", default=None,
+                        help="the commit to stamp the results with (default: git's HEAD here; a "
+                             "copy of the tree without its .git, as on a lent GPU machine, needs it)")
+    parser.add_argument("--replot", action="store_true",
+                        help="only redraw --out's plot from its JSON")
     parser.add_argument("--append", action="store_true",
                         help="add the rows to --out's (another preset's sequence lengths)")
     parser.add_argument("megatron_args", nargs=argparse.REMAINDER,
                         help="after --: extra Megatron flags for every run")
     args = parser.parse_args(argv)
+    out = pathlib.Path(args.out)
+    if args.replot:
+        plot(json.loads(out.read_text()), out.with_suffix(".png"))
+        return 0
     if args.megatron_args[:1] == ["--"]:
         args.megatron_args = args.megatron_args[1:]
     pathlib.Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"environment": environment(), "commands": [], "peak_tflops": args.peak_tflops,
+    record = {"environment": environment(args.commit), "commands": [], "peak_tflops": args.peak_tflops,
               "rows": []}
     if args.append and out.exists():
         record = json.loads(out.read_text())
