@@ -183,14 +183,6 @@ def check(job: Job) -> Job:
         raise ConfigError(f"--signal-seconds {o.signal_seconds} must be > 0 and below the time "
                           f"limit --time {o.time} ({limit} s)")
 
-    # The preset: schedule, batch vs micro-batch, pattern vs layers, mixer settings, data.
-    s.validate()
-    if o.trainer == "pretrain":
-        from megatron_ext.pretrain import check_data_source
-
-        check_data_source(s, mock_data=o.mock_data, megatron_args=o.megatron_args)
-    elif o.mock_data or o.megatron_args:
-        raise ConfigError("--mock-data and Megatron flags after -- are for --trainer pretrain")
     tp, pp, cp = s.parallel.tensor, s.parallel.pipeline, s.parallel.context
     world = job.nodes * job.gpus_per_node
     if world % (tp * pp * cp):
@@ -200,6 +192,16 @@ def check(job: Job) -> Job:
             f"{tp * pp * cp}: change --nodes, or the preset's parallel section so that their "
             f"product divides {world}")
     dp = world // (tp * pp * cp)
+
+    # The preset: schedule, batch vs micro-batch, pattern vs layers, head counts vs TP, mixer
+    # settings, data.
+    s.validate()
+    if o.trainer == "pretrain":
+        from megatron_ext.pretrain import check_data_source
+
+        check_data_source(s, mock_data=o.mock_data, megatron_args=o.megatron_args)
+    elif o.mock_data or o.megatron_args:
+        raise ConfigError("--mock-data and Megatron flags after -- are for --trainer pretrain")
     t = s.train
     if t.global_batch_size % (t.micro_batch_size * dp):
         step = t.micro_batch_size * dp

@@ -198,7 +198,20 @@ class RunSettings:
         if t.global_batch_size % t.micro_batch_size:
             raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a "
                               f"multiple of train.micro_batch_size={t.micro_batch_size}")
-        p = self.parallel
+        p, m = self.parallel, self.model
+        heads = m.num_attention_heads
+        split_over_tp = {
+            "model.num_attention_heads": heads,
+            "model.num_query_groups": m.num_query_groups or heads,
+            "model.ffn_hidden_size": m.ffn_hidden_size or 4 * m.hidden_size,
+            "ext.linear_num_key_heads": self.ext.linear_num_key_heads or m.num_query_groups or heads,
+            "ext.linear_num_value_heads": self.ext.linear_num_value_heads or heads,
+        }
+        for name, value in split_over_tp.items():
+            if value % p.tensor:
+                raise ConfigError(f"{name}={value} is not divisible by parallel.tensor="
+                                  f"{p.tensor} (tensor parallelism splits it over the GPUs): "
+                                  "choose a tensor size that divides it")
         if p.recompute not in (None, "selective", "full"):
             raise ConfigError(f"parallel.recompute={p.recompute!r} is not one of None, "
                               "'selective', 'full'")

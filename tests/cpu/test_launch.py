@@ -118,6 +118,8 @@ def test_pyxis_mounts_the_run_directory_and_the_data(in_tmp):
 @pytest.mark.parametrize("cluster, nodes, options, overrides, message", [
     ("h100-ib", 1, {}, {"parallel": {"tensor": 3}},
      r"8 GPUs is not a multiple of parallel.tensor \(3\) x parallel.pipeline \(1\)"),
+    ("h100-ib", 1, {}, {"parallel": {"tensor": 8}},
+     r"model.num_query_groups=4 is not divisible by parallel.tensor=8"),
     ("alps-gh200", 2, {}, {"train": {"global_batch_size": 24, "micro_batch_size": 2}},
      r"global_batch_size=24 must be a multiple of .* = 16: set global_batch_size to 16"),
     ("alps-gh200", 1, {"pattern": "GG*"}, {}, r"pattern"),
