@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megatron_ext.config import ConfigError
@@ -54,7 +55,7 @@ def _prepare_data(args) -> int:
 
     prepare_data(inputs=args.inputs or None, output_dir=args.output_dir,
                  vocab_size=args.vocab_size, overwrite=args.overwrite,
-                 tokenizer_model=args.tokenizer_model)
+                 tokenizer_model=args.tokenizer_model, workers=args.workers)
     return 0
 
 
@@ -105,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an existing sentencepiece .model to tokenize with (default: train one)")
     p.add_argument("--vocab-size", type=int, default=4096,
                    help="the vocabulary of a tokenizer trained here")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="tokenizing processes (default: this machine's CPU count)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_prepare_data)
 

@@ -19,10 +19,12 @@ and validation splits), whose items are dicts of ``tokens``/``labels``/``loss_ma
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -458,8 +460,21 @@ def train_tokenizer(
 # --------------------------------------------------------------------------------------------
 
 
+_worker_tokenizer: SentencePieceTokenizer | None = None  # in a tokenizing worker process
+
+
+def _start_tokenizing_worker(model_path: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = SentencePieceTokenizer(model_path)
+
+
+def _tokenize_in_worker(text: str) -> tuple[list[int], int]:
+    return _worker_tokenizer.tokenize(text), len(text)
+
+
 def write_indexed_dataset(
-    documents: Iterable[str], tokenizer: SentencePieceTokenizer, output_prefix: PathLike
+    documents: Iterable[str], tokenizer: SentencePieceTokenizer, output_prefix: PathLike,
+    workers: int = 1,
 ) -> dict[str, int]:
     """Tokenize documents into a Megatron indexed dataset ``<output_prefix>.bin/.idx``.
 
@@ -472,6 +487,8 @@ def write_indexed_dataset(
         documents: the corpus, one string per document.
         tokenizer: the tokenizer to encode with.
         output_prefix: path prefix of the ``.bin``/``.idx`` pair (directories created).
+        workers: processes that tokenize (each loads the tokenizer); documents are written in
+            their order whatever the count, so the output is the same.
 
     Returns:
         dict[str, int]: ``documents`` (sequences written), ``tokens`` (ids written, EOD
@@ -486,16 +503,22 @@ def write_indexed_dataset(
     builder = IndexedDatasetBuilder(get_bin_path(output_prefix), dtype=token_dtype)
     stats = {"documents": 0, "tokens": 0, "characters": 0, "empty_documents_skipped": 0}
     total = len(documents) if hasattr(documents, "__len__") else None
-    for text in tqdm(documents, total=total, desc="tokenizing", unit="doc"):
-        token_ids = tokenizer.tokenize(text)
-        if not token_ids:
-            stats["empty_documents_skipped"] += 1
-            continue
-        token_ids.append(tokenizer.eod)
-        builder.add_document(numpy.asarray(token_ids, dtype=token_dtype), [len(token_ids)])
-        stats["documents"] += 1
-        stats["tokens"] += len(token_ids)
-        stats["characters"] += len(text)
+    with contextlib.ExitStack() as stack:
+        if workers > 1:
+            pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(
+                workers, initializer=_start_tokenizing_worker, initargs=(tokenizer.path,)))
+            encoded = pool.imap(_tokenize_in_worker, documents, chunksize=16)
+        else:
+            encoded = ((tokenizer.tokenize(text), len(text)) for text in documents)
+        for token_ids, characters in tqdm(encoded, total=total, desc="tokenizing", unit="doc"):
+            if not token_ids:
+                stats["empty_documents_skipped"] += 1
+                continue
+            token_ids.append(tokenizer.eod)
+            builder.add_document(numpy.asarray(token_ids, dtype=token_dtype), [len(token_ids)])
+            stats["documents"] += 1
+            stats["tokens"] += len(token_ids)
+            stats["characters"] += characters
     builder.finalize(get_idx_path(output_prefix))
     if stats["documents"] == 0:
         os.remove(get_bin_path(output_prefix))
@@ -573,6 +596,7 @@ def prepare_data(
     seed: int = DEFAULT_SEED,
     overwrite: bool = False,
     tokenizer_model: PathLike | None = None,
+    workers: int = 1,
 ) -> PreparedData:
     """Train a tokenizer on a corpus (or take an existing one) and write the corpus as a Megatron
     indexed dataset.
@@ -600,6 +624,7 @@ def prepare_data(
         tokenizer_model: an existing sentencepiece ``.model`` (with an ``eos`` piece, the
             documents' separator) to tokenize with, copied to ``output_dir``; None trains one
             (then ``vocab_size``, ``model_type`` and ``max_training_lines`` apply).
+        workers: processes that tokenize the corpus (:func:`write_indexed_dataset`).
 
     Returns:
         PreparedData: output paths, the meta dict and whether outputs were reused.
@@ -677,7 +702,8 @@ def prepare_data(
 
     _log(f"writing {data_prefix}.bin/.idx")
     dataset_started = time.perf_counter()
-    stats = write_indexed_dataset(read_documents(files, text_field), tokenizer, data_prefix)
+    stats = write_indexed_dataset(read_documents(files, text_field), tokenizer, data_prefix,
+                                  workers=workers)
     dataset_seconds = time.perf_counter() - dataset_started
 
     meta = {

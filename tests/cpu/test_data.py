@@ -238,3 +238,14 @@ def test_build_gpt_datasets_under_gloo(tokenizer, indexed_dataset, tmp_path):
     for split, dataset in (("train", train), ("valid", valid)):
         torch.testing.assert_close(rank0[split], rank1[split])
         torch.testing.assert_close(rank0[split], dataset[0]["tokens"])
+
+
+def test_tokenizing_workers_write_the_same_dataset(documents, tokenizer, indexed_dataset, tmp_path):
+    """Two tokenizing processes write the byte-identical .bin/.idx and the same counts as one."""
+    from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
+
+    prefix, stats = indexed_dataset
+    parallel = tmp_path / "parallel_text_document"
+    assert write_indexed_dataset(documents, tokenizer, parallel, workers=2) == stats
+    for path in (get_bin_path, get_idx_path):
+        assert Path(path(str(parallel))).read_bytes() == Path(path(str(prefix))).read_bytes()
