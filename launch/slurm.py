@@ -248,6 +248,25 @@ def check(job: Job) -> Job:
     return job
 
 
+def model_state_per_gpu(job: Job) -> tuple[int, float]:
+    """(parameters, GiB per GPU) of the model's training state: bf16 weights (2 bytes a
+    parameter) and fp32 gradients (4) of 1 / (tensor x pipeline) of the parameters, and Adam's
+    fp32 master weights and two moments (12), divided over the data-parallel ranks with the
+    distributed optimizer. Activations come on top (they depend on the micro-batch, the
+    sequence and recompute) and are not counted."""
+    from megatron_ext.launch.presets import parameter_count
+
+    s, o = job.settings, job.options
+    p = s.parallel
+    model_parallel = p.tensor * p.pipeline
+    data_parallel = job.nodes * job.gpus_per_node // (model_parallel * p.context)
+    distributed = ("--use-distributed-optimizer" in o.megatron_args or p.distributed_optimizer
+                   or (p.distributed_optimizer is None and data_parallel > 1))
+    count = parameter_count(s)
+    per_gpu = count / model_parallel * (2 + 4 + 12 / (data_parallel if distributed else 1))
+    return count, per_gpu / 2**30
+
+
 def _is_path(environment: str) -> bool:
     return "/" in environment or environment.endswith(".toml")
 
@@ -440,6 +459,9 @@ def run(args: argparse.Namespace) -> int:
             mock_data=args.mock_data,
             megatron_args=args.megatron_args[1:] if args.megatron_args[:1] == ["--"]
             else args.megatron_args)
+        count, gib = model_state_per_gpu(job)
+        print(f"megatron-ext launch: {count / 1e6:,.1f}M parameters, {gib:.1f} GiB of weights, "
+              "gradients and optimizer state per GPU (activations come on top)", file=sys.stderr)
         if args.dry_run:
             print(render_job(job), end="")
             return 0

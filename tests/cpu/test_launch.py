@@ -234,3 +234,17 @@ def test_megatron_flags_pass_through_to_every_task(in_tmp, capsys):
     with pytest.raises(ConfigError, match="for --trainer pretrain"):
         slurm.render("h100-ib", 1, "tiny-hybrid", gpus_per_node=2, trainer="train",
                      megatron_args=["--use-distributed-optimizer"])
+
+
+def test_model_state_per_gpu(in_tmp):
+    """hybrid-3b on 2 x 4 GH200 (8 data-parallel ranks): the distributed optimizer is on, so a
+    GPU holds 2 + 4 bytes a parameter and 12 / 8 of Adam's; without it all 18."""
+    from megatron_ext.launch.presets import parameter_count
+
+    nodes, options = launch_options("alps-gh200", "hybrid-3b", in_tmp)
+    job = slurm.prepare("alps-gh200", nodes, "hybrid-3b", **options)
+    count, gib = slurm.model_state_per_gpu(job)
+    assert count == parameter_count("hybrid-3b")
+    assert gib == pytest.approx(count * (6 + 12 / 8) / 2**30)
+    job.settings.parallel.distributed_optimizer = False
+    assert slurm.model_state_per_gpu(job)[1] == pytest.approx(count * 18 / 2**30)
