@@ -292,3 +292,48 @@ def test_transformer_engine_only_when_asked(monkeypatch, tmp_path):
         specs.uses_te(ExtConfig(attention_backend="te"))
     argv = megatron_argv(presets.load_settings("tiny-hybrid"), tmp_path, mock_data=True)
     assert "--no-gradient-accumulation-fusion" in argv  # no apex here
+
+
+def test_an_indexed_dataset_with_a_hugging_face_tokenizer_directory(
+        monkeypatch, tmp_path, megatron_single_process):
+    """A tokenizer directory saved by transformers (built here offline: a byte-level BPE trained
+    on a few stdlib files) serves as Megatron's HuggingFaceTokenizer for data.paths."""
+    import sysconfig
+    from pathlib import Path
+
+    import numpy
+    pytest.importorskip("transformers")
+    from megatron.core.datasets.indexed_dataset import (IndexedDatasetBuilder, get_bin_path,
+                                                        get_idx_path)
+    from megatron.training import global_vars
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_ext.pretrain import _datasets_provider
+
+    texts = [p.read_text() for p in sorted(Path(sysconfig.get_paths()["stdlib"], "json").glob("*.py"))]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"]))
+    hf = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", unk_token="<unk>")
+    hf.save_pretrained(tmp_path / "tokenizer")
+    prefix = str(tmp_path / "json_text_document")
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=numpy.uint16)
+    for text in texts:
+        ids = hf(text)["input_ids"] + [hf.eos_token_id]
+        builder.add_document(numpy.asarray(ids, dtype=numpy.uint16), [len(ids)])
+    builder.finalize(get_idx_path(prefix))
+
+    settings = presets.load_settings("tiny-hybrid")
+    settings.data.paths = [prefix]
+    settings.data.split = "50,50,0"  # a handful of documents: each split must get some
+    settings.data.tokenizer_type = "HuggingFaceTokenizer"
+    settings.data.tokenizer_model = str(tmp_path / "tokenizer")
+    args = _parse(megatron_argv(settings, tmp_path, mock_data=False), monkeypatch)
+    tokenizer = global_vars.build_tokenizer(args)
+    assert tokenizer.tokenize("import json") == hf("import json")["input_ids"]
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    monkeypatch.setattr(global_vars, "_GLOBAL_TOKENIZER", tokenizer)
+    train, valid, _ = _datasets_provider(settings, tmp_path)([16, 2, 0])
+    assert len(train) >= 16 and int(train[0]["tokens"].max()) < 300
