@@ -157,6 +157,23 @@ def short_conv_backward(x, weight, positions, l2_norm_dim, dy):
 
 
 @triton.jit
+def _at(b, rows, h, cols, sb, st, sh):
+    """Offsets of a [rows, D] tile of head h of batch row b in a [B, T, H, D] tensor."""
+    return b * sb + rows[:, None] * st + h * sh + cols[None, :]
+
+
+@triton.jit
+def _gated_norm_inputs(o_ptr, g_ptr, w_ptr, b, rows, h, cols, ok, sob, sot, soh, sgb, sgt, sgh,
+                       W_PER_HEAD: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr):
+    """o, gate and weight of the tile in fp32, and each row's 1 / rms(o)."""
+    o = tl.load(o_ptr + _at(b, rows, h, cols, sob, sot, soh), mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + _at(b, rows, h, cols, sgb, sgt, sgh), mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + W_PER_HEAD * h * D + cols).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / D + EPS)
+    return o, g, w, r
+
+
+@triton.jit
 def _gated_norm_fwd_kernel(o_ptr, g_ptr, w_ptr, y_ptr, T, H, sob, sot, soh, sgb, sgt, sgh,
                            syb, syt, syh, W_PER_HEAD: tl.constexpr, D: tl.constexpr,
                            BT: tl.constexpr, EPS: tl.constexpr):
@@ -164,15 +181,10 @@ def _gated_norm_fwd_kernel(o_ptr, g_ptr, w_ptr, y_ptr, T, H, sob, sot, soh, sgb,
     rows = t_block * BT + tl.arange(0, BT)
     cols = tl.arange(0, D)
     ok = (rows < T)[:, None]
-    o = tl.load(o_ptr + b * sob + rows[:, None] * sot + h * soh + cols[None, :], mask=ok,
-                other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + b * sgb + rows[:, None] * sgt + h * sgh + cols[None, :], mask=ok,
-                other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + W_PER_HEAD * h * D + cols).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / D + EPS)
+    o, g, w, r = _gated_norm_inputs(o_ptr, g_ptr, w_ptr, b, rows, h, cols, ok, sob, sot, soh,
+                                    sgb, sgt, sgh, W_PER_HEAD, D, EPS)
     y = o * r[:, None] * w[None, :] * (g * tl.sigmoid(g))
-    tl.store(y_ptr + b * syb + rows[:, None] * syt + h * syh + cols[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + _at(b, rows, h, cols, syb, syt, syh), y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -184,24 +196,20 @@ def _gated_norm_bwd_kernel(o_ptr, g_ptr, w_ptr, dy_ptr, do_ptr, dg_ptr, dw_ptr, 
     rows = t_block * BT + tl.arange(0, BT)
     cols = tl.arange(0, D)
     ok = (rows < T)[:, None]
-    o = tl.load(o_ptr + b * sob + rows[:, None] * sot + h * soh + cols[None, :], mask=ok,
-                other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + b * sgb + rows[:, None] * sgt + h * sgh + cols[None, :], mask=ok,
-                other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + b * syb + rows[:, None] * syt + h * syh + cols[None, :], mask=ok,
+    o, g, w, r = _gated_norm_inputs(o_ptr, g_ptr, w_ptr, b, rows, h, cols, ok, sob, sot, soh,
+                                    sgb, sgt, sgh, W_PER_HEAD, D, EPS)
+    dy = tl.load(dy_ptr + _at(b, rows, h, cols, syb, syt, syh), mask=ok,
                  other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + W_PER_HEAD * h * D + cols).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / D + EPS)
     xhat = o * r[:, None]
     sig = tl.sigmoid(g)
     gate = g * sig
     dxhat = dy * w[None, :] * gate
     do = r[:, None] * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=1) / D)[:, None])
     dg = dy * xhat * w[None, :] * sig * (1.0 + g * (1.0 - sig))
-    tl.store(do_ptr + b * sdob + rows[:, None] * sdot + h * sdoh + cols[None, :],
-             do.to(do_ptr.dtype.element_ty), mask=ok)
-    tl.store(dg_ptr + b * sdgb + rows[:, None] * sdgt + h * sdgh + cols[None, :],
-             dg.to(dg_ptr.dtype.element_ty), mask=ok)
+    tl.store(do_ptr + _at(b, rows, h, cols, sdob, sdot, sdoh), do.to(do_ptr.dtype.element_ty),
+             mask=ok)
+    tl.store(dg_ptr + _at(b, rows, h, cols, sdgb, sdgt, sdgh), dg.to(dg_ptr.dtype.element_ty),
+             mask=ok)
     program = b * tl.num_programs(0) + t_block
     tl.store(dw_ptr + (program * H + h) * D + cols, tl.sum(dy * xhat * gate, axis=0))
 
