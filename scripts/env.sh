@@ -1,5 +1,5 @@
 # Source this: creates or reuses the project's Python 3.12 virtual environment in .venv and
-# installs megatron-ext (editable) with its test extras when setup.py changed since last time.
+# installs megatron-ext (editable) with its test extras when setup.py or pyproject.toml changed since last time.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
@@ -34,7 +34,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$(find_python)" -m venv "$VENV"
 fi
 STAMP="$VENV/.megatron-ext-installed"
-WANT="$(cat "$ROOT/setup.py" | sha256sum | cut -d' ' -f1)"
+WANT="$(cat "$ROOT/setup.py" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "[env] installing megatron-ext and its dependencies (the first time downloads PyPI's torch, 4-5 GB)"
     "$VENV/bin/python" -m pip install -q --upgrade pip

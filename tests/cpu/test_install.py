@@ -32,7 +32,7 @@ def wheel(tmp_path_factory) -> pathlib.Path:
     # From a copy of the sources: setuptools reuses a build/ folder left in the tree, which can
     # hold modules that setup.py no longer (or never) packages.
     source = tmp_path_factory.mktemp("source")
-    for name in ("setup.py", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, source / name)
     for folder in TREES:
         shutil.copytree(ROOT / folder, source / folder,
