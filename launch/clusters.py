@@ -26,6 +26,7 @@ class ClusterProfile:
     env: dict[str, str] = field(default_factory=dict)
     # Comment lines written above those exports: what is deliberately left out, and how to tune.
     env_notes: tuple[str, ...] = ()
+    gpu_memory_gb: float | None = None  # per GPU, as the vendor states it (10^9 bytes)
 
 
 PROFILES: dict[str, ClusterProfile] = {
@@ -35,6 +36,7 @@ PROFILES: dict[str, ClusterProfile] = {
             name="alps-gh200",
             description="CSCS Alps (Clariden, ...): 4 GH200 per aarch64 Grace node, Slingshot",
             gpus_per_node=4,
+            gpu_memory_gb=96,  # GH200 with 96 GB HBM3
             cpus_per_task=72,  # 288 Grace cores per node, 72 per GPU
             # pmix: required by the alps images; disable_rdzv_get: CSCS's advice for NCCL over
             # libfabric/CXI (alps-extended-images docs).
@@ -53,6 +55,7 @@ PROFILES: dict[str, ClusterProfile] = {
             name="h100-ib",
             description="8 x H100 per node, InfiniBand (NCCL's IB transport), optional pyxis/enroot",
             gpus_per_node=8,
+            gpu_memory_gb=80,  # H100 SXM 80 GB
             cpus_per_task=12,  # 96+ cores per node on common 8 x H100 nodes
             container="pyxis",
             env={"TORCH_NCCL_AVOID_RECORD_STREAMS": "1"},

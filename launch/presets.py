@@ -70,23 +70,38 @@ def load_settings(name_or_path: str):
 
 
 @contextlib.contextmanager
-def _one_process_megatron():
-    """Megatron's parallel state for building a whole model in this process (TP = PP = 1).
+def _megatron_world(parallel=None, rank: int = 0):
+    """Megatron's parallel state in this process, for building models on the ``meta`` device.
 
-    Uses the world and groups already set up when there are (they must then be TP = PP = 1);
-    otherwise sets up a one-process gloo world on an in-memory store (no port) and tears down
-    what it set up on exit.
+    ``parallel``: a :class:`~megatron_ext.train.ParallelSettings` (default: TP = PP = CP = 1).
+    Without a process group yet, the world is ``tensor x pipeline x context`` ranks (data
+    parallelism 1: it does not change what a rank builds) on torch's fake backend, whose
+    collectives return at once without moving data, and this process is rank ``rank`` of it;
+    torn down on exit. Inside a running job (a process group exists) only the sizes 1 are
+    possible, on that job's groups.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from megatron_ext.train import ParallelSettings
+
+    p = parallel or ParallelSettings()
+    world = p.tensor * p.pipeline * p.context
     own_world = not dist.is_initialized()
     if own_world:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        # Importing it registers the "fake" backend (torch's single-process stand-in for a world).
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    elif world != 1:
+        raise ConfigError("a tensor-, pipeline- or context-parallel layout is built in a process "
+                          "without a process group (stage_parameters starts one)")
     own_groups = not parallel_state.model_parallel_is_initialized()
     try:
         if own_groups:
-            parallel_state.initialize_model_parallel()
+            parallel_state.initialize_model_parallel(
+                p.tensor, p.pipeline, virtual_pipeline_model_parallel_size=p.virtual_pipeline,
+                context_parallel_size=p.context, create_gloo_process_groups=False)
         elif (parallel_state.get_tensor_model_parallel_world_size() != 1
               or parallel_state.get_pipeline_model_parallel_world_size() != 1):
             raise ConfigError(
@@ -100,6 +115,62 @@ def _one_process_megatron():
             dist.destroy_process_group()
 
 
+def stage_parameters(settings, vocab_size: int | None = None) -> list[int]:
+    """The parameters one GPU of each pipeline stage holds (its virtual-pipeline chunks summed)
+    at the settings' tensor, pipeline, virtual-pipeline and context parallel sizes: the real
+    model constructors, run on the ``meta`` device (shapes, no storage) in this process, so that
+    a layout they refuse (heads or widths not divisible by TP, layers by the pipeline) fails here
+    and not after a queue wait. Errors are :class:`ConfigError` naming the layout.
+
+    ``vocab_size``: the tokenizer's size before padding (default: ``data.vocab_size``), padded
+    as training pads it (to a multiple of 128 x TP).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from megatron_ext import train
+
+    settings = copy.deepcopy(settings).validate()
+    p = settings.parallel
+    if dist.is_initialized() and p.tensor * p.pipeline * p.context > 1:
+        # This process belongs to a world already; the layout's fake world needs its own process.
+        import concurrent.futures
+        import multiprocessing
+
+        with concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(stage_parameters, settings, vocab_size).result()
+    vocab = train._padded_vocab(vocab_size or settings.data.vocab_size, p.tensor)
+    # Megatron's own modules honour the meta device (with CPU initialisation they allocate
+    # without naming a device); Transformer Engine's are placed on an explicit device, so they
+    # are not used here: both hold the same parameters.
+    if settings.ext.attention_backend != "local":
+        settings.ext.attention_backend = "sdpa"
+    # RoPE has no parameters; the CPU runtime's config refuses it only because it cannot run.
+    config_settings = copy.deepcopy(settings)
+    if config_settings.model.position_embedding_type == "rope":
+        config_settings.model.position_embedding_type = "none"
+    counts = []
+    for stage in range(p.pipeline):
+        rank = stage * p.tensor * p.context  # Megatron's rank order: tp, cp, (ep, dp), pp
+        runtime = train.Runtime(device=torch.device("cpu"), rank=rank, world_size=p.tensor *
+                                p.pipeline * p.context)
+        chunks = range(p.virtual_pipeline) if p.virtual_pipeline else [None]
+        try:
+            with _megatron_world(p, rank), torch.device("meta"):
+                config = train.transformer_config(config_settings, runtime)
+                config.perform_initialization = False  # shapes only: no random draws
+                models = [train.build_model(settings, config, vocab, vp_stage=chunk)
+                          for chunk in chunks]
+        except (AssertionError, ValueError) as error:  # Megatron's refusals; ours are ConfigError
+            raise ConfigError(
+                f"the model does not build at parallel.tensor={p.tensor}, pipeline={p.pipeline}, "
+                f"virtual_pipeline={p.virtual_pipeline}, context={p.context} (pipeline stage "
+                f"{stage}): {error or type(error).__name__}") from error
+        counts.append(sum(w.numel() for model in models for w in model.parameters()))
+    return counts
+
+
 def parameter_count(settings_or_preset_name, vocab_size: int | None = None) -> int:
     """Exact number of parameters of the model a preset builds (all layers, all experts,
     untied input and output embeddings), without allocating it.
@@ -108,35 +179,19 @@ def parameter_count(settings_or_preset_name, vocab_size: int | None = None) -> i
     a YAML path. ``vocab_size``: the tokenizer's size before padding; default: the preset's
     ``data.vocab_size``. It is padded as training pads it (to a multiple of 128 x TP).
 
-    The model is :func:`megatron_ext.train.build_model`'s GPTModel with every pipeline stage in
-    one piece, built on the ``meta`` device: parameters have shapes but no storage, so a 3B
-    model takes well under a second and no memory, on a machine without a GPU.
+    The model is :func:`stage_parameters`' with every pipeline stage in one piece (TP = PP =
+    CP = 1); a 3B model takes well under a second and no memory, on a machine without a GPU.
     """
-    import torch
-
     from megatron_ext import train
 
     if isinstance(settings_or_preset_name, train.RunSettings):
-        settings = copy.deepcopy(settings_or_preset_name).validate()
+        settings = copy.deepcopy(settings_or_preset_name)
     else:
         settings = load_settings(settings_or_preset_name)
-    vocab = train._padded_vocab(vocab_size or settings.data.vocab_size, settings.parallel.tensor)
-    # The whole model on one rank. Megatron's own modules honour the meta device (with CPU
-    # initialisation they allocate without naming a device); Transformer Engine's are placed on
-    # an explicit device, so they are not used here: both layouts hold the same parameters.
+    tensor = settings.parallel.tensor
     settings.parallel = train.ParallelSettings()
-    if settings.ext.attention_backend != "local":
-        settings.ext.attention_backend = "sdpa"
-    # RoPE has no parameters; the CPU runtime's config refuses it only because it cannot run.
-    config_settings = copy.deepcopy(settings)
-    if config_settings.model.position_embedding_type == "rope":
-        config_settings.model.position_embedding_type = "none"
-    cpu = train.Runtime(device=torch.device("cpu"), rank=0, world_size=1)
-    config = train.transformer_config(config_settings, cpu)
-    config.perform_initialization = False  # shapes only: no random draws, no RNG tracker
-    with _one_process_megatron(), torch.device("meta"):
-        model = train.build_model(settings, config, vocab)
-    return sum(p.numel() for p in model.parameters())
+    vocab = train._padded_vocab(vocab_size or settings.data.vocab_size, tensor)
+    return stage_parameters(settings, vocab_size=vocab)[0]
 
 
 def model_flops_per_token(settings) -> float:

@@ -107,6 +107,20 @@ Megatron's loop (megatron-ext pretrain)."""
 
 
 @dataclasses.dataclass
+class MemoryEstimate:
+    """Memory per GPU of the fullest pipeline stage (see :func:`memory_per_gpu`)."""
+
+    parameters: int  # the whole model
+    stage_parameters: list[int]  # one GPU of each pipeline stage
+    state_gib: float  # weights, gradients and optimizer state: exact
+    activation_gib: float  # activations and logits: an estimate
+
+    @property
+    def total_gib(self) -> float:
+        return self.state_gib + self.activation_gib
+
+
+@dataclasses.dataclass
 class Job:
     """A checked launch: everything :func:`render` writes into the script."""
 
@@ -116,6 +130,7 @@ class Job:
     run_dir: pathlib.Path
     settings: object  # megatron_ext.train.RunSettings
     options: LaunchOptions
+    memory: MemoryEstimate | None = None  # set by check()
 
     @property
     def gpus_per_node(self) -> int:
@@ -245,26 +260,84 @@ def check(job: Job) -> Job:
                 raise ConfigError(
                     f"{job.run_dir} holds checkpoints of a run with other settings "
                     f"({existing}); use a new --run-dir, or the same preset and --pattern")
+
+    # The model as each pipeline stage builds it (the constructors' own checks), and whether
+    # its training state fits.
+    job.memory = memory_per_gpu(job)
+    capacity = p.gpu_memory_gb * 1e9 / 2**30 if p.gpu_memory_gb else None
+    if capacity is not None and job.memory.state_gib > capacity:
+        raise ConfigError(
+            f"the weights, gradients and optimizer state of one GPU take "
+            f"{job.memory.state_gib:.1f} GiB, more than a {p.name} GPU's {capacity:.1f} GiB: "
+            "turn on parallel.distributed_optimizer (with data parallelism), or raise "
+            "parallel.tensor or parallel.pipeline")
     return job
 
 
-def model_state_per_gpu(job: Job) -> tuple[int, float]:
-    """(parameters, GiB per GPU) of the model's training state: bf16 weights (2 bytes a
-    parameter) and fp32 gradients (4) of 1 / (tensor x pipeline) of the parameters, and Adam's
-    fp32 master weights and two moments (12), divided over the data-parallel ranks with the
-    distributed optimizer. Activations come on top (they depend on the micro-batch, the
-    sequence and recompute) and are not counted."""
-    from megatron_ext.launch.presets import parameter_count
+# Bytes a layer keeps for the backward per token, in units of the hidden size, at TP = 1 with
+# flash attention: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+# Transformer Models", table 2) less the score-matrix terms; with TP t: 10 + 24 / t, and with
+# sequence parallelism 34 / t.
+LAYER_BYTES_PER_HIDDEN = 34
+# Bytes per token per vocabulary entry of the output layer: its bf16 logits and the fp32 logits
+# and gradient of the cross-entropy.
+LOGIT_BYTES = 10
+
+
+def memory_per_gpu(job: Job) -> MemoryEstimate:
+    """Memory per GPU of the job's fullest pipeline stage.
+
+    State (exact, from the stage's parameters built on the meta device by
+    :func:`megatron_ext.launch.presets.stage_parameters`): bf16 weights (2 bytes a parameter),
+    fp32 gradients (4) and Adam's fp32 master weights and two moments (12), the last divided over
+    the data-parallel ranks with the distributed optimizer.
+
+    Activations (an estimate): per layer and token of a micro-batch
+    :data:`LAYER_BYTES_PER_HIDDEN` x hidden size (divided as above under TP / SP; context
+    parallelism divides the tokens), for the micro-batches 1F1B keeps in flight on the stage
+    (pipeline size - stage index); full recompute keeps each layer's input and one layer's
+    activations; plus the last stage's logits (:data:`LOGIT_BYTES` x vocabulary / TP per token).
+    Every layer is counted as a transformer layer: against the 1-GPU peaks measured by
+    ``benchmarks/throughput.py`` (``benchmarks/results/throughput_h200.json``) the estimate is
+    within a few percent for all-softmax models and low for hybrids, whose linear-recurrent
+    layers keep more per token (tests/cpu/test_launch.py checks it against those rows).
+    """
+    from megatron_ext.launch.presets import parameter_count, stage_parameters
 
     s, o = job.settings, job.options
-    p = s.parallel
-    model_parallel = p.tensor * p.pipeline
-    data_parallel = job.nodes * job.gpus_per_node // (model_parallel * p.context)
+    p, t = s.parallel, s.train
+    data_parallel = job.nodes * job.gpus_per_node // (p.tensor * p.pipeline * p.context)
     distributed = ("--use-distributed-optimizer" in o.megatron_args or p.distributed_optimizer
                    or (p.distributed_optimizer is None and data_parallel > 1))
-    count = parameter_count(s)
-    per_gpu = count / model_parallel * (2 + 4 + 12 / (data_parallel if distributed else 1))
-    return count, per_gpu / 2**30
+    stages = stage_parameters(s)
+    state = max(stages) * (2 + 4 + 12 / (data_parallel if distributed else 1))
+    activations = max(
+        activation_bytes(s, stage, micro_batches=t.global_batch_size // (t.micro_batch_size * data_parallel))
+        for stage in range(p.pipeline))
+    return MemoryEstimate(parameter_count(s), stages, state / 2**30, activations / 2**30)
+
+
+def activation_bytes(settings, stage: int = 0, micro_batches: int = 1) -> float:
+    """The activation estimate of :func:`memory_per_gpu` for one GPU of pipeline ``stage``."""
+    from megatron_ext.train import _padded_vocab
+
+    p, m = settings.parallel, settings.model
+    tokens = settings.train.micro_batch_size * m.seq_length / p.context
+    sequence_parallel = p.sequence_parallel and p.tensor > 1
+    per_hidden = (LAYER_BYTES_PER_HIDDEN / p.tensor if sequence_parallel or p.tensor == 1
+                  else 10 + 24 / p.tensor)
+    layer = per_hidden * m.hidden_size * tokens
+    layers = m.num_layers // p.pipeline
+    if p.recompute == "full":  # the layers' inputs, and one layer recomputed at a time
+        kept = layers * 2 * m.hidden_size * tokens / (p.tensor if sequence_parallel else 1)
+        per_micro_batch, once = kept, layer
+    else:
+        per_micro_batch, once = layers * layer, 0.0
+    in_flight = min(p.pipeline - stage, micro_batches)
+    total = per_micro_batch * in_flight + once
+    if stage == p.pipeline - 1:
+        total += LOGIT_BYTES * tokens * _padded_vocab(settings.data.vocab_size, p.tensor) / p.tensor
+    return total
 
 
 def _is_path(environment: str) -> bool:
@@ -459,9 +532,17 @@ def run(args: argparse.Namespace) -> int:
             mock_data=args.mock_data,
             megatron_args=args.megatron_args[1:] if args.megatron_args[:1] == ["--"]
             else args.megatron_args)
-        count, gib = model_state_per_gpu(job)
-        print(f"megatron-ext launch: {count / 1e6:,.1f}M parameters, {gib:.1f} GiB of weights, "
-              "gradients and optimizer state per GPU (activations come on top)", file=sys.stderr)
+        memory = job.memory
+        print(f"megatron-ext launch: {memory.parameters / 1e6:,.1f}M parameters; per GPU "
+              f"(fullest pipeline stage, {max(memory.stage_parameters) / 1e6:,.1f}M): "
+              f"{memory.state_gib:.1f} GiB of weights, gradients and optimizer state + "
+              f"~{memory.activation_gib:.1f} GiB of activations (estimate) = "
+              f"~{memory.total_gib:.1f} GiB", file=sys.stderr)
+        if job.profile.gpu_memory_gb and memory.total_gib * 2**30 > job.profile.gpu_memory_gb * 1e9:
+            print(f"megatron-ext launch: warning: that is more than a {job.profile.name} GPU's "
+                  f"{job.profile.gpu_memory_gb:g} GB; if the job runs out of memory, lower "
+                  "train.micro_batch_size or set parallel.recompute (or raise parallel.tensor / "
+                  "parallel.pipeline)", file=sys.stderr)
         if args.dry_run:
             print(render_job(job), end="")
             return 0

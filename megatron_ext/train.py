@@ -348,6 +348,7 @@ def transformer_config(settings: RunSettings, runtime: Runtime):
         num_moe_experts=m.num_moe_experts,
         moe_router_topk=m.moe_router_topk if m.num_moe_experts else 2,
         tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline, context_parallel_size=p.context,
         sequence_parallel=p.sequence_parallel and p.tensor > 1,
         bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
         use_cpu_initialization=not runtime.cuda,
@@ -356,8 +357,9 @@ def transformer_config(settings: RunSettings, runtime: Runtime):
     )
 
 
-def build_model(settings: RunSettings, config, vocab_size: int):
-    """This pipeline stage's GPTModel, with one token mixer per layer from the pattern."""
+def build_model(settings: RunSettings, config, vocab_size: int, vp_stage: int | None = None):
+    """This pipeline stage's GPTModel (its virtual-pipeline chunk ``vp_stage``, if any), with
+    one token mixer per layer from the pattern."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -365,14 +367,15 @@ def build_model(settings: RunSettings, config, vocab_size: int):
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(config, ext=settings.ext),
+        transformer_layer_spec=block_spec(config, ext=settings.ext, vp_stage=vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=settings.model.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         position_embedding_type=settings.model.position_embedding_type,
         rotary_base=settings.model.rotary_base,
         share_embeddings_and_output_weights=False,
+        vp_stage=vp_stage,
     )
     if settings.ext.dsa_stage == "dense_warmup":
         from megatron_ext.mixers.dsa import freeze_all_but_indexers

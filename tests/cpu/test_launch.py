@@ -123,6 +123,11 @@ def test_pyxis_mounts_the_run_directory_and_the_data(in_tmp):
     ("alps-gh200", 2, {}, {"train": {"global_batch_size": 24, "micro_batch_size": 2}},
      r"global_batch_size=24 must be a multiple of .* = 16: set global_batch_size to 16"),
     ("alps-gh200", 1, {"pattern": "GG*"}, {}, r"pattern"),
+    ("h100-ib", 3, {}, {"parallel": {"pipeline": 3}},
+     r"does not build at parallel.tensor=1, pipeline=3.*\(pipeline stage 0\): num_layers=20"),
+    ("h100-ib", 1, {}, {"model": {"hidden_size": 8192}, "ext": {"pattern": "*"},
+                        "parallel": {"distributed_optimizer": False}},
+     r"optimizer state of one GPU take \d+\.\d GiB, more than a h100-ib GPU's 74.5 GiB"),
     ("alps-gh200", 1, {}, {"data": {"inputs": ["no/such/corpus"]}},
      r"data input .*no/such/corpus does not exist"),
     ("alps-gh200", 0, {}, {}, r"--nodes 0: a job needs at least one node"),
@@ -236,15 +241,50 @@ def test_megatron_flags_pass_through_to_every_task(in_tmp, capsys):
                      megatron_args=["--use-distributed-optimizer"])
 
 
-def test_model_state_per_gpu(in_tmp):
+def test_memory_per_gpu(in_tmp):
     """hybrid-3b on 2 x 4 GH200 (8 data-parallel ranks): the distributed optimizer is on, so a
     GPU holds 2 + 4 bytes a parameter and 12 / 8 of Adam's; without it all 18."""
     from megatron_ext.launch.presets import parameter_count
 
     nodes, options = launch_options("alps-gh200", "hybrid-3b", in_tmp)
     job = slurm.prepare("alps-gh200", nodes, "hybrid-3b", **options)
-    count, gib = slurm.model_state_per_gpu(job)
-    assert count == parameter_count("hybrid-3b")
-    assert gib == pytest.approx(count * (6 + 12 / 8) / 2**30)
+    count = parameter_count("hybrid-3b")
+    assert job.memory.parameters == count and job.memory.stage_parameters == [count]
+    assert job.memory.state_gib == pytest.approx(count * (6 + 12 / 8) / 2**30)
     job.settings.parallel.distributed_optimizer = False
-    assert slurm.model_state_per_gpu(job)[1] == pytest.approx(count * 18 / 2**30)
+    assert slurm.memory_per_gpu(job).state_gib == pytest.approx(count * 18 / 2**30)
+
+
+@pytest.mark.parametrize("parallel", [{"pipeline": 2}, {"pipeline": 2, "virtual_pipeline": 2},
+                                      {"tensor": 2, "pipeline": 2}, {"context": 2}])
+def test_stages_are_built_at_the_jobs_layout(parallel):
+    """Each pipeline stage is built on the meta device as its first rank builds it: the
+    stages of a pipeline hold the whole model between them (untied embeddings), and tensor
+    parallelism halves what a GPU holds, less the replicated norms."""
+    settings = presets.load_settings("hybrid-1.3b")
+    for name, value in parallel.items():
+        setattr(settings.parallel, name, value)
+    stages = presets.stage_parameters(settings)
+    whole = presets.parameter_count("hybrid-1.3b")
+    assert len(stages) == settings.parallel.pipeline
+    tensor = settings.parallel.tensor
+    assert whole / tensor <= sum(stages) < whole / tensor * 1.01
+
+
+def test_activation_estimate_against_the_measured_peaks():
+    """The estimate (with the exact state of one GPU without the distributed optimizer) against
+    the peak memory benchmarks/throughput.py measured on one H200: the docstring of
+    memory_per_gpu says how close it is; this keeps it true for the current results."""
+    import json
+    import pathlib
+
+    results = pathlib.Path(__file__).parents[2] / "benchmarks/results/throughput_h200.json"
+    rows = json.loads(results.read_text())["rows"]
+    assert rows
+    for row in rows:
+        settings = presets.load_settings(row["preset"])
+        settings.ext.pattern = row["pattern"]
+        settings.model.seq_length = row["seq_length"]
+        settings.train.micro_batch_size = row["micro_batch"]
+        estimate = (presets.parameter_count(settings) * 18 + slurm.activation_bytes(settings)) / 2**30
+        assert -0.2 < estimate / row["peak_gib"] - 1 < 0.05, row
