@@ -41,7 +41,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.kernels import sparse
-from megatron_ext.mixers.common import HeadShardedMixer
+from megatron_ext.mixers.common import HeadShardedMixer, cannot_decode
 from megatron_ext.parallel import ContextParallel
 from megatron_ext.parallel.attention import gather_keys_values
 
@@ -157,6 +157,11 @@ class HeadSplitCoreAttention(SoftmaxCoreAttention):
                 f"ranks (all-to-all): {self.heads} query and {groups} key/value heads per "
                 f"tensor-parallel rank must be divisible by context_parallel_size={self.cp.size}")
 
+    def forward(self, query, key, value, *args, **kwargs):
+        if query.shape[0] != key.shape[0]:  # Megatron's KV cache: decoding
+            raise ConfigError(cannot_decode(type(self).__name__.removesuffix("CoreAttention")))
+        return super().forward(query, key, value, *args, **kwargs)
+
     def cp_heads(self, per_head: torch.Tensor | None) -> torch.Tensor | None:
         """This CP rank's head group of a per-head tensor ``[heads, ...]``."""
         return None if per_head is None else self.cp.heads_of_rank(per_head)
@@ -179,6 +184,8 @@ class SDPACoreAttention(SoftmaxCoreAttention):
                                                  packed_seq_params)
         sink = self.sink(q.device)
         if self.window is not None or sink is not None:
+            if q.shape[1] != k.shape[1]:
+                raise ConfigError(cannot_decode("softmax layers with a sliding window or a sink"))
             cu_seqlens = None
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
                 cu_seqlens = packed_seq_params.cu_seqlens_q

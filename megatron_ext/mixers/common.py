@@ -25,6 +25,7 @@ from megatron.core.transformer.utils import (
     sharded_state_dict_default,
 )
 
+from megatron_ext.config import ConfigError
 from megatron_ext.kernels.fused import short_conv
 
 
@@ -52,8 +53,6 @@ class HeadShardedMixer(MegatronModule):
         ranks. Each rank's weight rows are its slices of the parts, in order (``[q_r | k_r |
         v_r | ...]``); apply with :meth:`split_outputs`. Checkpoints save every part as its own
         TP-sharded tensor (``<weight key>.<part>``), so they reshard across TP sizes."""
-        from megatron_ext.config import ConfigError
-
         for part, size in parts.items():
             if size % self.tp_size:
                 raise ConfigError(f"the {part} projection's width {size} is not divisible by "
@@ -105,8 +104,6 @@ class HeadShardedMixer(MegatronModule):
         per-channel decays (GLA, KDA, GDN-2). The first factor is column-parallel with its
         output gathered (rank is small); the second splits the channels over TP. Apply with
         :meth:`low_rank_decay`."""
-        from megatron_ext.config import ConfigError
-
         if rank % self.tp_size:
             raise ConfigError(f"linear_decay_rank={rank} is not divisible by "
                               f"tensor_model_parallel_size={self.tp_size}")
@@ -121,6 +118,26 @@ class HeadShardedMixer(MegatronModule):
         low_rank, _ = self.linear_decay_down(hidden_states)
         out, _ = self.linear_decay(low_rank)
         return out
+
+    def decoding_cache(self, inference_context, packed_seq_params=None) -> dict | None:
+        """This layer's state between the forward calls of incremental decoding, or None when
+        not decoding: a dict in Megatron's static inference context
+        (``key_value_memory_dict[layer_number]``) holding the recurrent state (``"state"``,
+        ``[b, heads, K, V]``) and each short convolution's last ``kernel - 1`` inputs; emptied at
+        sequence offset 0 (a new prompt). Its size does not depend on the length decoded."""
+        if inference_context is None:
+            return None
+        name = type(self).__name__
+        if not inference_context.is_static_batching():
+            raise ConfigError(cannot_decode(f"{name} with dynamic batching") + "; use Megatron's "
+                              "StaticInferenceContext")
+        if getattr(self, "cp", None) is not None or packed_cu_seqlens(packed_seq_params) is not None:
+            raise ConfigError(cannot_decode(f"{name} under context parallelism or with packed "
+                                            "(thd) sequences"))
+        store = inference_context.key_value_memory_dict
+        if inference_context.sequence_len_offset == 0 or self.layer_number not in store:
+            store[self.layer_number] = {}
+        return store[self.layer_number]
 
     def sharded_parameter(self, name: str, full: torch.Tensor, no_weight_decay: bool = False):
         """Register this rank's dim-0 slice of ``full`` (drawn identically on every TP rank)."""
@@ -163,6 +180,20 @@ class HeadShardedMixer(MegatronModule):
         return sharded
 
 
+def cannot_decode(what: str) -> str:
+    """The message of a layer that has no incremental decoding yet."""
+    return (f"{what} cannot decode incrementally yet (Megatron's inference context): decoding "
+            "covers the linear mixers and '*' attention without window or sink")
+
+
+def recurrent_state(cache: dict | None) -> dict:
+    """The recurrence's options when decoding: start from the cached state (none at a new
+    prompt) and return the final one."""
+    if cache is None:
+        return {}
+    return {"initial_state": cache.get("state"), "output_final_state": True}
+
+
 def packed_cu_seqlens(packed_seq_params):
     """``cu_seqlens`` of ``thd``-packed sequences, or None for ordinary batches."""
     if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
@@ -171,7 +202,8 @@ def packed_cu_seqlens(packed_seq_params):
 
 
 def conv_silu_heads(x: torch.Tensor, weight: torch.Tensor, heads: int, positions=None, cp=None,
-                    packed=None, l2_norm: bool = False):
+                    packed=None, l2_norm: bool = False, cache: dict | None = None,
+                    name: str | None = None):
     """``[s, b, heads * d]`` projection -> causal conv + SiLU (+ L2 norm per head) -> ``[b, s,
     heads, d]``, in one kernel (:func:`megatron_ext.kernels.fused.short_conv`, which reads the
     projection in place). ``positions``: each token's index within its packed sequence
@@ -182,6 +214,9 @@ def conv_silu_heads(x: torch.Tensor, weight: torch.Tensor, heads: int, positions
     (``packed``, a :class:`~megatron_ext.parallel.context.PackedLayout`) two chunks of each
     document; each chunk is convolved after its halo, the ``kernel - 1`` tokens before it,
     which may live on another rank.
+
+    Decoding (``cache``, a layer's :meth:`HeadShardedMixer.decoding_cache`): the inputs follow
+    the ``kernel - 1`` inputs before them, kept in ``cache[name]`` from the previous call.
     """
     s, b = x.shape[:2]
     x = x.transpose(0, 1)
@@ -191,7 +226,12 @@ def conv_silu_heads(x: torch.Tensor, weight: torch.Tensor, heads: int, positions
     def conv(inputs, positions=None):
         return short_conv(inputs, weight, positions, head_dim)
 
-    if cp is None or halo == 0:
+    if cache is not None:
+        before = cache.get(name)
+        seen = x if before is None else torch.cat([before, x], dim=1)
+        cache[name] = seen[:, max(seen.shape[1] - halo, 0):].clone()
+        x = conv(seen)[:, seen.shape[1] - s:]
+    elif cp is None or halo == 0:
         x = conv(x, positions)
     elif packed is not None:  # b = 1; one convolution per piece, after its halo
         pieces = packed.split(x)

@@ -64,7 +64,8 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron_ext.config import ConfigError
 from megatron_ext.kernels import sparse
 from megatron_ext.mixers.attention import HeadSplitCoreAttention
-from megatron_ext.mixers.common import HeadShardedMixer, LinearMixerSubmodules, packed_cu_seqlens
+from megatron_ext.mixers.common import (HeadShardedMixer, LinearMixerSubmodules, cannot_decode,
+                                        packed_cu_seqlens)
 from megatron_ext.mixers.dsa import (DSACoreAttention, IndexerLoss, LightningIndexer,
                                     refuse_core_recompute)
 from megatron_ext.parallel.context import packed_layout
@@ -299,8 +300,7 @@ class HCASelfAttention(SelfAttention):
     def forward(self, hidden_states, *args, rotary_pos_emb=None, packed_seq_params=None,
                 **kwargs):
         if kwargs.get("inference_context") is not None:
-            raise NotImplementedError("CSA and HCA layers do not run with Megatron's inference "
-                                      "KV cache")
+            raise ConfigError(cannot_decode("CSA and HCA"))
         cu_seqlens = _cu_seqlens(packed_seq_params)
         rotary = rotary_pos_emb
         if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:

@@ -39,6 +39,7 @@ from megatron_ext.mixers.common import (
     LinearMixerSubmodules,
     conv_silu_heads,
     packed_cu_seqlens,
+    recurrent_state,
 )
 from megatron_ext.parallel import ContextParallel
 from megatron_ext.parallel.linear import check_heads, check_sequence, linear_recurrence
@@ -92,7 +93,9 @@ class DecayMixer(HeadShardedMixer):
         self.sharded_parameter("out_norm_weight", torch.ones(heads, self.value_dim))
         self.norm_eps = config.layernorm_epsilon
 
-    def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **_unused):
+    def forward(self, hidden_states, attention_mask=None, packed_seq_params=None,
+                inference_context=None, **_unused):
+        cache = self.decoding_cache(inference_context, packed_seq_params)
         projected, _ = self.in_proj(hidden_states)  # [s, b, widths] (full s: SP gathers here)
         q, k, v, gate = self.split_outputs("in_proj", projected).values()
         s, b = q.shape[:2]
@@ -110,9 +113,12 @@ class DecayMixer(HeadShardedMixer):
             g = self.log_decay
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
         check_sequence(self.cp, s, cu_seqlens, 1, self.variant)
-        o, _ = linear_recurrence(self.cp, self.cp_method, decay_linear_attention,
-                                 decay_linear_attention_summary, dict(q=q, k=k, v=v, g=g),
-                                 cu_seqlens=cu_seqlens, backend=self.kernel_backend)
+        o, final = linear_recurrence(self.cp, self.cp_method, decay_linear_attention,
+                                     decay_linear_attention_summary, dict(q=q, k=k, v=v, g=g),
+                                     cu_seqlens=cu_seqlens, backend=self.kernel_backend,
+                                     **recurrent_state(cache))
+        if cache is not None:
+            cache["state"] = final
         o = gated_rms_norm(o.to(hidden_states.dtype), self.out_norm_weight, to_heads(gate),
                            self.norm_eps, sequence_first=True)  # [s, b, heads * V]
         return self.linear_out(o)
@@ -161,7 +167,9 @@ class Mamba2Mixer(HeadShardedMixer):
         self.sharded_parameter("norm_weight", torch.ones(inner))
         self.norm_eps = config.layernorm_epsilon
 
-    def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **_unused):
+    def forward(self, hidden_states, attention_mask=None, packed_seq_params=None,
+                inference_context=None, **_unused):
+        cache = self.decoding_cache(inference_context, packed_seq_params)
         projected, _ = self.in_proj(hidden_states)  # [s, b, widths] (full s: SP gathers here)
         z, x, B, C, dt = self.split_outputs("in_proj", projected).values()
         s, b = x.shape[:2]
@@ -169,16 +177,22 @@ class Mamba2Mixer(HeadShardedMixer):
         packed = check_sequence(self.cp, s, cu_seqlens, self.conv_x.shape[1], "mamba2")
         positions = sequence_positions(cu_seqlens, s, x.device)
 
-        x = conv_silu_heads(x, self.conv_x, self.heads, positions, self.cp, packed)   # [b, s, H, P]
-        B = conv_silu_heads(B, self.conv_B, self.groups, positions, self.cp, packed)  # [b, s, G, N]
-        C = conv_silu_heads(C, self.conv_C, self.groups, positions, self.cp, packed)
+        x = conv_silu_heads(x, self.conv_x, self.heads, positions, self.cp, packed,
+                            cache=cache, name="x")  # [b, s, H, P]
+        B = conv_silu_heads(B, self.conv_B, self.groups, positions, self.cp, packed,
+                            cache=cache, name="B")  # [b, s, G, N]
+        C = conv_silu_heads(C, self.conv_C, self.groups, positions, self.cp, packed,
+                            cache=cache, name="C")
         dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())  # [b, s, H]
         g = -self.A_log.float().exp() * dt
         # C reads and B writes the state; dt scales the write; scale 1 as in Mamba-2.
-        y, _ = linear_recurrence(
+        y, final = linear_recurrence(
             self.cp, self.cp_method, decay_linear_attention, decay_linear_attention_summary,
             dict(q=C, k=B, v=(x.float() * dt.unsqueeze(-1)).to(x.dtype), g=g),
-            scale=1.0, cu_seqlens=cu_seqlens, backend=self.kernel_backend)
+            scale=1.0, cu_seqlens=cu_seqlens, backend=self.kernel_backend,
+            **recurrent_state(cache))
+        if cache is not None:
+            cache["state"] = final
         y = y.float() + self.D.float().view(-1, 1) * x.float()
         # Mamba-2 gates before its norm: rmsnorm(y * silu(z)) per group of heads, times weight.
         group_shape = (b, s, self.groups, -1)

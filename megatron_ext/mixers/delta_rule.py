@@ -52,6 +52,7 @@ from megatron_ext.mixers.common import (
     LinearMixerSubmodules,
     conv_silu_heads,
     packed_cu_seqlens,
+    recurrent_state,
 )
 from megatron_ext.parallel import ContextParallel
 from megatron_ext.parallel.linear import check_heads, check_sequence, linear_recurrence
@@ -140,8 +141,11 @@ class DeltaRuleMixer(HeadShardedMixer):
         return g.squeeze(-1) if self.variant == "gated_deltanet" else g
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None,
-                **_unused):
-        """hidden_states ``[s, b, h]`` -> (``[s, b, h]``, bias or None)."""
+                inference_context=None, **_unused):
+        """hidden_states ``[s, b, h]`` -> (``[s, b, h]``, bias or None). With Megatron's
+        ``inference_context``, the tokens continue the ones before them (see
+        :meth:`~megatron_ext.mixers.common.HeadShardedMixer.decoding_cache`)."""
+        cache = self.decoding_cache(inference_context, packed_seq_params)
         projected, _ = self.in_proj(hidden_states)  # [s, b, widths] (full s: SP gathers here)
         projected = self.split_outputs("in_proj", projected)
         s, b = projected["q"].shape[:2]
@@ -155,21 +159,25 @@ class DeltaRuleMixer(HeadShardedMixer):
 
         # Conv + SiLU (+ L2 norm per head for q and k) in one kernel each, read in place.
         q = conv_silu_heads(projected["q"], self.conv_q, self.key_heads, positions, self.cp,
-                            packed, l2_norm=True)
+                            packed, l2_norm=True, cache=cache, name="q")
         k = conv_silu_heads(projected["k"], self.conv_k, self.key_heads, positions, self.cp,
-                            packed, l2_norm=True)
-        v = conv_silu_heads(projected["v"], self.conv_v, self.value_heads, positions, self.cp, packed)
+                            packed, l2_norm=True, cache=cache, name="k")
+        v = conv_silu_heads(projected["v"], self.conv_v, self.value_heads, positions, self.cp,
+                            packed, cache=cache, name="v")
         gates = {}
         if self.variant == "gated_deltanet2":
             gates["erase"] = sigmoid_gate("erase", (self.key_dim,))
             gates["write"] = sigmoid_gate("write", (self.value_dim,))
         else:
             gates["beta"] = sigmoid_gate("beta", ())
-        o, _, *residual = linear_recurrence(
+        o, final, *residual = linear_recurrence(
             self.cp, self.cp_method, gated_delta_rule, gated_delta_rule_summary,
             dict(q=q, k=k, v=v, g=self._decay(hidden_states, projected, b, s), **gates),
             cu_seqlens=cu_seqlens, backend=self.kernel_backend,
-            return_write_residual=self.routing == "cler_h")
+            return_write_residual=self.routing == "cler_h",
+            **recurrent_state(cache))
+        if cache is not None:
+            cache["state"] = final
         if self.routing != "none":
             signal = residual[0] if self.routing == "cler_h" else v
             self.routed_signal = signal.reshape(b, s, -1).transpose(0, 1)

@@ -60,7 +60,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.kernels import sparse
 from megatron_ext.mixers.attention import HeadSplitCoreAttention
-from megatron_ext.mixers.common import packed_cu_seqlens
+from megatron_ext.mixers.common import cannot_decode, packed_cu_seqlens
 from megatron_ext.parallel.context import packed_layout
 
 
@@ -240,7 +240,7 @@ class DSASelfAttention(SelfAttention):
     def forward(self, hidden_states, *args, rotary_pos_emb=None, packed_seq_params=None,
                 **kwargs):
         if kwargs.get("inference_context") is not None:
-            raise NotImplementedError("DSA layers do not run with Megatron's inference KV cache")
+            raise ConfigError(cannot_decode("DSA"))
         x = hidden_states.detach()
         if self.config.sequence_parallel and self.world_size > 1:
             x = gather_from_sequence_parallel_region(x, group=self.pg_collection.tp)

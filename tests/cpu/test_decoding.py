@@ -1,0 +1,127 @@
+"""Incremental decoding through Megatron's static inference context.
+
+For a tiny hybrid of each mixer (that mixer, then softmax attention) in fp32: a prefill of the
+prompt and then one token per forward give the same logits as one forward over the whole
+sequence. The linear mixers carry their recurrent state and short-convolution tails between
+calls (a decode step reads only those, never the prefix); softmax layers use Megatron's KV cache.
+Mixers that cannot decode yet say so by name.
+"""
+
+import pytest
+import torch
+
+import harness
+from megatron_ext.config import ConfigError
+from megatron_ext.registry import MIXERS
+
+pytestmark = pytest.mark.usefixtures("megatron_single_process")
+
+VOCAB, LENGTH, PROMPT = 96, 21, 12
+# Sparse layers decode through the KV cache of Megatron's SelfAttention only where the core
+# attends over a cache; these raise a ConfigError that names decoding.
+CANNOT_DECODE = {"dsa", "csa", "hca", "moba", "nsa"}
+
+
+def model_of(pattern: str, seed: int = 0, **ext_options):
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_ext.config import ExtConfig
+    from megatron_ext.specs import block_spec
+
+    config = harness.tiny_config(num_layers=len(pattern))
+    torch.manual_seed(seed)
+    ext = ExtConfig(pattern=pattern, **harness.SHORT_SPARSE, **ext_options)
+    model = GPTModel(config, block_spec(config, ext=ext), vocab_size=VOCAB,
+                     max_sequence_length=64, position_embedding_type="learned_absolute")
+    return model.eval()
+
+
+def decode(model, tokens: torch.Tensor, prompt: int, step: int = 1) -> torch.Tensor:
+    """Logits ``[b, s, vocab]``: the prompt in one forward, then ``step`` tokens per forward
+    (in Megatron's decode mode when ``step`` is 1; as chunks of prefill otherwise)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    b, s = tokens.shape
+    context = StaticInferenceContext(max_batch_size=b, max_sequence_length=64)
+    context.materialize_only_last_token_logits = False
+    pieces, start = [], 0
+    for end in [prompt, *range(prompt + step, s, step), s]:
+        if end <= start:
+            continue
+        positions = torch.arange(start, end).expand(b, -1)
+        pieces.append(model(tokens[:, start:end], positions, None, inference_context=context))
+        context.sequence_len_offset += end - start
+        if step == 1:  # Megatron's decode mode: one token per sequence, no mask
+            context.enable_decode_mode()
+        start = end
+    return torch.cat(pieces, dim=1)
+
+
+@pytest.mark.parametrize("mixer", [m for m in MIXERS], ids=lambda m: m.name)
+def test_prefill_then_decode_matches_one_forward(mixer):
+    model = model_of(mixer.symbol + "*")
+    tokens = torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens, torch.arange(LENGTH).expand(2, -1), None)
+        if mixer.name in CANNOT_DECODE:
+            with pytest.raises(ConfigError, match="decod"):
+                decode(model, tokens, PROMPT)
+            return
+        torch.testing.assert_close(decode(model, tokens, PROMPT), full, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("symbol", [m.symbol for m in MIXERS
+                                    if not m.self_attention and m.name not in CANNOT_DECODE])
+def test_linear_layers_continue_in_chunks(symbol):
+    """Linear mixers also continue a sequence several tokens at a time (chunked prefill; Megatron's
+    softmax attention turns its mask off after the prompt, so it takes one token per call)."""
+    model = model_of(symbol * 2)
+    tokens = torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(tokens, torch.arange(LENGTH).expand(2, -1), None)
+        torch.testing.assert_close(decode(model, tokens, PROMPT, step=3), full,
+                                   atol=2e-5, rtol=1e-4)
+
+
+def test_hybrid_of_every_decoding_mixer():
+    """All the mixers that decode in one model, with prompts of different lengths in the
+    batch as Megatron's static batching runs them: the shortest prompt is prefilled and the
+    rest of the longer prompts is fed token by token, in lockstep."""
+    symbols = "".join(m.symbol for m in MIXERS if m.name not in CANNOT_DECODE)
+    model = model_of(symbols)
+    tokens = torch.randint(0, VOCAB, (3, LENGTH), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(tokens, torch.arange(LENGTH).expand(3, -1), None)
+        torch.testing.assert_close(decode(model, tokens, prompt=4), full, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("options", [{"residual": "mhc"}, {"residual": "attnres_block"},
+                                     {"residual": "attnres_full"},
+                                     {"cross_layer_routing": "clvr"},
+                                     {"cross_layer_routing": "cler_h"}], ids=str)
+def test_residual_schemes_and_routing_decode(options):
+    """Residual schemes mix each token's layer outputs over depth only, and routing adds a
+    per-token term: decoding is unchanged by them."""
+    model = model_of("GM*N", **options)
+    tokens = torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(tokens, torch.arange(LENGTH).expand(2, -1), None)
+        torch.testing.assert_close(decode(model, tokens, PROMPT), full, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_step_reads_only_the_cache():
+    """A decode step's cost does not grow with the prefix: the cache a linear layer keeps has
+    the same size after a prompt of 5 tokens and of 17 (a state and convolution tails)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    model = model_of("G")
+    sizes = []
+    for prompt in (5, 17):
+        context = StaticInferenceContext(max_batch_size=1, max_sequence_length=64)
+        tokens = torch.randint(0, VOCAB, (1, prompt))
+        with torch.no_grad():
+            model(tokens, torch.arange(prompt)[None], None, inference_context=context)
+        cache = context.key_value_memory_dict[1]
+        sizes.append({name: tuple(t.shape) for name, t in cache.items()})
+    assert sizes[0] == sizes[1]
+    assert "state" in sizes[0]
