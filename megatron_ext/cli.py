@@ -59,6 +59,13 @@ def _prepare_data(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from megatron_ext.export import export
+
+    export(args.source, args.out_dir, tokenizer_model=args.tokenizer_model)
+    return 0
+
+
 def _presets(_args) -> int:
     from megatron_ext.launch.presets import list_presets, parameter_count
 
@@ -110,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokenizing processes (default: this machine's CPU count)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_prepare_data)
+
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model "
+                       "directory (AutoModelForCausalLM with trust_remote_code=True)")
+    p.add_argument("source", help="a run directory (its newest checkpoint) or a checkpoint "
+                                  "folder checkpoints/iter_NNNNNNN in one")
+    p.add_argument("out_dir")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="the sentencepiece model to ship (default: the run's, when found)")
+    p.set_defaults(func=_export)
 
     from megatron_ext import doctor
 

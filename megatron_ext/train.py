@@ -390,13 +390,21 @@ def _padded_vocab(vocab_size: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+def data_dir(settings: RunSettings, run_dir: pathlib.Path) -> pathlib.Path:
+    """Where a run's tokenizer and indexed dataset are (``data.output_dir``, or next to the run
+    directory: ``../data/stdlib`` or ``../data/custom``)."""
+    d = settings.data
+    if d.output_dir:
+        return pathlib.Path(d.output_dir)
+    return run_dir.parent / "data" / ("stdlib" if d.inputs is None else "custom")
+
+
 def prepared_data(settings: RunSettings, run_dir: pathlib.Path, rank: int):
     """The run's tokenizer and indexed dataset, built once by rank 0 (the others wait)."""
     from megatron_ext import data
 
     d = settings.data
-    out_dir = pathlib.Path(d.output_dir) if d.output_dir else run_dir.parent / "data" / (
-        "stdlib" if d.inputs is None else "custom")
+    out_dir = data_dir(settings, run_dir)
     if rank == 0:
         data.prepare_data(inputs=d.inputs, output_dir=out_dir, vocab_size=d.vocab_size)
     dist.barrier()

@@ -1,0 +1,185 @@
+"""A model trained with megatron-ext as a Hugging Face ``transformers`` causal LM.
+
+:class:`MegatronExtForCausalLM` wraps the same Megatron ``GPTModel`` that training builds
+(:func:`megatron_ext.train.build_model`, one process, TP = PP = 1), so every mixer and residual
+scheme runs the code it trained with: the kernels where the device has them (Triton on CUDA),
+the PyTorch paths otherwise. ``megatron-ext export`` writes a model directory whose
+``config.json`` points ``AutoConfig`` / ``AutoModelForCausalLM`` here through two small remote-code
+files, so ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` loads it where
+megatron-ext is installed.
+
+:class:`MegatronExtTokenizer` is the run's sentencepiece model as a ``transformers`` tokenizer
+(the same ids as training's tokenizer; no BOS is added, as training adds none, and documents end
+with the model's ``eos`` piece).
+
+Generation: each forward runs the whole sequence it is given (no ``past_key_values``), so
+``generate`` recomputes the prefix at every step; recurrent decoding is Megatron's inference
+context (README, "Generation").
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel, PreTrainedTokenizer
+from transformers.modeling_outputs import CausalLMOutput
+
+MODEL_TYPE = "megatron_ext"
+
+
+class MegatronExtConfig(PretrainedConfig):
+    """``settings``: the run's settings (``RunSettings.to_dict()``, as in its ``config.yaml``);
+    ``vocab_size``: the model's padded vocabulary (the output layer's rows)."""
+
+    model_type = MODEL_TYPE
+
+    def __init__(self, settings: dict | None = None, vocab_size: int = 0, **kwargs):
+        self.settings = settings or {}
+        self.vocab_size = vocab_size
+        self.num_hidden_layers = self.settings.get("model", {}).get("num_layers", 0)
+        kwargs["use_cache"] = False  # no past_key_values: each forward runs the whole sequence
+        super().__init__(**kwargs)
+
+
+def _one_process_world() -> None:
+    """Megatron's parallel state for a model that runs in this process alone (a one-process
+    gloo world on an in-memory store, kept for the process's life), unless one exists."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+
+
+def build_gpt_model(settings, vocab_size: int, device: torch.device | str = "cpu"):
+    """The training GPTModel of ``settings`` (a RunSettings) at TP = PP = 1 in fp32 on
+    ``device``; its weights are not initialised (they are loaded next)."""
+    import copy
+
+    from megatron_ext import train
+
+    settings = copy.deepcopy(settings)
+    settings.parallel = train.ParallelSettings()
+    device = torch.device(device)
+    _one_process_world()
+    runtime = train.Runtime(device=device, rank=0, world_size=1)
+    config_settings = copy.deepcopy(settings)
+    if device.type != "cuda" and config_settings.model.position_embedding_type == "rope":
+        # The config refuses RoPE on a CPU only because megatron-core 0.19's rotary table is
+        # built on the current CUDA device; the model's own setting still builds it.
+        config_settings.model.position_embedding_type = "none"
+    config = train.transformer_config(config_settings, runtime)
+    config.perform_initialization = False
+    config.params_dtype = torch.float32
+    with torch.device(device):
+        return train.build_model(settings, config, vocab_size)
+
+
+class MegatronExtForCausalLM(PreTrainedModel, GenerationMixin):
+    """``forward(input_ids [b, s]) -> logits [b, s, vocab]`` (and the mean next-token loss
+    when ``labels`` are given, Hugging Face's convention: labels are the inputs, shifted here)."""
+
+    config_class = MegatronExtConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+
+    def __init__(self, config: MegatronExtConfig):
+        super().__init__(config)
+        from megatron_ext.train import RunSettings
+
+        self.model = build_gpt_model(RunSettings.from_dict(config.settings), config.vocab_size)
+        self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, dtype=None,
+                        torch_dtype=None, device_map=None, **kwargs):
+        """The model of an exported directory (or Hub repository): built with real tensors and
+        loaded strictly from ``model.safetensors``. (transformers' own loader builds on the meta
+        device and then refills only the checkpoint's tensors, which would lose the buffers
+        Megatron's modules compute when they are built, such as fixed decays.) ``dtype``
+        (``torch_dtype``) and a single-device ``device_map`` are applied after loading."""
+        import pathlib
+
+        from safetensors.torch import load_file
+
+        path = pathlib.Path(pretrained_model_name_or_path)
+        if not path.is_dir():
+            from huggingface_hub import snapshot_download
+
+            path = pathlib.Path(snapshot_download(str(pretrained_model_name_or_path)))
+        model = cls(config if config is not None else cls.config_class.from_pretrained(path))
+        missing, unexpected = model.load_state_dict(load_file(str(path / "model.safetensors")),
+                                                    strict=False)
+        # Megatron modules carry an ``_extra_state`` entry (None without Transformer Engine).
+        missing = [key for key in missing if not key.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"{path / 'model.safetensors'} does not match the model: missing "
+                             f"{missing[:5]}, unexpected {unexpected[:5]}")
+        dtype = dtype if dtype is not None else torch_dtype
+        if dtype not in (None, "auto"):
+            model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+        if isinstance(device_map, (str, torch.device)) and device_map != "auto":
+            model.to(device_map)
+        return model.eval()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, **_unused) -> CausalLMOutput:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("MegatronExtForCausalLM takes unpadded batches (causal attention "
+                             "over every token); pass sequences of equal length or one at a time")
+        b, s = input_ids.shape
+        positions = torch.arange(s, device=input_ids.device).expand(b, -1)
+        logits = self.model(input_ids, positions, None)
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **_unused):
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+class MegatronExtTokenizer(PreTrainedTokenizer):
+    """A sentencepiece model (``tokenizer.model``) as training used it, for ``AutoTokenizer``."""
+
+    vocab_files_names = {"vocab_file": "tokenizer.model"}
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(self, vocab_file: str, **kwargs):
+        import sentencepiece
+
+        self.vocab_file = vocab_file
+        self.sp = sentencepiece.SentencePieceProcessor(model_file=vocab_file)
+        eos = self.sp.id_to_piece(self.sp.eos_id()) if self.sp.eos_id() >= 0 else None
+        kwargs.setdefault("eos_token", eos)
+        super().__init__(**kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def get_vocab(self) -> dict[str, int]:
+        return {self.sp.id_to_piece(i): i for i in range(self.vocab_size)}
+
+    def _tokenize(self, text: str, **_unused) -> list[str]:
+        return self.sp.encode(text, out_type=str)
+
+    def _convert_token_to_id(self, token: str) -> int:
+        return self.sp.piece_to_id(token)
+
+    def _convert_id_to_token(self, index: int) -> str:
+        return self.sp.id_to_piece(index)
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        return self.sp.decode_pieces(tokens)
+
+    def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None):
+        import os
+        import shutil
+
+        out = os.path.join(save_directory, (filename_prefix or "") + "tokenizer.model")
+        if os.path.abspath(out) != os.path.abspath(self.vocab_file):
+            shutil.copy(self.vocab_file, out)
+        return (out,)

@@ -1,0 +1,153 @@
+"""``megatron-ext export``: a checkpoint as a Hugging Face model directory that ``transformers``
+loads (``trust_remote_code=True``) and whose logits equal megatron-ext's (fp32, CPU): for a
+hybrid of every mixer, for mHC and attention residuals, from a dist checkpoint saved at TP = 2,
+and end to end from a ``megatron-ext train`` run with its tokenizer."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+import harness
+from megatron_ext import train
+from megatron_ext.export import export
+from megatron_ext.hf import build_gpt_model
+from megatron_ext.registry import MIXERS
+
+pytestmark = pytest.mark.usefixtures("megatron_single_process")
+
+EVERY_MIXER = "".join(m.symbol for m in MIXERS)
+
+
+def settings_of(pattern: str, **ext) -> train.RunSettings:
+    # hidden 256: megatron-core's default Mamba-2 sizes (head dim 64, 8 groups) need 8 heads.
+    return train.RunSettings.from_dict({
+        "model": {"num_layers": len(pattern), "hidden_size": 256, "ffn_hidden_size": 256,
+                  "num_attention_heads": 4, "num_query_groups": 2, "seq_length": 64,
+                  "position_embedding_type": "none"},
+        "ext": {"pattern": pattern, **harness.SHORT_SPARSE, **ext},
+        "data": {"vocab_size": 500},
+        "train": {"micro_batch_size": 2, "global_batch_size": 4, "steps": 1},
+    })
+
+
+def random_model(settings, seed: int = 0):
+    model = build_gpt_model(settings, train._padded_vocab(settings.data.vocab_size, 1))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+    return model.eval()
+
+
+def run_dir_with(tmp_path, settings, step: int = 3) -> tuple[pathlib.Path, pathlib.Path]:
+    """A run directory as ``train`` leaves it: config.yaml and checkpoints/latest."""
+    run = tmp_path / "run"
+    folder = run / "checkpoints" / f"iter_{step:07d}"
+    folder.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(settings.to_dict()))
+    (run / "checkpoints" / "latest").write_text(f"{step}\n")
+    return run, folder
+
+
+def logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens, torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1), None)
+
+
+def load_exported(out):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+
+
+TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("pattern, ext", [
+    (EVERY_MIXER, {}),
+    ("G*M*", {"residual": "mhc"}),
+    ("G*M*", {"residual": "attnres_block"}),
+], ids=["every-mixer", "mhc", "attnres"])
+def test_exported_logits_equal_megatron_ext(tmp_path, pattern, ext):
+    settings = settings_of(pattern, **ext)
+    model = random_model(settings)
+    run, folder = run_dir_with(tmp_path, settings)
+    (folder / "model").mkdir()
+    torch.save(model.state_dict(), folder / "model" / "model.pt")
+    hf = load_exported(export(run, tmp_path / "hf"))
+    with torch.no_grad():
+        got = hf(TOKENS).logits
+    torch.testing.assert_close(got, logits(model, TOKENS), atol=0, rtol=0)
+    assert hf.generate(TOKENS[:1, :12], max_new_tokens=4, do_sample=False).shape == (1, 16)
+
+
+def _save_at_tp2(rank, world_size, settings_dict, source, target):
+    """Rank of a TP = 2 layout: the TP = 1 dist checkpoint ``source`` resharded to TP = 2, saved
+    as Megatron's own checkpoints are (the model under "model")."""
+    from megatron.core import dist_checkpointing
+
+    settings = train.RunSettings.from_dict(settings_dict)
+    settings.parallel.tensor = 2
+    harness.init_parallel(tp=2)
+    runtime = train.Runtime(device=torch.device("cpu"), rank=rank, world_size=world_size)
+    model = train.build_model(settings, train.transformer_config(settings, runtime),
+                              train._padded_vocab(settings.data.vocab_size, 1))
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), source))
+    dist_checkpointing.save({"model": model.sharded_state_dict()}, target)
+
+
+@pytest.mark.skipif(not harness.can_spawn(2), reason="needs 2 ranks")
+def test_export_of_a_tensor_parallel_dist_checkpoint(tmp_path):
+    from megatron.core import dist_checkpointing
+
+    settings = settings_of("GKM*")
+    model = random_model(settings)
+    source = tmp_path / "tp1"
+    source.mkdir()
+    dist_checkpointing.save(model.sharded_state_dict(), str(source))
+    run, folder = run_dir_with(tmp_path, settings)
+    (run / "checkpoints" / "latest").rename(run / "checkpoints" / "latest_checkpointed_iteration.txt")
+    harness.spawn(_save_at_tp2, 2, settings.to_dict(), str(source), str(folder))
+    hf = load_exported(export(run, tmp_path / "hf"))
+    with torch.no_grad():
+        got = hf(TOKENS).logits
+    torch.testing.assert_close(got, logits(model, TOKENS), atol=1e-6, rtol=1e-5)
+
+
+def test_train_run_exports_with_its_tokenizer(tmp_path):
+    """``megatron-ext train`` on the CPU, ``megatron-ext export`` of its run directory; the
+    tokenizer gives training's ids and the model generates."""
+    import sysconfig
+
+    from transformers import AutoTokenizer
+
+    from megatron_ext.data import SentencePieceTokenizer
+
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    settings = settings_of("G*").to_dict()
+    settings["model"]["hidden_size"] = 64
+    settings["data"] = {"vocab_size": 512, "output_dir": str(tmp_path / "data"),
+                        "inputs": [str(stdlib / "email"), str(stdlib / "json")]}
+    settings["train"].update(steps=2, warmup_steps=1, save_interval=2, eval_interval=2,
+                             eval_batches=1)
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(yaml.safe_dump(settings))
+    for command in (["train", "--preset", str(preset), "--run-dir", str(tmp_path / "run"),
+                     "--device", "cpu"],
+                    ["export", str(tmp_path / "run"), str(tmp_path / "hf")]):
+        done = subprocess.run([sys.executable, "-m", "megatron_ext.cli", *command],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf", trust_remote_code=True)
+    text = "import json\ndef load(path):\n    return json.loads(path)\n"
+    trained = SentencePieceTokenizer(str(tmp_path / "data" / "tokenizer.model"))
+    assert tokenizer(text).input_ids == trained.tokenize(text)
+    model = load_exported(tmp_path / "hf")
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 6)
+    assert isinstance(tokenizer.decode(out[0]), str)
