@@ -32,8 +32,7 @@ autotuning and compiling its forward, and as much its backward, before the first
 141 s and 217 s on a busy host); our Triton kernels compile in seconds (they are not autotuned).
 fla-core has Triton keep its autotuning results (``*.autotune.json`` under ``TRITON_CACHE_DIR``,
 keyed by B, H, the head dims and dtypes, not T), so a run that starts from another's cache
-skips that: on a machine that starts bare, carry those files over (session 6 in
-benchmarks/results/README.md).
+skips that: on a machine that starts bare, carry those files over.
 
     source benchmarks/gpu_setup.sh && python benchmarks/kernels.py     # on the GPU machine
     python benchmarks/kernels.py --device cpu --seq-lens 128 --batch-tokens 256 --ops chunked,sdpa
@@ -266,10 +265,9 @@ def measure(op: Op, seq_len: int, args) -> dict:
 def kernel_times(fn, top: int = 12) -> dict[str, dict[str, float]]:
     """Where one call of ``fn`` spends its time, from torch.profiler: ``kernels``, GPU ms per
     kernel (summed over its launches, and over kernels whose names share their first 120
-    characters; before session 12 such kernels overwrote each other), and ``host``, the host's
-    own ms per op, the ``top`` of each; and ``wall_ms`` of the profiled call. The timings above include any time the GPU waits
-    for the host (each timed call starts on an idle GPU), so a wall time well above the kernels'
-    sum points at the host."""
+    characters), and ``host``, the host's own ms per op, the ``top`` of each; and ``wall_ms`` of
+    the profiled call. The timings above include any time the GPU waits for the host (each timed
+    call starts on an idle GPU), so a wall time well above the kernels' sum points at the host."""
     from torch.profiler import ProfilerActivity, profile
 
     start = time.perf_counter()

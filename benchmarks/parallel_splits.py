@@ -162,7 +162,7 @@ def kill_leftovers(marker: str) -> list[int]:
     directory); their PIDs. torchrun starts its ranks in sessions of their own, out of reach of
     coreutils' timeout, which signals its command's process group: when a timeout killed
     torchrun, ranks stuck in a collective kept running on the GPUs, orphaned, into the next
-    split and the next command (seen on 2 H200s, session 9)."""
+    split and the next command (seen on 2 H200s)."""
     killed = []
     for entry in pathlib.Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():

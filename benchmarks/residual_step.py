@@ -124,7 +124,7 @@ def measure(args, variant, runtime):
         # The GPU's own events (kernels, copies, memsets): with --profile the host ops are
         # recorded too, and each carries its kernels' time again. Not the GPU side of a
         # record_function range ("Optimizer.step#AdamW.step"), which spans kernels counted
-        # already (until session 15 it was in the sum: 6.4 to 9.4 ms a step).
+        # already and would count them twice.
         on_gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
                   and not getattr(e, "is_user_annotation", False)]
         slowest = sorted(on_gpu, key=lambda e: e.self_device_time_total, reverse=True)[:25]

@@ -9,9 +9,9 @@ over the tensors in Python: a norm per tensor, then ``torch.tensor`` of that lis
 scalars, which reads each back to the host (one synchronisation per parameter tensor), and a
 multiply and a copy per tensor for each scaling. The step's optimizer phase is then bound by
 the host, and the more parameter tensors a model has, the longer the GPU idles: mHC adds three
-per sublayer, Attention Residuals two (on an H200, 350M-class model, micro-batch 8, session 16:
-the GPU idled 7.6 ms of a standard step, 19.7 of an mHC step and 24.8 of a block AttnRes step
-waiting for the host, almost all of it in the optimizer phase).
+per sublayer, Attention Residuals two (on an H200, 350M-class model, micro-batch 8, the GPU
+then idles milliseconds of every step waiting for the host, almost all of it in the optimizer
+phase, and about three times as long in an mHC or block AttnRes step as in a standard one).
 
 :func:`l2_norm` and :func:`scale` compute the same with torch's ``_foreach`` ops (a few
 multi-tensor kernels for the whole list, no synchronisation); :func:`use_foreach_multi_tensor_ops`

@@ -225,9 +225,9 @@ def _datasets_provider(settings: RunSettings, run_dir: pathlib.Path):
 
     # Every rank calls the provider: both paths hold collectives over all ranks (the builder's
     # barrier, prepared_data). Without this flag Megatron calls it on tensor-parallel rank 0
-    # only, whose barrier then waits for ranks that never come: TP > 1 hung before its first
-    # iteration on 2 H200s (benchmarks/results/README.md, session 9). Megatron's pretrain_gpt
-    # sets it too; the mock builder still builds on TP rank 0 only (is_built_on_rank).
+    # only, whose barrier then waits for ranks that never come: TP > 1 hangs before its first
+    # iteration. Megatron's pretrain_gpt sets it too; the mock builder still builds on TP rank 0
+    # only (is_built_on_rank).
     provide.is_distributed = True
     return provide
 

@@ -73,9 +73,9 @@ that fp32 runs are not TF32-rounded. The exception: with a decay, the two state 
 decayed k (and q) tiles in fp32, which for bf16 and fp16 inputs tl.dot rounds to TF32 (10
 mantissa bits, bf16 has 7). The running state carries the rounding of these tiles into every
 later chunk, and the decay's gradient, a small difference of large sums, magnifies it: rounded to
-bf16 they made a relative error of 2.3e-2 in the gradient of a constant g (the strong-decay bf16
-case of tests/gpu/test_triton_decay.py, T = 200, with the GPU's bf16 and TF32 roundings
-emulated on the interpreter), 7.5e-3 in TF32.
+bf16 they would make a relative error of 2.3e-2 in the gradient of a constant g (the
+strong-decay bf16 case of tests/gpu/test_triton_decay.py, T = 200, with the GPU's bf16 and TF32
+roundings emulated on the interpreter), against 7.5e-3 in TF32.
 
 Memory: nothing beyond the inputs is saved for the backward (h_c and P are recomputed).
 Temporaries: h_c in the forward, h_c and dh'_c in the backward, NC * Hv * K * V values each in
@@ -176,7 +176,7 @@ def _cumsum_kernel(g, G, step, chunk_seq, chunk_start, cu, H_V,
     """G = the cumulative sum of g inside each chunk, fp32: [tokens, Hv] or [tokens, Hv, K].
     g has ``step`` heads a token: Hv, or 0 where one g serves every token. (A per-channel row is
     at ``(token step + head) K``: with K a constexpr Triton loads it in vectors; given as a
-    token stride that it could not know to be a multiple of 16, it loaded one element at a
+    token stride that it cannot know to be a multiple of 16, it would load one element at a
     time.)"""
     c, hv = tl.program_id(0), tl.program_id(1)
     start, length = _chunk(chunk_seq, chunk_start, cu, c, BT)

@@ -74,57 +74,49 @@ capped at K or V): BK = 32 in _fwd_scores and _bwd_qkg (16 in _bwd_qkg with a pe
 else 64; BV = 32 in _bwd_scores, min(64, 4096 / K) in _fwd_state, 64 in _bwd_state up to K = 128
 in bf16 and fp16 (else as in _fwd_state: at K = 256 and BV = 32 it would need 244 KB of shared
 memory), else 64; the two state kernels' BV then halves (down to 16) while (sequences x value
-heads x V / BV) programs fit on the SMs (``_parallel_block``). These were chosen so that ptxas spills nothing or little (at most ~150 bytes
-per thread) for sm_90 in bf16 with K, V of 64, 128 and 256 (compiled without a GPU). The fp32
-path, whose dots run on FMA units, spills a lot (_bwd_qkg and _fwd_scores with a per-channel
-decay ~1 KB per thread at 8 warps, _bwd_qkg 24 KB and _bwd_scores 8 to 15 KB at 4, hence 8;
-_bwd_state twice as much at BV = 64 as at 32, hence 32; _bwd_qkg with one decay per head 0.05 to
-1.5 KB, and 160 to 184 KB of shared memory): it is there to check the algebra, not for speed.
+heads x V / BV) programs fit on the SMs (``_parallel_block``). These are chosen so that ptxas
+spills nothing or little (at most ~150 bytes per thread) for sm_90 in bf16 with K, V of 64, 128
+and 256 (compiled without a GPU). The fp32 path, whose dots run on FMA units, spills a lot
+(_bwd_qkg and _fwd_scores with a per-channel decay ~1 KB per thread at 8 warps, _bwd_qkg 24 KB and
+_bwd_scores 8 to 15 KB at 4, hence 8; _bwd_state twice as much at BV = 64 as at 32, hence 32;
+_bwd_qkg with one decay per head 0.05 to 1.5 KB, and 160 to 184 KB of shared memory): it is there
+to check the algebra, not for speed.
 Supported K and V: 16, 32, 64, 128, 256. No tl.trans anywhere: transposed operands are loaded
 transposed (Hopper with Triton 3.4 to 3.7.0 miscompiles tl.trans of dot results, fla-core issue
 #640).
 
-Measured on an H200 (Triton 3.6.0, bf16, B*T = 32768, H = 16, K = V = 128, T = 4096; GPU time
-per kernel of one fwd+bwd from benchmarks/kernels.py --profile; benchmarks/results/README.md,
-section "Session 7"). Each change below was first read off ptxas/SASS for sm_90
-without a GPU, then timed:
-    _bwd_qkg, one decay per head (GDN, DeltaNet)   1.76 -> 1.15 ms. It ran a program per block
-        of 32 key channels (grid [NC, Hv, K/BK]), each loading, masking and decaying the same
-        [64, 64] tiles of dP and dA and their transposes; now one program per chunk and head
-        forms them once and loops over the key blocks, and sums dg and beta's share itself.
-    _bwd_qkg, per-channel decay (KDA, GDN-2)        6.59 -> 5.89 ms (KDA). Its 16 serial steps
-        over the diagonal sub-blocks accumulated into the dot results' layout, converting tiles
-        through shared memory at every step; now they accumulate apart, with the masks folded
-        into per-row scalars.
-    _fwd_scores, per-channel decay                  its rework (the diagonal sub-blocks formed 16
-        columns at once) measured slower: 2.81 -> 3.64 ms (KDA), 2.82 -> 4.16 (GDN-2). So it is
-        back in its session-6 form, which with the other reworked kernels took 2.79 ms (KDA)
-        and 2.83 (GDN-2) in session 8 (tests/gpu/test_triton_delta_rule.py: 18 passed).
-    _invert                                         0.47 -> 0.23 ms. It was barrier-bound (four
-        16 x 16 blocks one after another, each row extracted by a reduction across warps); now
-        one loop of 15 steps does all four blocks, reading A's rows from memory.
-    _bwd_scores                                     0.72 -> 0.39 ms: 4 warps on tensor cores
-        (was 8 at 130 registers, one program per SM).
-    _bwd_state                                      0.82 -> 0.49 ms: BV = 64 for K <= 128 in
-        16-bit (256 programs in 2 waves, was 512 in 4).
-fwd+bwd wall time (with the reworked _fwd_scores): DeltaNet 5.21 -> 3.68 ms, GDN 5.43 -> 4.03,
-KDA 13.30 -> 12.45, GDN-2 13.34 -> 13.36; with _fwd_scores back in its session-6 form (session
-8): KDA 11.54, GDN-2 11.90.
+Kernel structure (chosen from ptxas/SASS for sm_90 and the GPU time per kernel of one fwd+bwd,
+benchmarks/kernels.py --profile, on an H200 at B*T = 32768, H = 16, K = V = 128, bf16):
+    _bwd_qkg, one decay per head (GDN, DeltaNet): one program per chunk and head forms the
+        [64, 64] tiles of dP and dA and their transposes once, loops over the key blocks and sums
+        dg and beta's share itself (a program per key block would load, mask and decay the same
+        tiles K/BK times).
+    _bwd_qkg, per-channel decay (KDA, GDN-2): the 16 serial steps over the diagonal sub-blocks
+        accumulate apart from the dot results' layout, with the masks folded into per-row
+        scalars, so that no step converts tiles through shared memory.
+    _fwd_scores, per-channel decay: the diagonal sub-blocks are formed one column per step;
+        forming 16 columns at once is slower on an H200.
+    _invert: one loop of 15 steps does all four diagonal blocks, reading A's rows from memory
+        (the blocks one after another, each row extracted by a reduction across warps, is
+        barrier-bound).
+    _bwd_scores: 4 warps on tensor cores (at 8 it takes 130 registers a thread, one program
+        per SM).
+    _bwd_state: BV = 64 for K <= 128 in 16-bit (at the shape above 256 programs in 2 waves,
+        against 512 in 4 at BV = 32).
 
-Hopper. On an H200 (Triton 3.6.0, with its ptxas 12.8) _bwd_qkg at 8 warps returned wrong dk and
-d beta in bf16 without a decay and faulted (illegal memory access) with a per-channel decay; these
-forms fed the [64, 64] tiles of dP and dA (and their transposes) to tl.dot straight from memory,
-while the per-head form, which scales them by the decays in registers first, passed. The fp32
-runs (no tensor cores) passed, and under the interpreter every access of the bf16 path is in
-bounds: code generation, not indexing. So _bwd_qkg masks dP and dA as it uses them and, on tensor
-cores, runs on one warpgroup (no replicated accumulator layouts, no conversions between them), as
-fla-core keeps its kernels of this shape at 2 or 4 warps on Hopper (its issues #984 and #640
-report similar failures). That fixed the per-channel form, but the form without a decay still
-gave dk 0.46 off in bf16 (masking by tl.where alone did not keep the compiler from the failing
-code), so it is gone: without a decay, _bwd_qkg runs the per-head form on a zero decay.
-_bwd_scores at 4 warps and _bwd_state at BV = 64 (8 warps) also feed tiles loaded transposed
-(T^T, U^T, P^T) to tl.dot straight from memory, the pattern of those failures; both passed
-tests/gpu/test_triton_delta_rule.py on an H200 (18 tests, with the doctor's 80 checks). Any new
+Hopper. On an H200 (Triton 3.6.0, with its ptxas 12.8), _bwd_qkg at 8 warps, feeding the
+[64, 64] tiles of dP and dA (and their transposes) to tl.dot straight from memory, returns wrong dk
+and d beta in bf16 without a decay and faults (illegal memory access) with a per-channel decay;
+the per-head form, which scales those tiles by the decays in registers first, is right. The fp32
+path (no tensor cores) is right too, and under the interpreter every access of the bf16 path is
+in bounds: code generation, not indexing. So _bwd_qkg masks dP and dA as it uses them and, on
+tensor cores, runs on one warpgroup (no replicated accumulator layouts, no conversions between
+them), as fla-core keeps its kernels of this shape at 2 or 4 warps on Hopper (its issues #984 and
+#640 report similar failures). A form without a decay gives dk 0.46 off in bf16 even so (masking
+by tl.where alone does not keep the compiler from the failing code), so without a decay _bwd_qkg
+runs the per-head form on a zero decay. _bwd_scores at 4 warps and _bwd_state at BV = 64 (8
+warps) also feed tiles loaded transposed (T^T, U^T, P^T) to tl.dot straight from memory, the
+pattern of those failures; both pass tests/gpu/test_triton_delta_rule.py on an H200. Any new
 launch configuration must pass that file there before use.
 """
 import functools

@@ -23,12 +23,11 @@ the Sinkhorn iterations (two kernels, :mod:`.triton_sinkhorn`), :func:`depth_att
 :func:`add_into_last_slot` (block AttnRes's exit; also :mod:`.triton_depth`). The two mHC
 stream ops, :func:`mhc_pre` and :func:`stream_update`, have fused kernels too (forward and
 backward, :mod:`.triton_mhc`), on unless :func:`use_triton_mhc` turns them off: in a training
-step of the 350M-class model at micro-batch 8 on an H200 (session 14, benchmarks/results) they
-take 289.5 ms of GPU time against 299.8 ms with the compiled bodies (the standard residual:
-222.4), and 303.9 against 314.2 ms of wall time. Until session 14's launch sizes they took more
-GPU time than the bodies. Kernels are used on a device only after passing a
-first-use check there (small random inputs against the PyTorch bodies); where they cannot run
-(the CPU, no Triton, a failed check, sizes or dtypes they do not take) the PyTorch bodies do.
+step of the 350M-class model at micro-batch 8 on an H200 they take less GPU and wall time than
+the compiled bodies (benchmarks/residual_step.py). Kernels are used on a device only after
+passing a first-use check there (small random inputs against the PyTorch bodies); where they
+cannot run (the CPU, no Triton, a failed check, sizes or dtypes they do not take) the PyTorch
+bodies do.
 Those bodies, and the ops without kernels (rms_project, stream_mix), can be compiled with
 ``torch.compile`` on CUDA (:func:`use_compile`): they are small elementwise and reduction
 chains whose cost in eager mode is mostly kernel launches. If compiling fails, the eager bodies
@@ -117,7 +116,7 @@ def triton_enabled() -> bool:
     return _triton_enabled
 
 
-# The fused mHC kernels (triton_mhc.py) are on by default since session 14 (module docstring);
+# The fused mHC kernels (triton_mhc.py) are on by default (module docstring);
 # use_triton_mhc(False) runs the PyTorch bodies instead, to compare.
 _triton_mhc_enabled = True
 
@@ -698,9 +697,9 @@ def _depth_backward(query, groups, grad, z, r, alpha):
 #   With ``last_plus`` the passed group is a new tensor, the first group with ``last_plus``
 #   added to its last source (the kernel writes it in the pass that reads the group): block
 #   AttnRes's exit then only adds the FFN's output into it (add_into_last_slot), and the
-#   passed gradient's last slot is part of ``last_plus``'s, written by the same kernel (where a
-#   separate exit op made a new state from the input and both outputs, and autograd added the
-#   mixer output's two gradients).
+#   passed gradient's last slot is part of ``last_plus``'s, written by the same kernel (a
+#   separate exit op would make a new state from the input and both outputs, and autograd would
+#   add the mixer output's two gradients).
 @functools.cache
 def _triton_depth_kernels():
     """The module of the Triton depth-attention kernels, or None (logged once)."""

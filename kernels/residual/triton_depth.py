@@ -20,11 +20,10 @@ packed state (efficient.py says why), and a third the forward's pass 2:
   autograd's addition of the two would);
 - ``first_out`` (forward): the first group as read, ``last_plus`` included, written out as it is
   read in pass 2 (block AttnRes's FFN passes the packed state on with the mixer's output added:
-  one write of the state in a pass that reads it anyway, where a separate exit op read it once
-  more). Its gradient is the backward's ``first_grad``. In the 350M-class block AttnRes step at
-  micro-batch 8 on an H200 (session 27) the forward kernels took 8.24 ms a step against 7.27
-  without it, and the step's GPU time went from 237.5 to 235.5-236.4 ms (two runs each): the
-  exit's kernel and 15 of autograd's additions are gone.
+  one write of the state in a pass that reads it anyway, where a separate exit op would read it
+  once more). Its gradient is the backward's ``first_grad``. It makes the forward kernels write
+  more, and spares the block AttnRes step the exit's kernel and a number of autograd's
+  additions, for less GPU time a step in all (``benchmarks/residual_step.py``).
 
 The kernels compute exactly efficient._DepthAttention's PyTorch path (to fp32 rounding), one
 program per block of ``BLOCK_T`` tokens, the sources read in their own dtype, h in chunks of
@@ -67,28 +66,23 @@ chunk.
 
 Launch configuration (fixed): BLOCK_H = 128, 16 tokens a program; 4 warps forward and 2 backward
 (``_FORWARD_LAUNCH``, ``_BACKWARD_LAUNCH``), from sweeps on an H200 (bf16, h = 1024, 5 sources,
-T = 8192 and 32768; ``benchmarks/residual_ops.py --depth-sweep``). Timings at T = 32768, the
-variants tried and why they were not kept (8 tokens a program, register caps, sums over h
-elementwise, two chunks a loop iteration, a one-pass forward with an online softmax) are in
-benchmarks/results/README.md, sessions 12 and 16-18: each was either within the runs' noise
-alone, slower alone (the one-pass forward), or faster alone and slower in the block AttnRes
-training step (8 tokens a program in the forward). The kernels take 0.244 ms forward and 0.495 ms
-backward a call at T = 32768 with 5 sources (1.9 and 2.4 TB/s of their least bytes).
+T = 8192 and 32768; ``benchmarks/residual_ops.py --depth-sweep``). None of 8 tokens a program,
+register caps, sums over h elementwise, two chunks a loop iteration or a one-pass forward with an
+online softmax is faster: each is within the runs' noise alone, slower alone (the one-pass
+forward), or faster alone and slower in the block AttnRes training step (8 tokens a program in
+the forward). The kernels take 0.244 ms forward and 0.495 ms backward a call at T = 32768 with 5
+sources (1.9 and 2.4 TB/s of their least bytes; ``benchmarks/residual_ops.py``).
 
 Loads in flight: the loops that stream the sources (forward pass 1 over a source's columns,
 forward pass 2 and both backward passes over a group's sources) are ``tl.range`` loops with
 ``num_stages = _LOOP_STAGES``, so Triton software-pipelines their loads (cp.async on sm_90)
-instead of issuing each iteration's loads and waiting on them; the kernels are latency-bound
-(1.7 and 2.1 TB/s before this). On an H200 (Triton 3.6; bf16, T = 32768, h = 1024, 5 sources,
-``benchmarks/residual_ops.py``, three alternating runs each, session 25) the kernels went from
-0.284 to 0.244 ms forward and from 0.570 to 0.495 ms backward; the 350M-class block AttnRes step
-(micro-batch 8) spent 238.7 ms in GPU kernels against 240.7 before, its wall time within noise.
+instead of issuing each iteration's loads and waiting on them, which matters because the
+kernels are bound by the latency of their loads.
 
 One compiled kernel per (number of groups, KP, dtypes, options); the token count and the numbers
 of sources are not specialised on. The strides are, and the launchers make every one of them a
 multiple of 16 elements (copying a group whose strides are not): knowing it, Triton loads a row's
-columns in 16-byte vectors (with the strides unspecialised every load was one element wide, and
-the kernels took 0.326 / 0.787 ms at T = 32768, session 17).
+columns in 16-byte vectors (with the strides unspecialised every load would be one element wide).
 
 Constraints: 1 <= number of groups <= 4, 1 <= K <= 64 sources in all, h a multiple of 16, the
 groups (and last_plus) in one dtype among fp32, bf16 and fp16 with the same leading (token)
@@ -121,7 +115,7 @@ _BACKWARD_LAUNCH = dict(BLOCK_T=16, num_warps=2)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Not specialised on: the token count and the numbers of sources. The strides are: Triton then
 # knows that they are multiples of 16 (the launchers make them so, see _tokens_view) and loads a
-# row's columns in 16-byte vectors; unspecialised, it loaded them one element at a time.
+# row's columns in 16-byte vectors; unspecialised, it would load them one element at a time.
 _RUNTIME = ["T", "K"] + [f"k{i}" for i in range(MAX_GROUPS)]
 _STRIDE_MULTIPLE = 16
 # Software-pipelining depth of the loops that stream the sources (module docstring, "Loads in

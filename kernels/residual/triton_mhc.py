@@ -24,10 +24,9 @@ the stream tensor ``[T, n h]`` in its own dtype once or twice and make no fp32 c
                        autograd's sum of the two, a read and a write of [T, n h], saved).
                        Reads X twice (and that gradient once), writes dX. Pass 1's loads
                        of X and du ask L2 to keep their lines (evict_last) and pass 2's, their
-                       last use, to drop them first (evict_first): in the 350M-class mHC step
-                       (micro-batch 8, H200) the kernel took 16.4 ms a step against 16.8
-                       without the hints (two runs each, session 26; the same hints changed
-                       none of the depth kernels' times).
+                       last use, to drop them first (evict_first), which makes the kernel
+                       faster in the 350M-class mHC step on an H200 (the same hints do not
+                       change the depth kernels' times, which go without them).
                        Outside the kernel: dW = (r dmixes)^T x in one torch matmul (cuBLAS; a
                        third read of X), and the bias and gate gradients as one sum over tokens
                        of a [T, (2 + n) n + 3] fp32 tensor the kernel writes.
@@ -43,9 +42,8 @@ the stream tensor ``[T, n h]`` in its own dtype once or twice and make no fp32 c
 (The Sinkhorn iterations between the pre op's forward logits and its backward run in the
 kernels of :mod:`.triton_sinkhorn`.) Everything else, per token, is [BLOCK_T, (2 + n) n] or
 [BLOCK_T, n, n] tiles in registers, and reads of W (a few hundred KB, from L2; in the streams'
-dtype, cast once a call by the launcher where W is fp32, as with autocast or fp32 parameters: at
-T = 32768, n = 4, h = 1024, bf16 streams on an H200 the pre op's kernels took 224 / 458 us
-forward / backward reading fp32 W in every program, 194 / 423 us with the cast, session 17).
+dtype, cast once a call by the launcher where W is fp32, as with autocast or fp32 parameters,
+which is faster than every program of the pre op reading fp32 W).
 
 Numerics, as the bodies: every sum and product in fp32 after reading its operands in their
 dtype; results written in the dtype of the tensor they are the value or gradient of (u, dX in
@@ -65,8 +63,8 @@ program's slab of columns, then over the slabs; the bias and gate gradients per 
 tokens), and on a GPU multiply-adds may fuse, so results equal the bodies to fp32 rounding, not
 bitwise.
 
-Launch configuration (fixed, no autotuning; the sweeps and timings behind each choice are in
-benchmarks/results/README.md, sessions 9-17, made with ``benchmarks/residual_ops.py --mhc-sweep``):
+Launch configuration (fixed, no autotuning; each choice comes from sweeps made with
+``benchmarks/residual_ops.py --mhc-sweep``, their timings in benchmarks/results/README.md):
 
 - Tiles (``LAUNCH``, per launcher): BLOCK_T = 16 tokens a program (the smallest tile tl.dot
   takes), 64 in the pre op's forward and 32 in its backward; columns of one stream in chunks of
@@ -79,8 +77,8 @@ benchmarks/results/README.md, sessions 9-17, made with ``benchmarks/residual_ops
   columns of h]; a slab is ``_PRE_COLS = 128`` columns (of every stream) in the pre op's forward
   and one chunk of BLOCK_H in the update kernels. The pre op's backward runs on
   [cdiv(T, BLOCK_T)]: each program loops over all of h, in chunks, twice (one kernel over whole
-  rows was 1.7x faster than a slab kernel plus a second launch, session 15; the forward written so
-  was slower and keeps its slabs).
+  rows is faster there than a slab kernel plus a second launch; for the forward it is slower, so
+  the forward keeps its slabs).
 - Sums over h: the pre forward's first kernel and update_backward write per-slab sums to an fp32
   buffer that torch sums over its first axis (deterministic; no atomics): [cdiv(h, 128), T,
   (2 + n) n + 1] and [cdiv(h, 128), T, n + n n] (6.6 and 5 MB at T = 8192, h = 1024, n = 4). The
@@ -89,10 +87,9 @@ benchmarks/results/README.md, sessions 9-17, made with ``benchmarks/residual_ops
   programs write them.
 - 2-D tiles: every pass over the streams without a tl.dot works on [BLOCK_T, 128] tiles of one
   stream at a time, the sums over streams unrolled (n is a constexpr); only update_forward, which
-  reduces nothing, keeps n-stream tiles [BLOCK_T, NP, 128]. Reducing [BLOCK_T, NP, BLOCK_H]
-  tiles over one axis made update_backward 16x slower (session 10). Per-token sums are set into
-  one [BLOCK_T, SP] tile and stored as whole rows at the end (update_backward: 357 -> 278 us at
-  T = 32768, n = 4, h = 1024, bf16 on an H200, session 17).
+  reduces nothing, keeps n-stream tiles [BLOCK_T, NP, 128] (reducing [BLOCK_T, NP, BLOCK_H]
+  tiles over one axis makes update_backward many times slower). Per-token sums are set into one
+  [BLOCK_T, SP] tile and stored as whole rows at the end, which is faster than a store per sum.
 - Registers (ptxas for sm_90): update_backward up to 255 without spills at n = 4; the pre
   backward's single kernel at BLOCK_T = 32 uses 128 registers and a 1.6 KB stack at n = 4 in
   bf16, and is still the fastest of the sizes swept.
@@ -128,9 +125,9 @@ LAUNCH = {"pre_forward": dict(BLOCK_T=64, BLOCK_H=128, num_warps=4),
           "update_forward": dict(BLOCK_T=16, BLOCK_H=128, num_warps=8),
           "update_backward": dict(BLOCK_T=16, BLOCK_H=128, num_warps=8)}
 # From 5 streams on (NP = 8) the tiles at those sizes hold 2 to 4 times as much (MP = 64 or 128
-# mix columns, n-stream tiles of 8); there the sizes of session 10 stay, under which the kernels
-# pass tests/gpu/test_triton_mhc.py (at the sizes above its n = 8 fp32 case did not finish in
-# 200 s on an H200, session 14).
+# mix columns, n-stream tiles of 8); there the smaller sizes below are used, under which the
+# kernels pass tests/gpu/test_triton_mhc.py (at the sizes above its n = 8 fp32 case does not
+# finish in 200 s on an H200).
 LAUNCH_WIDE = {"pre_forward": dict(BLOCK_T=16, BLOCK_H=16, num_warps=4),
                "pre_backward": dict(BLOCK_T=16, BLOCK_H=16, num_warps=8),
                "update_forward": dict(BLOCK_T=16, BLOCK_H=16, num_warps=8),

@@ -61,8 +61,8 @@ MIN_N, MAX_N = 2, 8
 # (8192 tokens at n = 4 are 1024 warps either way, and at n <= 4 each thread runs the same code
 # as in 4-warp programs of 4x the tokens). Smaller programs spread more evenly over the SMs, and
 # at n >= 5 (8 x 8 tiles) one warp keeps every sum inside the warp, where 4 warps of 8 tokens
-# split each matrix's rows between warps and each column sum took shared memory and a barrier
-# (10 barriers in the backward compiled for sm_90, 1 with one warp).
+# would split each matrix's rows between warps and each column sum would take shared memory and
+# a barrier (10 barriers in the backward compiled for sm_90, 1 with one warp).
 _ELEMENTS_PER_PROGRAM = 128
 _NUM_WARPS = 1
 

@@ -203,11 +203,11 @@ def moba_attention(q, k, v, *, block_size, top_k, window=None, sink=None, scale=
 
 # From this many tokens a sequence, "auto" runs NSA's selected and window branches on flash.py
 # (where it runs and has passed its first-use check), below it all three on the block layout.
-# On an H200 (B*T = 32768, 16 query heads of 128, bf16, fwd+bwd; benchmarks/results, session
-# 20), with 4 key/value heads: flash 28.3 / 31.8 / 37.6 / 47.8 ms at T = 4096 / 8192 / 16384 /
-# 32768, the block layout (FlexAttention) 27.9 / 44.8 / 76.4 / 137.1 ms; with 16, at T = 8192,
-# 36.3 against 46.8. Flash's peak memory is 4-5x the layout's (12.3-13.6 GiB against 2.5-2.6 at
-# 4 key/value heads): its call over the chosen blocks holds each query's row once per block.
+# On an H200 (B*T = 32768, 16 query heads of 128, bf16, fwd+bwd; benchmarks/sparse_attention.py)
+# flash and the block layout (FlexAttention) are even at T = 4096, and from T = 8192 on flash is
+# the faster (about 3x at T = 32768), with 4 key/value heads (and with 16 at T = 8192). Flash's
+# peak memory is 4-5x the layout's: its call over the chosen blocks holds each query's row once
+# per block.
 NSA_FLASH_MIN_LEN = 8192
 
 
@@ -334,10 +334,8 @@ def _selected_kernels(backend: str, q, k, v):
 
 # The most keys for which "auto" runs dsa_attention and csa_attention on FlexAttention over the
 # selection's bitmap. Its dense tiles cost B Hq T S / 2 (query, key) products and its bitmap
-# B T S / 8 bytes, against B T K rows for the gathered kernels (triton.py): on an H200, B T =
-# 32768, 16 heads of 128, K = 2048 (session 13), flex took 19.9 / 71.2 ms fwd+bwd at T = 4096 /
-# 16384 against the kernels' 469 / 562 ms (357 ms with one key/value head at 16384), so flex
-# would still win up to about T = 80000 with one key/value head; beyond this limit, triton.
+# B T S / 8 bytes, against B T K rows for the gathered kernels (triton.py), which leaves flex the
+# faster up to long sequences (benchmarks/dsa_stages.py, on an H200); beyond this limit, triton.
 SELECTED_FLEX_MAX_KEYS = 65536
 
 
@@ -349,8 +347,8 @@ def _selected_attention(backend: str, q, k, v, selected, sink, scale):
         _backend(backend, q)  # raises where FlexAttention's kernels cannot take the call
         layout = key_selection_layout(selected, k.shape[1], *_blocks("flex", None))
         # Its main kernel always: under 128 queries with grouped heads Inductor picks its
-        # decoding kernel, which found no valid configuration for this layout at T = 70 with 4
-        # query heads per key/value head in fp32 on an H200 (torch 2.11, session 13).
+        # decoding kernel, which finds no valid configuration for this layout at T = 70 with 4
+        # query heads per key/value head in fp32 on an H200 (torch 2.11).
         return flex_attention_layout(q, k, v, layout, sink=sink, scale=scale,
                                      kernel_options={"BACKEND": "TRITON"})
     kernels = _selected_kernels(backend, q, k, v)
@@ -481,8 +479,8 @@ def dsa_attention(q, k, v, selected, *, sink=None, scale=None, causal=False, bac
 
 # The largest bias (2 B T^2 bytes, made in the forward and again in the backward) for which
 # "auto" runs dsa_attention on cuDNN; beyond it FlexAttention's bitmap (B T^2 / 8 bytes). At 4 GiB:
-# B = 2 at T = 32768, B = 8 at T = 16384; on an H200 the bias of B = 1, T = 32768 (2 GiB) took
-# DSA's sparse stage from 3.33 to 4.59 GiB of peak memory (benchmarks/results, session 23).
+# B = 2 at T = 32768, B = 8 at T = 16384; on an H200 DSA's sparse stage at B = 1, T = 32768
+# peaks at 4.59 GiB with its 2 GiB bias, 3.33 GiB on FlexAttention (benchmarks/results).
 CAUSAL_SELECTION_MAX_BIAS = 4 << 30
 
 

@@ -17,8 +17,7 @@ any device; autograd gives the backward.
 
 Nothing here reads a GPU tensor on the host when the sequences are not packed (``cu_seqlens``
 None): the entries are arange's, kept per shape, so a layer's compression and attention never
-wait for the GPU. On an H200 (session 11) these changes took HCA's fwd+bwd at B*T = 32768, 16
-heads, T = 16384 from 12.8 to 5.1 ms.
+wait for the GPU.
 """
 import functools
 import math

@@ -34,9 +34,9 @@ def compiled_on_cuda(fn: Callable, what: str) -> Callable:
     same, runs from then on. The first tensor argument decides the device.
 
     Inductor's comprehensive padding (strides padded for alignment) is off: with it, torch 2.11
-    gave a wrong gradient through the sink's rescaling into FlexAttention's backward on an H200
-    (session 11: at T = 300 in fp32, q's gradient off by 0.46; right without padding, and at
-    T = 1000 either way), at no measured cost to speed."""
+    gives a wrong gradient through the sink's rescaling into FlexAttention's backward on an H200
+    (at T = 300 in fp32, q's gradient off by 0.46; right without padding, and at T = 1000 either
+    way), and turning it off costs no measured speed."""
     state = {}
 
     def call(*args):
@@ -140,11 +140,10 @@ def flex_attention_layout(q, k, v, layout: BlockLayout, *, sink=None, scale=None
         # FlexAttention's backward runs one program per key block and key/value head, which
         # loops over the query blocks that visit it and, with grouped heads, over the group:
         # the few dense key blocks then take group times longer than the rest. Repeating the
-        # heads spreads them over group times as many programs. On an H200 (B T = 32768, 16
-        # query heads of 128, bf16, fwd+bwd), NSA's compressed branch at T = 16384 took 12.9 /
-        # 5.6 ms with 1 / 4 key/value heads, repeated 3.6 / 4.2, and HCA 17.9 / 7.1 ms, repeated
-        # 4.1 / 4.2; causal and 512-token windows ran 3-5% slower repeated, and are not
-        # (benchmarks/results, session 20).
+        # heads spreads them over group times as many programs: on an H200 (B T = 32768, 16
+        # query heads of 128, bf16, fwd+bwd, T = 16384) NSA's compressed branch and HCA run
+        # several times faster so with one key/value head. Causal layouts and 512-token windows
+        # (no dense columns) run a few percent slower repeated, and are not (benchmarks/results).
         k, v = (_repeat_heads(t, heads // kv_heads) for t in (k, v))
     out, aux = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                    block_mask=block_mask(layout, heads, q.shape[1], k.shape[1]), scale=scale,

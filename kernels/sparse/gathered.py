@@ -19,9 +19,7 @@ MAX_SCORES = 1 << 24  # fp32 scores per chunk: 64 MiB (1 GiB on a GPU: max_score
 
 def max_scores(device: torch.device) -> int:
     """The fp32 values one chunk of queries may hold on ``device``: MAX_SCORES, 16 times that on
-    CUDA, where each chunk's launches and host work dominate small chunks. On an H200 the 16x
-    chunks took DSA's selection at B T = 32768 (64 indexer heads, top-2048) from 233 to 58 ms
-    at T = 4096 and from 912 to 199 ms at T = 16384 (benchmarks/results, session 9)."""
+    CUDA, where each chunk's launches and host work dominate small chunks."""
     return MAX_SCORES * (16 if device.type == "cuda" else 1)
 
 

@@ -200,7 +200,7 @@ def key_selection_layout(selected: torch.Tensor, key_len: int, q_block: int,
     # on x86-64 and aarch64, the platforms this package targets). FlexAttention loads the
     # rule's word for every (query, key) of a tile and pipelines those loads through shared
     # memory: reading int32 words, its bf16 kernel at head dim 64 (128 x 128 tiles, 3 stages)
-    # asked for 240 KB of the H200's 227 KB (session 13); bytes take a quarter of the room.
+    # asks for 240 KB of the H200's 227 KB; bytes take a quarter of the room.
     bits = words.view(torch.uint8)
 
     def rule(b, h, q, kv):

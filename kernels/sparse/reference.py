@@ -123,7 +123,7 @@ def softmax_attention_reference(q, k, v, *, causal=True, window=None, sink=None,
 def chosen_blocks(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """bool mask of the ``top_k`` highest-scoring blocks per row; ``-inf`` marks a block that
     cannot be chosen, ``+inf`` one that must be."""
-    # unsorted: the set is all that matters (sorting it took 0.33 ms of MoBA's 13 on an H200)
+    # unsorted: the set is all that matters (sorting it would take 0.33 ms of MoBA's 13 on an H200)
     top = scores.topk(min(top_k, scores.shape[-1]), dim=-1, sorted=False)
     chosen = torch.zeros_like(scores, dtype=torch.bool)
     return chosen.scatter(-1, top.indices, top.values > float("-inf"))
@@ -280,11 +280,10 @@ def top_k_keys(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     One unsorted ``topk`` over the fp32 scores picks the set wherever no tie crosses its
     threshold (the K-th score): exactly K scores at or above it, or a row without K choosable
     keys. The rows where more scores equal the threshold than the set has room for (ReLU makes
-    exact ties at 0 possible) take :func:`_ordered_top_k` instead, whose order is exact. Until
-    session 24 every row did, and its result was sorted: on an H200, for 1024 queries of DSA's
-    selection over 9216 keys (K = 2048, random indexer inputs, no tied row), 1.40 ms against
-    0.64 now; the whole selection at T = 16384, B = 2 took 25.4 ms against 33.5 in session 23
-    (benchmarks/results/*topk*_s24*, dsa_stages_h200_s2[34]*)."""
+    exact ties at 0 possible) take :func:`_ordered_top_k` instead, whose order is exact. On an
+    H200, for 1024 queries of DSA's selection over 9216 keys (K = 2048, random indexer inputs, no
+    tied row), :func:`_ordered_top_k` on every row takes about twice as long
+    (benchmarks/results/dsa_topk_ab_h200_s24.log)."""
     key_len = scores.shape[-1]
     count = min(top_k, key_len)
     if count == 0:

@@ -56,11 +56,8 @@ and each key row is loaded once for the tile's 64 queries. One program per tile 
 two passes over its key tiles: the log-sum-exp L of each query head (and its sink), then, per key
 tile, ``exp(s - L)`` summed over the heads, written to the slot of each listed key. A row's slots
 sorted by key (one ``argsort`` of the selection) give each key's slot from its rank among the
-row's bits, counted along the tiles. Until session 14 it ran one program per token and gathered
-every selected key row twice per head: 80.3 ms at T = 16384 (B T = 32768, 16 MHA heads, K =
-2048, bf16), where DSA's whole indexer loss forward took 51.5 ms in session 14, 27.2 at T = 4096,
-and takes 33.6 ms at T = 16384 since each row's bitmap words are loaded once a tile
-(:func:`_selected_bits`, session 18; benchmarks/results).
+row's bits, counted along the tiles. Each row's bitmap words are loaded once a tile
+(:func:`_selected_bits`).
 
 Memory: kept for backward are q, k, v, o, ``selected`` and L (``[B, T, Hq]`` fp32): O(T K) ints
 and O(T H D) activations, no ``[T, K, H, D]`` gather. The backward adds delta (as L) and, while
@@ -84,18 +81,15 @@ masked loads.
 Launch configuration (fixed): 4 warps, 2 stages for every kernel; BLOCK_K = 64 keys per step
 (forward and dq), BLOCK_ROWS = 32 (query, head) rows per step of dk/dv (two fp32 tiles of
 ``[32, D]`` per step). Compiled for sm_90 without a GPU (Triton 3.6 and its ptxas), in bf16 at D =
-128 and G <= 16: forward 192 registers, dq 255, dk/dv 230 to 235, none spilled (with int64 offsets
-in the gathers, the forward spilled 152 bytes and dq 484); at D = 256 they spill 0.1 to 0.75 KB per
-thread; the fp32 path (dots on FMA units) spills 0.5 KB and more at D = 128: it is there to check
-the algebra, not for speed. On an H200 (Triton 3.6) they pass tests/gpu/test_sparse_triton.py; not
-tuned. Profiled inside a DSA sparse stage (benchmarks/sparse_attention.py, session 9: B T = 32768,
-16 MHA heads of 128, top-2048, bf16), GPU ms per fwd+bwd at T = 4096 / 32768: dk/dv 280 / 387, dq
-93 / 106, forward 78 / 96 (and the per-token mass kernel of then, 78 / 91). Their loads bound them:
-each pass gathers ``B T K Hkv D`` keys (and values), 0.5 TB here with MHA; with fewer key/value
-heads (GQA, MQA) that shrinks by the group size. Session 13 (benchmarks/dsa_stages.py, the same
-shapes): attention fwd+bwd 469 / 562 ms at T = 4096 / 16384, against 19.9 / 71.2 ms for
-FlexAttention over the selection's bitmap; with one key/value head 298 / 357 ms against 21.1 / 70.6
-(the forward alone 5.5 ms here, 40 ms on flex)."""
+128 and G <= 16: forward 192 registers, dq 255, dk/dv 230 to 235, none spilled (int64 offsets in
+the gathers would spill 152 bytes in the forward and 484 in dq); at D = 256 they spill 0.1 to 0.75
+KB per thread; the fp32 path (dots on FMA units) spills 0.5 KB and more at D = 128: it is there to
+check the algebra, not for speed. On an H200 (Triton 3.6) they pass
+tests/gpu/test_sparse_triton.py; not tuned. Their loads bound them: each pass gathers
+``B T K Hkv D`` keys (and values), 0.5 TB at B T = 32768, top-2048 and 16 MHA heads of 128 in
+bf16; with fewer key/value heads (GQA, MQA) that shrinks by the group size. So FlexAttention over
+the selection's bitmap is the faster fwd+bwd up to long sequences, and "auto" runs it up to
+``SELECTED_FLEX_MAX_KEYS`` keys (__init__.py; benchmarks/dsa_stages.py)."""
 from __future__ import annotations
 
 import functools
@@ -319,10 +313,8 @@ def _selected_bits(words_ptr, token, width, start, real, key_len, BLOCK_S: tl.co
     keys ``start .. start + BLOCK_S - 1`` (``start`` and BLOCK_S multiples of 32). The rows'
     BLOCK_S / 32 words are loaded once, a ``[rows, BLOCK_S / 32]`` tile, and their bits spread
     over the keys in registers: compiled for sm_90 (Triton 3.6, the mass kernel's 64 x 64 tiles,
-    4 warps) that is 2 scalar loads a thread where loading a word for every (row, key) pair made
-    64, and 222 registers where it took 224 (session 17). On an H200 DSA's indexer loss at
-    T = 16384 (benchmarks/dsa_stages.py) went from 51.1 to 33.6 ms forward, 87.4 to 68.7 ms
-    forward+backward (session 18)."""
+    4 warps) that is 2 scalar loads a thread, against 64 when loading a word for every (row, key)
+    pair."""
     keys = start + tl.arange(0, BLOCK_S)
     slots = start // 32 + tl.arange(0, BLOCK_S // 32)
     word = tl.load(words_ptr + token[:, None] * width + slots[None, :],
@@ -514,14 +506,14 @@ def selected_mass(q, k, selected, *, sink=None, scale=None, lse=None) -> torch.T
     None): that attention's log-sum-exp of each query head, the sink included (+inf for a
     query with neither a key nor a sink), where the attention has computed it; the kernel then
     skips its first phase, which computes it: on an H200 in DSA's sparse stage at T = 16384
-    (B T = 32768, 16 heads, K = 2048) the kernel took 8.6 ms so against 20.1 (session 24).
+    (B T = 32768, 16 heads, K = 2048) the kernel takes 8.6 ms given ``lse`` and 20.1 without
+    (benchmarks/results).
     Call only where :func:`unavailable_reason` is None (k for v).
 
     On tiles of the selection's bitmap (``_mass_kernel``); besides the result it holds the
     bitmap (``B T S / 8`` bytes), each row's slots in ascending key order (int32, as
     ``selected``) and L (``[B, T, Hq]`` fp32), and while it sorts, the sort's keys and its int64
-    order: DSA's peak memory in benchmarks/sparse_attention.py (B T = 32768, K = 2048) rose from
-    2.42 to 3.20 GiB at T = 16384 with this kernel (session 14)."""
+    order."""
     batch, seq_len, q_heads, dim = q.shape
     key_len, kv_heads = k.shape[1], k.shape[2]
     scale = dim ** -0.5 if scale is None else float(scale)

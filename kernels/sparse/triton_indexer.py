@@ -8,9 +8,8 @@ sec. 2.1): the indexer's logits over the K keys of its row of ``selected``,
 shared by the heads), and ``KL(p_t || softmax(I_t))`` over those keys, p the target ``m_t``
 (the main attention's mass, no gradient) L1-normalised; summed over the queries. The gathered
 PyTorch form (selected.py) does the same with a ``[B, c, K, DI]`` gather per chunk of queries,
-whose backward scatters ``[B, c, K, DI]`` gradients into index_k chunk by chunk: on an H200 at
-B T = 32768, K = 2048, HI = 64, DI = 128 that scatter alone took 2.0 s of GPU time per step
-(benchmarks/results, session 9).
+whose backward scatters ``[B, c, K, DI]`` gradients into index_k chunk by chunk, slow on a GPU
+at DSA's sizes (B T = 32768, K = 2048, HI = 64, DI = 128).
 
 Forward (``_kl_forward_kernel``, one program per query): one pass over the K selected keys,
 BLOCK_K at a time, each key row loaded through its index; the scores of all HI heads with the
@@ -33,12 +32,9 @@ where the attention's needs a few rows: gathered per pair, that is K times the r
 atomics cost determinism: index_k's gradient can differ in its last bits from run to run.
 
 Memory: nothing ``[T, K, DI]``; kept for backward: the inputs, lse and M (``[B, n]`` fp32);
-the backward's fp32 dk, ``[B, S, DI]``. On an H200 in that DSA stage (session 9), GPU time
-per call: forward 9-11 ms, backward 34-38 ms (T = 4096 to 32768); the whole loss (target, KL,
-backward) took 123-127 ms fwd+bwd, against 4.4 s before, at T = 4096 and 16384. Loading each
-block's key rows once, along their contiguous dim (the scores' ``tl.dot`` takes their
-transpose), took the KL's fwd+bwd at T = 16384 from 44.4 to 42.3 ms (session 24); its atomic
-adds compile to 16-byte vector atomics (``atom.global.v4.f32``).
+the backward's fp32 dk, ``[B, S, DI]``. Each block's key rows are loaded once, along their
+contiguous dim (the scores' ``tl.dot`` takes their transpose); the backward's atomic adds
+compile to 16-byte vector atomics (``atom.global.v4.f32``).
 
 Precision as in triton.py: fp32 inputs run every ``tl.dot`` in full fp32 ("ieee"); 16-bit ones
 on tensor cores with fp32 accumulation, ``A`` rounded to the inputs' dtype before its two

@@ -17,22 +17,18 @@ in fp32, o written in the outputs' dtype and L in fp32 (each call's backward the
 merged o and L: flash.py's docstring). The backward's query gradient is the own call's plus the
 row's pairs': ``dq = dq_0 + sum_p dq_p``, summed in fp32 and written once.
 
-In PyTorch the same merge took a dozen kernels over ``[R, G, D]`` fp32 copies (index_reduce,
+In PyTorch the same merge takes a dozen kernels over ``[R, G, D]`` fp32 copies (index_reduce,
 index_add, exp, casts) and the sum an fp32 copy and an index_add; here each reads its inputs
 once. Layouts: ``o_0``, dq_0 ``[N, Hq, D]`` (tokens N, read as ``[R, G, D]`` with R = N Hs),
 ``L_0 [Hq, N]``, ``o_p``, ``dq_p [P, G, D]``, ``L_p [G, P]`` (FlashAttention's), made
 contiguous (as the kernels return them); D up to 256. One program per block of BLOCK_R rows
 and one query head; S, G and the padded D are compile-time constants (not tuned). CUDA
 tensors, or CPU tensors under Triton's interpreter (tests/cpu/test_triton_interpret_merge.py).
-On an H200 (session 11) MoBA's fwd+bwd at B*T = 32768, 16 heads, T = 16384 went from 18.6 to
-13.1 ms with these kernels and the key/value gradients added without fp32 copies.
 
 The pairs' call reads its queries (and in backward the output gradients, queries and merged
 outputs) as rows gathered from the token-major ones: ``x[rows]`` for ``x [R, G, D]``. PyTorch's
-indexing kernel moved these 256-byte rows at about 0.85 TB/s on an H200 (session 12's MoBA
-profile: 2.4 ms for the four gathers of MoBA's call at T = 16384; 18.3 ms of NSA's 81);
-:func:`gather_rows` copies BLOCK_P whole rows per program: at MoBA's size (1,048,576 rows)
-0.64 -> 0.10 ms a gather, at NSA's (7,864,320) 4.73 -> 0.57 ms (session 12).
+indexing kernel moves these 256-byte rows at about 0.85 TB/s on an H200; :func:`gather_rows`
+copies BLOCK_P whole rows per program, several times faster.
 """
 from __future__ import annotations
 
@@ -236,8 +232,8 @@ def add_block_gradients(own: torch.Tensor, chunks: torch.Tensor, chunk_cu: torch
 # the pairs (row, earlier block) grouped by (batch, key/value head, block) sequence, in (selection
 # head, token) order within one, as a dense count and a dense placement over ``chosen`` instead of
 # a compaction and a sort: two launches and a cumsum (a third launch lists the chunks' keys) where
-# PyTorch took some 50 small ops, whose host time (1.38 ms a MoBA call on an H200, session 22)
-# left the GPU idle.
+# PyTorch takes some 50 small ops, whose host time (over 1 ms a MoBA call on an H200) leaves the
+# GPU idle.
 _PLAN_ELEMENTS = 4096  # a program's tile of tokens x blocks
 
 

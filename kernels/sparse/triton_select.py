@@ -6,11 +6,10 @@ ranks (:func:`nsa_importance`).
 
 ``chosen_blocks(scores [..., n], top_k)`` marks, per row, the ``top_k`` highest-scoring blocks,
 ``-inf`` marking a block that cannot be chosen and ``+inf`` one that must be. In PyTorch that is
-a top-k (radix selection per row), a zero tensor and a scatter: on an H200 (session 12) the
-top-k alone took 0.87 ms of MoBA's fwd+bwd at T = 16384 (32 blocks, k = 3) and 7.2 ms of NSA's
-(256 blocks, k = 16). Here one program holds BLOCK_R rows of scores in registers and takes the
-row's largest score k times (the first column holding it, then set to -inf), marking it chosen
-unless it is -inf; it writes the bool rows once.
+a top-k (radix selection per row), a zero tensor and a scatter, the top-k a costly part of
+NSA's fwd+bwd (256 blocks, k = 16). Here one program holds BLOCK_R rows of scores in registers
+and takes the row's largest score k times (the first column holding it, then set to -inf),
+marking it chosen unless it is -inf; it writes the bool rows once.
 
 The chosen set equals torch.topk's wherever a row's scores are distinct (and every +inf is
 chosen while there are at most k of them). Where equal finite scores compete for the last
@@ -23,16 +22,16 @@ from them, masked as ``layout.moba_chosen`` masks them. The products run on tens
 three TF32 products (``tf32x3``: the operands split into a TF32 high part and the rest, the
 product of the two rests dropped): as accurate as fp32 to about 2^-22 of each product, not
 bitwise, so where two blocks' gates tie to that precision the choice may differ from PyTorch's
-fp32 GEMM. On an H200 (B T = 32768, 16 heads, D = 128, 32 blocks of 512, bf16; session 19) the
-kernel took 0.14 ms and chose as PyTorch did in every one of the 524,288 rows; fp32 products
-without tensor cores (``ieee``) took 3.4 ms. PyTorch's form (per chunk of 4096 queries an fp32
-copy of q, a GEMM, two masks, the choice) took 0.91 ms. It runs after a first-use check against
-that form (:func:`moba_checked`, a row of ``megatron-ext doctor``).
+fp32 GEMM. On an H200 (B T = 32768, 16 heads, D = 128, 32 blocks of 512, bf16) the kernel
+chooses as PyTorch does in every one of the 524,288 rows, several times faster than PyTorch's
+form (per chunk of 4096 queries an fp32 copy of q, a GEMM, two masks, the choice) and than fp32
+products without tensor cores (``ieee``). It runs after a first-use check against that form
+(:func:`moba_checked`, a row of ``megatron-ext doctor``).
 
 :func:`selection_words` sets bit ``s % 32`` of word ``s // 32`` of row t for each key s listed in
 row t of ``selected [B, T, K]``, one program per row and an atomic OR per listed key: the same
 words as ``layout.selection_words_reference`` (a bool ``[B, c, S]`` per chunk of rows, packed),
-which took 10.4 ms at B T = 32768, K = 2048, S = 16384 on an H200 (session 13).
+without the bool chunks.
 
 :func:`selection_bias` writes the same selection as an additive bias (0 on the listed keys,
 -inf elsewhere), the mask cuDNN's fused attention takes (flash.py's
@@ -43,11 +42,10 @@ which took 10.4 ms at B T = 32768, K = 2048, S = 16384 on an H200 (session 13).
 blocks it sees, pass 2 the probabilities of the compressed blocks overlapping each 16 selection
 blocks, times their token shares (a tl.dot in fp32), summed over the group's heads, masked and
 stored once (a group of more than ``_IMPORTANCE_HEADS`` heads is split over programs whose sums
-are then added). PyTorch made a ``[B, Hq, chunk, N]`` fp32 score matrix with an fp32 (SIMT) GEMM, its
-softmax, a second GEMM with the shares and the masks: 8.9 ms of GEMMs alone in NSA's fwd+bwd at
-T = 16384 (B T = 32768, 16 heads, D = 128, bf16, H200, session 18's profile). It runs after a
-first-use check against layout.nsa_importance (:func:`importance_checked`, a row of
-``megatron-ext doctor``).
+are then added). layout.nsa_importance makes a ``[B, Hq, chunk, N]`` fp32 score matrix with an
+fp32 (SIMT) GEMM, its softmax, a second GEMM with the shares and the masks; this kernel makes no
+such matrix. It runs after a first-use check against layout.nsa_importance
+(:func:`importance_checked`, a row of ``megatron-ext doctor``).
 """
 from __future__ import annotations
 
@@ -152,7 +150,7 @@ def moba_chosen(q: torch.Tensor, means: torch.Tensor, block_size: int,
                          f"blocks, got strides {q.stride()} and {n} blocks")
     chosen = torch.empty(batch, heads, seq_len, n, dtype=torch.bool, device=q.device)
     padded = max(16, triton.next_power_of_2(n))
-    # 64 x 32 tiles at 32 blocks (the fastest of the sizes tried on an H200, session 19)
+    # 64 x 32 tiles at 32 blocks (the fastest size there on an H200)
     block_t = max(16, min(64, ROW_ELEMENTS // padded))
     if chosen.numel():
         _moba_kernel[(triton.cdiv(seq_len, block_t), batch * heads)](
@@ -348,9 +346,9 @@ def _importance_kernel(q_ptr, k_ptr, out_ptr, seq_len, num_compressed, num_selec
 _IMPORTANCE_LAUNCH = dict(BLOCK_T=64, BLOCK_N=64, BLOCK_J=16, num_warps=4)
 # The most query heads of a group one program takes; larger groups are split over programs
 # (a divisor of the group each) and their sums added. On an H200 (T = 16384, B = 2, 16 query
-# heads of 128, bf16; benchmarks/results, session 20) one program per group took 2.8 ms with 1
-# head a group, 3.2 with 4 and 6.2 with 16 (fewer, longer programs); with the 16 split in four,
-# 3.2 ms (session 21).
+# heads of 128, bf16; benchmarks/results) one program per group of 16 heads takes about twice
+# as long as one per group of 4 (fewer, longer programs); split in four, a group of 16 takes as
+# long as a group of 4.
 _IMPORTANCE_HEADS = 4
 
 

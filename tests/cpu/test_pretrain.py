@@ -166,7 +166,7 @@ def test_every_rank_calls_the_datasets_provider(tmp_path):
     ``is_distributed`` (megatron.training.training.build_train_valid_test_data_loaders), else
     on tensor-parallel rank 0 alone; ours holds collectives over all ranks (the dataset
     builder's barrier), so without the flag TP > 1 hangs before its first iteration (seen on 2
-    H200s, session 9)."""
+    H200s)."""
     import inspect
 
     from megatron.training import training

@@ -72,8 +72,8 @@ def test_fp32_matches_reference(case, backend, seq):
 
 # NSA's bf16 path rounds its compressed keys and values to bf16 (the compression's output) and
 # ranks the selection blocks with them, so it is further from the fp32 reference than the
-# output's rounding: on these inputs (session 11, H200) 0.137 against the 0.054 bound, 4 of
-# 4000 (row, key/value head) choosing another block, and 0.082 on rows whose choice agrees.
+# output's rounding: on these inputs (H200) 0.137 against the 0.054 bound, 4 of 4000 (row,
+# key/value head) choosing another block, and 0.082 on rows whose choice agrees.
 NSA_BF16 = pytest.mark.xfail(strict=True, reason="NSA's compressed keys are rounded to bf16 "
                              "before its scores and its selection; see the comment above")
 

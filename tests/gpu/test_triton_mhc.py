@@ -120,8 +120,8 @@ def compare(actual, expected, tolerance, what) -> float:
 def fp32_reductions():
     """bf16 matmuls reduce in fp32, as the bodies state and the kernels do. cuBLAS may otherwise
     reduce split-K partial sums in bf16 (``allow_bf16_reduced_precision_reduction``, on by
-    default): on an H200 that alone made 3.4% of pre_backward's bf16 dX differ at n = 3,
-    h = 272 (session 10)."""
+    default): on an H200 that alone makes 3.4% of pre_backward's bf16 dX differ at n = 3,
+    h = 272."""
     matmul = torch.backends.cuda.matmul
     was = matmul.allow_bf16_reduced_precision_reduction
     matmul.allow_bf16_reduced_precision_reduction = False
