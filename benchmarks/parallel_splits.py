@@ -21,7 +21,7 @@ and at the last one), the return code and the wall time. A split that fails or p
 On 2 GPUs (about 5 minutes for the five default splits):
 
     python benchmarks/parallel_splits.py --gpus 2 --preset hybrid-350m --steps 30 \\
-        --out benchmarks/results/parallel_splits_350m_h200x2.json
+        --out benchmarks/results/parallel_splits_h200x2.json
 
 (With the package laid out by ``benchmarks/gpu_setup.sh``, run it from /tmp, as the other
 ``megatron-ext pretrain`` runs: a ``megatron_ext`` folder in the working directory would shadow

@@ -10,7 +10,7 @@ MFU counts the model's FLOPs per token by ``megatron_ext.launch.presets.model_fl
 an H100/H200 SXM).
 
     python benchmarks/pretrain_run.py --preset hybrid-350m --steps 300 --stop-at 150 \\
-        --out benchmarks/results/pretrain_350m_h200.json -- --global-batch-size 8
+        --out benchmarks/results/pretrain_run_h200.json -- --global-batch-size 8
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ Each op's row also lists the GPU kernels of one Triton call and their time (torc
 and their sum: where the launcher's host work takes longer than its kernels, the calls' time
 is the host's, and the kernels' sum is what the op costs the GPU.
 
-    python benchmarks/residual_ops.py --out benchmarks/results/residual_ops.json
+    python benchmarks/residual_ops.py --tokens 32768 --out benchmarks/results/residual_ops_h200.json
     python benchmarks/residual_ops.py --tokens 1024 --out /tmp/residual_ops.json  # a quick run
 
 ``--depth-sweep`` and ``--mhc-sweep`` also time the depth and the mHC kernels at other launch

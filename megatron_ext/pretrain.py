@@ -273,7 +273,8 @@ def _rearm_exit_signal() -> None:
     On the H200 machine a native library replaced the process's SIGUSR1 action during CUDA
     initialisation, after Megatron had installed its handler: at the first forward step the
     OS-level handler was no longer Python's, ``signal.getsignal`` still named Megatron's, and a
-    SIGUSR1 set no flag, so the run never stopped (benchmarks/results/README.md, "pretrain").
+    SIGUSR1 set no flag, so the run never stopped (``benchmarks/pretrain_run.py --stop-with
+    signal`` checks a stop and resume on a GPU).
     ``signal.signal`` registers Python's trampoline again for Megatron's handler; it costs one
     system call, so it is done at every forward step, after anything initialised lazily."""
     from megatron.training import global_vars

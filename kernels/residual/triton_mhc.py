@@ -64,7 +64,7 @@ tokens), and on a GPU multiply-adds may fuse, so results equal the bodies to fp3
 bitwise.
 
 Launch configuration (fixed, no autotuning; each choice comes from sweeps made with
-``benchmarks/residual_ops.py --mhc-sweep``, their timings in benchmarks/results/README.md):
+``benchmarks/residual_ops.py --mhc-sweep``, which records their timings):
 
 - Tiles (``LAUNCH``, per launcher): BLOCK_T = 16 tokens a program (the smallest tile tl.dot
   takes), 64 in the pre op's forward and 32 in its backward; columns of one stream in chunks of

@@ -480,7 +480,8 @@ def dsa_attention(q, k, v, selected, *, sink=None, scale=None, causal=False, bac
 # The largest bias (2 B T^2 bytes, made in the forward and again in the backward) for which
 # "auto" runs dsa_attention on cuDNN; beyond it FlexAttention's bitmap (B T^2 / 8 bytes). At 4 GiB:
 # B = 2 at T = 32768, B = 8 at T = 16384; on an H200 DSA's sparse stage at B = 1, T = 32768
-# peaks at 4.59 GiB with its 2 GiB bias, 3.33 GiB on FlexAttention (benchmarks/results).
+# peaks at 4.59 GiB with its 2 GiB bias (benchmarks/results/sparse_attention_h200.json), 3.33 GiB
+# on FlexAttention (``benchmarks/sparse_attention.py --ops dsa/flex``).
 CAUSAL_SELECTION_MAX_BIAS = 4 << 30
 
 

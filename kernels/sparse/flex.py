@@ -143,7 +143,8 @@ def flex_attention_layout(q, k, v, layout: BlockLayout, *, sink=None, scale=None
         # heads spreads them over group times as many programs: on an H200 (B T = 32768, 16
         # query heads of 128, bf16, fwd+bwd, T = 16384) NSA's compressed branch and HCA run
         # several times faster so with one key/value head. Causal layouts and 512-token windows
-        # (no dense columns) run a few percent slower repeated, and are not (benchmarks/results).
+        # (no dense columns) run a few percent slower repeated, and are not
+        # (``benchmarks/sparse_attention.py --kv-heads 1``).
         k, v = (_repeat_heads(t, heads // kv_heads) for t in (k, v))
     out, aux = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                    block_mask=block_mask(layout, heads, q.shape[1], k.shape[1]), scale=scale,

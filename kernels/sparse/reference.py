@@ -282,8 +282,8 @@ def top_k_keys(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     keys. The rows where more scores equal the threshold than the set has room for (ReLU makes
     exact ties at 0 possible) take :func:`_ordered_top_k` instead, whose order is exact. On an
     H200, for 1024 queries of DSA's selection over 9216 keys (K = 2048, random indexer inputs, no
-    tied row), :func:`_ordered_top_k` on every row takes about twice as long
-    (benchmarks/results/dsa_topk_ab_h200_s24.log)."""
+    tied row), :func:`_ordered_top_k` on every row takes about twice as long (the selection as a
+    whole: ``benchmarks/dsa_stages.py``)."""
     key_len = scores.shape[-1]
     count = min(top_k, key_len)
     if count == 0:

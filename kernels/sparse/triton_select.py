@@ -346,9 +346,9 @@ def _importance_kernel(q_ptr, k_ptr, out_ptr, seq_len, num_compressed, num_selec
 _IMPORTANCE_LAUNCH = dict(BLOCK_T=64, BLOCK_N=64, BLOCK_J=16, num_warps=4)
 # The most query heads of a group one program takes; larger groups are split over programs
 # (a divisor of the group each) and their sums added. On an H200 (T = 16384, B = 2, 16 query
-# heads of 128, bf16; benchmarks/results) one program per group of 16 heads takes about twice
-# as long as one per group of 4 (fewer, longer programs); split in four, a group of 16 takes as
-# long as a group of 4.
+# heads of 128, bf16; ``benchmarks/sparse_attention.py --ops nsa/flash``) one program per group
+# of 16 heads takes about twice as long as one per group of 4 (fewer, longer programs); split in
+# four, a group of 16 takes as long as a group of 4.
 _IMPORTANCE_HEADS = 4
 
 

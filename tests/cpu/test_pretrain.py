@@ -1,6 +1,7 @@
 """``megatron-ext pretrain``: a preset becomes Megatron flags that Megatron's own parser accepts,
 and the model Megatron's builder makes from them is the preset's model. (The training loop
-itself needs CUDA; the H200 run is recorded in benchmarks/results/.)"""
+itself needs CUDA; benchmarks/pretrain_run.py runs it on a GPU, its H200 run in
+benchmarks/results/pretrain_run_h200.json.)"""
 
 import signal
 
