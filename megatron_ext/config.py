@@ -34,6 +34,7 @@ CHOICES = {
     "residual_backend": ("auto", "eager", "compile"),
     "context_parallel_method": ("state_passing", "all_to_all"),
     "dsa_stage": ("dense_warmup", "sparse"),
+    "mla_rope_type": ("rope", "yarn"),
 }
 
 
@@ -134,6 +135,20 @@ class ExtConfig:
     hca_compress_rate: int = 128
     hca_window: int = 128
 
+    # MLA ('+', DeepSeek-V2/V3 multi-head latent attention; megatron_ext.mixers.mla), the
+    # DeepSeek-V3 sizes per head: queries through a rank mla_q_lora_rank = 1536 latent, keys and
+    # values through one rank mla_kv_lora_rank = 512 latent; per head mla_qk_head_dim = 128 dims without position plus
+    # mla_qk_pos_emb_head_dim = 64 with RoPE (one RoPE key shared by the heads), and
+    # mla_v_head_dim = 128 value dims. RoPE: "rope" (base mla_rotary_base) or "yarn"
+    # (megatron-core's YaRN defaults, DeepSeek-V3's 40x extension of 4,096 positions).
+    mla_q_lora_rank: int = 1536
+    mla_kv_lora_rank: int = 512
+    mla_qk_head_dim: int = 128
+    mla_qk_pos_emb_head_dim: int = 64
+    mla_v_head_dim: int = 128
+    mla_rope_type: str = "rope"
+    mla_rotary_base: float = 10000.0
+
     # Cross-layer routing from delta-rule layers into the residual stream (Cerruti et al.,
     # "Linear Attention Architectures: Mechanisms, Trade-offs, and Cross-Layer Routing"):
     # after each delta-rule layer, h <- h + P_l s_l with P_l zero-initialised and s_l the layer's
@@ -207,6 +222,14 @@ class ExtConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name}={value} must be a positive integer (or unset)")
+        for name in ("mla_q_lora_rank", "mla_kv_lora_rank", "mla_qk_head_dim",
+                     "mla_qk_pos_emb_head_dim", "mla_v_head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if self.mla_qk_pos_emb_head_dim % 2:
+            raise ConfigError(f"mla_qk_pos_emb_head_dim={self.mla_qk_pos_emb_head_dim} must be "
+                              "even (RoPE rotates pairs of dims)")
         if self.linear_conv_kernel < 1:
             raise ConfigError(f"linear_conv_kernel={self.linear_conv_kernel} must be >= 1")
         self._validate_sparse_attention()

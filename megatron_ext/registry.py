@@ -59,6 +59,9 @@ MIXERS: tuple[Mixer, ...] = (
           {"variant": "csa"}),
     Mixer("H", "hca", _ATTENTION, "HCA: Heavily Compressed Attention (DeepSeek-V4, 2026)",
           {"variant": "hca"}),
+    # Megatron's hybrid symbol for MLA. Its own RoPE: the model's rotary table is not passed.
+    Mixer("+", "mla", "megatron_ext.mixers.mla:mla_spec",
+          "MLA: multi-head latent attention (DeepSeek-V2/V3, 2024)"),
     Mixer("G", "gated_deltanet", _DELTA, "Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025)",
           {"variant": "gated_deltanet"}, routable=True),
     Mixer("N", "deltanet", _DELTA, "DeltaNet (Yang et al. 2024)", {"variant": "deltanet"},

@@ -64,7 +64,9 @@ class SoftmaxCoreAttention(HeadShardedMixer):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str = "self", attention_dropout: float | None = None,
                  softmax_scale: float | None = None, cp_comm_type: str | None = None,
-                 pg_collection=None, ext: ExtConfig | None = None):
+                 pg_collection=None, ext: ExtConfig | None = None, k_channels: int | None = None,
+                 v_channels: int | None = None):
+        # k_channels / v_channels (MLA passes them): the head sizes come from the tensors.
         super().__init__(config=config, submodules=None, pg_collection=pg_collection)
         self.ext = ext if ext is not None else ExtConfig()
         self.cp = ContextParallel.of(config, pg_collection)

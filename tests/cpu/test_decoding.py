@@ -17,9 +17,9 @@ from megatron_ext.registry import MIXERS
 pytestmark = pytest.mark.usefixtures("megatron_single_process")
 
 VOCAB, LENGTH, PROMPT = 96, 21, 12
-# Sparse layers decode through the KV cache of Megatron's SelfAttention only where the core
-# attends over a cache; these raise a ConfigError that names decoding.
-CANNOT_DECODE = {"dsa", "csa", "hca", "moba", "nsa"}
+# The sparse layers and MLA have no incremental decoding yet: they raise a ConfigError that
+# names decoding.
+CANNOT_DECODE = {"dsa", "csa", "hca", "moba", "nsa", "mla"}
 
 
 def model_of(pattern: str, seed: int = 0, **ext_options):

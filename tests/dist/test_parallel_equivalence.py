@@ -16,9 +16,12 @@ import pytest
 import harness
 
 # Every mixer of the registry but the sparse softmax ones (MoBA, NSA: their own sizes and
-# options, in test_sparse_attention_tp.py): GDN, KDA, attention, GDN-2, DeltaNet, GLA, RetNet,
-# Lightning, Mamba-2.
-PATTERN = "GK*QN*AR*LM*"
+# options, in test_sparse_attention_tp.py): GDN, KDA, attention, GDN-2, DeltaNet, MLA, GLA,
+# RetNet, Lightning, Mamba-2.
+PATTERN = "GK*QN+AR*LM*"
+# MLA at the tiny model's scale (latents of 32 and 16, 16 + 8 query/key dims per head).
+MLA = dict(mla_q_lora_rank=32, mla_kv_lora_rank=16, mla_qk_head_dim=16,
+           mla_qk_pos_emb_head_dim=8, mla_v_head_dim=16)
 
 
 # name -> (tp, pp, vpp, sequence_parallel, spec, routing)
@@ -37,7 +40,7 @@ ROUTINGS = ("none", "clvr", "cler_h")
 def _ext(routing):
     from megatron_ext.config import ExtConfig
 
-    return ExtConfig(pattern=PATTERN, cross_layer_routing=routing)
+    return ExtConfig(pattern=PATTERN, cross_layer_routing=routing, **MLA)
 
 
 @pytest.fixture(scope="module")
