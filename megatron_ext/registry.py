@@ -75,6 +75,8 @@ MIXERS: tuple[Mixer, ...] = (
     Mixer("R", "retnet", _DECAY, "RetNet retention (Sun et al. 2023)", {"variant": "retnet"}),
     Mixer("L", "lightning", _DECAY, "Lightning Attention (Qin et al. 2024)",
           {"variant": "lightning"}),
+    Mixer("W", "hgrn2", _DECAY, "HGRN-2: gated linear RNN with state expansion (Qin et al. 2024)",
+          {"variant": "hgrn2"}),
 )
 
 _BY_SYMBOL = {m.symbol: m for m in MIXERS}

@@ -9,9 +9,14 @@ where q, k, v and the decay come from:
 - ``retnet`` (Sun et al. 2023): a fixed decay per head, ``gamma_h = 1 - 2^(-5-h)``;
 - ``lightning`` (Qin et al. 2024, as in MiniMax-01): a fixed decay per head,
   ``exp(-slope_h * (1 - (l-1)/(L-1) + 1e-5))`` with ALiBi slopes ``2^(-8 (h+1) / H)`` and the
-  layer's position l of L; SiLU feature maps on q and k.
+  layer's position l of L; SiLU feature maps on q and k;
+- ``hgrn2`` (Qin et al., "HGRN2: Gated Linear RNNs with State Expansion", 2024): a forget gate
+  per key channel ``f = b_l + (1 - b_l) sigmoid(x W_f)`` with the layer's lower bound
+  ``b_l = (l - 1) / L`` (HGRN learns bounds that rise with depth; here they are fixed on that
+  schedule), decay ``g = log f``, key ``k = 1 - f`` (what is forgotten is written), query
+  ``silu(x W_q)`` and scale 1: ``S_t = Diag(f_t) S_{t-1} + (1 - f_t) v_t^T``.
 
-Around the op (all three): one fused input projection (q, k, v and the output gate), a per-head
+Around the op (all four): one fused input projection (q, k, v and the output gate), a per-head
 RMSNorm gated by ``silu(x W_z)`` (one kernel, :mod:`megatron_ext.kernels.fused`) and the output
 projection. :class:`Mamba2Mixer` keeps Mamba-2's own layout (one fused projection to z, x, B, C
 and dt; a causal convolution + SiLU over x, B and C; ``A`` per head; ``D`` skip) on the same op:
@@ -44,12 +49,12 @@ from megatron_ext.mixers.common import (
 from megatron_ext.parallel import ContextParallel
 from megatron_ext.parallel.linear import check_heads, check_sequence, linear_recurrence
 
-VARIANTS = ("gla", "retnet", "lightning")
+VARIANTS = ("gla", "retnet", "lightning", "hgrn2")
 GLA_GATE_NORMALIZER = 16.0
 
 
 class DecayMixer(HeadShardedMixer):
-    """GLA, RetNet or Lightning attention: ``forward(hidden [s, b, h]) -> (out, bias)``."""
+    """GLA, RetNet, Lightning or HGRN-2: ``forward(hidden [s, b, h]) -> (out, bias)``."""
 
     def __init__(self, config, submodules: LinearMixerSubmodules, layer_number: int,
                  ext_config, variant: str, pg_collection=None, **_unused):
@@ -79,6 +84,8 @@ class DecayMixer(HeadShardedMixer):
         if variant == "gla":
             self.low_rank_decay_projection("gla", h, ext.linear_decay_rank or 16, qk_size)
             self.sharded_parameter("decay_bias", torch.zeros(qk_size))
+        elif variant == "hgrn2":  # the "k" projection gives the forget gate's logits
+            self.forget_lower_bound = (layer_number - 1) / config.num_layers
         else:
             # Fixed decays: buffers of the global heads this rank holds (not trained).
             global_heads = torch.arange(heads, dtype=torch.float64)
@@ -104,19 +111,24 @@ class DecayMixer(HeadShardedMixer):
             return x.transpose(0, 1).reshape(b, s, self.heads, -1)
 
         q, k, v = to_heads(q), to_heads(k), to_heads(v)
+        scale = None
         if self.variant == "lightning":
             q, k = F.silu(q), F.silu(k)
         if self.variant == "gla":
             a = to_heads(self.low_rank_decay(hidden_states)).float() + self.decay_bias.float().view(self.heads, -1)
             g = F.logsigmoid(a) / GLA_GATE_NORMALIZER
+        elif self.variant == "hgrn2":
+            bound = self.forget_lower_bound
+            forget = bound + (1 - bound) * torch.sigmoid(k.float())
+            q, k, g, scale = F.silu(q), (1 - forget).to(v.dtype), torch.log(forget), 1.0
         else:
             g = self.log_decay
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
         check_sequence(self.cp, s, cu_seqlens, 1, self.variant)
         o, final = linear_recurrence(self.cp, self.cp_method, decay_linear_attention,
                                      decay_linear_attention_summary, dict(q=q, k=k, v=v, g=g),
-                                     cu_seqlens=cu_seqlens, backend=self.kernel_backend,
-                                     **recurrent_state(cache))
+                                     scale=scale, cu_seqlens=cu_seqlens,
+                                     backend=self.kernel_backend, **recurrent_state(cache))
         if cache is not None:
             cache["state"] = final
         o = gated_rms_norm(o.to(hidden_states.dtype), self.out_norm_weight, to_heads(gate),
@@ -204,7 +216,7 @@ class Mamba2Mixer(HeadShardedMixer):
 
 
 def decay_spec(ext_config, transformer_config, variant: str) -> ModuleSpec:
-    """The ``self_attention`` spec of GLA, RetNet or Lightning (registry builder)."""
+    """The ``self_attention`` spec of GLA, RetNet, Lightning or HGRN-2 (registry builder)."""
     return ModuleSpec(module=DecayMixer, submodules=LinearMixerSubmodules(),
                       params={"ext_config": ext_config, "variant": variant})
 

@@ -120,3 +120,25 @@ def test_mamba2_equals_the_ssm_recurrence_written_out():
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + m.norm_eps) * m.norm_weight.view(m.groups, -1)
     expected, _ = m.linear_out(y.reshape(9, 1, -1))
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_hgrn2_equals_its_recurrence_written_out():
+    """S_t = Diag(f_t) S_{t-1} + (1 - f_t) v_t^T, o_t = S_t^T silu(q_t), per head, with the forget
+    gate f = b + (1 - b) sigmoid(x W_f) above the layer's lower bound b = (l - 1) / L."""
+    m = _mixer("hgrn2", backend="chunked", layer_number=3)
+    hidden = torch.randn(9, 1, 64)
+    out, _ = m(hidden)
+    q, forget_logits, v, gate = (part[:, 0].float().view(9, m.heads, -1)
+                                 for part in m.split_outputs("in_proj", m.in_proj(hidden)[0]).values())
+    bound = 2 / 4
+    forget = bound + (1 - bound) * torch.sigmoid(forget_logits)
+    assert forget.min() >= bound
+    state = torch.zeros(m.heads, m.key_dim, m.value_dim)
+    outputs = []
+    for t in range(9):
+        state = forget[t][:, :, None] * state + (1 - forget[t])[:, :, None] * v[t][:, None, :]
+        outputs.append(torch.einsum("hk,hkv->hv", F.silu(q[t]), state))
+    o = torch.stack(outputs)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + m.norm_eps) * m.out_norm_weight
+    expected, _ = m.linear_out((o * F.silu(gate)).reshape(9, 1, -1))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)

@@ -227,8 +227,8 @@ def test_linear_recurrence_ops_equal_the_full_sequence():
 
 # ------------------------------------------------------------------------- model level
 # Every linear mixer of the registry and '*': GDN, KDA, GDN-2, DeltaNet, GLA, RetNet,
-# Lightning, Mamba-2, attention.
-PATTERN = "GKQNARLM*"
+# Lightning, Mamba-2, HGRN-2, attention.
+PATTERN = "GKQNARLMW*"
 # (method, TP, CP, sequence parallel) run by each world size; a world runs its layouts one
 # after another, so that the processes start (and import Megatron) once per world size.
 LAYOUTS = {
