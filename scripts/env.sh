@@ -42,4 +42,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
+# `python -m` puts the working directory first on sys.path; from the repository root the
+# top-level kernels/ folder (installed as megatron_ext.kernels) would then shadow PyPI's
+# `kernels` package, which transformers imports.
+export PYTHONSAFEPATH=1
 cd "$ROOT"
