@@ -338,6 +338,12 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
     from megatron_ext.specs import uses_te
 
     settings.validate()
+    if settings.model.rope_scaling != "none":
+        raise ConfigError(
+            f"model.rope_scaling={settings.model.rope_scaling!r} is applied by `megatron-ext "
+            "train` and the exported model; Megatron's loop builds its own rotary table: give it "
+            "Megatron's flags after -- (--rotary-seq-len-interpolation-factor, "
+            "--position-embedding-type yarn ...)")
     check_data_source(settings, mock_data=mock_data, megatron_args=megatron_args)
     run_dir = pathlib.Path(run_dir)
     # A lone process (no torchrun, no Slurm task) is rank 0 of 1.

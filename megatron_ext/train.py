@@ -54,6 +54,12 @@ class ModelSettings:
     seq_length: int = 256
     position_embedding_type: str = "rope"
     rotary_base: float = 10000
+    # Context extension of the RoPE table (megatron_ext.rope): "none", "linear", "ntk",
+    # "dynamic_ntk" or "yarn", by rope_scaling_factor over rope_original_length (default:
+    # seq_length) tokens; applied by `megatron-ext train` and the exported model.
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 1.0
+    rope_original_length: int | None = None
     normalization: str = "RMSNorm"
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -172,7 +178,11 @@ class RunSettings:
         return dataclasses.asdict(self)
 
     def validate(self) -> "RunSettings":
-        t = self.train
+        from megatron_ext import rope
+
+        m, t = self.model, self.train
+        rope.check(m.rope_scaling, m.rope_scaling_factor, m.rope_original_length,
+                   m.position_embedding_type)
         if not 0 <= t.warmup_steps < t.steps:
             raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0 and smaller "
                               f"than train.steps={t.steps}")
@@ -377,6 +387,12 @@ def build_model(settings: RunSettings, config, vocab_size: int, vp_stage: int | 
         share_embeddings_and_output_weights=False,
         vp_stage=vp_stage,
     )
+    m = settings.model
+    if m.rope_scaling != "none":
+        from megatron_ext.rope import apply_rope_scaling
+
+        apply_rope_scaling(model, config, m.rope_scaling, m.rope_scaling_factor,
+                           m.rope_original_length or m.seq_length, m.rotary_base)
     if settings.ext.dsa_stage == "dense_warmup":
         from megatron_ext.mixers.dsa import freeze_all_but_indexers
 
