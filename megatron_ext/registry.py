@@ -77,6 +77,9 @@ MIXERS: tuple[Mixer, ...] = (
           {"variant": "lightning"}),
     Mixer("W", "hgrn2", _DECAY, "HGRN-2: gated linear RNN with state expansion (Qin et al. 2024)",
           {"variant": "hgrn2"}),
+    Mixer("Y", "hedgehog", _DECAY,
+          "Hedgehog: linear attention with a learned softmax feature map (Zhang et al. 2024)",
+          {"variant": "hedgehog"}),
 )
 
 _BY_SYMBOL = {m.symbol: m for m in MIXERS}

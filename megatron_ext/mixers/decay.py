@@ -14,9 +14,15 @@ where q, k, v and the decay come from:
   per key channel ``f = b_l + (1 - b_l) sigmoid(x W_f)`` with the layer's lower bound
   ``b_l = (l - 1) / L`` (HGRN learns bounds that rise with depth; here they are fixed on that
   schedule), decay ``g = log f``, key ``k = 1 - f`` (what is forgotten is written), query
-  ``silu(x W_q)`` and scale 1: ``S_t = Diag(f_t) S_{t-1} + (1 - f_t) v_t^T``.
+  ``silu(x W_q)`` and scale 1: ``S_t = Diag(f_t) S_{t-1} + (1 - f_t) v_t^T``;
+- ``hedgehog`` (Zhang et al., ICLR 2024, "The Hedgehog & the Porcupine"): linear attention with
+  a learned feature map per head, ``phi(x) = [softmax(x W + b), softmax(-(x W + b))]`` (2K
+  features; W starts as the identity), no decay, and its normaliser:
+  ``o_t = phi(q_t)^T S_t / (phi(q_t) . sum_{j <= t} phi(k_j))`` with
+  ``S_t = sum_{j <= t} phi(k_j) v_j^T``; then the output projection (no output norm or gate: a
+  per-head norm would cancel the normaliser). Not under context parallelism.
 
-Around the op (all four): one fused input projection (q, k, v and the output gate), a per-head
+Around the op (GLA, RetNet, Lightning, HGRN-2): one fused input projection (q, k, v and the output gate), a per-head
 RMSNorm gated by ``silu(x W_z)`` (one kernel, :mod:`megatron_ext.kernels.fused`) and the output
 projection. :class:`Mamba2Mixer` keeps Mamba-2's own layout (one fused projection to z, x, B, C
 and dt; a causal convolution + SiLU over x, B and C; ``A`` per head; ``D`` skip) on the same op:
@@ -49,12 +55,12 @@ from megatron_ext.mixers.common import (
 from megatron_ext.parallel import ContextParallel
 from megatron_ext.parallel.linear import check_heads, check_sequence, linear_recurrence
 
-VARIANTS = ("gla", "retnet", "lightning", "hgrn2")
+VARIANTS = ("gla", "retnet", "lightning", "hgrn2", "hedgehog")
 GLA_GATE_NORMALIZER = 16.0
 
 
 class DecayMixer(HeadShardedMixer):
-    """GLA, RetNet, Lightning or HGRN-2: ``forward(hidden [s, b, h]) -> (out, bias)``."""
+    """GLA, RetNet, Lightning, HGRN-2 or Hedgehog: ``forward(hidden [s, b, h]) -> (out, bias)``."""
 
     def __init__(self, config, submodules: LinearMixerSubmodules, layer_number: int,
                  ext_config, variant: str, pg_collection=None, **_unused):
@@ -78,10 +84,19 @@ class DecayMixer(HeadShardedMixer):
         h = config.hidden_size
         qk_size, v_size = heads * self.key_dim, heads * self.value_dim
 
-        self.in_proj = self.fused_column("in_proj", h, {"q": qk_size, "k": qk_size,
-                                                         "v": v_size, "gate": v_size})
+        parts = {"q": qk_size, "k": qk_size, "v": v_size}
+        if variant != "hedgehog":
+            parts["gate"] = v_size
+        self.in_proj = self.fused_column("in_proj", h, parts)
         self.linear_out = self.row("decay_out", v_size, h)
-        if variant == "gla":
+        if variant == "hedgehog":
+            if self.cp is not None:
+                raise ConfigError("hedgehog's normaliser (a running sum of the key features) "
+                                  "does not run under context parallelism; use "
+                                  "context_parallel_size=1 or another mixer")
+            self.sharded_parameter("feature_map", torch.eye(self.key_dim).repeat(heads, 1, 1))
+            self.sharded_parameter("feature_bias", torch.zeros(heads, self.key_dim))
+        elif variant == "gla":
             self.low_rank_decay_projection("gla", h, ext.linear_decay_rank or 16, qk_size)
             self.sharded_parameter("decay_bias", torch.zeros(qk_size))
         elif variant == "hgrn2":  # the "k" projection gives the forget gate's logits
@@ -97,14 +112,37 @@ class DecayMixer(HeadShardedMixer):
                 log_decay = -slopes * (1 - depth + 1e-5)
             local = log_decay.chunk(self.tp_size)[self.tp_rank].float()
             self.register_buffer("log_decay", local, persistent=False)
-        self.sharded_parameter("out_norm_weight", torch.ones(heads, self.value_dim))
+        if variant != "hedgehog":
+            self.sharded_parameter("out_norm_weight", torch.ones(heads, self.value_dim))
         self.norm_eps = config.layernorm_epsilon
+
+    def _features(self, x: torch.Tensor) -> torch.Tensor:
+        """Hedgehog's feature map: ``[b, s, heads, K]`` -> ``[b, s, heads, 2K]``."""
+        z = torch.einsum("bshk,hkf->bshf", x.float(), self.feature_map.float())
+        z = z + self.feature_bias.float()
+        return torch.cat([z.softmax(-1), (-z).softmax(-1)], dim=-1).to(x.dtype)
+
+    def _normaliser(self, q, k, cu_seqlens, cache) -> torch.Tensor:
+        """``phi(q_t) . sum_{j <= t} phi(k_j)`` ``[b, s, heads, 1]`` (fp32), the sum restarting
+        at each packed sequence and continuing the cached one when decoding."""
+        sums = k.float().cumsum(1)
+        if cu_seqlens is not None:  # subtract what came before each token's sequence
+            s = k.shape[1]
+            starts = torch.arange(s, device=k.device) - sequence_positions(cu_seqlens, s, k.device)
+            before = torch.cat([torch.zeros_like(sums[:, :1]), sums], dim=1)
+            sums = sums - before[:, starts]
+        if cache is not None:
+            if "key_sum" in cache:
+                sums = sums + cache["key_sum"][:, None]
+            cache["key_sum"] = sums[:, -1]
+        return (q.float() * sums).sum(-1, keepdim=True)
 
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None,
                 inference_context=None, **_unused):
         cache = self.decoding_cache(inference_context, packed_seq_params)
         projected, _ = self.in_proj(hidden_states)  # [s, b, widths] (full s: SP gathers here)
-        q, k, v, gate = self.split_outputs("in_proj", projected).values()
+        parts = self.split_outputs("in_proj", projected)
+        q, k, v = parts["q"], parts["k"], parts["v"]
         s, b = q.shape[:2]
 
         def to_heads(x):
@@ -121,6 +159,8 @@ class DecayMixer(HeadShardedMixer):
             bound = self.forget_lower_bound
             forget = bound + (1 - bound) * torch.sigmoid(k.float())
             q, k, g, scale = F.silu(q), (1 - forget).to(v.dtype), torch.log(forget), 1.0
+        elif self.variant == "hedgehog":
+            q, k, g, scale = self._features(q), self._features(k), None, 1.0
         else:
             g = self.log_decay
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
@@ -129,10 +169,15 @@ class DecayMixer(HeadShardedMixer):
                                      decay_linear_attention_summary, dict(q=q, k=k, v=v, g=g),
                                      scale=scale, cu_seqlens=cu_seqlens,
                                      backend=self.kernel_backend, **recurrent_state(cache))
+        if self.variant == "hedgehog":
+            o = o.float() / self._normaliser(q, k, cu_seqlens, cache)
+            o = o.to(hidden_states.dtype).reshape(b, s, -1).transpose(0, 1).contiguous()
+        else:
+            o = gated_rms_norm(o.to(hidden_states.dtype), self.out_norm_weight,
+                               to_heads(parts["gate"]), self.norm_eps,
+                               sequence_first=True)  # [s, b, heads * V]
         if cache is not None:
             cache["state"] = final
-        o = gated_rms_norm(o.to(hidden_states.dtype), self.out_norm_weight, to_heads(gate),
-                           self.norm_eps, sequence_first=True)  # [s, b, heads * V]
         return self.linear_out(o)
 
 
@@ -216,7 +261,8 @@ class Mamba2Mixer(HeadShardedMixer):
 
 
 def decay_spec(ext_config, transformer_config, variant: str) -> ModuleSpec:
-    """The ``self_attention`` spec of GLA, RetNet, Lightning or HGRN-2 (registry builder)."""
+    """The ``self_attention`` spec of GLA, RetNet, Lightning, HGRN-2 or Hedgehog (registry
+    builder)."""
     return ModuleSpec(module=DecayMixer, submodules=LinearMixerSubmodules(),
                       params={"ext_config": ext_config, "variant": variant})
 

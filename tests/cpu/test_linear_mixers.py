@@ -142,3 +142,26 @@ def test_hgrn2_equals_its_recurrence_written_out():
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + m.norm_eps) * m.out_norm_weight
     expected, _ = m.linear_out((o * F.silu(gate)).reshape(9, 1, -1))
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_hedgehog_equals_normalised_feature_map_attention():
+    """o_t = sum_{j<=t} (phi(q_t) . phi(k_j)) v_j / sum_{j<=t} phi(q_t) . phi(k_j), with
+    phi(x) = [softmax(x W + b), softmax(-(x W + b))] per head, then the output projection."""
+    m = _mixer("hedgehog", backend="chunked")
+    with torch.no_grad():
+        m.feature_map.add_(0.3 * torch.randn_like(m.feature_map))
+        m.feature_bias.normal_()
+    hidden = torch.randn(11, 1, 64)
+    out, _ = m(hidden)
+    parts = m.split_outputs("in_proj", m.in_proj(hidden)[0])
+    assert set(parts) == {"q", "k", "v"}
+    q, k, v = (parts[name][:, 0].float().view(11, m.heads, -1) for name in ("q", "k", "v"))
+
+    def phi(x):
+        z = torch.einsum("shk,hkf->shf", x, m.feature_map) + m.feature_bias
+        return torch.cat([z.softmax(-1), (-z).softmax(-1)], dim=-1)
+
+    scores = torch.einsum("thf,jhf->htj", phi(q), phi(k)).tril()  # [heads, t, j], causal
+    o = torch.einsum("htj,jhv->thv", scores / scores.sum(-1, keepdim=True), v)
+    expected, _ = m.linear_out(o.reshape(11, 1, -1))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)

@@ -17,8 +17,8 @@ import harness
 
 # Every mixer of the registry but the sparse softmax ones (MoBA, NSA: their own sizes and
 # options, in test_sparse_attention_tp.py): GDN, KDA, attention, GDN-2, DeltaNet, MLA, GLA,
-# RetNet, Lightning, Mamba-2, HGRN-2.
-PATTERN = "GK*QN+AR*LMW"
+# RetNet, Hedgehog, Lightning, Mamba-2, HGRN-2.
+PATTERN = "GK*QN+ARYLMW"
 # MLA at the tiny model's scale (latents of 32 and 16, 16 + 8 query/key dims per head).
 MLA = dict(mla_q_lora_rank=32, mla_kv_lora_rank=16, mla_qk_head_dim=16,
            mla_qk_pos_emb_head_dim=8, mla_v_head_dim=16)
