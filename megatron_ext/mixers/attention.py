@@ -187,7 +187,7 @@ class SDPACoreAttention(SoftmaxCoreAttention):
         sink = self.sink(q.device)
         if self.window is not None or sink is not None:
             if q.shape[1] != k.shape[1]:
-                raise ConfigError(cannot_decode("softmax layers with a sliding window or a sink"))
+                return self._attend_cached(q, k, v, sink)
             cu_seqlens = None
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
                 cu_seqlens = packed_seq_params.cu_seqlens_q
@@ -205,6 +205,20 @@ class SDPACoreAttention(SoftmaxCoreAttention):
                 q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=is_causal,
                 scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(1, 2)
+
+    def _attend_cached(self, q, k, v, sink):
+        """Decoding with Megatron's KV cache, with a window or a sink: the queries are the last
+        ``sq`` of the ``sk`` cached tokens; each sees the keys before it within its window.
+        (The cache keeps every token; the window limits what is attended, not what is kept.)"""
+        sq, sk = q.shape[1], k.shape[1]
+        query_at = torch.arange(sk - sq, sk, device=q.device)[:, None]
+        key_at = torch.arange(sk, device=q.device)[None, :]
+        allowed = key_at <= query_at
+        if self.window is not None and self.window[0] >= 0:
+            allowed &= key_at >= query_at - self.window[0]
+        return sparse.softmax_attention(q, k, v, causal=False, sink=sink,
+                                        scale=self.softmax_scale, allowed=allowed[None, None],
+                                        backend=self.ext.sparse_backend)
 
     def _attend_context_parallel(self, q, k, v, attention_mask, mask_type, packed_seq_params):
         """Causal attention of this rank's load-balanced chunks to the whole sequence, by an

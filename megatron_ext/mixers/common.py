@@ -183,7 +183,7 @@ class HeadShardedMixer(MegatronModule):
 def cannot_decode(what: str) -> str:
     """The message of a layer that has no incremental decoding yet."""
     return (f"{what} cannot decode incrementally yet (Megatron's inference context): decoding "
-            "covers the linear mixers and '*' attention without window or sink")
+            "covers the linear mixers and '*' attention")
 
 
 def recurrent_state(cache: dict | None) -> dict:

@@ -22,13 +22,13 @@ VOCAB, LENGTH, PROMPT = 96, 21, 12
 CANNOT_DECODE = {"dsa", "csa", "hca", "moba", "nsa", "mla"}
 
 
-def model_of(pattern: str, seed: int = 0, **ext_options):
+def model_of(pattern: str, seed: int = 0, config_options=None, **ext_options):
     from megatron.core.models.gpt import GPTModel
 
     from megatron_ext.config import ExtConfig
     from megatron_ext.specs import block_spec
 
-    config = harness.tiny_config(num_layers=len(pattern))
+    config = harness.tiny_config(num_layers=len(pattern), **(config_options or {}))
     torch.manual_seed(seed)
     ext = ExtConfig(pattern=pattern, **harness.SHORT_SPARSE, **ext_options)
     model = GPTModel(config, block_spec(config, ext=ext), vocab_size=VOCAB,
@@ -67,6 +67,21 @@ def test_prefill_then_decode_matches_one_forward(mixer):
             with pytest.raises(ConfigError, match="decod"):
                 decode(model, tokens, PROMPT)
             return
+        torch.testing.assert_close(decode(model, tokens, PROMPT), full, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("options", [
+    {"window_size": (5, 0)},
+    {"softmax_type": "learnable"},
+    {"window_size": (5, 0), "softmax_type": "off-by-one"},
+], ids=["window", "sink", "window+fixed-sink"])
+def test_windowed_and_sink_attention_decode(options):
+    """'*' layers with a sliding window of 5 earlier tokens and / or a sink decode through
+    Megatron's KV cache, attending within the window."""
+    model = model_of("G*", config_options=options)
+    tokens = torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        full = model(tokens, torch.arange(LENGTH).expand(2, -1), None)
         torch.testing.assert_close(decode(model, tokens, PROMPT), full, atol=2e-5, rtol=1e-4)
 
 
