@@ -41,12 +41,12 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.kernels import sparse
-from megatron_ext.mixers.common import HeadShardedMixer, cannot_decode
+from megatron_ext.mixers.common import HeadShardedModule, cannot_decode
 from megatron_ext.parallel import ContextParallel
 from megatron_ext.parallel.attention import gather_keys_values
 
 
-class SoftmaxCoreAttention(HeadShardedMixer):
+class SoftmaxCoreAttention(HeadShardedModule):
     """What every core attention of ours shares: Megatron's core contract, the layout change to
     the kernels' ``[b, s, heads, d]``, the sink, the layer's window and XSA.
 

@@ -1,9 +1,11 @@
-"""Pieces shared by the linear-recurrent mixers (delta-rule, decay, Mamba-2).
+"""Pieces shared by the mixers: the tensor-parallel base of the linear-recurrent mixers
+(delta-rule, decay, Mamba-2) and of our softmax and sparse attention cores, decoding state, and
+the short convolution.
 
-- :class:`HeadShardedMixer`: a MegatronModule whose raw per-head parameters are sharded over TP
+- :class:`HeadShardedModule`: a MegatronModule whose raw per-head parameters are sharded over TP
   along dim 0, drawn at full size and sliced (every TP size starts from the same model), and
   declared in ``sharded_state_dict`` so checkpoints reshard; its fused input projections
-  (:meth:`~HeadShardedMixer.fused_column`) carry a split map so that they reshard too.
+  (:meth:`~HeadShardedModule.fused_column`) carry a split map so that they reshard too.
 - :func:`conv_silu_heads`: the short causal convolution + SiLU (+ L2 norm) of a projection,
   aware of packed sequences and of context parallelism's halo.
 """
@@ -35,8 +37,9 @@ class LinearMixerSubmodules:
     row_linear: type = RowParallelLinear
 
 
-class HeadShardedMixer(MegatronModule):
-    """Base of the linear-recurrent mixers: TP bookkeeping, projections and raw parameters."""
+class HeadShardedModule(MegatronModule):
+    """Base of our mixers and attention cores: TP bookkeeping, projections and raw per-head
+    parameters."""
 
     def __init__(self, config, submodules: LinearMixerSubmodules, pg_collection=None):
         super().__init__(config=config)
@@ -215,7 +218,7 @@ def conv_silu_heads(x: torch.Tensor, weight: torch.Tensor, heads: int, positions
     document; each chunk is convolved after its halo, the ``kernel - 1`` tokens before it,
     which may live on another rank.
 
-    Decoding (``cache``, a layer's :meth:`HeadShardedMixer.decoding_cache`): the inputs follow
+    Decoding (``cache``, a layer's :meth:`HeadShardedModule.decoding_cache`): the inputs follow
     the ``kernel - 1`` inputs before them, kept in ``cache[name]`` from the previous call.
     """
     s, b = x.shape[:2]

@@ -64,7 +64,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron_ext.config import ConfigError
 from megatron_ext.kernels import sparse
 from megatron_ext.mixers.attention import HeadSplitCoreAttention
-from megatron_ext.mixers.common import (HeadShardedMixer, LinearMixerSubmodules, cannot_decode,
+from megatron_ext.mixers.common import (HeadShardedModule, LinearMixerSubmodules, cannot_decode,
                                         packed_cu_seqlens)
 from megatron_ext.mixers.dsa import (DSACoreAttention, IndexerLoss, LightningIndexer,
                                     refuse_core_recompute)
@@ -85,7 +85,7 @@ def _split_compression(projected: torch.Tensor, heads: int):
     return kv, gate
 
 
-class KVCompressor(HeadShardedMixer):
+class KVCompressor(HeadShardedModule):
     """The layer's compressor, per key/value head of this rank: ``x [s, b, h]`` (the normalised
     layer input; under SP this rank's slice) -> ``[b, N, heads, kv_channels]`` (RMSNorm'ed, no
     RoPE). Parameters: ``linear_compress`` (column-parallel), ``position_bias

@@ -30,7 +30,7 @@ Dao & Gu, "Transformers are SSMs" (ICML 2024).
 
 Tensor parallelism splits heads (and Mamba-2's B/C groups); the fused projections' rows and the
 per-head raw parameters are sharded with their heads (see
-:class:`~megatron_ext.mixers.common.HeadShardedMixer`). Context
+:class:`~megatron_ext.mixers.common.HeadShardedModule`). Context
 parallelism: as in :mod:`megatron_ext.mixers.delta_rule` (convolution halo for Mamba-2; state
 passing or all-to-all around the op, :mod:`megatron_ext.parallel.linear`).
 """
@@ -46,7 +46,7 @@ from megatron_ext.kernels import decay_linear_attention
 from megatron_ext.kernels.decay import decay_linear_attention_summary
 from megatron_ext.kernels.fused import gated_rms_norm, sequence_positions
 from megatron_ext.mixers.common import (
-    HeadShardedMixer,
+    HeadShardedModule,
     LinearMixerSubmodules,
     conv_silu_heads,
     packed_cu_seqlens,
@@ -59,7 +59,7 @@ VARIANTS = ("gla", "retnet", "lightning", "hgrn2", "hedgehog")
 GLA_GATE_NORMALIZER = 16.0
 
 
-class DecayMixer(HeadShardedMixer):
+class DecayMixer(HeadShardedModule):
     """GLA, RetNet, Lightning, HGRN-2 or Hedgehog: ``forward(hidden [s, b, h]) -> (out, bias)``."""
 
     def __init__(self, config, submodules: LinearMixerSubmodules, layer_number: int,
@@ -181,7 +181,7 @@ class DecayMixer(HeadShardedMixer):
         return self.linear_out(o)
 
 
-class Mamba2Mixer(HeadShardedMixer):
+class Mamba2Mixer(HeadShardedModule):
     """Mamba-2 (SSD) with its own layout, on the decay op; no mamba_ssm build needed.
 
     Per head h with state ``[N, P]``: ``S_t = exp(dt_t A_h) S_{t-1} + B_t (dt_t x_t)^T``,

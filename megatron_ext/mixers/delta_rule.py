@@ -48,7 +48,7 @@ from megatron_ext.kernels import gated_delta_rule
 from megatron_ext.kernels.delta_rule import gated_delta_rule_summary
 from megatron_ext.kernels.fused import gated_rms_norm, sequence_positions
 from megatron_ext.mixers.common import (
-    HeadShardedMixer,
+    HeadShardedModule,
     LinearMixerSubmodules,
     conv_silu_heads,
     packed_cu_seqlens,
@@ -60,7 +60,7 @@ from megatron_ext.parallel.linear import check_heads, check_sequence, linear_rec
 VARIANTS = ("deltanet", "gated_deltanet", "kda", "gated_deltanet2")
 
 
-class DeltaRuleMixer(HeadShardedMixer):
+class DeltaRuleMixer(HeadShardedModule):
     """Megatron mixer contract: ``forward(hidden [s, b, h], ...) -> (out [s, b, h], bias)``.
 
     With cross-layer routing on, each forward also leaves the routed signal (its value v for
@@ -107,7 +107,7 @@ class DeltaRuleMixer(HeadShardedMixer):
         decay_size = value_heads * self.key_dim if per_channel_decay else value_heads
 
         # One input projection for q, k, v, the output gate, the erase/write gates and, for GDN,
-        # the per-head decay (its TP split map in HeadShardedMixer.fused_column).
+        # the per-head decay (its TP split map in HeadShardedModule.fused_column).
         parts = {"q": qk_size, "k": qk_size, "v": v_size, "gate": v_size}
         if variant == "gated_deltanet2":
             parts.update(erase=value_heads * self.key_dim, write=v_size)
@@ -144,7 +144,7 @@ class DeltaRuleMixer(HeadShardedMixer):
                 inference_context=None, **_unused):
         """hidden_states ``[s, b, h]`` -> (``[s, b, h]``, bias or None). With Megatron's
         ``inference_context``, the tokens continue the ones before them (see
-        :meth:`~megatron_ext.mixers.common.HeadShardedMixer.decoding_cache`)."""
+        :meth:`~megatron_ext.mixers.common.HeadShardedModule.decoding_cache`)."""
         cache = self.decoding_cache(inference_context, packed_seq_params)
         projected, _ = self.in_proj(hidden_states)  # [s, b, widths] (full s: SP gathers here)
         projected = self.split_outputs("in_proj", projected)
