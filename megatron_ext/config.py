@@ -149,6 +149,11 @@ class ExtConfig:
     mla_rope_type: str = "rope"
     mla_rotary_base: float = 10000.0
 
+    # Cross-layer key/value sharing (CLA; megatron_ext.mixers.kv_share): the '*' layers, in
+    # order, form groups of attention_kv_share; each group's later layers project only queries
+    # and attend to the first one's keys and values. 1: no sharing.
+    attention_kv_share: int = 1
+
     # Cross-layer routing from delta-rule layers into the residual stream (Cerruti et al.,
     # "Linear Attention Architectures: Mechanisms, Trade-offs, and Cross-Layer Routing"):
     # after each delta-rule layer, h <- h + P_l s_l with P_l zero-initialised and s_l the layer's
@@ -230,6 +235,13 @@ class ExtConfig:
         if self.mla_qk_pos_emb_head_dim % 2:
             raise ConfigError(f"mla_qk_pos_emb_head_dim={self.mla_qk_pos_emb_head_dim} must be "
                               "even (RoPE rotates pairs of dims)")
+        if isinstance(self.attention_kv_share, bool) or not isinstance(
+                self.attention_kv_share, int) or self.attention_kv_share < 1:
+            raise ConfigError(f"attention_kv_share={self.attention_kv_share!r} must be a "
+                              "positive integer (1: no sharing)")
+        if self.attention_kv_share > 1 and self.attention_backend in ("te", "local"):
+            raise ConfigError("attention_kv_share needs attention_backend='sdpa' or 'auto' "
+                              "(our attention core; the others are not tested with it)")
         if self.linear_conv_kernel < 1:
             raise ConfigError(f"linear_conv_kernel={self.linear_conv_kernel} must be >= 1")
         self._validate_sparse_attention()

@@ -40,6 +40,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron_ext import residual
 from megatron_ext.config import ConfigError, ExtConfig, resolve
 from megatron_ext.norm import TorchNorm
+from megatron_ext.mixers.kv_share import share_groups
 from megatron_ext.pattern import check_pipeline_split, expand_pattern, stage_layer_indices
 from megatron_ext.registry import Mixer
 
@@ -187,8 +188,18 @@ class ExtTransformerLayer(TransformerLayer):
         return self.residual.exit(state), context
 
 
-def layer_spec(mixer: Mixer, ext: ExtConfig, config) -> ModuleSpec:
-    return ModuleSpec(module=ExtTransformerLayer, submodules=layer_submodules(mixer, ext, config),
+def layer_spec(mixer: Mixer, ext: ExtConfig, config, kv_share=None) -> ModuleSpec:
+    """One layer's spec; ``kv_share``: its (KVShare, produces) when it shares keys and values
+    (:mod:`megatron_ext.mixers.kv_share`)."""
+    submodules = layer_submodules(mixer, ext, config)
+    if kv_share is not None:
+        from megatron_ext.mixers.kv_share import KVShareSelfAttention
+
+        attention = submodules.self_attention
+        attention.module = KVShareSelfAttention
+        attention.params = {**attention.params, "kv_share": kv_share[0],
+                            "produces": kv_share[1]}
+    return ModuleSpec(module=ExtTransformerLayer, submodules=submodules,
                       params={"route": routes(mixer, ext), "ext": ext})
 
 
@@ -232,8 +243,9 @@ def block_spec(config, pattern: str | list[str] | None = None, ext: ExtConfig | 
         ext.pattern = pattern
     mixers = _prepare(config, ext)
     local = stage_layer_indices(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    shared = share_groups(mixers, ext, local)
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(mixers[i], ext, config) for i in local],
+        layer_specs=[layer_spec(mixers[i], ext, config, shared.get(i)) for i in local],
         layer_norm=final_norm(ext),
     )
 
@@ -255,6 +267,9 @@ class PatternTransformerLayer(ExtTransformerLayer):
                  **kwargs):
         ext = resolve(ext)
         mixers = _prepare(config, ext)
+        if ext.attention_kv_share > 1:
+            raise ConfigError("attention_kv_share groups layers that must be built together: "
+                              "use block_spec / hybrid_block, not the hybrid_layer spec object")
         global_number = layer_number
         if add_layer_offset and not kwargs.get("is_mtp_layer", False):
             pp_rank = pg_collection.pp.rank() if pg_collection is not None else None
