@@ -1,6 +1,7 @@
 """Corpus -> tokenizer -> Megatron indexed dataset -> GPTDataset, on a small corpus (CPU only)."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -226,8 +227,11 @@ def test_build_gpt_datasets_under_gloo(tokenizer, indexed_dataset, tmp_path):
         f"args=(2, {tokenizer.path!r}, {str(fresh_prefix)!r}, {str(tmp_path)!r}), "
         "nprocs=2, start_method='fork')"
     )
+    # It imports this module from the working directory: not in safe-path mode (scripts/env.sh).
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
     result = subprocess.run(
-        [sys.executable, "-c", launch], cwd=Path(__file__).parent, capture_output=True, text=True
+        [sys.executable, "-c", launch], cwd=Path(__file__).parent, capture_output=True, text=True,
+        env=environment,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert (fresh_prefix.parent / INDEX_CACHE_DIRNAME).is_dir()

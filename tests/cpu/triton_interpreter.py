@@ -28,6 +28,9 @@ def run_as_script(path: str) -> None:
     """Run the test file ``path`` as a script under the interpreter; it must print "interpreter
     cases passed" and exit 0 (its output, shortened, is the failure message otherwise)."""
     environment = dict(os.environ, TRITON_INTERPRET="1")
+    # The script imports this module from its own folder, which safe-path mode leaves off
+    # sys.path (scripts/env.sh sets it for python -m from the repository root).
+    environment.pop("PYTHONSAFEPATH", None)
     done = subprocess.run([sys.executable, path], env=environment, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and "interpreter cases passed" in done.stdout, (done.stdout + done.stderr)[-6000:]
