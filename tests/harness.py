@@ -295,6 +295,21 @@ def assert_same_output_and_grads(out, grads, expected, expected_grads):
                                    msg=f"grad of {name}")
 
 
+def fit(model, tokens: torch.Tensor, steps: int = 8, lr: float = 3e-3) -> list[float]:
+    """The next-token losses of ``steps`` AdamW steps of ``model`` (a GPTModel) on the fixed
+    batch ``tokens [b, s + 1]``."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    positions = torch.arange(tokens.shape[1] - 1).expand(tokens.shape[0], -1)
+    losses = []
+    for _ in range(steps):
+        loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def tiny_config(**overrides):
     """A TransformerConfig small enough for multi-process tests on two CPU cores."""
     from megatron.core.transformer.transformer_config import TransformerConfig
