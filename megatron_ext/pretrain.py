@@ -85,6 +85,12 @@ def megatron_argv(settings: RunSettings, run_dir: str | os.PathLike, *, mock_dat
         argv += ["--group-query-attention", "--num-query-groups", m.num_query_groups]
     if m.num_moe_experts:
         argv += ["--num-experts", m.num_moe_experts, "--moe-router-topk", m.moe_router_topk]
+        if m.moe_router_enable_expert_bias:
+            argv += ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid",
+                     "--moe-router-bias-update-rate", m.moe_router_bias_update_rate]
+    if m.mtp_num_layers:
+        argv += ["--mtp-num-layers", m.mtp_num_layers,
+                 "--mtp-loss-scaling-factor", m.mtp_loss_scaling_factor]
     if t.decay_style == "WSD":
         argv += ["--lr-wsd-decay-style", t.wsd_decay_style,
                  "--lr-wsd-decay-iters", t.wsd_decay_steps]

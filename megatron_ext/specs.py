@@ -250,6 +250,15 @@ def block_spec(config, pattern: str | list[str] | None = None, ext: ExtConfig | 
     )
 
 
+def mtp_layer_block(config, ext: ExtConfig) -> TransformerBlockSubmodules:
+    """The layer each of Megatron's multi-token-prediction layers wraps: a softmax-attention
+    layer of ours (MTP needs an attention mask type; Megatron's GPT builder, under ``pretrain``,
+    puts its own standard GPT layer there, with the same parameters)."""
+    from megatron_ext.registry import lookup
+
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(lookup("attention"), ext, config)])
+
+
 def hybrid_block(model_config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
     """``--spec megatron_ext.specs hybrid_block`` (megatron-core >= 0.19 ``pretrain_gpt.py``)."""
     return block_spec(model_config, vp_stage=vp_stage)

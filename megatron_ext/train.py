@@ -65,6 +65,15 @@ class ModelSettings:
     attention_dropout: float = 0.0
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
+    # Auxiliary-loss-free balancing (Wang et al. 2024, as DeepSeek-V3): sigmoid router scores
+    # plus a per-expert bias that only picks the experts; after each step it moves by
+    # moe_router_bias_update_rate towards balance (up for experts below the mean load).
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    # Multi-token prediction (DeepSeek-V3): mtp_num_layers extra layers, layer k predicting
+    # token t + 1 + k, their mean loss times mtp_loss_scaling_factor added to the LM loss.
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
 
 
 @dataclass
@@ -183,6 +192,11 @@ class RunSettings:
         m, t = self.model, self.train
         rope.check(m.rope_scaling, m.rope_scaling_factor, m.rope_original_length,
                    m.position_embedding_type)
+        if m.moe_router_enable_expert_bias and not m.num_moe_experts:
+            raise ConfigError("model.moe_router_enable_expert_bias balances experts: set "
+                              "model.num_moe_experts")
+        if m.mtp_num_layers is not None and m.mtp_num_layers < 1:
+            raise ConfigError(f"model.mtp_num_layers={m.mtp_num_layers} must be >= 1 (or unset)")
         if not 0 <= t.warmup_steps < t.steps:
             raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0 and smaller "
                               f"than train.steps={t.steps}")
@@ -357,6 +371,10 @@ def transformer_config(settings: RunSettings, runtime: Runtime):
         activation_func=torch.nn.functional.silu, add_bias_linear=False,
         num_moe_experts=m.num_moe_experts,
         moe_router_topk=m.moe_router_topk if m.num_moe_experts else 2,
+        **({"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid",
+            "moe_router_bias_update_rate": m.moe_router_bias_update_rate}
+           if m.moe_router_enable_expert_bias else {}),
+        mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
         tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline, context_parallel_size=p.context,
         sequence_parallel=p.sequence_parallel and p.tensor > 1,
@@ -375,9 +393,20 @@ def build_model(settings: RunSettings, config, vocab_size: int, vp_stage: int | 
 
     from megatron_ext.specs import block_spec
 
+    block = block_spec(config, ext=settings.ext, vp_stage=vp_stage)
+    mtp = None
+    if config.mtp_num_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        from megatron_ext.specs import mtp_layer_block, uses_te
+
+        mtp = get_gpt_mtp_block_spec(config, mtp_layer_block(config, settings.ext),
+                                     use_transformer_engine=uses_te(settings.ext),
+                                     vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(config, ext=settings.ext, vp_stage=vp_stage),
+        transformer_layer_spec=block,
+        mtp_block_spec=mtp,
         vocab_size=vocab_size,
         max_sequence_length=settings.model.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -529,10 +558,13 @@ def _forward_backward(model, batches, settings, runtime, forward_only: bool) -> 
         if not parallel_state.is_pipeline_last_stage():
             return float("nan")
         return float(torch.stack([r["lm loss"] for r in reduced]).mean())
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
     from megatron_ext.mixers.dsa import IndexerLoss
 
-    # Megatron's schedule sets this on CUDA; here each micro-batch's LM loss is divided by N.
+    # Megatron's schedule sets these on CUDA; here each micro-batch's LM loss is divided by N.
     IndexerLoss.set_loss_scale(torch.tensor(1.0 / len(batches)))
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0 / len(batches)))
     total = 0.0
     for b in batches:
         with torch.set_grad_enabled(not forward_only):
@@ -573,6 +605,14 @@ def _train_step(model, optimizer, scheduler, batches, settings, runtime) -> tupl
     grad_norm = _clip_grad_norm(model, settings.train.clip_grad)
     optimizer.step()
     scheduler.step(increment=1)
+    if model.config.moe_router_enable_expert_bias:  # on CUDA finalize_model_grads does it
+        from megatron.core.distributed.finalize_model_grads import (
+            _update_router_expert_bias,
+            reset_model_temporary_tensors,
+        )
+
+        _update_router_expert_bias([model], model.config)
+        reset_model_temporary_tensors(model.config, [model])  # the step's expert loads
     return loss, float(grad_norm)
 
 

@@ -55,9 +55,13 @@ def test_flags_after_the_preset_win(monkeypatch, tmp_path):
     assert ExtConfig.from_megatron_args(args).pattern == "G*GG"
 
 
-def test_megatron_builder_makes_the_preset_model(monkeypatch, tmp_path, megatron_single_process):
+@pytest.mark.parametrize("model", [{}, {"num_moe_experts": 4, "moe_router_enable_expert_bias": True,
+                                        "mtp_num_layers": 1}], ids=["preset", "moe-bias-mtp"])
+def test_megatron_builder_makes_the_preset_model(model, monkeypatch, tmp_path,
+                                                 megatron_single_process):
     """gpt_config_from_args + GPTModelBuilder (what pretrain does) build the same model, with the
-    same number of parameters, as `megatron-ext train` builds from the preset."""
+    same number of parameters, as `megatron-ext train` builds from the preset (also with MoE
+    layers balanced by expert bias and an MTP layer)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training import global_vars
     from megatron.training.argument_utils import gpt_config_from_args
@@ -67,6 +71,8 @@ def test_megatron_builder_makes_the_preset_model(monkeypatch, tmp_path, megatron
 
     settings = presets.load_settings("tiny-hybrid")
     settings.train.bf16 = False
+    for name, value in model.items():
+        setattr(settings.model, name, value)
     args = _parse(megatron_argv(settings, tmp_path, mock_data=True) + ["--use-cpu-initialization"],
                   monkeypatch)
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)  # where hybrid_block reads --ext-*
@@ -81,6 +87,10 @@ def test_megatron_builder_makes_the_preset_model(monkeypatch, tmp_path, megatron
     assert mixers == [type(layer.self_attention).__name__ for layer in ours.decoder.layers]
     assert mixers.count("SelfAttention") == settings.ext.pattern.count("*")
     assert sum(p.numel() for p in built.parameters()) == sum(p.numel() for p in ours.parameters())
+    for m in (built, ours):
+        assert (m.mtp_process and len(m.mtp.layers)) == (model.get("mtp_num_layers") or False)
+        biased = [r for r in m.modules() if getattr(r, "expert_bias", None) is not None]
+        assert len(biased) == (5 if model else 0)  # 4 decoder MoE layers and the MTP layer's
 
 
 def test_pretrain_without_cuda_says_what_to_use(tmp_path):
