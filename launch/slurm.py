@@ -311,9 +311,8 @@ def memory_per_gpu(job: Job) -> MemoryEstimate:
                    or (p.distributed_optimizer is None and data_parallel > 1))
     stages = stage_parameters(s)
     state = max(stages) * (2 + 4 + 12 / (data_parallel if distributed else 1))
-    activations = max(
-        activation_bytes(s, stage, micro_batches=t.global_batch_size // (t.micro_batch_size * data_parallel))
-        for stage in range(p.pipeline))
+    micro_batches = t.global_batch_size // (t.micro_batch_size * data_parallel)
+    activations = max(activation_bytes(s, stage, micro_batches) for stage in range(p.pipeline))
     return MemoryEstimate(parameter_count(s), stages, state / 2**30, activations / 2**30)
 
 

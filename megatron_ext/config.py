@@ -136,10 +136,10 @@ class ExtConfig:
     hca_window: int = 128
 
     # MLA ('+', DeepSeek-V2/V3 multi-head latent attention; megatron_ext.mixers.mla), the
-    # DeepSeek-V3 sizes per head: queries through a rank mla_q_lora_rank = 1536 latent, keys and
-    # values through one rank mla_kv_lora_rank = 512 latent; per head mla_qk_head_dim = 128 dims without position plus
-    # mla_qk_pos_emb_head_dim = 64 with RoPE (one RoPE key shared by the heads), and
-    # mla_v_head_dim = 128 value dims. RoPE: "rope" (base mla_rotary_base) or "yarn"
+    # DeepSeek-V3 sizes: queries through a rank mla_q_lora_rank = 1536 latent, keys and values
+    # through one rank mla_kv_lora_rank = 512 latent; per head mla_qk_head_dim = 128 dims
+    # without position plus mla_qk_pos_emb_head_dim = 64 with RoPE (one RoPE key shared by the
+    # heads), and mla_v_head_dim = 128 value dims. RoPE: "rope" (base mla_rotary_base) or "yarn"
     # (megatron-core's YaRN defaults, DeepSeek-V3's 40x extension of 4,096 positions).
     mla_q_lora_rank: int = 1536
     mla_kv_lora_rank: int = 512

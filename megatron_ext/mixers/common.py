@@ -134,7 +134,8 @@ class HeadShardedModule(MegatronModule):
         if not inference_context.is_static_batching():
             raise ConfigError(cannot_decode(f"{name} with dynamic batching") + "; use Megatron's "
                               "StaticInferenceContext")
-        if getattr(self, "cp", None) is not None or packed_cu_seqlens(packed_seq_params) is not None:
+        packed = packed_cu_seqlens(packed_seq_params) is not None
+        if getattr(self, "cp", None) is not None or packed:
             raise ConfigError(cannot_decode(f"{name} under context parallelism or with packed "
                                             "(thd) sequences"))
         store = inference_context.key_value_memory_dict

@@ -22,11 +22,12 @@ where q, k, v and the decay come from:
   ``S_t = sum_{j <= t} phi(k_j) v_j^T``; then the output projection (no output norm or gate: a
   per-head norm would cancel the normaliser). Not under context parallelism.
 
-Around the op (GLA, RetNet, Lightning, HGRN-2): one fused input projection (q, k, v and the output gate), a per-head
-RMSNorm gated by ``silu(x W_z)`` (one kernel, :mod:`megatron_ext.kernels.fused`) and the output
-projection. :class:`Mamba2Mixer` keeps Mamba-2's own layout (one fused projection to z, x, B, C
-and dt; a causal convolution + SiLU over x, B and C; ``A`` per head; ``D`` skip) on the same op:
-Dao & Gu, "Transformers are SSMs" (ICML 2024).
+Around the op (GLA, RetNet, Lightning, HGRN-2): one fused input projection (q, k, v and the
+output gate), a per-head RMSNorm gated by ``silu(x W_z)`` (one kernel,
+:mod:`megatron_ext.kernels.fused`) and the output projection. :class:`Mamba2Mixer` keeps
+Mamba-2's own layout (one fused projection to z, x, B, C and dt; a causal convolution + SiLU
+over x, B and C; ``A`` per head; ``D`` skip) on the same op: Dao & Gu, "Transformers are SSMs"
+(ICML 2024).
 
 Tensor parallelism splits heads (and Mamba-2's B/C groups); the fused projections' rows and the
 per-head raw parameters are sharded with their heads (see
