@@ -6,7 +6,8 @@ scheme runs the code it trained with: the kernels where the device has them (Tri
 the PyTorch paths otherwise. ``megatron-ext export`` writes a model directory whose
 ``config.json`` points ``AutoConfig`` / ``AutoModelForCausalLM`` here through two small remote-code
 files, so ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` loads it where
-megatron-ext is installed.
+megatron-ext is installed. Models with RoPE run on a GPU only (megatron-core 0.19 builds the
+rotary table on the current CUDA device).
 
 :class:`MegatronExtTokenizer` is the run's sentencepiece model as a ``transformers`` tokenizer
 (the same ids as training's tokenizer; no BOS is added, as training adds none, and documents end
