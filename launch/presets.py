@@ -146,10 +146,6 @@ def stage_parameters(settings, vocab_size: int | None = None) -> list[int]:
     # are not used here: both hold the same parameters.
     if settings.ext.attention_backend != "local":
         settings.ext.attention_backend = "sdpa"
-    # RoPE has no parameters; the CPU runtime's config refuses it only because it cannot run.
-    config_settings = copy.deepcopy(settings)
-    if config_settings.model.position_embedding_type == "rope":
-        config_settings.model.position_embedding_type = "none"
     counts = []
     for stage in range(p.pipeline):
         rank = stage * p.tensor * p.context  # Megatron's rank order: tp, cp, (ep, dp), pp
@@ -158,8 +154,7 @@ def stage_parameters(settings, vocab_size: int | None = None) -> list[int]:
         chunks = range(p.virtual_pipeline) if p.virtual_pipeline else [None]
         try:
             with _megatron_world(p, rank), torch.device("meta"):
-                config = train.transformer_config(config_settings, runtime)
-                config.perform_initialization = False  # shapes only: no random draws
+                config = train.unloaded_config(settings, runtime)  # shapes only
                 models = [train.build_model(settings, config, vocab, vp_stage=chunk)
                           for chunk in chunks]
         except (AssertionError, ValueError) as error:  # Megatron's refusals; ours are ConfigError

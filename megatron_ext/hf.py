@@ -53,28 +53,18 @@ def _one_process_world() -> None:
         parallel_state.initialize_model_parallel()
 
 
-def build_gpt_model(settings, vocab_size: int, device: torch.device | str = "cpu"):
-    """The training GPTModel of ``settings`` (a RunSettings) at TP = PP = 1 in fp32 on
-    ``device``; its weights are not initialised (they are loaded next)."""
+def build_gpt_model(settings, vocab_size: int):
+    """The training GPTModel of ``settings`` (a RunSettings) at TP = PP = 1 in fp32 on the CPU;
+    its weights are not initialised (they are loaded next)."""
     import copy
 
     from megatron_ext import train
 
     settings = copy.deepcopy(settings)
     settings.parallel = train.ParallelSettings()
-    device = torch.device(device)
     _one_process_world()
-    runtime = train.Runtime(device=device, rank=0, world_size=1)
-    config_settings = copy.deepcopy(settings)
-    if device.type != "cuda" and config_settings.model.position_embedding_type == "rope":
-        # The config refuses RoPE on a CPU only because megatron-core 0.19's rotary table is
-        # built on the current CUDA device; the model's own setting still builds it.
-        config_settings.model.position_embedding_type = "none"
-    config = train.transformer_config(config_settings, runtime)
-    config.perform_initialization = False
-    config.params_dtype = torch.float32
-    with torch.device(device):
-        return train.build_model(settings, config, vocab_size)
+    runtime = train.Runtime(device=torch.device("cpu"), rank=0, world_size=1)
+    return train.build_model(settings, train.unloaded_config(settings, runtime), vocab_size)
 
 
 class MegatronExtForCausalLM(PreTrainedModel, GenerationMixin):

@@ -26,6 +26,7 @@ Run directory layout::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -383,6 +384,19 @@ def transformer_config(settings: RunSettings, runtime: Runtime):
         bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, apply_rope_fusion=False,
     )
+
+
+def unloaded_config(settings: RunSettings, runtime: Runtime):
+    """:func:`transformer_config` for a model whose weights are loaded (or only counted) after
+    it is built: no random draws, and RoPE allowed on a CPU (the config refuses it there only
+    because megatron-core 0.19 builds the rotary table on the CUDA device when the model runs;
+    the model takes its position embedding from ``settings.model`` still)."""
+    config_settings = copy.deepcopy(settings)
+    if not runtime.cuda and config_settings.model.position_embedding_type == "rope":
+        config_settings.model.position_embedding_type = "none"
+    config = transformer_config(config_settings, runtime)
+    config.perform_initialization = False
+    return config
 
 
 def build_model(settings: RunSettings, config, vocab_size: int, vp_stage: int | None = None):
