@@ -12,9 +12,10 @@ the rest). It records, per run:
 - ``mfu``: model FLOPs per token (``megatron_ext.launch.presets.model_flops_per_token``, whose
   docstring states the count) x tokens/s / ``--peak-tflops``;
 - ``breakdown``: the GPU time of the last iteration (profiled by Megatron's
-  ``--profile --use-pytorch-profiler``) by kernel category (:func:`category`), in ms, and
+  ``--profile --use-pytorch-profiler``) by kernel category (:func:`category`), in ms,
   ``idle`` = the timed iterations' median minus the GPU's busy time (time the GPU waits for
-  the host).
+  the host), the number of kernels launched and the host threads' busy time
+  (:func:`host_busy`).
 
 Output: ``--out`` (JSON, one row per run, stamped with the commit, GPU, torch and Triton) and a
 plot of tokens/s against T per pattern next to it (``.png``); each run's log under ``--log-dir``
@@ -92,9 +93,39 @@ def categoriser():
     return category
 
 
+def _covered_ms(intervals) -> float:
+    """The length of the union of ``(start, end)`` intervals (µs), in ms."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1e3
+
+
+def host_busy(events) -> list[float]:
+    """The host threads' busy ms in a trace, busiest first (the main thread, then autograd's
+    backward thread): the union of each thread's operator and CUDA-runtime events, less the
+    time spent waiting in CUDA synchronisations (``.item()``, loss checks). The profiler adds
+    a little to every operator, so this is an upper bound of the unprofiled host time."""
+    work: dict = {}
+    waits: dict = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("cpu_op", "cuda_runtime", "cuda_driver"):
+            continue
+        span = (e["ts"], e["ts"] + e["dur"])
+        work.setdefault(e.get("tid"), []).append(span)
+        if "Synchronize" in e["name"]:
+            waits.setdefault(e.get("tid"), []).append(span)
+    busy = [_covered_ms(spans) - _covered_ms(waits.get(tid, ())) for tid, spans in work.items()]
+    return sorted((round(ms, 2) for ms in busy), reverse=True)
+
+
 def breakdown(trace_path: pathlib.Path, ms_per_iteration: float) -> dict:
-    """GPU ms per category in the profiled iteration of a Chrome trace, the GPU's busy time, and
-    ``idle``: the (unprofiled) iteration time minus the busy time, the time the GPU waits."""
+    """GPU ms per category in the profiled iteration of a Chrome trace, the GPU's busy time,
+    ``idle``: the (unprofiled) iteration time minus the busy time, the time the GPU waits,
+    ``kernels``: the number of GPU kernels and copies launched, and ``host_busy``
+    (:func:`host_busy`)."""
     category = categoriser()
     with gzip.open(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
@@ -109,6 +140,7 @@ def breakdown(trace_path: pathlib.Path, ms_per_iteration: float) -> dict:
     busy = sum(totals.values())
     result = {c: round(v, 2) for c, v in totals.items()}
     result.update(gpu_busy=round(busy, 2), idle=round(max(ms_per_iteration - busy, 0.0), 2),
+                  kernels=len(gpu), host_busy=host_busy(events)[:2],
                   top_kernels={k: round(v, 2) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:25]})
     return result
 

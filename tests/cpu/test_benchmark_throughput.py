@@ -49,6 +49,24 @@ def test_breakdown_of_a_trace(benchmark, tmp_path):
     assert result["gpu_busy"] == expected_busy and result["idle"] == 100.0 - expected_busy
     assert result["gemm"] == 1.0 and result["mixer_glue"] == 4.0 + 5.0
     assert sum(result[c] for c in benchmark.CATEGORIES) == expected_busy
+    assert result["kernels"] == len(KERNELS) and result["host_busy"] == [1000.0]
+
+
+def test_host_busy(benchmark):
+    """Per thread: overlapping events count once, gaps not at all, synchronisations are waits."""
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "tid": 1, "ts": 0, "dur": 4000},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": 1, "ts": 1000,
+         "dur": 1000},  # inside the add
+        {"ph": "X", "cat": "cpu_op", "name": "aten::item", "tid": 1, "ts": 10000, "dur": 5000},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "tid": 1,
+         "ts": 11000, "dur": 3000},
+        {"ph": "X", "cat": "cpu_op", "name": "MulBackward0", "tid": 2, "ts": 0, "dur": 2500},
+        {"ph": "X", "cat": "kernel", "name": "k", "tid": 3, "ts": 0, "dur": 9000},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#9", "tid": 1, "ts": 0,
+         "dur": 20000},
+    ]
+    assert benchmark.host_busy(events) == [4.0 + 5.0 - 3.0, 2.5]
 
 
 def test_flops_per_token():
