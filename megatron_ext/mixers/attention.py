@@ -209,12 +209,17 @@ class SDPACoreAttention(SoftmaxCoreAttention):
     def _attend_cached(self, q, k, v, sink):
         """Decoding with Megatron's KV cache, with a window or a sink: the queries are the last
         ``sq`` of the ``sk`` cached tokens; each sees the keys before it within its window.
-        (The cache keeps every token; the window limits what is attended, not what is kept.)"""
+        With a window, only the cached keys inside the first query's window are read, so that a
+        decoding step costs O(window), not O(tokens so far). (Megatron's static cache still
+        holds every token.)"""
         sq, sk = q.shape[1], k.shape[1]
+        windowed = self.window is not None and self.window[0] >= 0
+        first = max(sk - sq - self.window[0], 0) if windowed else 0
+        k, v = k[:, first:], v[:, first:]
         query_at = torch.arange(sk - sq, sk, device=q.device)[:, None]
-        key_at = torch.arange(sk, device=q.device)[None, :]
+        key_at = torch.arange(first, sk, device=q.device)[None, :]
         allowed = key_at <= query_at
-        if self.window is not None and self.window[0] >= 0:
+        if windowed:
             allowed &= key_at >= query_at - self.window[0]
         return sparse.softmax_attention(q, k, v, causal=False, sink=sink,
                                         scale=self.softmax_scale, allowed=allowed[None, None],

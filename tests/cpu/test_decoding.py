@@ -85,6 +85,33 @@ def test_windowed_and_sink_attention_decode(options):
         torch.testing.assert_close(decode(model, tokens, PROMPT), full, atol=2e-5, rtol=1e-4)
 
 
+def test_window_decode_reads_only_the_window():
+    """A decoding step of a windowed '*' layer reads the cached keys and values of its window
+    only: values cached before it, made NaN after the prefill, leave the logits unchanged
+    (reading them, even under a zero attention weight, would spread the NaN)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    window = 5
+    model = model_of("*", config_options={"window_size": (window, 0)})
+    tokens = torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(7))
+    context = StaticInferenceContext(max_batch_size=2, max_sequence_length=64)
+    context.materialize_only_last_token_logits = False
+    with torch.no_grad():
+        full = model(tokens, torch.arange(LENGTH).expand(2, -1), None)
+        model(tokens[:, :PROMPT], torch.arange(PROMPT).expand(2, -1), None,
+              inference_context=context)
+        context.sequence_len_offset = PROMPT
+        context.enable_decode_mode()
+        (_keys, values), = context.key_value_memory_dict.values()  # [max s, max b, heads, d]
+        values[:PROMPT - window].fill_(float("nan"))
+        steps = []
+        for t in range(PROMPT, LENGTH):
+            steps.append(model(tokens[:, t:t + 1], torch.tensor([[t], [t]]), None,
+                               inference_context=context))
+            context.sequence_len_offset += 1
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, PROMPT:], atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("symbol", [m.symbol for m in MIXERS
                                     if not m.self_attention and m.name not in CANNOT_DECODE])
 def test_linear_layers_continue_in_chunks(symbol):
