@@ -22,6 +22,11 @@ import triton.language as tl
 from .reference import L2_EPS
 
 TOKENS_PER_PROGRAM = 32
+# The short convolution's backward keeps several fp32 tiles live per tap (the recomputed
+# pre-activation, its SiLU, the incoming and outgoing gradients): 16 tokens on 2 warps a
+# program runs fastest on an H200 at the hybrid presets' widths (64-channel L2 heads and
+# 1024-channel values); larger tiles spill registers.
+CONV_BWD_TOKENS, CONV_BWD_WARPS = 16, 2
 
 
 @triton.jit
@@ -146,13 +151,14 @@ def short_conv_backward(x, weight, positions, l2_norm_dim, dy):
     block = _channel_block(channels, l2_norm_dim)
     dy = dy.contiguous()
     dx = empty_in_order_of(x)
-    grid = (triton.cdiv(length, TOKENS_PER_PROGRAM), batch, triton.cdiv(channels, block))
+    grid = (triton.cdiv(length, CONV_BWD_TOKENS), batch, triton.cdiv(channels, block))
     dw = torch.empty(grid[0] * batch, channels, weight.shape[1], device=x.device,
                      dtype=torch.float32)
     _short_conv_bwd_kernel[grid](
         x, weight, positions if positions is not None else x, dy, dx, dw, length, channels,
-        *x.stride(), *dx.stride(), K=weight.shape[1], BT=TOKENS_PER_PROGRAM, BC=block,
-        HAS_POS=positions is not None, L2=l2_norm_dim is not None, EPS=L2_EPS)
+        *x.stride(), *dx.stride(), K=weight.shape[1], BT=CONV_BWD_TOKENS, BC=block,
+        HAS_POS=positions is not None, L2=l2_norm_dim is not None, EPS=L2_EPS,
+        num_warps=CONV_BWD_WARPS)
     return dx, dw.sum(0).to(weight.dtype)
 
 
