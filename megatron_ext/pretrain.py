@@ -109,8 +109,10 @@ def megatron_argv(settings: RunSettings, run_dir: str | os.PathLike, *, mock_dat
     if transformer_impl == "local":
         # The fused kernels behind these defaults come from Transformer Engine or apex. (The
         # bias-dropout-add fusion is torch.compile'd instead; it is left off, not shown to help.)
+        # RoPE fusion stays on (Megatron's default): megatron_ext.rope.provide_fused_rope fills
+        # the fused-RoPE slot that Transformer Engine would.
         argv += ["--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
-                 "--no-persist-layer-norm", "--no-rope-fusion"]
+                 "--no-persist-layer-norm"]
     if mock_data:
         argv.append("--mock-data")
     return [str(a) for a in argv] + _ext_flags(settings.ext)
@@ -341,6 +343,7 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
 
     from megatron_ext.config import add_megatron_args
     from megatron_ext.multi_tensor import use_foreach_multi_tensor_ops
+    from megatron_ext.rope import provide_fused_rope
     from megatron_ext.specs import uses_te
 
     settings.validate()
@@ -362,6 +365,7 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
         (run_dir / "config.yaml").write_text(yaml.safe_dump(settings.to_dict(), sort_keys=False))
     argv = megatron_argv(settings, run_dir, mock_data=mock_data,
                          transformer_impl="transformer_engine" if uses_te(settings.ext) else "local")
+    provide_fused_rope()
     sys.argv = ["megatron-ext pretrain", *argv, *(megatron_args or [])]
     args = parse_and_validate_args(extra_args_provider=add_megatron_args)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))

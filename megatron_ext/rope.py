@@ -15,6 +15,13 @@ With head dim d, base b and the frequencies ``theta_i = b^(-2i/d)``, i < d/2:
 
 :func:`apply_rope_scaling` installs it in a built GPTModel (``megatron-ext train`` and the
 exported model call it from the preset's ``model.rope_scaling*`` settings).
+
+Fused RoPE in Megatron's loop: Megatron applies the rotation through
+``rope_utils.fused_apply_rotary_pos_emb`` when ``apply_rope_fusion`` is on, a slot that
+Transformer Engine fills where it is installed. :func:`provide_fused_rope` fills an empty slot
+with :func:`fused_rotary_pos_emb` (``megatron_ext.kernels.fused.rope``: one Triton kernel each
+way instead of Megatron's unfused chain of multiplies, a negation and concatenations), and the
+packed (``thd``) slot with Megatron's unfused path; ``megatron-ext pretrain`` does so.
 """
 
 from __future__ import annotations
@@ -104,3 +111,51 @@ def apply_rope_scaling(model, config, method: str, factor: float, original: int,
             if isinstance(module, SoftmaxCoreAttention):
                 scale = module.softmax_scale or config.kv_channels ** -0.5
                 module.softmax_scale = scale * yarn_logit_scale(factor)
+
+
+def fused_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False,
+                         **_unused) -> torch.Tensor:
+    """Megatron's fused-RoPE contract (``t [s, b, H, D]``, ``freqs [s, 1, 1, D]``): the fused op
+    where :func:`megatron_ext.kernels.fused.rope_fits` and the rotation is rotate-half (its
+    Triton kernel on CUDA once it has passed its first-use check), Megatron's unfused path
+    otherwise (interleaved pairs, a partial rotary dim, multi-dim tables)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_ext.kernels import fused
+
+    if interleaved or not fused.rope_fits(t, freqs):
+        return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+    return fused.rope(t, freqs)
+
+
+class _ContextParallelRank:
+    """The size and rank that Megatron's unfused ``thd`` RoPE reads from a CP group."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _unfused_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_size: int = 1, cp_rank: int = 0,
+                                interleaved: bool = False):
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return rope_utils._apply_rotary_pos_emb_thd(
+        t, cu_seqlens, freqs, rotary_interleaved=interleaved,
+        cp_group=_ContextParallelRank(cp_size, cp_rank))
+
+
+def provide_fused_rope() -> None:
+    """Fill Megatron's empty fused-RoPE slots (no Transformer Engine) so that
+    ``apply_rope_fusion`` runs :func:`fused_rotary_pos_emb`; slots already filled are kept."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = fused_rotary_pos_emb
+    if rope_utils.fused_apply_rotary_pos_emb_thd is None:
+        rope_utils.fused_apply_rotary_pos_emb_thd = _unfused_rotary_pos_emb_thd

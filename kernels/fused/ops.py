@@ -1,4 +1,5 @@
-"""Autograd entry points of the fused layer pieces, with ``backend="auto"|"reference"|"triton"``.
+"""Autograd entry points of the fused layer pieces (short conv, gated RMSNorm, RoPE), with
+``backend="auto"|"reference"|"triton"``.
 
 "auto" runs the Triton kernels on CUDA tensors whose head dim (the L2-normalised group, the
 normalised head) is a power of two, once they have passed a first-use check on that GPU
@@ -67,6 +68,22 @@ class _GatedRMSNorm(torch.autograd.Function):
         return do, dweight, dgate, None, None
 
 
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, freqs):
+        ctx.save_for_backward(freqs)
+        return _triton().rope_forward(_dense_last(t), freqs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        freqs, = ctx.saved_tensors
+        return _triton().rope_forward(_dense_last(dy), freqs, inverse=True), None
+
+
+def _dense_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {list(BACKENDS)}")
@@ -98,6 +115,24 @@ def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
     return out.transpose(0, 1).flatten(2).contiguous() if sequence_first else out
 
 
+def rope_fits(t: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """Whether :func:`rope`'s kernel takes these: ``t [s, b, H, D]`` and a table ``[s, 1, 1, D]``
+    rotating every channel, with D/2 a power of two."""
+    return (t.dim() == 4 and freqs.dim() == 4 and freqs.shape[0] == t.shape[0]
+            and freqs.shape[1:3] == (1, 1) and freqs.shape[-1] == t.shape[-1]
+            and t.shape[-1] % 2 == 0 and _power_of_two(t.shape[-1] // 2))
+
+
+def rope(t: torch.Tensor, freqs: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """Rotary position embedding, see :func:`reference.rope`: ``t [s, b, H, D]`` (any strides),
+    ``freqs [s, 1, 1, D]`` -> ``[s, b, H, D]`` contiguous in ``t.dtype``. The Triton kernel takes
+    what :func:`rope_fits`; "auto" runs it on CUDA after the first-use check."""
+    _check_backend(backend)
+    if backend == "triton" or (backend == "auto" and rope_fits(t, freqs) and _use_triton(t)):
+        return _Rope.apply(t, freqs)
+    return reference.rope(t, freqs)
+
+
 def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -114,9 +149,9 @@ def first_use_check(device: torch.device, dtype: torch.dtype) -> bool:
     try:
         errors = check_errors(device, dtype)
     except Exception as error:  # noqa: BLE001 - a kernel that cannot run fails its check
-        logger.warning("megatron-ext: the fused layer kernels (short_conv, gated_rms_norm) failed "
-                       "their first-use check on %s in %s (%s: %s); the PyTorch reference runs "
-                       "instead", device, dtype, type(error).__name__, error)
+        logger.warning("megatron-ext: the fused layer kernels (short_conv, gated_rms_norm, rope) "
+                       "failed their first-use check on %s in %s (%s: %s); the PyTorch reference "
+                       "runs instead", device, dtype, type(error).__name__, error)
         return False
     over = {name: f"{e:.2e}" for name, e in errors.items() if not e <= CHECK_TOLERANCE[dtype]}
     if over:
@@ -130,7 +165,8 @@ def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
     """Relative errors of the Triton kernels against the fp32 reference, forward and backward:
     the short convolution over a transposed ``[s, b, C]`` input (T = 45, odd and across the
     kernels' token blocks), with and without the L2 norm, over a slice of a wider projection,
-    and on three packed sequences (5, 33 and 7 tokens); the gated RMSNorm with per-head and shared weights, both output layouts."""
+    and on three packed sequences (5, 33 and 7 tokens); RoPE on a strided slice; the gated
+    RMSNorm with per-head and shared weights, both output layouts."""
     from ..selfcheck import relative_error
 
     device = torch.device(device)
@@ -168,6 +204,13 @@ def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
     compare("short_conv packed",
             lambda x, w: short_conv(x, w, positions.to(device), dim, backend="triton"),
             lambda x, w: reference.short_conv(x, w, positions, dim), [x[:1], weight])
+
+    # RoPE on a strided [s, b, H, D] slice of a wider projection, angles up to 45 * 1 rad.
+    qkv = randn(length, batch, 2 * heads, dim)
+    angles = (torch.arange(length, dtype=torch.float32)[:, None]
+              * torch.logspace(0, -3, dim // 2)).repeat(1, 2).view(length, 1, 1, dim)
+    compare("rope", lambda t: rope(t, angles.to(device), "triton"),
+            lambda t: reference.rope(t, angles), [qkv[:, :, :heads]])
 
     o = randn(batch, length, heads, dim)
     gate = randn(length, batch, heads * dim).transpose(0, 1).unflatten(-1, (heads, dim))

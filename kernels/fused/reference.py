@@ -7,9 +7,13 @@ Triton kernels (``triton.py``) are tested against, and the path on CPUs.
   (one head of q or k). Taps that would reach before the start of the token's sequence are
   dropped: ``positions[t]`` is the token's index within its sequence (packed sequences), or t.
 - :func:`gated_rms_norm`: ``rmsnorm(o) * w * silu(gate)`` over each head's channels.
+- :func:`rope`: rotary position embedding in Megatron's rotate-half form,
+  ``y = t cos(f) + rotate_half(t) sin(f)`` with ``rotate_half([t1, t2]) = [-t2, t1]`` (halves of
+  the head dim) and ``f`` the angles Megatron's rotary table gives each channel.
 
 Shapes: ``x`` is ``[B, T, C]`` in any strides (a transposed view of Megatron's ``[s, b, C]`` is
-read in place); ``o`` and ``gate`` are ``[B, T, H, D]``, ``w`` is ``[H, D]`` or ``[D]``.
+read in place); ``o`` and ``gate`` are ``[B, T, H, D]``, ``w`` is ``[H, D]`` or ``[D]``; RoPE's
+``t`` is Megatron's ``[s, b, H, D]`` and ``f`` its table ``[s, 1, 1, D]``.
 """
 from __future__ import annotations
 
@@ -52,3 +56,11 @@ def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
     x = o.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return (x * weight.float() * F.silu(gate.float())).to(o.dtype)
+
+
+def rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``t [s, b, H, D]``, ``freqs [s, 1, 1, D]`` (angles) -> ``[s, b, H, D]`` in ``t.dtype``:
+    ``t cos(f) + rotate_half(t) sin(f)``, in fp32."""
+    x, f = t.float(), freqs.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * torch.cos(f) + torch.cat((-x2, x1), dim=-1) * torch.sin(f)).to(t.dtype)

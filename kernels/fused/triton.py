@@ -12,6 +12,10 @@ the weight gradient is summed per program into ``[programs, C, K]`` partials (no
 
 Gated RMSNorm (``gated_rms_norm_forward`` / ``_backward``): a program takes ``BT`` tokens of one
 head (D channels); the weight gradient is summed per program as above.
+
+RoPE (``rope_forward``): a program takes one token's heads; cos and sin of the token's angles are
+computed in the kernel. RoPE is a rotation of each channel pair ``(j, j + D/2)``, so its
+gradient is the rotation by the opposite angles: the same kernel with ``INVERSE``.
 """
 from __future__ import annotations
 
@@ -255,3 +259,37 @@ def gated_rms_norm_backward(o, weight, gate, eps, dy):
                                  EPS=eps)
     dw = dw.sum(0)
     return do, dgate, (dw if weight.dim() == 2 else dw.sum(0)).to(weight.dtype)
+
+
+@triton.jit
+def _rope_kernel(t_ptr, f_ptr, y_ptr, B, H, sts, stb, sth, sfs,
+                 HALF: tl.constexpr, BH: tl.constexpr, INVERSE: tl.constexpr):
+    token = tl.program_id(0)  # over s * b, b fastest
+    s, b = token // B, token % B
+    heads, j = tl.arange(0, BH), tl.arange(0, HALF)
+    ok = (heads < H)[:, None]
+    src = t_ptr + s.to(tl.int64) * sts + b.to(tl.int64) * stb + heads[:, None] * sth + j[None, :]
+    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+    f1 = tl.load(f_ptr + s.to(tl.int64) * sfs + j).to(tl.float32)[None, :]
+    f2 = tl.load(f_ptr + s.to(tl.int64) * sfs + HALF + j).to(tl.float32)[None, :]
+    c1, s1, c2, s2 = tl.cos(f1), tl.sin(f1), tl.cos(f2), tl.sin(f2)
+    if INVERSE:  # the transpose: y1 = x1 c1 + x2 s2, y2 = x2 c2 - x1 s1
+        y1, y2 = x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
+    else:
+        y1, y2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    dst = y_ptr + (token.to(tl.int64) * H + heads[:, None]) * (2 * HALF) + j[None, :]
+    tl.store(dst, y1.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF, y2.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def rope_forward(t: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``t [s, b, H, D]`` (any strides over s, b, H; D dense, D/2 a power of two), ``freqs
+    [s, 1, 1, D]`` -> ``[s, b, H, D]`` contiguous in ``t.dtype``; ``inverse``: rotate by -f (the
+    gradient)."""
+    length, batch, heads, dim = t.shape
+    y = torch.empty(length, batch, heads, dim, device=t.device, dtype=t.dtype)
+    _rope_kernel[(length * batch,)](
+        t, freqs, y, batch, heads, t.stride(0), t.stride(1), t.stride(2), freqs.stride(0),
+        HALF=dim // 2, BH=triton.next_power_of_2(heads), INVERSE=inverse)
+    return y

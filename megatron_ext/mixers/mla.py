@@ -57,8 +57,9 @@ def mla_config(config: TransformerConfig, ext: ExtConfig) -> MLATransformerConfi
         qk_pos_emb_head_dim=ext.mla_qk_pos_emb_head_dim, v_head_dim=ext.mla_v_head_dim,
         rope_type=ext.mla_rope_type, rotary_base=ext.mla_rotary_base, qk_layernorm=True,
         # RMSNorm on both latents (qk_layernorm); keys have one head per query head (no
-        # grouping), their sizes set by the per-head dims.
-        num_query_groups=None, kv_channels=None)
+        # grouping), their sizes set by the per-head dims. RoPE unfused: megatron-core's fused
+        # MLA RoPE is not the path tested here, and it cannot decode.
+        num_query_groups=None, kv_channels=None, apply_rope_fusion=False)
     return MLATransformerConfig(**values)
 
 

@@ -43,6 +43,8 @@ def test_preset_flags_parse_as_the_preset(name, monkeypatch, tmp_path):
     assert args.spec == ["megatron_ext.specs", "hybrid_block"]
     assert args.save == args.load == str(tmp_path / "checkpoints")
     assert args.exit_signal_handler and args.exit_signal == signal.SIGUSR1
+    # RoPE fused (megatron_ext.rope.provide_fused_rope fills Megatron's slot in pretrain).
+    assert args.apply_rope_fusion == (m.position_embedding_type == "rope")
     assert ExtConfig.from_megatron_args(args) == settings.ext
 
 

@@ -1,6 +1,7 @@
-"""The fused layer kernels (kernels/fused/triton.py: short conv + SiLU + L2 norm, gated RMSNorm)
-against their fp32 reference, forward and backward, on a GPU; ``check_*`` take a device so that
-tests/cpu/test_triton_interpret_fused.py runs the same checks on Triton's CPU interpreter."""
+"""The fused layer kernels (kernels/fused/triton.py: short conv + SiLU + L2 norm, gated RMSNorm,
+RoPE) against their fp32 reference, forward and backward, on a GPU; ``check_*`` take a device so
+that tests/cpu/test_triton_interpret_fused.py runs the same checks on Triton's CPU
+interpreter."""
 import pytest
 import torch
 
@@ -51,6 +52,32 @@ def check_large(case, device, dtype=torch.bfloat16) -> dict[str, float]:
     return errors
 
 
+def check_rope_large(device, dtype=torch.bfloat16) -> dict[str, float]:
+    """RoPE at the 350M preset's query shape (T = 4096, micro-batch 4, 16 heads of 64, angles
+    up to 4095 rad, as a strided slice of a wider projection) against the fp32 reference."""
+    from megatron_ext.kernels.selfcheck import relative_error
+
+    length, batch, heads, dim = 4096, 4, 16, 64
+    gen = torch.Generator().manual_seed(2)
+    wider = torch.randn(length, batch, heads + 8, dim, generator=gen).to(device, dtype)
+    t = wider[:, :, 4:4 + heads]
+    theta = 500000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = torch.arange(length, dtype=torch.float32)[:, None] * theta
+    freqs = torch.cat((angles, angles), dim=-1).view(length, 1, 1, dim).to(device)
+    probe = torch.randn(length, batch, heads, dim, generator=gen).to(device)
+    results = []
+    for fast in (True, False):
+        ti = (t if fast else t.float()).detach().clone().requires_grad_()
+        y = ops.rope(ti, freqs, "triton") if fast else reference.rope(ti, freqs)
+        (y.float() * probe).sum().backward()
+        results.append((y, ti.grad))
+    errors = {name: relative_error(a.float(), b.float())
+              for name, a, b in zip(("y", "dt"), *results)}
+    over = {k: v for k, v in errors.items() if not v <= ops.CHECK_TOLERANCE[dtype]}
+    assert not over, over
+    return errors
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_first_use_cases(dtype):
     check_first_use_cases("cuda", dtype)
@@ -59,6 +86,10 @@ def test_first_use_cases(dtype):
 @pytest.mark.parametrize("case", LARGE_CASES)
 def test_large(case):
     check_large(case, "cuda")
+
+
+def test_rope_large():
+    check_rope_large("cuda")
 
 
 def test_auto_runs_triton_after_its_check():
