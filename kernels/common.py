@@ -11,12 +11,13 @@ Where the sequences lie is read on the host once per layout, not once per call
 same cu_seqlens tensor to every layer of a step.
 """
 import collections
+import importlib
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["fail", "check_shared_inputs", "sequence_bounds", "upcast_qkv", "sequence_spans",
-           "to_chunks", "from_chunks"]
+           "to_chunks", "from_chunks", "lazy_triton_backend"]
 
 _BOUNDS_CACHE_SIZE = 8
 _bounds_read: collections.OrderedDict = collections.OrderedDict()  # id -> (tensor, version, bounds)
@@ -39,6 +40,25 @@ def sequence_bounds(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int) -
     while len(_bounds_read) > _BOUNDS_CACHE_SIZE:
         _bounds_read.popitem(last=False)
     return bounds
+
+
+def lazy_triton_backend(op: str, package: str, name: str):
+    """The ``triton`` backend of an op family: ``name`` from the family's ``triton`` module
+    (``package``.triton), imported on the first call, so that importing the family needs no
+    Triton (and Triton reads TRITON_INTERPRET, its CPU interpreter, only when the kernels are
+    defined)."""
+
+    def run(*args, **kwargs):
+        try:
+            module = importlib.import_module(".triton", package)
+        except ImportError as error:
+            raise RuntimeError(f"{op}: backend 'triton' cannot run: Triton does not import "
+                               f"here ({error})") from error
+        return getattr(module, name)(*args, **kwargs)
+
+    run.__name__ = run.__qualname__ = name
+    run.__doc__ = f"``{op}`` in our Triton kernels ({package}.triton, imported on first use)."
+    return run
 
 
 def fail(op: str, name: str, tensor: torch.Tensor, expected: str) -> None:

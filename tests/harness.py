@@ -310,6 +310,20 @@ def fit(model, tokens: torch.Tensor, steps: int = 8, lr: float = 3e-3) -> list[f
     return losses
 
 
+def tiny_preset(**train) -> dict:
+    """A preset (as YAML would load it) of a 2-layer ``G*`` model small enough for the CLI
+    and launcher tests on two CPU cores; ``train`` adds to its ``train`` section."""
+    return {
+        "model": {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
+                  "num_attention_heads": 4, "num_query_groups": 2, "seq_length": 64,
+                  "position_embedding_type": "none"},
+        "ext": {"pattern": "G*"},
+        "data": {"vocab_size": 512},
+        "train": {"micro_batch_size": 2, "global_batch_size": 4, "warmup_steps": 1,
+                  "log_interval": 1, "eval_batches": 1, **train},
+    }
+
+
 def tiny_config(**overrides):
     """A TransformerConfig small enough for multi-process tests on two CPU cores."""
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -13,6 +13,7 @@ this GPU, for the head dims and inputs it takes (kernels.backends.triton_dims_re
 decay_triton_declined_reason), chunked otherwise.
 """
 from .. import backends
+from ..common import lazy_triton_backend
 from .chunked import decay_linear_attention_chunked
 from .fla import decay_linear_attention_fla
 from .reference import OP, decay_linear_attention_reference
@@ -24,18 +25,7 @@ __all__ = [
     "decay_linear_attention_triton",
 ]
 
-
-def decay_linear_attention_triton(*args, **kwargs):
-    """``decay_linear_attention`` in our Triton kernels (triton.py, imported here on first use:
-    importing this package needs no Triton, and Triton reads TRITON_INTERPRET, its CPU
-    interpreter, when the kernels are defined)."""
-    try:
-        from .triton import decay_linear_attention_triton as run
-    except ImportError as error:
-        raise RuntimeError(f"{OP}: backend 'triton' cannot run: Triton does not import here "
-                           f"({error})") from error
-    return run(*args, **kwargs)
-
+decay_linear_attention_triton = lazy_triton_backend(OP, __name__, "decay_linear_attention_triton")
 
 _BACKENDS = {
     "reference": decay_linear_attention_reference,

@@ -11,6 +11,7 @@ Backends, with one signature and one layout:
 this GPU, for the head dims it takes (kernels.backends.triton_dims_reason), chunked otherwise.
 """
 from .. import backends
+from ..common import lazy_triton_backend
 from .chunked import gated_delta_rule_chunked
 from .fla import gated_delta_rule_fla
 from .reference import gated_delta_rule_reference
@@ -23,16 +24,7 @@ __all__ = [
     "gated_delta_rule_reference", "gated_delta_rule_summary", "gated_delta_rule_triton",
 ]
 
-
-def gated_delta_rule_triton(*args, **kwargs):
-    """``gated_delta_rule`` in our Triton kernels (triton.py, imported here on first use)."""
-    try:
-        from .triton import gated_delta_rule_triton as run
-    except ImportError as error:
-        raise RuntimeError(f"gated_delta_rule: backend 'triton' cannot run: Triton does not import "
-                           f"here ({error})") from error
-    return run(*args, **kwargs)
-
+gated_delta_rule_triton = lazy_triton_backend(OP, __name__, "gated_delta_rule_triton")
 
 _BACKENDS = {
     "reference": gated_delta_rule_reference,

@@ -23,22 +23,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+import harness
 from megatron_ext.launch import slurm
 from megatron_ext.train import PREEMPTED_EXIT_CODE
 
 STEPS = 12
-PRESET = {
-    "model": {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
-              "num_attention_heads": 4, "num_query_groups": 2, "seq_length": 64,
-              "position_embedding_type": "none"},
-    "ext": {"pattern": "G*"},
-    "data": {"vocab_size": 512},
-    # clip_grad well below the gradient norm (~1): clipping is active at every step.
-    "train": {"micro_batch_size": 2, "global_batch_size": 4, "steps": STEPS, "warmup_steps": 1,
-              "clip_grad": 0.1, "log_interval": 1, "eval_interval": 6, "eval_batches": 1,
-              "save_interval": 3},
-    "parallel": {"tensor": 2},
-}
+# clip_grad well below the gradient norm (~1): clipping is active at every step.
+PRESET = {**harness.tiny_preset(steps=STEPS, clip_grad=0.1, eval_interval=6, save_interval=3),
+          "parallel": {"tensor": 2}}
 
 SRUN = r"""#!/bin/bash
 # Fake srun: skip the options, start $SLURM_NTASKS copies of the command, forward SIGUSR1.

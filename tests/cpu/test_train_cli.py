@@ -8,15 +8,9 @@ import sys
 import pytest
 import yaml
 
-PRESET = {
-    "model": {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
-              "num_attention_heads": 4, "num_query_groups": 2, "seq_length": 64,
-              "position_embedding_type": "none"},
-    "ext": {"pattern": "G*"},
-    "data": {"vocab_size": 512},
-    "train": {"micro_batch_size": 2, "global_batch_size": 4, "steps": 6, "warmup_steps": 1,
-              "log_interval": 1, "eval_interval": 3, "eval_batches": 1, "save_interval": 3},
-}
+import harness
+
+PRESET = harness.tiny_preset(steps=6, eval_interval=3, save_interval=3)
 
 
 @pytest.fixture(scope="module")
