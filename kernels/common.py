@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["fail", "check_shared_inputs", "sequence_bounds", "upcast_qkv", "sequence_spans",
-           "to_chunks", "from_chunks", "lazy_triton_backend"]
+           "sequence_start_states", "to_chunks", "from_chunks", "lazy_triton_backend"]
 
 _BOUNDS_CACHE_SIZE = 8
 _bounds_read: collections.OrderedDict = collections.OrderedDict()  # id -> (tensor, version, bounds)
@@ -120,6 +120,17 @@ def sequence_spans(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int) ->
         return [(row, 0, seq_len) for row in range(batch)]
     bounds = sequence_bounds(cu_seqlens, batch, seq_len)
     return [(0, start, end) for start, end in zip(bounds, bounds[1:])]
+
+
+def sequence_start_states(initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                          batch: int, seq_len: int, state_shape, dtype, device):
+    """For the token-by-token references: each sequence's ``(batch_row, start, end)`` span
+    (:func:`sequence_spans`) with its starting state, ``initial_state``'s row in ``dtype`` or
+    zeros of ``state_shape``."""
+    for index, (row, start, end) in enumerate(sequence_spans(cu_seqlens, batch, seq_len)):
+        state = (torch.zeros(state_shape, dtype=dtype, device=device) if initial_state is None
+                 else initial_state[index].to(dtype))
+        yield row, start, end, state
 
 
 def to_chunks(tensor: torch.Tensor, spans, num_chunks: int, chunk_size: int) -> torch.Tensor:

@@ -250,6 +250,19 @@ SHORT_SPARSE = dict(moba_block_size=4, moba_top_k=2, nsa_compress_block=4, nsa_c
                     hca_window=8)
 
 
+def sparse_ext(pattern: str, **options):
+    """The ExtConfig of the sparse-layer tests: ``pattern`` on the SDPA core with the
+    :data:`SHORT_SPARSE` sizes (``options`` override them)."""
+    from megatron_ext.config import ExtConfig
+
+    return ExtConfig(pattern=pattern, attention_backend="sdpa", **dict(SHORT_SPARSE, **options))
+
+
+def is_indexer(name: str) -> bool:
+    """Whether a parameter name belongs to a DSA / CSA lightning indexer."""
+    return ".indexer." in name
+
+
 def sparse_model(ext, position_embedding_type="none", **cfg):
     """A tiny GPTModel of ``ext``'s pattern (the sparse-layer tests), the same weights each call."""
     from megatron.core.models.gpt import GPTModel

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..common import check_shared_inputs, fail, sequence_spans, upcast_qkv
+from ..common import check_shared_inputs, fail, sequence_start_states, upcast_qkv
 
 __all__ = ["decay_linear_attention_reference", "check_inputs", "expand_inputs"]
 
@@ -86,11 +86,9 @@ def decay_linear_attention_reference(
 
     o = torch.zeros(batch, seq_len, value_heads, value_dim, dtype=x.v.dtype, device=v.device)
     final_states = []
-    for index, (row, start, end) in enumerate(sequence_spans(cu_seqlens, batch, seq_len)):
-        if initial_state is None:
-            state = torch.zeros(value_heads, key_dim, value_dim, dtype=x.v.dtype, device=v.device)
-        else:
-            state = initial_state[index].to(x.v.dtype)  # [Hv, K, V]
+    for row, start, end, state in sequence_start_states(  # state: [Hv, K, V]
+            initial_state, cu_seqlens, batch, seq_len, (value_heads, key_dim, value_dim),
+            x.v.dtype, v.device):
         for t in range(start, end):
             # Diag(exp g_t) scales the key rows of S; then the outer product k_t v_t^T is added.
             state = decay[row, t].unsqueeze(-1) * state + torch.einsum("hk,hv->hkv", x.k[row, t], x.v[row, t])

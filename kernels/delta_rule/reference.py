@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..common import check_shared_inputs, fail, sequence_spans
+from ..common import check_shared_inputs, fail, sequence_spans, sequence_start_states
 
 __all__ = ["gated_delta_rule_reference", "check_inputs", "expand_inputs", "sequence_spans"]
 
@@ -121,11 +121,9 @@ def gated_delta_rule_reference(
     o = torch.zeros(batch, seq_len, value_heads, value_dim, dtype=x.v.dtype, device=v.device)
     residual = torch.zeros_like(o)
     final_states = []
-    for index, (row, start, end) in enumerate(sequence_spans(cu_seqlens, batch, seq_len)):
-        if initial_state is None:
-            state = torch.zeros(value_heads, key_dim, value_dim, dtype=x.v.dtype, device=v.device)
-        else:
-            state = initial_state[index].to(x.v.dtype)  # [Hv, K, V]
+    for row, start, end, state in sequence_start_states(  # state: [Hv, K, V]
+            initial_state, cu_seqlens, batch, seq_len, (value_heads, key_dim, value_dim),
+            x.v.dtype, v.device):
         for t in range(start, end):
             k_t = x.k[row, t]  # [Hv, K]
             state = decay[row, t].unsqueeze(-1) * state  # Diag(exp g_t) S_{t-1}: scales the key rows

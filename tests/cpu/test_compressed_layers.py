@@ -17,12 +17,7 @@ _model, _loss, _grads = harness.sparse_model, harness.sparse_loss, harness.named
 
 
 def _ext(pattern="C*", **options):
-    return ExtConfig(pattern=pattern, attention_backend="sdpa",
-                     **dict(harness.SHORT_SPARSE, **options))
-
-
-def _is_indexer(name):
-    return ".indexer." in name
+    return harness.sparse_ext(pattern, **options)
 
 
 @pytest.mark.parametrize("pattern,stage", [("C", "sparse"), ("C", "dense_warmup"),
@@ -38,7 +33,7 @@ def test_no_complete_block_and_a_covering_window_is_the_attention_layer(pattern,
     compressed = _model(_ext(pattern, dsa_stage=stage, **sizes), **options)
     missing, unexpected = compressed.load_state_dict(attention.state_dict(), strict=False)
     assert not unexpected and missing
-    assert all(".compressor." in name or _is_indexer(name) for name in missing)
+    assert all(".compressor." in name or harness.is_indexer(name) for name in missing)
     with torch.no_grad():
         for m in (attention, compressed):
             m.decoder.layers[0].self_attention.core_attention.softmax_offset.copy_(
@@ -106,11 +101,11 @@ def test_csa_each_loss_trains_its_own_parameters(unit_scale):
     model.decoder.layers[0].self_attention.core_attention.ext.dsa_indexer_loss_coeff = 0.0
     _loss(model).backward()
     without = _grads(model)
-    indexer = sorted(name.split(".indexer.")[1] for name in with_loss if _is_indexer(name))
+    indexer = sorted(name.split(".indexer.")[1] for name in with_loss if harness.is_indexer(name))
     assert indexer == ["key_norm.weight", "linear_compress.weight", "linear_q.weight",
                        "linear_weights.weight", "position_bias"]
     for name, grad in with_loss.items():
-        if _is_indexer(name):
+        if harness.is_indexer(name):
             assert grad is not None and grad.abs().sum() > 0, name
             assert without[name] is None, name
         else:
@@ -127,11 +122,11 @@ def test_csa_dense_warmup_trains_only_the_indexer(unit_scale):
     for _ in range(2):
         _loss(model).backward()
         for name, p in model.named_parameters():
-            assert (p.grad is not None) == _is_indexer(name), name
+            assert (p.grad is not None) == harness.is_indexer(name), name
         optimizer.step()
         optimizer.zero_grad()
     for name, p in model.named_parameters():
-        assert (not torch.equal(p, before[name])) == _is_indexer(name), name
+        assert (not torch.equal(p, before[name])) == harness.is_indexer(name), name
     assert any(".layers.0.self_attention.indexer." in name for name in before)
 
 

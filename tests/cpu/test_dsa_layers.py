@@ -18,12 +18,7 @@ _model, _loss, _grads = harness.sparse_model, harness.sparse_loss, harness.named
 
 
 def _ext(pattern="D*", **options):
-    return ExtConfig(pattern=pattern, attention_backend="sdpa",
-                     **dict(harness.SHORT_SPARSE, **options))
-
-
-def _is_indexer(name):
-    return ".indexer." in name
+    return harness.sparse_ext(pattern, **options)
 
 
 def test_sparse_stage_each_loss_trains_its_own_parameters(unit_scale):
@@ -37,11 +32,11 @@ def test_sparse_stage_each_loss_trains_its_own_parameters(unit_scale):
     model.decoder.layers[0].self_attention.core_attention.ext.dsa_indexer_loss_coeff = 0.0
     _loss(model).backward()
     without = _grads(model)
-    indexer = [name for name in with_loss if _is_indexer(name)]
+    indexer = [name for name in with_loss if harness.is_indexer(name)]
     assert len(indexer) == 5  # linear_q, linear_k, key_norm (weight, bias), linear_weights
     assert any(name.endswith("indexer.key_norm.bias") for name in indexer)
     for name, grad in with_loss.items():
-        if _is_indexer(name):
+        if harness.is_indexer(name):
             assert grad is not None and grad.abs().sum() > 0, name
             assert without[name] is None, name
         else:
@@ -65,12 +60,12 @@ def test_dense_warmup_trains_only_the_indexer(unit_scale, monkeypatch):
     for _ in range(8):
         _loss(model).backward()
         for name, p in model.named_parameters():
-            assert (p.grad is not None) == _is_indexer(name), name
+            assert (p.grad is not None) == harness.is_indexer(name), name
         optimizer.step()
         optimizer.zero_grad()
     for name, p in model.named_parameters():
         changed = not torch.equal(p, before[name])
-        assert changed == _is_indexer(name), name
+        assert changed == harness.is_indexer(name), name
     assert losses[-1] < 0.7 * losses[0], losses
 
 
@@ -82,7 +77,7 @@ def test_dense_attention_cases_equal_the_attention_layer(stage, top_k, unit_scal
     attention = _model(_ext("*"), **options)
     dsa = _model(_ext("D", dsa_stage=stage, dsa_top_k=top_k), **options)
     missing, unexpected = dsa.load_state_dict(attention.state_dict(), strict=False)
-    assert not unexpected and missing and all(_is_indexer(name) for name in missing)
+    assert not unexpected and missing and all(harness.is_indexer(name) for name in missing)
     with torch.no_grad():
         for m in (attention, dsa):
             m.decoder.layers[0].self_attention.core_attention.softmax_offset.copy_(
@@ -123,7 +118,7 @@ def test_indexer_loss_gradient_follows_the_scale(unit_scale):
     IndexerLoss.set_loss_scale(torch.tensor(0.25))
     _loss(model).backward()
     for name, grad in _grads(model).items():
-        expected = 0.25 * unit[name] if _is_indexer(name) else unit[name]
+        expected = 0.25 * unit[name] if harness.is_indexer(name) else unit[name]
         torch.testing.assert_close(grad, expected, rtol=1e-5, atol=0, msg=name)
 
 
