@@ -52,13 +52,19 @@ def _conv_preactivation(x_ptr, w_ptr, pos_ptr, b, rows, row_ok, cols, col_ok, sx
 
 
 @triton.jit
+def _conv_tile(T, C, BT: tl.constexpr, BC: tl.constexpr):
+    """This program's tile: batch row b, token rows and channels cols, with their masks."""
+    b = tl.program_id(1)
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(2) * BC + tl.arange(0, BC)
+    return b, rows, cols, rows < T, cols < C
+
+
+@triton.jit
 def _short_conv_fwd_kernel(x_ptr, w_ptr, pos_ptr, y_ptr, T, C, sxb, sxt, sxc,
                            K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                            HAS_POS: tl.constexpr, L2: tl.constexpr, EPS: tl.constexpr):
-    t_block, b, c_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = t_block * BT + tl.arange(0, BT)
-    cols = c_block * BC + tl.arange(0, BC)
-    row_ok, col_ok = rows < T, cols < C
+    b, rows, cols, row_ok, col_ok = _conv_tile(T, C, BT, BC)
     acc = _conv_preactivation(x_ptr, w_ptr, pos_ptr, b, rows, row_ok, cols, col_ok,
                               sxb, sxt, sxc, K, HAS_POS)
     y = acc * tl.sigmoid(acc)
@@ -73,10 +79,7 @@ def _short_conv_bwd_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_ptr, T, C,
                            sxb, sxt, sxc, sdb, sdt, sdc,
                            K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                            HAS_POS: tl.constexpr, L2: tl.constexpr, EPS: tl.constexpr):
-    t_block, b, c_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = t_block * BT + tl.arange(0, BT)
-    cols = c_block * BC + tl.arange(0, BC)
-    row_ok, col_ok = rows < T, cols < C
+    b, rows, cols, row_ok, col_ok = _conv_tile(T, C, BT, BC)
     dx = tl.zeros([BT, BC], dtype=tl.float32)
     for i in tl.static_range(K):
         # The gradient of the pre-activation at token row + i, which tap K-1-i of this token feeds.
@@ -104,7 +107,7 @@ def _short_conv_bwd_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_ptr, T, C,
                 pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
             else:
                 pos = rows
-            program = b * tl.num_programs(0) + t_block
+            program = b * tl.num_programs(0) + tl.program_id(0)
             for j in tl.static_range(K):
                 ok = row_ok & (pos >= j)
                 xj = tl.load(x_ptr + b * sxb + (rows - j)[:, None] * sxt + cols[None, :] * sxc,
@@ -173,26 +176,28 @@ def _at(b, rows, h, cols, sb, st, sh):
 
 
 @triton.jit
-def _gated_norm_inputs(o_ptr, g_ptr, w_ptr, b, rows, h, cols, ok, sob, sot, soh, sgb, sgt, sgh,
-                       W_PER_HEAD: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr):
-    """o, gate and weight of the tile in fp32, and each row's 1 / rms(o)."""
+def _gated_norm_inputs(o_ptr, g_ptr, w_ptr, T, sob, sot, soh, sgb, sgt, sgh,
+                       W_PER_HEAD: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                       EPS: tl.constexpr):
+    """This program's tile (batch row b, token rows, head h, channels cols, row mask ok) and its
+    o, gate and weight in fp32, with each row's 1 / rms(o)."""
+    t_block, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = t_block * BT + tl.arange(0, BT)
+    cols = tl.arange(0, D)
+    ok = (rows < T)[:, None]
     o = tl.load(o_ptr + _at(b, rows, h, cols, sob, sot, soh), mask=ok, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + _at(b, rows, h, cols, sgb, sgt, sgh), mask=ok, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + W_PER_HEAD * h * D + cols).to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / D + EPS)
-    return o, g, w, r
+    return b, rows, h, cols, ok, o, g, w, r
 
 
 @triton.jit
 def _gated_norm_fwd_kernel(o_ptr, g_ptr, w_ptr, y_ptr, T, H, sob, sot, soh, sgb, sgt, sgh,
                            syb, syt, syh, W_PER_HEAD: tl.constexpr, D: tl.constexpr,
                            BT: tl.constexpr, EPS: tl.constexpr):
-    t_block, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = t_block * BT + tl.arange(0, BT)
-    cols = tl.arange(0, D)
-    ok = (rows < T)[:, None]
-    o, g, w, r = _gated_norm_inputs(o_ptr, g_ptr, w_ptr, b, rows, h, cols, ok, sob, sot, soh,
-                                    sgb, sgt, sgh, W_PER_HEAD, D, EPS)
+    b, rows, h, cols, ok, o, g, w, r = _gated_norm_inputs(
+        o_ptr, g_ptr, w_ptr, T, sob, sot, soh, sgb, sgt, sgh, W_PER_HEAD, D, BT, EPS)
     y = o * r[:, None] * w[None, :] * (g * tl.sigmoid(g))
     tl.store(y_ptr + _at(b, rows, h, cols, syb, syt, syh), y.to(y_ptr.dtype.element_ty), mask=ok)
 
@@ -202,12 +207,8 @@ def _gated_norm_bwd_kernel(o_ptr, g_ptr, w_ptr, dy_ptr, do_ptr, dg_ptr, dw_ptr, 
                            sob, sot, soh, sgb, sgt, sgh, syb, syt, syh, sdob, sdot, sdoh,
                            sdgb, sdgt, sdgh, W_PER_HEAD: tl.constexpr, D: tl.constexpr,
                            BT: tl.constexpr, EPS: tl.constexpr):
-    t_block, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = t_block * BT + tl.arange(0, BT)
-    cols = tl.arange(0, D)
-    ok = (rows < T)[:, None]
-    o, g, w, r = _gated_norm_inputs(o_ptr, g_ptr, w_ptr, b, rows, h, cols, ok, sob, sot, soh,
-                                    sgb, sgt, sgh, W_PER_HEAD, D, EPS)
+    b, rows, h, cols, ok, o, g, w, r = _gated_norm_inputs(
+        o_ptr, g_ptr, w_ptr, T, sob, sot, soh, sgb, sgt, sgh, W_PER_HEAD, D, BT, EPS)
     dy = tl.load(dy_ptr + _at(b, rows, h, cols, syb, syt, syh), mask=ok,
                  other=0.0).to(tl.float32)
     xhat = o * r[:, None]
@@ -220,7 +221,7 @@ def _gated_norm_bwd_kernel(o_ptr, g_ptr, w_ptr, dy_ptr, do_ptr, dg_ptr, dw_ptr, 
              mask=ok)
     tl.store(dg_ptr + _at(b, rows, h, cols, sdgb, sdgt, sdgh), dg.to(dg_ptr.dtype.element_ty),
              mask=ok)
-    program = b * tl.num_programs(0) + t_block
+    program = b * tl.num_programs(0) + tl.program_id(0)
     tl.store(dw_ptr + (program * H + h) * D + cols, tl.sum(dy * xhat * gate, axis=0))
 
 
