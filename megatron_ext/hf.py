@@ -13,9 +13,12 @@ rotary table on the current CUDA device).
 (the same ids as training's tokenizer; no BOS is added, as training adds none, and documents end
 with the model's ``eos`` piece).
 
-Generation: each forward runs the whole sequence it is given (no ``past_key_values``), so
-``generate`` recomputes the prefix at every step; recurrent decoding is Megatron's inference
-context (README, "Generation").
+Generation: ``generate`` decodes incrementally through Megatron's inference context (the linear
+mixers' recurrent state and convolution tails, the softmax layers' KV cache; docs/evaluation.md):
+the model keeps the context of the sequence it is generating and, at each step, runs only the
+tokens that sequence gained, so a step does not recompute the prefix. Models whose layers
+cannot decode (MLA, the sparse mixers) and ``use_cache=False`` run the whole sequence at each
+step instead.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ class MegatronExtConfig(PretrainedConfig):
         self.settings = settings or {}
         self.vocab_size = vocab_size
         self.num_hidden_layers = self.settings.get("model", {}).get("num_layers", 0)
-        kwargs["use_cache"] = False  # no past_key_values: each forward runs the whole sequence
         super().__init__(**kwargs)
 
 
@@ -114,22 +116,71 @@ class MegatronExtForCausalLM(PreTrainedModel, GenerationMixin):
             model.to(device_map)
         return model.eval()
 
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        """No ``transformers`` cache object: the model keeps its own decoding state."""
+        return False
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, **_unused) -> CausalLMOutput:
+                labels: torch.Tensor | None = None, continue_decoding: bool = False,
+                **_unused) -> CausalLMOutput:
+        """Logits ``[b, s, vocab]`` of ``input_ids [b, s]``; with ``continue_decoding`` (what
+        ``generate`` passes) only those of the tokens after the ones decoded so far
+        (:meth:`_decode`)."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("MegatronExtForCausalLM takes unpadded batches (causal attention "
                              "over every token); pass sequences of equal length or one at a time")
-        b, s = input_ids.shape
-        positions = torch.arange(s, device=input_ids.device).expand(b, -1)
-        logits = self.model(input_ids, positions, None)
+        logits = self._decode(input_ids) if continue_decoding else None
+        if logits is None:
+            b, s = input_ids.shape
+            positions = torch.arange(s, device=input_ids.device).expand(b, -1)
+            logits = self.model(input_ids, positions, None)
         loss = None
         if labels is not None:
             loss = torch.nn.functional.cross_entropy(
                 logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
         return CausalLMOutput(loss=loss, logits=logits)
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **_unused):
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, use_cache=True,
+                                      **_unused):
+        return {"input_ids": input_ids, "attention_mask": attention_mask,
+                "continue_decoding": bool(use_cache)}
+
+    _decoding = None  # (Megatron's inference context, the tokens [b, n] it has consumed)
+    _cannot_decode = False  # set once a layer refused to decode
+
+    def _decode(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Logits of the tokens of ``input_ids`` that the decoding state has not consumed: the
+        state continues when ``input_ids`` extends its tokens by one (a decode step), and
+        starts anew otherwise (a prefill of the whole sequence). None where the model's layers
+        cannot decode."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        from megatron_ext.config import ConfigError
+
+        if self._cannot_decode:
+            return None
+        b, s = input_ids.shape
+        state = self._decoding
+        if (state is not None and state[1].shape == (b, s - 1)
+                and torch.equal(input_ids[:, :s - 1], state[1])):
+            context, start = state[0], s - 1
+        else:
+            context = StaticInferenceContext(max_batch_size=b,
+                                             max_sequence_length=self.model.max_sequence_length)
+            context.materialize_only_last_token_logits = False
+            start = 0
+        positions = torch.arange(start, s, device=input_ids.device).expand(b, -1)
+        try:
+            logits = self.model(input_ids[:, start:], positions, None, inference_context=context)
+        except ConfigError:  # a layer that cannot decode says so; the context is dropped
+            self._cannot_decode, self._decoding = True, None
+            return None
+        context.sequence_len_offset += s - start
+        if start == 0:
+            context.enable_decode_mode()  # one token per sequence from here on
+        self._decoding = (context, input_ids.clone())
+        return logits
 
 
 class MegatronExtTokenizer(PreTrainedTokenizer):

@@ -85,6 +85,35 @@ def test_exported_logits_equal_megatron_ext(tmp_path, pattern, ext):
     assert hf.generate(TOKENS[:1, :12], max_new_tokens=4, do_sample=False).shape == (1, 16)
 
 
+def test_generate_decodes_incrementally(tmp_path):
+    """``generate`` with its cache on runs the prompt once and then one token a step through
+    Megatron's inference context, and gives the tokens and logits of recomputing the whole
+    sequence at every step (``use_cache=False``); so does a second prompt after the first."""
+    settings = settings_of("GKM*AN*")
+    model = random_model(settings)
+    run, folder = run_dir_with(tmp_path, settings)
+    (folder / "model").mkdir()
+    torch.save(model.state_dict(), folder / "model" / "model.pt")
+    hf = load_exported(export(run, tmp_path / "hf"))
+    fed = []
+    hf.model.register_forward_pre_hook(lambda module, args: fed.append(args[0].shape[1]))
+    for prompt in (TOKENS[:1, :9], TOKENS[1:, :5]):
+        runs = {}
+        for use_cache in (True, False):
+            fed.clear()
+            runs[use_cache] = hf.generate(prompt, max_new_tokens=6, do_sample=False,
+                                          use_cache=use_cache, output_logits=True,
+                                          return_dict_in_generate=True)
+            lengths = list(fed)
+        assert lengths == list(range(prompt.shape[1], prompt.shape[1] + 6))  # recomputed
+        torch.testing.assert_close(runs[True].sequences, runs[False].sequences, rtol=0, atol=0)
+        torch.testing.assert_close(torch.stack(runs[True].logits), torch.stack(runs[False].logits),
+                                   rtol=1e-4, atol=2e-5)
+    fed.clear()
+    hf.generate(TOKENS[:1, :7], max_new_tokens=5, do_sample=False)
+    assert fed == [7, 1, 1, 1, 1]  # the prompt once, then one token a step
+
+
 def _save_at_tp2(rank, world_size, settings_dict, source, target):
     """Rank of a TP = 2 layout: the TP = 1 dist checkpoint ``source`` resharded to TP = 2, saved
     as Megatron's own checkpoints are (the model under "model")."""
