@@ -1,5 +1,5 @@
-"""Autograd entry points of the fused layer pieces (short conv, gated RMSNorm, RoPE), with
-``backend="auto"|"reference"|"triton"``.
+"""Autograd entry points of the fused layer pieces (short conv, gated RMSNorm, RMSNorm, RoPE),
+with ``backend="auto"|"reference"|"triton"``.
 
 "auto" runs the Triton kernels on CUDA tensors whose head dim (the L2-normalised group, the
 normalised head) is a power of two, once they have passed a first-use check on that GPU
@@ -68,6 +68,21 @@ class _GatedRMSNorm(torch.autograd.Function):
         return do, dweight, dgate, None, None
 
 
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        y, rstd = _triton().rms_norm_forward(rows, weight, eps)
+        ctx.save_for_backward(rows, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, weight, rstd = ctx.saved_tensors
+        dx, dw = _triton().rms_norm_backward(rows, weight, rstd, dy.reshape(rows.shape))
+        return dx.view(dy.shape), dw, None
+
+
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, freqs):
@@ -115,6 +130,17 @@ def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
     return out.transpose(0, 1).flatten(2).contiguous() if sequence_first else out
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             backend: str = "auto") -> torch.Tensor:
+    """RMSNorm over the last dim, see :func:`reference.rms_norm`: ``x [..., N]``, ``weight
+    [N]`` -> ``x``'s shape and dtype; "auto" runs the Triton kernels on CUDA after the
+    first-use check."""
+    _check_backend(backend)
+    if backend == "triton" or (backend == "auto" and _use_triton(x)):
+        return _RMSNorm.apply(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
 def rope_fits(t: torch.Tensor, freqs: torch.Tensor) -> bool:
     """Whether :func:`rope`'s kernel takes these: ``t [s, b, H, D]`` and a table ``[s, 1, 1, D]``
     rotating every channel, with D/2 a power of two."""
@@ -149,7 +175,7 @@ def first_use_check(device: torch.device, dtype: torch.dtype) -> bool:
     try:
         errors = check_errors(device, dtype)
     except Exception as error:  # noqa: BLE001 - a kernel that cannot run fails its check
-        logger.warning("megatron-ext: the fused layer kernels (short_conv, gated_rms_norm, rope) "
+        logger.warning("megatron-ext: the fused layer kernels (short_conv, gated_rms_norm, rms_norm, rope) "
                        "failed their first-use check on %s in %s (%s: %s); the PyTorch reference "
                        "runs instead", device, dtype, type(error).__name__, error)
         return False
@@ -165,8 +191,8 @@ def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
     """Relative errors of the Triton kernels against the fp32 reference, forward and backward:
     the short convolution over a transposed ``[s, b, C]`` input (T = 45, odd and across the
     kernels' token blocks), with and without the L2 norm, over a slice of a wider projection,
-    and on three packed sequences (5, 33 and 7 tokens); RoPE on a strided slice; the gated
-    RMSNorm with per-head and shared weights, both output layouts."""
+    and on three packed sequences (5, 33 and 7 tokens); RMSNorm over 48 channels; RoPE on a
+    strided slice; the gated RMSNorm with per-head and shared weights, both output layouts."""
     from ..selfcheck import relative_error
 
     device = torch.device(device)
@@ -204,6 +230,11 @@ def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
     compare("short_conv packed",
             lambda x, w: short_conv(x, w, positions.to(device), dim, backend="triton"),
             lambda x, w: reference.short_conv(x, w, positions, dim), [x[:1], weight])
+
+    # RMSNorm over a width that is not a power of two, rows across the kernels' row tiles.
+    hidden = randn(length, batch, 3 * dim)
+    compare("rms_norm", lambda x, w: rms_norm(x, w, 1e-5, "triton"),
+            lambda x, w: reference.rms_norm(x, w, 1e-5), [hidden, randn(3 * dim, scale=0.3) + 1])
 
     # RoPE on a strided [s, b, H, D] slice of a wider projection, angles up to 45 * 1 rad.
     qkv = randn(length, batch, 2 * heads, dim)

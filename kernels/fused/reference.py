@@ -7,6 +7,7 @@ Triton kernels (``triton.py``) are tested against, and the path on CPUs.
   (one head of q or k). Taps that would reach before the start of the token's sequence are
   dropped: ``positions[t]`` is the token's index within its sequence (packed sequences), or t.
 - :func:`gated_rms_norm`: ``rmsnorm(o) * w * silu(gate)`` over each head's channels.
+- :func:`rms_norm`: ``x / rms(x) * w`` over the last dim (the layers' input norms).
 - :func:`rope`: rotary position embedding in Megatron's rotate-half form,
   ``y = t cos(f) + rotate_half(t) sin(f)`` with ``rotate_half([t1, t2]) = [-t2, t1]`` (halves of
   the head dim) and ``f`` the angles Megatron's rotary table gives each channel.
@@ -64,3 +65,10 @@ def rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     x, f = t.float(), freqs.float()
     x1, x2 = x.chunk(2, dim=-1)
     return (x * torch.cos(f) + torch.cat((-x2, x1), dim=-1) * torch.sin(f)).to(t.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, in fp32, returned in
+    ``x.dtype``."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)

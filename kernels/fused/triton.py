@@ -13,6 +13,10 @@ the weight gradient is summed per program into ``[programs, C, K]`` partials (no
 Gated RMSNorm (``gated_rms_norm_forward`` / ``_backward``): a program takes ``BT`` tokens of one
 head (D channels); the weight gradient is summed per program as above.
 
+RMSNorm (``rms_norm_forward`` / ``_backward``): a program normalises ``RMS_ROWS`` rows at a
+time; the backward's programs each stride over many rows and sum their share of the weight
+gradient, so that only ``[programs, N]`` partials are summed after it.
+
 RoPE (``rope_forward``): a program takes one token's heads; cos and sin of the token's angles are
 computed in the kernel. RoPE is a rotation of each channel pair ``(j, j + D/2)``, so its
 gradient is the rotation by the opposite angles: the same kernel with ``INVERSE``.
@@ -294,3 +298,71 @@ def rope_forward(t: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) ->
         t, freqs, y, batch, heads, t.stride(0), t.stride(1), t.stride(2), freqs.stride(0),
         HALF=dim // 2, BH=triton.next_power_of_2(heads), INVERSE=inverse)
     return y
+
+
+RMS_ROWS = 4  # rows a program normalises at a time
+RMS_BWD_PROGRAMS = 512  # at most; each sums its rows' share of the weight gradient
+
+
+@triton.jit
+def _rms_rows(x_ptr, tile, M, N, ROWS: tl.constexpr, BN: tl.constexpr):
+    """Row indices, columns, mask and the rows of ``x`` (fp32) of a tile of ROWS rows."""
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BN)
+    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    return rows, cols, ok, offsets, x
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, eps,
+                         ROWS: tl.constexpr, BN: tl.constexpr):
+    rows, cols, ok, offsets, x = _rms_rows(x_ptr, tl.program_id(0), M, N, ROWS, BN)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    tl.store(y_ptr + offsets, (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty),
+             mask=ok)
+    tl.store(rstd_ptr + rows, rstd, mask=rows < M)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_ptr, M, N,
+                         ROWS: tl.constexpr, BN: tl.constexpr):
+    program, programs = tl.program_id(0), tl.num_programs(0)
+    cols = tl.arange(0, BN)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    dw = tl.zeros([BN], dtype=tl.float32)
+    for tile in range(program, tl.cdiv(M, ROWS), programs):
+        rows, cols, ok, offsets, x = _rms_rows(x_ptr, tile, M, N, ROWS, BN)
+        dy = tl.load(dy_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+        xhat = x * rstd[:, None]
+        wdy = dy * w[None, :]
+        dx = (wdy - xhat * (tl.sum(xhat * wdy, axis=1) / N)[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=ok)
+        dw += tl.sum(dy * xhat, axis=0)
+    tl.store(dw_ptr + program * N + cols, dw, mask=cols < N)
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``x [M, N]`` (contiguous) -> (``y [M, N]`` in ``x.dtype``, ``rstd [M]`` fp32)."""
+    rows, width = x.shape
+    y = torch.empty_like(x)
+    rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
+    _rms_norm_fwd_kernel[(triton.cdiv(rows, RMS_ROWS),)](
+        x, weight, y, rstd, rows, width, eps, ROWS=RMS_ROWS, BN=triton.next_power_of_2(width))
+    return y, rstd
+
+
+def rms_norm_backward(x, weight, rstd, dy):
+    """Gradients of :func:`rms_norm_forward`: ``dx [M, N]`` in ``x.dtype``, ``dw [N]`` in
+    ``weight.dtype``."""
+    rows, width = x.shape
+    dx = torch.empty_like(x)
+    programs = min(triton.cdiv(rows, RMS_ROWS), RMS_BWD_PROGRAMS)
+    dw = torch.empty(programs, width, device=x.device, dtype=torch.float32)
+    _rms_norm_bwd_kernel[(programs,)](
+        x, weight, rstd, dy.contiguous(), dx, dw, rows, width, ROWS=RMS_ROWS,
+        BN=triton.next_power_of_2(width))
+    return dx, dw.sum(0).to(weight.dtype)

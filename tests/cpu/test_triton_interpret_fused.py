@@ -1,7 +1,8 @@
 """The fused layer kernels (kernels/fused/triton.py) on Triton's CPU interpreter, forward and
 backward against the fp32 reference, every load and store checked to stay inside its tensors:
 this file run as a script runs tests/gpu/test_fused_layer_ops.py's first-use cases in fp32 and
-bf16 and one long case. Skipped where Triton is not installed. ~20 s on two cores."""
+bf16, one long case and RMSNorm's backward with programs over several row tiles. Skipped where
+Triton is not installed. ~20 s on two cores."""
 import time
 
 import torch
@@ -20,6 +21,8 @@ def main() -> None:
               f"({time.perf_counter() - start:.1f} s)", flush=True)
     errors = checks.check_large((1, 70, 64, 32), "cpu", torch.float32)
     print(f"long case: worst {max(errors.values()):.1e}")
+    errors = checks.check_rms_norm_strided_programs("cpu")
+    print(f"rms_norm, programs over several row tiles: worst {max(errors.values()):.1e}")
     print("all interpreter cases passed")
 
 

@@ -78,6 +78,34 @@ def check_rope_large(device, dtype=torch.bfloat16) -> dict[str, float]:
     return errors
 
 
+def check_rms_norm_strided_programs(device, dtype=torch.float32) -> dict[str, float]:
+    """RMSNorm's backward with fewer programs than row tiles (each program sums the weight
+    gradient of several tiles), 50 rows of 40 channels, against the fp32 reference."""
+    from megatron_ext.kernels.fused import triton as kernels
+    from megatron_ext.kernels.selfcheck import relative_error
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 10, 40, generator=gen).to(device, dtype)
+    w = (torch.randn(40, generator=gen) * 0.3 + 1).to(device, dtype)
+    probe = torch.randn(5, 10, 40, generator=gen).to(device)
+    results = []
+    programs, kernels.RMS_BWD_PROGRAMS = kernels.RMS_BWD_PROGRAMS, 3
+    try:
+        for fast in (True, False):
+            xi = (x if fast else x.float()).detach().clone().requires_grad_()
+            wi = (w if fast else w.float()).detach().clone().requires_grad_()
+            y = ops.rms_norm(xi, wi, 1e-5, "triton") if fast else reference.rms_norm(xi, wi, 1e-5)
+            (y.float() * probe).sum().backward()
+            results.append((y, xi.grad, wi.grad))
+    finally:
+        kernels.RMS_BWD_PROGRAMS = programs
+    errors = {name: relative_error(a.float(), b.float())
+              for name, a, b in zip(("y", "dx", "dw"), *results)}
+    over = {k: v for k, v in errors.items() if not v <= ops.CHECK_TOLERANCE[dtype]}
+    assert not over, over
+    return errors
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_first_use_cases(dtype):
     check_first_use_cases("cuda", dtype)
@@ -88,8 +116,36 @@ def test_large(case):
     check_large(case, "cuda")
 
 
+def test_rms_norm_strided_programs():
+    check_rms_norm_strided_programs("cuda")
+
+
 def test_rope_large():
     check_rope_large("cuda")
+
+
+def test_fused_rms_norm_module_matches_torchs():
+    """The layers' RMSNorm module on the GPU (Triton) against torch.nn.RMSNorm, bf16, at the
+    350M preset's hidden size over 4 x 4096 tokens, forward and backward."""
+    from megatron_ext.kernels.selfcheck import relative_error
+    from megatron_ext.norm import FusedRMSNorm
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4096, 4, 1024, generator=gen).to("cuda", torch.bfloat16)
+    probe = torch.randn(4096, 4, 1024, generator=gen).to("cuda")
+    weight = (torch.randn(1024, generator=gen) * 0.3 + 1).to("cuda")
+    results = []
+    for cls, dtype in ((FusedRMSNorm, torch.bfloat16), (torch.nn.RMSNorm, torch.float32)):
+        norm = cls(1024, eps=1e-5, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            norm.weight.copy_(weight)
+        xi = x.to(dtype).detach().clone().requires_grad_()
+        y = norm(xi)
+        (y.float() * probe).sum().backward()
+        results.append((y, xi.grad, norm.weight.grad))
+    errors = {name: relative_error(a.float(), b.float())
+              for name, a, b in zip(("y", "dx", "dw"), *results)}
+    assert all(e <= ops.CHECK_TOLERANCE[torch.bfloat16] for e in errors.values()), errors
 
 
 def test_auto_runs_triton_after_its_check():
