@@ -175,9 +175,9 @@ def first_use_check(device: torch.device, dtype: torch.dtype) -> bool:
     try:
         errors = check_errors(device, dtype)
     except Exception as error:  # noqa: BLE001 - a kernel that cannot run fails its check
-        logger.warning("megatron-ext: the fused layer kernels (short_conv, gated_rms_norm, rms_norm, rope) "
-                       "failed their first-use check on %s in %s (%s: %s); the PyTorch reference "
-                       "runs instead", device, dtype, type(error).__name__, error)
+        logger.warning("megatron-ext: the fused layer kernels (short_conv, gated_rms_norm, "
+                       "rms_norm, rope) failed their first-use check on %s in %s (%s: %s); the "
+                       "PyTorch reference runs instead", device, dtype, type(error).__name__, error)
         return False
     over = {name: f"{e:.2e}" for name, e in errors.items() if not e <= CHECK_TOLERANCE[dtype]}
     if over:

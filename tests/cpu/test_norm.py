@@ -1,7 +1,7 @@
 """megatron_ext.norm: the norm modules the layer specs use without Transformer Engine."""
+import harness
 import torch
 
-import harness
 from megatron_ext.norm import FusedRMSNorm, TorchNorm
 
 
