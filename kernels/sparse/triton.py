@@ -89,7 +89,7 @@ tests/gpu/test_sparse_triton.py; not tuned. Their loads bound them: each pass ga
 ``B T K Hkv D`` keys (and values), 0.5 TB at B T = 32768, top-2048 and 16 MHA heads of 128 in
 bf16; with fewer key/value heads (GQA, MQA) that shrinks by the group size. So FlexAttention over
 the selection's bitmap is the faster fwd+bwd up to long sequences, and "auto" runs it up to
-``SELECTED_FLEX_MAX_KEYS`` keys (__init__.py; benchmarks/dsa_stages.py)."""
+``SELECTED_FLEX_MAX_KEYS`` keys (dsa.py; benchmarks/dsa_stages.py)."""
 from __future__ import annotations
 
 import functools

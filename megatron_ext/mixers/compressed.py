@@ -142,7 +142,7 @@ class CompressedIndexer(LightningIndexer):
         token at its position in its own sequence, with no CP split."""
         if cu_seqlens is not None:
             tokens = torch.arange(x.shape[0], device=x.device)
-            freqs = freqs[tokens - sparse.first_tokens(x.shape[0], cu_seqlens, x.device)]
+            freqs = freqs[tokens - sparse.compressed.first_tokens(x.shape[0], cu_seqlens, x.device)]
         return super()._rope(x, freqs, None, cp_group)
 
     def keys(self, x, rotary_pos_emb, cu_seqlens, cp_group):

@@ -240,7 +240,7 @@ def test_unpacked_layout_and_its_block_mask_are_made_once():
     """Without packed sequences HCA's layout depends on the shape alone: a second call reuses
     it, and the BlockMask FlexAttention made from it (no host work per call). Made first under
     inference mode, they still serve a training step."""
-    sparse.tiled_compressed_layout.cache_clear()
+    sparse.compressed.tiled_compressed_layout.cache_clear()
     x = _inputs(HCA_RATE)
     with torch.inference_mode():
         sparse.compressed_attention(x["q"], x["k"], x["v"], x["compressed_k"], x["compressed_v"],
@@ -253,8 +253,9 @@ def test_unpacked_layout_and_its_block_mask_are_made_once():
                 window=HCA_WINDOW, backend=backend, layout_blocks=(16, 16))
     out.sum().backward()
     assert x["q"].grad is not None
-    assert sparse.tiled_compressed_layout.cache_info().hits == 2
-    layout, _ = sparse.tiled_compressed_layout(T, HCA_RATE, HCA_WINDOW, 16, 16, x["q"].device)
+    assert sparse.compressed.tiled_compressed_layout.cache_info().hits == 2
+    layout, _ = sparse.compressed.tiled_compressed_layout(T, HCA_RATE, HCA_WINDOW, 16, 16,
+                                                          x["q"].device)
     padded = -(-T // 16) * 16  # the raw keys, padded to whole key blocks, then the entries
     assert list(layout.block_masks) == [(HQ, T, padded + _entries(HCA_RATE))]
 

@@ -136,7 +136,7 @@ def test_auto_runs_nsa_on_flash_from_its_minimum_length(emulated, monkeypatch):
     ``NSA_FLASH_MIN_LEN`` tokens (where it runs and passed its check), and equal the reference."""
     monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
     monkeypatch.setattr(flash, "checked", lambda device, dtype: True)
-    monkeypatch.setattr(sparse, "NSA_FLASH_MIN_LEN", 100)
+    monkeypatch.setattr(sparse.nsa, "NSA_FLASH_MIN_LEN", 100)
     calls, run = [], flash.block_selection_attention
     monkeypatch.setattr(flash, "block_selection_attention",
                         lambda *args, **kwargs: calls.append(1) or run(*args, **kwargs))
@@ -284,8 +284,8 @@ def test_causal_selection_on_cudnn_equals_the_reference(monkeypatch, kv_heads, s
     emulate_cudnn(monkeypatch)
     leaves, grad = _leaves(4, 2, 37, kv_heads=kv_heads, sink=sink)
     selected = _causal_selection(5, 2, 37, 7)
-    _assert_equal(flash.causal_selection_attention, sparse.dsa_attention_reference, leaves, grad,
-                  selected=selected)
+    _assert_equal(flash.causal_selection_attention, sparse.reference.dsa_attention_reference,
+                  leaves, grad, selected=selected)
     out, lse = flash.causal_selection_attention(leaves["q"], leaves["k"], leaves["v"], selected,
                                                 sink=leaves.get("sink"), return_lse=True)
     assert torch.equal(out[:, 20], torch.zeros_like(out[:, 20]))
@@ -323,10 +323,10 @@ def test_dsa_attention_takes_cudnn_for_causal_selections(monkeypatch):
     sparse.dsa_attention(*x, selected, backend="auto")
     assert len(calls) == 2
     # a bias (2 x 37 x 37 values of 8 bytes here) over the limit: "auto" keeps the others
-    monkeypatch.setattr(sparse, "CAUSAL_SELECTION_MAX_BIAS", 2 * 37 * 37 * 8 - 1)
+    monkeypatch.setattr(sparse.dsa, "CAUSAL_SELECTION_MAX_BIAS", 2 * 37 * 37 * 8 - 1)
     sparse.dsa_attention(*x, selected, causal=True, backend="auto")
     assert len(calls) == 2
-    monkeypatch.setattr(sparse, "CAUSAL_SELECTION_MAX_BIAS", 2 * 37 * 37 * 8)
+    monkeypatch.setattr(sparse.dsa, "CAUSAL_SELECTION_MAX_BIAS", 2 * 37 * 37 * 8)
     sparse.dsa_attention(*x, selected, causal=True, backend="auto")
     assert len(calls) == 3
 
@@ -381,8 +381,8 @@ def test_csa_on_flash_and_cudnn_equals_the_reference(monkeypatch, kv_heads, sink
                                                     rate=RATE, sink=sink, query_chunk=query_chunk)
 
     def reference(q, k, v, sink=None):
-        return sparse.csa_attention_reference(q, k, v, *_entries(k, v), selected, window=5,
-                                              sink=sink)
+        return sparse.reference.csa_attention_reference(q, k, v, *_entries(k, v), selected,
+                                                        window=5, sink=sink)
 
     _assert_equal(ours, reference, leaves, grad)
     # the log-sum-exp over the entries and the sink that CSA's indexer loss may reuse: +inf for

@@ -206,7 +206,7 @@ def test_auto_runs_flash_for_nsa_from_its_minimum_length(monkeypatch):
     """NSA under "auto": its block layout below ``NSA_FLASH_MIN_LEN`` tokens, flash.py's
     selected and window calls from there on."""
     calls = _spy(monkeypatch, "block_selection_attention")
-    monkeypatch.setattr(sparse, "NSA_FLASH_MIN_LEN", 300)
+    monkeypatch.setattr(sparse.nsa, "NSA_FLASH_MIN_LEN", 300)
     for seq_len, expected in ((299, 0), (300, 1)):
         leaves, _ = _leaves(1, seq_len)
         q, k, v = (leaves[n].bfloat16() for n in ("q", "k", "v"))

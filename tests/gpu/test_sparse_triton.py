@@ -421,15 +421,15 @@ def test_auto_runs_flex_then_the_kernels_beyond_its_keys(monkeypatch):
 
     # The check first (it calls the kernels itself): the calls counted are the ops'.
     assert triton.checked(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
-    calls, kernels, flex_run = [], triton.selected_attention, sparse.flex_attention_layout
+    calls, kernels, flex_run = [], triton.selected_attention, sparse.dsa.flex_attention_layout
     monkeypatch.setattr(triton, "selected_attention",
                         lambda *args, **kw: calls.append("triton") or kernels(*args, **kw))
-    monkeypatch.setattr(sparse, "flex_attention_layout",
+    monkeypatch.setattr(sparse.dsa, "flex_attention_layout",
                         lambda *args, **kw: calls.append("flex") or flex_run(*args, **kw))
     problems = [_problem(case, torch.Generator().manual_seed(0)) for case in
                 (Case(dtype=torch.bfloat16), Case(csa_rate=4, top_k=10, dtype=torch.bfloat16))]
-    for limit, expected in ((sparse.SELECTED_FLEX_MAX_KEYS, "flex"), (69, "triton")):
-        monkeypatch.setattr(sparse, "SELECTED_FLEX_MAX_KEYS", limit)
+    for limit, expected in ((sparse.dsa.SELECTED_FLEX_MAX_KEYS, "flex"), (69, "triton")):
+        monkeypatch.setattr(sparse.dsa, "SELECTED_FLEX_MAX_KEYS", limit)
         calls.clear()
         for leaves, _, run, _ in problems:
             run({name: (x if name == "sink" else x.bfloat16()).cuda()

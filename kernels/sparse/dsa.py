@@ -1,0 +1,253 @@
+"""DeepSeek Sparse Attention's ops (``dsa_select``, ``dsa_attention``, ``dsa_indexer_loss``) and
+the per-token selected attention and indexer loss that CSA shares."""
+import torch
+
+from . import flash
+from .flex import flex_attention_layout
+from .layout import key_selection_layout
+from .reference import (OP, _masked_probs, causal_mask, check_qkv, dsa_attention_reference,
+                        dsa_indexer_loss_reference, dsa_select_reference, indexer_kl,
+                        lightning_index_scores, selected_mask)
+from .routing import BACKENDS, FLEX_MIN_HEAD_DIM, _backend, _blocks, _check_sink
+from .selected import QueryShares, indexer_loss, select_keys, selected_attention
+
+def _check_selected(selected, q):
+    if (selected.dim() != 3 or tuple(selected.shape[:2]) != tuple(q.shape[:2])
+            or selected.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"{OP}: selected has shape {tuple(selected.shape)} and dtype "
+                         f"{selected.dtype}, expected integer [B, T, K] with B, T = "
+                         f"{q.shape[0]}, {q.shape[1]}")
+
+
+def _selected_kernels(backend: str, q, k, v):
+    """triton.py's module where the per-token selected ops (the attention of dsa_attention and
+    csa_attention, the sparse stage of their indexer losses) run on its kernels, else None:
+    where asked for ("triton", which raises ValueError with the reason where they cannot run
+    the call) or, under "auto" on CUDA, where they can and have passed their first-use check
+    on this device in q's dtype. Elsewhere the gathered form of selected.py runs."""
+    if backend != "triton" and not (backend == "auto" and q.device.type == "cuda"):
+        return None
+    try:
+        from . import triton as kernels
+    except ImportError as error:
+        kernels, reason = None, f"Triton does not import here ({error})"
+    else:
+        reason = kernels.unavailable_reason(q, k, v)
+    if backend == "triton" and reason is not None:
+        raise ValueError(f"{OP}: backend='triton' cannot run this call: {reason}")
+    if reason is None and (backend == "triton" or kernels.checked(q.device, q.dtype)):
+        return kernels
+    return None
+
+
+# The most keys for which "auto" runs dsa_attention and csa_attention on FlexAttention over the
+# selection's bitmap. Its dense tiles cost B Hq T S / 2 (query, key) products and its bitmap
+# B T S / 8 bytes, against B T K rows for the gathered kernels (triton.py), which leaves flex the
+# faster up to long sequences (benchmarks/dsa_stages.py, on an H200); beyond this limit, triton.
+SELECTED_FLEX_MAX_KEYS = 65536
+
+
+def _selected_attention(backend: str, q, k, v, selected, sink, scale):
+    """dsa_attention's and csa_attention's per-token attention (backend not "reference")."""
+    flex_fits = (q.device.type == "cuda" and q.shape[-1] >= FLEX_MIN_HEAD_DIM
+                 and k.shape[1] <= SELECTED_FLEX_MAX_KEYS)
+    if backend == "flex" or (backend == "auto" and flex_fits):
+        _backend(backend, q)  # raises where FlexAttention's kernels cannot take the call
+        layout = key_selection_layout(selected, k.shape[1], *_blocks("flex", None))
+        # Its main kernel always: under 128 queries with grouped heads Inductor picks its
+        # decoding kernel, which finds no valid configuration for this layout at T = 70 with 4
+        # query heads per key/value head in fp32 on an H200 (torch 2.11).
+        return flex_attention_layout(q, k, v, layout, sink=sink, scale=scale,
+                                     kernel_options={"BACKEND": "TRITON"})
+    kernels = _selected_kernels(backend, q, k, v)
+    run = selected_attention if kernels is None else kernels.selected_attention
+    return run(q, k, v, selected, sink=sink, scale=scale)
+
+
+def _loss_kernels(backend: str, q, k, selected, index_q, index_k):
+    """triton.py's module for an indexer loss's sparse stage (its target and its KL) where the
+    kernels run (:func:`_selected_kernels`, and triton_indexer.py takes the indexer's tensors),
+    else None (the chunked PyTorch form)."""
+    if selected is None:
+        return None
+    # The loss has no FlexAttention form: under "flex" (which runs the attention over the
+    # selection's bitmap) its sparse stage runs as under "auto".
+    kernels = _selected_kernels("auto" if backend == "flex" else backend, q, k, k)
+    if kernels is None:
+        return None
+    reason = kernels.indexer_unavailable_reason(index_q, index_k)
+    if backend == "triton" and reason is not None:
+        raise ValueError(f"{OP}: backend='triton' cannot run this call: {reason}")
+    return kernels if reason is None else None
+
+
+def _dsa_reference(backend: str) -> bool:
+    """Whether a DSA op runs its reference (else the per-token gathered form)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{OP}: backend={backend!r} is not one of {list(BACKENDS)}")
+    return backend == "reference"
+
+
+def _check_index(index_q, index_k, index_weights, seq_len: int, keys: tuple | None = None,
+                 shares: QueryShares | None = None):
+    """Raise ValueError, with the shapes, unless the indexer's tensors fit each other and T;
+    ``keys``: ``(name, count)`` of index_k's keys when they are not the T tokens (CSA);
+    ``shares``: index_q and index_weights hold this process's n queries only."""
+    key_name, key_len = keys if keys is not None else ("T", seq_len)
+    query_name, queries = ("T", seq_len) if shares is None else ("n", shares.positions.shape[1])
+    tensors = (index_q, index_k, index_weights)
+    fits = index_q.dim() == 4 and index_q.shape[1] == queries
+    if fits:
+        batch, _, heads, dim = index_q.shape
+        fits = (tuple(index_k.shape) == (batch, key_len, dim)
+                and tuple(index_weights.shape) == (batch, queries, heads))
+    if not fits or not all(t.is_floating_point() for t in tensors):
+        shapes = ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in
+                           zip(("index_q", "index_k", "index_weights"), tensors))
+        counts = f"T = {seq_len}" + (f", {key_name} = {key_len}" if keys is not None else "")
+        if shares is not None:
+            counts += f", n = {queries} (this process's share of the queries)"
+        raise ValueError(f"{OP}: the indexer takes floating-point index_q [B, {query_name}, HI, "
+                         f"DI], index_k [B, {key_name}, DI], index_weights [B, {query_name}, HI]"
+                         f" with {counts}; got {shapes}")
+
+
+def _check_shares(shares: QueryShares | None, seq_len: int):
+    if shares is not None and (shares.positions.dim() != 2
+                               or shares.positions.numel() != seq_len):
+        raise ValueError(f"{OP}: shares.positions has shape {tuple(shares.positions.shape)}; "
+                         f"expected [R, n] holding each of the T = {seq_len} queries once")
+
+
+def _reference_share(q, k, index_q, index_k, index_weights, allowed, sink, scale, reduce_heads,
+                     shares: QueryShares):
+    """The reference loss's share of this process (:class:`QueryShares`): the target of every
+    query over allowed ``[B | 1, T, S]``, reduce-scattered by query rows, and the KL of this
+    process's queries."""
+    positions = shares.positions.to(q.device)
+    with torch.no_grad():
+        mass = _masked_probs(q, k, allowed[:, None], sink, scale).sum(1)  # [B, T, S]
+        mass = shares.reduce_scatter(mass[:, positions].movedim(1, 0))
+    logits = lightning_index_scores(index_q, index_k, index_weights)
+    allowed = allowed[:, positions[shares.rank]].expand_as(logits)
+    return indexer_kl(mass, logits, allowed, reduce_heads) / (q.shape[0] * q.shape[1])
+
+
+def dsa_select(index_q, index_k, index_weights, *, top_k, cu_seqlens=None, backend="auto"):
+    """DSA (DeepSeek-AI, "DeepSeek-V3.2", arXiv 2512.02556; see ``lightning_index_scores``):
+    the ``top_k`` keys of each query among its causal keys (within its own sequence of a pack,
+    ``cu_seqlens``, B == 1) by the lightning indexer's score ``sum_j w_tj relu(q_tj . k_s)``.
+    index_q ``[B, T, HI, DI]``, index_k ``[B, T, DI]``, index_weights ``[B, T, HI]`` ->
+    ``[B, T, min(top_k, T)]`` int32 key positions, in no particular order (ties go to the
+    earlier key); a query with fewer causal keys gets all of them and -1 in its other slots.
+    No gradient: the choice is discrete."""
+    _check_index(index_q, index_k, index_weights, index_q.shape[1])
+    if top_k < 1:
+        raise ValueError(f"{OP}: DSA's top_k={top_k} must be >= 1")
+    if _dsa_reference(backend):
+        return dsa_select_reference(index_q, index_k, index_weights, top_k=top_k,
+                                    cu_seqlens=cu_seqlens)
+    return select_keys(index_q, index_k, index_weights, top_k=top_k, cu_seqlens=cu_seqlens)
+
+
+def dsa_attention(q, k, v, selected, *, sink=None, scale=None, causal=False, backend="auto",
+                  return_lse=False):
+    """DSA's sparse attention: each query attends to its ``selected [B, T, K]`` keys
+    (:func:`dsa_select`; shared by all heads, -1 skipped, each key at most once a row: the
+    backends may differ on a key listed twice), with the sink and scale of
+    :func:`softmax_attention`. q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` -> ``[B, T, Hq, D]``;
+    memory O(T K), but O(T^2 / 8) bytes on flex and 2 T^2 on flash. ``causal``: a listed key
+    after its query is dropped (:func:`dsa_select` lists none). Backends: the reference;
+    cuDNN's fused attention with the selection as a bias (flash.py: "flash", and "auto" on a
+    causal selection where it runs and has passed its first-use check, with a bias of up to
+    ``CAUSAL_SELECTION_MAX_BIAS`` bytes); FlexAttention over the selection's bitmap ("flex", and
+    "auto" on CUDA up to ``SELECTED_FLEX_MAX_KEYS`` keys); triton.py's kernels ("triton", and
+    "auto" beyond, where they run); else the gathered form of selected.py.
+
+    ``return_lse``: ``(o, lse)``, lse the log-sum-exp ``[B, T, Hq]`` fp32 of each query head's
+    scaled scores over its keys and the sink, without gradient, where the backend that ran
+    gives it (cuDNN's), else None; :func:`dsa_indexer_loss` takes it so as not to compute it
+    again."""
+    check_qkv(OP, q, k, v)
+    _check_sink(sink, q)
+    _check_selected(selected, q)
+    if causal:
+        after = torch.arange(q.shape[1], device=selected.device)[None, :, None] < selected
+        selected = selected.masked_fill(after, -1)
+    lse = None
+    if _runs_causal_selection(backend, q, k, v, causal):
+        out, lse = flash.causal_selection_attention(q, k, v, selected, sink=sink, scale=scale,
+                                                    return_lse=True)
+    elif _dsa_reference(backend):
+        out = dsa_attention_reference(q, k, v, selected, sink=sink, scale=scale)
+    else:
+        out = _selected_attention(backend, q, k, v, selected, sink, scale)
+    return (out, lse) if return_lse else out
+
+
+# The largest bias (2 B T^2 bytes, made in the forward and again in the backward) for which
+# "auto" runs dsa_attention on cuDNN; beyond it FlexAttention's bitmap (B T^2 / 8 bytes). At 4 GiB:
+# B = 2 at T = 32768, B = 8 at T = 16384; on an H200 DSA's sparse stage at B = 1, T = 32768
+# peaks at 4.59 GiB with its 2 GiB bias (benchmarks/results/sparse_attention_h200.json), 3.33 GiB
+# on FlexAttention (``benchmarks/sparse_attention.py --ops dsa/flex``).
+CAUSAL_SELECTION_MAX_BIAS = 4 << 30
+
+
+def _runs_causal_selection(backend: str, q, k, v, causal: bool) -> bool:
+    """Whether dsa_attention runs on flash.py's cuDNN form: asked for ("flash", which raises
+    ValueError with the reason where it cannot), or under "auto" on a causal selection where
+    it can, with a bias of at most ``CAUSAL_SELECTION_MAX_BIAS`` bytes, and cuDNN has passed
+    its first-use check on this device and dtype."""
+    if backend not in ("flash", "auto"):
+        return False
+    reason = flash.causal_selection_unavailable_reason(q, k, v)
+    if reason is None and not causal:
+        reason = "it takes causal selections only (causal=True)"
+    if backend == "flash":
+        if reason is not None:
+            raise ValueError(f"{OP}: backend='flash' cannot run this dsa_attention: {reason}")
+        return True
+    bias_bytes = q.shape[0] * q.shape[1] * k.shape[1] * q.element_size()
+    return (reason is None and bias_bytes <= CAUSAL_SELECTION_MAX_BIAS
+            and flash.cudnn_checked(q.device, q.dtype))
+
+
+def dsa_indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seqlens=None,
+                     sink=None, scale=None, reduce_heads=None, shares=None, backend="auto",
+                     lse=None):
+    """The indexer's training loss (arXiv 2512.02556, sec. 2.1), averaged over the B * T
+    queries: ``KL(p_t || softmax(I_t))``, p the main attention of q, k (with sink and scale; no
+    gradient reaches q, k or the sink) summed over the heads and L1-normalised, I the indexer's
+    scores. ``selected=None`` (dense warm-up): over every causal key; else over the selected
+    keys only (sparse training; each key at most once a row, as :func:`dsa_attention`).
+    ``reduce_heads``: sums a ``[B, T', S']`` tensor over the query heads of other processes
+    (tensor parallelism) and returns the sum.
+
+    ``shares`` (:class:`QueryShares`; context parallelism, each process with the whole
+    sequence of its own heads in q, k and selected): this process's share of the loss, over its
+    queries ``shares.mine``, whose rows alone index_q and index_weights hold
+    ``[B, n, ...]``; the target is reduce-scattered from every process's heads (and summed by
+    ``reduce_heads`` too, if given). The shares sum to the loss, still divided by B * T.
+
+    ``lse``: :func:`dsa_attention`'s (``return_lse``) for this q, k, ``selected``, sink and
+    scale, or None. The sparse stage's target on triton.py's kernels then reuses it rather than
+    computing each query head's log-sum-exp again; the other paths compute their own."""
+    check_qkv(OP, q, k, k)
+    _check_sink(sink, q)
+    _check_shares(shares, q.shape[1])
+    _check_index(index_q, index_k, index_weights, q.shape[1], shares=shares)
+    if _dsa_reference(backend):
+        if shares is not None:
+            if selected is None:
+                allowed = causal_mask(q.shape[1], cu_seqlens, q.device)[None]
+            else:
+                allowed = selected_mask(selected, k.shape[1])
+            return _reference_share(q, k, index_q, index_k, index_weights, allowed, sink, scale,
+                                    reduce_heads, shares)
+        return dsa_indexer_loss_reference(q, k, index_q, index_k, index_weights,
+                                          selected=selected, cu_seqlens=cu_seqlens, sink=sink,
+                                          scale=scale, reduce_heads=reduce_heads)
+    return indexer_loss(q, k, index_q, index_k, index_weights, selected=selected,
+                        cu_seqlens=cu_seqlens, sink=sink, scale=scale, reduce_heads=reduce_heads,
+                        shares=shares,
+                        kernels=_loss_kernels(backend, q, k, selected, index_q, index_k), lse=lse)

@@ -1,0 +1,50 @@
+"""MoBA (``moba_attention``): each query's own key block and its top-k earlier blocks."""
+import math
+
+from . import flash
+from .layout import (allowed_rule, both, interval_layout, moba_chosen, selection_layout,
+                     window_rule, window_span)
+from .reference import OP, check_qkv, moba_attention_reference
+from .routing import _EXECUTORS, _backend, _blocks, _check_sink, _check_top_k, _runs_flash
+
+def moba_attention(q, k, v, *, block_size, top_k, window=None, sink=None, scale=None,
+                   allowed=None, backend="auto", layout_blocks=None):
+    """MoBA (Lu et al. 2025, see ``moba_attention_reference``): per query and head, causal
+    attention over its own key block and the ``top_k - 1`` finished blocks of highest
+    ``q . mean(K_block)``; with an optional sliding window, sink and extra mask as in
+    :func:`softmax_attention`. top_k may not exceed the number of blocks,
+    ``ceil(T / block_size)``."""
+    check_qkv(OP, q, k, v)
+    _check_sink(sink, q)
+    seq_len = q.shape[1]
+    if k.shape[1] != seq_len:
+        raise ValueError(f"{OP}: MoBA is self-attention; k has {k.shape[1]} tokens, q {seq_len}")
+    _check_top_k(top_k, math.ceil(seq_len / block_size), f"MoBA with block_size={block_size}")
+    if _runs_flash(backend, q, k, v, allowed, window is None or "a sliding window"):
+        return flash.moba_attention(q, k, v, block_size=block_size, top_k=top_k, sink=sink,
+                                    scale=scale)
+    name = _backend(backend, q)
+    if name == "reference":
+        return moba_attention_reference(q, k, v, block_size=block_size, top_k=top_k,
+                                        window=window, sink=sink, scale=scale, allowed=allowed)
+    chosen = moba_chosen(q, k, block_size, top_k)  # [B, Hq, T, n]
+    rule = both(window_rule(True, window),
+                lambda b, h, t, s: chosen[b, h, t, s // block_size])
+    if allowed is not None:
+        rule = both(rule, allowed_rule(allowed.expand(q.shape[0], -1, seq_len, seq_len)))
+    q_block, kv_block = _blocks(name, layout_blocks)
+    layout = selection_layout(chosen, block_size, seq_len, q_block, kv_block, rule)
+    if window is not None:
+        band = interval_layout(seq_len, seq_len, q_block, kv_block, *window_span(True, window),
+                               rule, q.device)
+        layout.active = layout.active & band.active
+    return _EXECUTORS[name](q, k, v, layout, sink=sink, scale=scale)
+
+
+# From this many tokens a sequence, "auto" runs NSA's selected and window branches on flash.py
+# (where it runs and has passed its first-use check), below it all three on the block layout.
+# On an H200 (B*T = 32768, 16 query heads of 128, bf16, fwd+bwd; benchmarks/sparse_attention.py)
+# flash and the block layout (FlexAttention) are even at T = 4096, and from T = 8192 on flash is
+# the faster (about 3x at T = 32768), with 4 key/value heads (and with 16 at T = 8192). Flash's
+# peak memory is 4-5x the layout's: its call over the chosen blocks holds each query's row once
+# per block.
