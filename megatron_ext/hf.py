@@ -17,7 +17,7 @@ Generation: ``generate`` decodes incrementally through Megatron's inference cont
 mixers' recurrent state and convolution tails, the softmax layers' KV cache; docs/evaluation.md):
 the model keeps the context of the sequence it is generating and, at each step, runs only the
 tokens that sequence gained, so a step does not recompute the prefix. Models whose layers
-cannot decode (MLA, the sparse mixers) and ``use_cache=False`` run the whole sequence at each
+cannot decode (the sparse mixers) and ``use_cache=False`` run the whole sequence at each
 step instead.
 """
 

@@ -40,7 +40,6 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_ext.config import ConfigError, ExtConfig
-from megatron_ext.mixers.common import cannot_decode
 from megatron_ext.norm import TorchNorm
 
 
@@ -117,9 +116,8 @@ class MLAMixer(MLASelfAttention):
                 rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
                 inference_context=None, **kwargs):
         # The model's rotary table is for the '*' layers; MLA rotates its own RoPE dims.
-        if inference_context is not None:
-            raise ConfigError(cannot_decode("mla"))
-        return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        return super().forward(hidden_states, attention_mask, *args,
+                               inference_context=inference_context, **kwargs)
 
 
 def mla_spec(ext_config: ExtConfig, transformer_config) -> ModuleSpec:
