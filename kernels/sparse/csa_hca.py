@@ -14,6 +14,7 @@ from .routing import _EXECUTORS, _backend, _blocks, _check_sink
 from .selected import indexer_loss, select_keys
 from .softmax import softmax_attention
 
+
 def _check_rate(rate, window=None):
     for name, value in (("rate", rate), ("window", window)):
         if value is not None and (not isinstance(value, int) or value < 1):

@@ -11,6 +11,7 @@ from .reference import (OP, _masked_probs, causal_mask, check_qkv, dsa_attention
 from .routing import BACKENDS, FLEX_MIN_HEAD_DIM, _backend, _blocks, _check_sink
 from .selected import QueryShares, indexer_loss, select_keys, selected_attention
 
+
 def _check_selected(selected, q):
     if (selected.dim() != 3 or tuple(selected.shape[:2]) != tuple(q.shape[:2])
             or selected.dtype not in (torch.int32, torch.int64)):

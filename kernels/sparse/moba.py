@@ -7,6 +7,7 @@ from .layout import (allowed_rule, both, interval_layout, moba_chosen, selection
 from .reference import OP, check_qkv, moba_attention_reference
 from .routing import _EXECUTORS, _backend, _blocks, _check_sink, _check_top_k, _runs_flash
 
+
 def moba_attention(q, k, v, *, block_size, top_k, window=None, sink=None, scale=None,
                    allowed=None, backend="auto", layout_blocks=None):
     """MoBA (Lu et al. 2025, see ``moba_attention_reference``): per query and head, causal

@@ -10,6 +10,7 @@ from .layout import (compress, interval_layout, nsa_chosen, selection_layout, wi
 from .reference import OP, check_qkv, nsa_attention_reference
 from .routing import _EXECUTORS, _backend, _blocks, _check_sink, _check_top_k, _runs_flash
 
+
 NSA_FLASH_MIN_LEN = 8192
 
 

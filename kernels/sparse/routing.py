@@ -7,6 +7,7 @@ from .flex import flex_attention_layout
 from .gathered import gathered_attention
 from .reference import OP
 
+
 BACKENDS = ("auto", "reference", "gathered", "flex", "triton")
 _EXECUTORS = {"gathered": gathered_attention, "flex": flex_attention_layout}
 

@@ -4,6 +4,7 @@ from .layout import allowed_rule, both, document_rule, interval_layout, window_r
 from .reference import OP, check_qkv, softmax_attention_reference
 from .routing import _EXECUTORS, _backend, _blocks, _check_sink, _runs_flash
 
+
 def softmax_attention(q, k, v, *, causal=True, window=None, sink=None, scale=None,
                       cu_seqlens=None, allowed=None, backend="auto", layout_blocks=None):
     """Softmax attention, optionally causal, with an optional sliding window ``(left, right)``
@@ -11,7 +12,7 @@ def softmax_attention(q, k, v, *, causal=True, window=None, sink=None, scale=Non
     sink ``[Hq]`` (``exp(sink_h)`` added to the softmax denominator), packed sequences
     (``cu_seqlens [N + 1]``, B == 1) and extra bool mask ``allowed`` ``[B | 1, Hq | 1, T, S]``
     (True = may attend). q ``[B, T, Hq, D]``, k, v ``[B, S, Hkv, D]`` -> ``[B, T, Hq, D]``.
-    Backends as the module's, plus "flash" (flash.py)."""
+    Backends as the package's (``__init__``), plus "flash" (flash.py)."""
     check_qkv(OP, q, k, v)
     _check_sink(sink, q)
     if _runs_flash(backend, q, k, v, allowed):
