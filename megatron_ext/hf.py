@@ -17,11 +17,14 @@ Generation: ``generate`` decodes incrementally through Megatron's inference cont
 mixers' recurrent state and convolution tails, the softmax layers' KV cache; docs/evaluation.md):
 the model keeps the context of the sequence it is generating and, at each step, runs only the
 tokens that sequence gained, so a step does not recompute the prefix. Models whose layers
-cannot decode (the sparse mixers) and ``use_cache=False`` run the whole sequence at each
-step instead.
+cannot decode (the sparse mixers), models with softmax layers on a CPU (megatron-core 0.19
+allocates the KV cache on the CUDA device) and ``use_cache=False`` run the whole sequence at
+each step instead.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel, PreTrainedTokenizer
@@ -146,6 +149,14 @@ class MegatronExtForCausalLM(PreTrainedModel, GenerationMixin):
         return {"input_ids": input_ids, "attention_mask": attention_mask,
                 "continue_decoding": bool(use_cache)}
 
+    @functools.cached_property
+    def _has_kv_cache(self) -> bool:
+        """Whether the model has softmax layers with Megatron's KV cache, which megatron-core
+        0.19 allocates on the current CUDA device (so such models decode on a GPU only)."""
+        from megatron.core.transformer.attention import Attention
+
+        return any(isinstance(module, Attention) for module in self.model.modules())
+
     _decoding = None  # (Megatron's inference context, the tokens [b, n] it has consumed)
     _cannot_decode = False  # set once a layer refused to decode
 
@@ -158,7 +169,7 @@ class MegatronExtForCausalLM(PreTrainedModel, GenerationMixin):
 
         from megatron_ext.config import ConfigError
 
-        if self._cannot_decode:
+        if self._cannot_decode or (not input_ids.is_cuda and self._has_kv_cache):
             return None
         b, s = input_ids.shape
         state = self._decoding

@@ -88,8 +88,9 @@ def test_exported_logits_equal_megatron_ext(tmp_path, pattern, ext):
 def test_generate_decodes_incrementally(tmp_path):
     """``generate`` with its cache on runs the prompt once and then one token a step through
     Megatron's inference context, and gives the tokens and logits of recomputing the whole
-    sequence at every step (``use_cache=False``); so does a second prompt after the first."""
-    settings = settings_of("GKM*AN*")
+    sequence at every step (``use_cache=False``); so does a second prompt after the first.
+    (Linear mixers: on a CPU, softmax layers recompute, see the next test.)"""
+    settings = settings_of("GKMANQ")
     model = random_model(settings)
     run, folder = run_dir_with(tmp_path, settings)
     (folder / "model").mkdir()
@@ -112,6 +113,23 @@ def test_generate_decodes_incrementally(tmp_path):
     fed.clear()
     hf.generate(TOKENS[:1, :7], max_new_tokens=5, do_sample=False)
     assert fed == [7, 1, 1, 1, 1]  # the prompt once, then one token a step
+
+
+def test_generate_with_softmax_layers_on_a_cpu_recomputes(tmp_path, monkeypatch):
+    """megatron-core 0.19 allocates the KV cache on the CUDA device: on a CPU a model with '*'
+    layers runs the whole sequence at every step (the test harness's CUDA shim is taken away,
+    as a user's CPU has none)."""
+    settings = settings_of("G*")
+    model = random_model(settings)
+    run, folder = run_dir_with(tmp_path, settings)
+    (folder / "model").mkdir()
+    torch.save(model.state_dict(), folder / "model" / "model.pt")
+    hf = load_exported(export(run, tmp_path / "hf"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1 / 0)  # any use would fail
+    fed = []
+    hf.model.register_forward_pre_hook(lambda module, args: fed.append(args[0].shape[1]))
+    hf.generate(TOKENS[:1, :7], max_new_tokens=3, do_sample=False)
+    assert fed == [7, 8, 9]
 
 
 def _save_at_tp2(rank, world_size, settings_dict, source, target):
