@@ -64,6 +64,23 @@ def load_exported(out):
     return AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
 
 
+def exported_random_model(tmp_path, settings):
+    """A random model of ``settings`` saved as a CPU train run's checkpoint, and its export
+    loaded with transformers."""
+    model = random_model(settings)
+    run, folder = run_dir_with(tmp_path, settings)
+    (folder / "model").mkdir()
+    torch.save(model.state_dict(), folder / "model" / "model.pt")
+    return model, load_exported(export(run, tmp_path / "hf"))
+
+
+def tokens_fed(hf) -> list[int]:
+    """The number of tokens each later forward of the wrapped GPTModel is given."""
+    fed = []
+    hf.model.register_forward_pre_hook(lambda module, args: fed.append(args[0].shape[1]))
+    return fed
+
+
 TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(5))
 
 
@@ -73,12 +90,7 @@ TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(
     ("G*M*", {"residual": "attnres_block"}),
 ], ids=["every-mixer", "mhc", "attnres"])
 def test_exported_logits_equal_megatron_ext(tmp_path, pattern, ext):
-    settings = settings_of(pattern, **ext)
-    model = random_model(settings)
-    run, folder = run_dir_with(tmp_path, settings)
-    (folder / "model").mkdir()
-    torch.save(model.state_dict(), folder / "model" / "model.pt")
-    hf = load_exported(export(run, tmp_path / "hf"))
+    model, hf = exported_random_model(tmp_path, settings_of(pattern, **ext))
     with torch.no_grad():
         got = hf(TOKENS).logits
     torch.testing.assert_close(got, logits(model, TOKENS), atol=0, rtol=0)
@@ -90,14 +102,8 @@ def test_generate_decodes_incrementally(tmp_path):
     Megatron's inference context, and gives the tokens and logits of recomputing the whole
     sequence at every step (``use_cache=False``); so does a second prompt after the first.
     (Linear mixers: on a CPU, softmax layers recompute, see the next test.)"""
-    settings = settings_of("GKMANQ")
-    model = random_model(settings)
-    run, folder = run_dir_with(tmp_path, settings)
-    (folder / "model").mkdir()
-    torch.save(model.state_dict(), folder / "model" / "model.pt")
-    hf = load_exported(export(run, tmp_path / "hf"))
-    fed = []
-    hf.model.register_forward_pre_hook(lambda module, args: fed.append(args[0].shape[1]))
+    _, hf = exported_random_model(tmp_path, settings_of("GKMANQ"))
+    fed = tokens_fed(hf)
     for prompt in (TOKENS[:1, :9], TOKENS[1:, :5]):
         runs = {}
         for use_cache in (True, False):
@@ -119,15 +125,9 @@ def test_generate_with_softmax_layers_on_a_cpu_recomputes(tmp_path, monkeypatch)
     """megatron-core 0.19 allocates the KV cache on the CUDA device: on a CPU a model with '*'
     layers runs the whole sequence at every step (the test harness's CUDA shim is taken away,
     as a user's CPU has none)."""
-    settings = settings_of("G*")
-    model = random_model(settings)
-    run, folder = run_dir_with(tmp_path, settings)
-    (folder / "model").mkdir()
-    torch.save(model.state_dict(), folder / "model" / "model.pt")
-    hf = load_exported(export(run, tmp_path / "hf"))
+    _, hf = exported_random_model(tmp_path, settings_of("G*"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1 / 0)  # any use would fail
-    fed = []
-    hf.model.register_forward_pre_hook(lambda module, args: fed.append(args[0].shape[1]))
+    fed = tokens_fed(hf)
     hf.generate(TOKENS[:1, :7], max_new_tokens=3, do_sample=False)
     assert fed == [7, 8, 9]
 

@@ -26,37 +26,44 @@ def check_first_use_cases(device, dtype) -> dict[str, float]:
     return errors
 
 
+def compare_with_reference(fast, slow, inputs, probe, names, dtype, what=None):
+    """Outputs and input gradients of ``fast(*inputs)`` (the Triton kernels, inputs as given)
+    and ``slow(*inputs)`` (the fp32 reference, inputs in fp32), through ``(y * probe).sum()``:
+    their relative errors by ``names`` (asserted within the dtype's tolerance) and the fast
+    run's input gradients."""
+    from megatron_ext.kernels.selfcheck import relative_error
+
+    results = []
+    for run, cast in ((fast, lambda t: t), (slow, lambda t: t.float())):
+        leaves = [cast(t).detach().clone().requires_grad_() for t in inputs]
+        y = run(*leaves)
+        (y.float() * probe).sum().backward()
+        results.append((y, *(leaf.grad for leaf in leaves)))
+    errors = {name: relative_error(a.float(), b.float()) for name, a, b in zip(names, *results)}
+    over = {k: v for k, v in errors.items() if not v <= ops.CHECK_TOLERANCE[dtype]}
+    assert not over, (what, over)
+    return errors, results[0][1:]
+
+
 def check_large(case, device, dtype=torch.bfloat16) -> dict[str, float]:
     """Output and gradients of the Triton short conv on a transposed [s, b, C] input against
     the fp32 reference (on the same device), and the input gradient's strides."""
-    from megatron_ext.kernels.selfcheck import relative_error
-
     batch, length, channels, l2 = case
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(length, batch, channels, generator=gen).to(device, dtype).transpose(0, 1)
     w = (torch.randn(channels, 4, generator=gen) * 0.5).to(device, dtype)
     probe = torch.randn(batch, length, channels, generator=gen).to(device)
-    results = []
-    for fast in (True, False):
-        xi = (x if fast else x.float()).detach().clone().requires_grad_()
-        wi = (w if fast else w.float()).detach().clone().requires_grad_()
-        y = (ops.short_conv(xi, wi, None, l2, backend="triton") if fast
-             else reference.short_conv(xi, wi, None, l2))
-        (y.float() * probe).sum().backward()
-        results.append((y, xi.grad, wi.grad))
-    assert results[0][1].transpose(0, 1).is_contiguous()  # the gradient stays in [s, b, C]
-    errors = {name: relative_error(a.float(), b.float())
-              for name, a, b in zip(("y", "dx", "dw"), *results)}
-    over = {k: v for k, v in errors.items() if not v <= ops.CHECK_TOLERANCE[dtype]}
-    assert not over, (case, over)
+    errors, (dx, _) = compare_with_reference(
+        lambda x, w: ops.short_conv(x, w, None, l2, backend="triton"),
+        lambda x, w: reference.short_conv(x, w, None, l2), [x, w], probe, ("y", "dx", "dw"),
+        dtype, case)
+    assert dx.transpose(0, 1).is_contiguous()  # the gradient stays in [s, b, C]
     return errors
 
 
 def check_rope_large(device, dtype=torch.bfloat16) -> dict[str, float]:
     """RoPE at the 350M preset's query shape (T = 4096, micro-batch 4, 16 heads of 64, angles
     up to 4095 rad, as a strided slice of a wider projection) against the fp32 reference."""
-    from megatron_ext.kernels.selfcheck import relative_error
-
     length, batch, heads, dim = 4096, 4, 16, 64
     gen = torch.Generator().manual_seed(2)
     wider = torch.randn(length, batch, heads + 8, dim, generator=gen).to(device, dtype)
@@ -65,45 +72,27 @@ def check_rope_large(device, dtype=torch.bfloat16) -> dict[str, float]:
     angles = torch.arange(length, dtype=torch.float32)[:, None] * theta
     freqs = torch.cat((angles, angles), dim=-1).view(length, 1, 1, dim).to(device)
     probe = torch.randn(length, batch, heads, dim, generator=gen).to(device)
-    results = []
-    for fast in (True, False):
-        ti = (t if fast else t.float()).detach().clone().requires_grad_()
-        y = ops.rope(ti, freqs, "triton") if fast else reference.rope(ti, freqs)
-        (y.float() * probe).sum().backward()
-        results.append((y, ti.grad))
-    errors = {name: relative_error(a.float(), b.float())
-              for name, a, b in zip(("y", "dt"), *results)}
-    over = {k: v for k, v in errors.items() if not v <= ops.CHECK_TOLERANCE[dtype]}
-    assert not over, over
-    return errors
+    return compare_with_reference(lambda t: ops.rope(t, freqs, "triton"),
+                                  lambda t: reference.rope(t, freqs), [t], probe, ("y", "dt"),
+                                  dtype)[0]
 
 
 def check_rms_norm_strided_programs(device, dtype=torch.float32) -> dict[str, float]:
     """RMSNorm's backward with fewer programs than row tiles (each program sums the weight
     gradient of several tiles), 50 rows of 40 channels, against the fp32 reference."""
     from megatron_ext.kernels.fused import triton as kernels
-    from megatron_ext.kernels.selfcheck import relative_error
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 10, 40, generator=gen).to(device, dtype)
     w = (torch.randn(40, generator=gen) * 0.3 + 1).to(device, dtype)
     probe = torch.randn(5, 10, 40, generator=gen).to(device)
-    results = []
     programs, kernels.RMS_BWD_PROGRAMS = kernels.RMS_BWD_PROGRAMS, 3
     try:
-        for fast in (True, False):
-            xi = (x if fast else x.float()).detach().clone().requires_grad_()
-            wi = (w if fast else w.float()).detach().clone().requires_grad_()
-            y = ops.rms_norm(xi, wi, 1e-5, "triton") if fast else reference.rms_norm(xi, wi, 1e-5)
-            (y.float() * probe).sum().backward()
-            results.append((y, xi.grad, wi.grad))
+        return compare_with_reference(lambda x, w: ops.rms_norm(x, w, 1e-5, "triton"),
+                                      lambda x, w: reference.rms_norm(x, w, 1e-5), [x, w], probe,
+                                      ("y", "dx", "dw"), dtype)[0]
     finally:
         kernels.RMS_BWD_PROGRAMS = programs
-    errors = {name: relative_error(a.float(), b.float())
-              for name, a, b in zip(("y", "dx", "dw"), *results)}
-    over = {k: v for k, v in errors.items() if not v <= ops.CHECK_TOLERANCE[dtype]}
-    assert not over, over
-    return errors
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
