@@ -351,6 +351,108 @@ def tiny_config(**overrides):
     return TransformerConfig(**kwargs)
 
 
+# ---------------------------------------------------------------------- incremental decoding
+DECODING_VOCAB = 96
+# The sparse layers have no incremental decoding yet: they raise a ConfigError that names
+# decoding.
+CANNOT_DECODE = {"dsa", "csa", "hca", "moba", "nsa"}
+
+
+def decoding_model(pattern: str, seed: int = 0, config_options=None, **ext_options):
+    """A tiny GPTModel of ``pattern`` (fp32, on the CPU, in eval mode) for the decoding tests."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_ext.config import ExtConfig
+    from megatron_ext.specs import block_spec
+
+    config = tiny_config(num_layers=len(pattern), **(config_options or {}))
+    torch.manual_seed(seed)
+    ext = ExtConfig(pattern=pattern, **SHORT_SPARSE, **ext_options)
+    model = GPTModel(config, block_spec(config, ext=ext), vocab_size=DECODING_VOCAB,
+                     max_sequence_length=64, position_embedding_type="learned_absolute")
+    return model.eval()
+
+
+def decode(model, tokens: torch.Tensor, prompt: int, step: int = 1) -> torch.Tensor:
+    """Logits ``[b, s, vocab]``: the prompt in one forward, then ``step`` tokens per forward
+    (in Megatron's decode mode when ``step`` is 1; as chunks of prefill otherwise)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    b, s = tokens.shape
+    context = StaticInferenceContext(max_batch_size=b, max_sequence_length=64)
+    context.materialize_only_last_token_logits = False
+    pieces, start = [], 0
+    for end in [prompt, *range(prompt + step, s, step), s]:
+        if end <= start:
+            continue
+        positions = torch.arange(start, end, device=tokens.device).expand(b, -1)
+        pieces.append(model(tokens[:, start:end], positions, None, inference_context=context))
+        context.sequence_len_offset += end - start
+        if step == 1:  # Megatron's decode mode: one token per sequence, no mask
+            context.enable_decode_mode()
+        start = end
+    return torch.cat(pieces, dim=1)
+
+
+# ------------------------------------------------------------------------------------- export
+def settings_of(pattern: str, position_embedding_type: str = "none", **ext):
+    """The RunSettings of a small model of ``pattern`` for the export tests."""
+    from megatron_ext import train
+
+    # hidden 256: megatron-core's default Mamba-2 sizes (head dim 64, 8 groups) need 8 heads.
+    return train.RunSettings.from_dict({
+        "model": {"num_layers": len(pattern), "hidden_size": 256, "ffn_hidden_size": 256,
+                  "num_attention_heads": 4, "num_query_groups": 2, "seq_length": 64,
+                  "position_embedding_type": position_embedding_type},
+        "ext": {"pattern": pattern, **SHORT_SPARSE, **ext},
+        "data": {"vocab_size": 500},
+        "train": {"micro_batch_size": 2, "global_batch_size": 4, "steps": 1},
+    })
+
+
+def random_model(settings, seed: int = 0):
+    """The GPTModel of ``settings`` (fp32, CPU, eval mode) with N(0, 0.05^2) weights."""
+    from megatron_ext import train
+    from megatron_ext.hf import build_gpt_model
+
+    model = build_gpt_model(settings, train._padded_vocab(settings.data.vocab_size, 1))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+    return model.eval()
+
+
+def run_dir_with(tmp_path, settings, step: int = 3) -> tuple[pathlib.Path, pathlib.Path]:
+    """A run directory as ``train`` leaves it: config.yaml and checkpoints/latest."""
+    import yaml
+
+    run = tmp_path / "run"
+    folder = run / "checkpoints" / f"iter_{step:07d}"
+    folder.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(settings.to_dict()))
+    (run / "checkpoints" / "latest").write_text(f"{step}\n")
+    return run, folder
+
+
+def load_exported(out, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, **kwargs)
+
+
+def exported_random_model(tmp_path, settings, **load_options):
+    """A random model of ``settings`` saved as a CPU train run's checkpoint, and its export
+    loaded with transformers (``load_options``: ``from_pretrained``'s dtype, device_map)."""
+    from megatron_ext.export import export
+
+    model = random_model(settings)
+    run, folder = run_dir_with(tmp_path, settings)
+    (folder / "model").mkdir()
+    torch.save(model.state_dict(), folder / "model" / "model.pt")
+    return model, load_exported(export(run, tmp_path / "hf"), **load_options)
+
+
 
 # --------------------------------------------------------------- parallel-layout equivalence
 # One training step of a tiny GPTModel in a given TP/PP/VPP layout, from the weights of a

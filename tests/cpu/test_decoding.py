@@ -16,58 +16,21 @@ from megatron_ext.registry import MIXERS
 
 pytestmark = pytest.mark.usefixtures("megatron_single_process")
 
-VOCAB, LENGTH, PROMPT = 96, 21, 12
-# The sparse layers have no incremental decoding yet: they raise a ConfigError that names
-# decoding.
-CANNOT_DECODE = {"dsa", "csa", "hca", "moba", "nsa"}
-
-
-def model_of(pattern: str, seed: int = 0, config_options=None, **ext_options):
-    from megatron.core.models.gpt import GPTModel
-
-    from megatron_ext.config import ExtConfig
-    from megatron_ext.specs import block_spec
-
-    config = harness.tiny_config(num_layers=len(pattern), **(config_options or {}))
-    torch.manual_seed(seed)
-    ext = ExtConfig(pattern=pattern, **harness.SHORT_SPARSE, **ext_options)
-    model = GPTModel(config, block_spec(config, ext=ext), vocab_size=VOCAB,
-                     max_sequence_length=64, position_embedding_type="learned_absolute")
-    return model.eval()
-
-
-def decode(model, tokens: torch.Tensor, prompt: int, step: int = 1) -> torch.Tensor:
-    """Logits ``[b, s, vocab]``: the prompt in one forward, then ``step`` tokens per forward
-    (in Megatron's decode mode when ``step`` is 1; as chunks of prefill otherwise)."""
-    from megatron.core.inference.contexts import StaticInferenceContext
-
-    b, s = tokens.shape
-    context = StaticInferenceContext(max_batch_size=b, max_sequence_length=64)
-    context.materialize_only_last_token_logits = False
-    pieces, start = [], 0
-    for end in [prompt, *range(prompt + step, s, step), s]:
-        if end <= start:
-            continue
-        positions = torch.arange(start, end).expand(b, -1)
-        pieces.append(model(tokens[:, start:end], positions, None, inference_context=context))
-        context.sequence_len_offset += end - start
-        if step == 1:  # Megatron's decode mode: one token per sequence, no mask
-            context.enable_decode_mode()
-        start = end
-    return torch.cat(pieces, dim=1)
+VOCAB, LENGTH, PROMPT = harness.DECODING_VOCAB, 21, 12
 
 
 @pytest.mark.parametrize("mixer", [m for m in MIXERS], ids=lambda m: m.name)
 def test_prefill_then_decode_matches_one_forward(mixer):
-    model = model_of(mixer.symbol + "*")
+    model = harness.decoding_model(mixer.symbol + "*")
     tokens = torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(tokens, torch.arange(LENGTH).expand(2, -1), None)
-        if mixer.name in CANNOT_DECODE:
+        if mixer.name in harness.CANNOT_DECODE:
             with pytest.raises(ConfigError, match="decod"):
-                decode(model, tokens, PROMPT)
+                harness.decode(model, tokens, PROMPT)
             return
-        torch.testing.assert_close(decode(model, tokens, PROMPT), full, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(harness.decode(model, tokens, PROMPT),
+                                   full, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("options", [
@@ -78,11 +41,12 @@ def test_prefill_then_decode_matches_one_forward(mixer):
 def test_windowed_and_sink_attention_decode(options):
     """'*' layers with a sliding window of 5 earlier tokens and / or a sink decode through
     Megatron's KV cache, attending within the window."""
-    model = model_of("G*", config_options=options)
+    model = harness.decoding_model("G*", config_options=options)
     tokens = torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         full = model(tokens, torch.arange(LENGTH).expand(2, -1), None)
-        torch.testing.assert_close(decode(model, tokens, PROMPT), full, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(harness.decode(model, tokens, PROMPT),
+                                   full, atol=2e-5, rtol=1e-4)
 
 
 def test_window_decode_reads_only_the_window():
@@ -92,7 +56,7 @@ def test_window_decode_reads_only_the_window():
     from megatron.core.inference.contexts import StaticInferenceContext
 
     window = 5
-    model = model_of("*", config_options={"window_size": (window, 0)})
+    model = harness.decoding_model("*", config_options={"window_size": (window, 0)})
     tokens = torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(7))
     context = StaticInferenceContext(max_batch_size=2, max_sequence_length=64)
     context.materialize_only_last_token_logits = False
@@ -113,16 +77,17 @@ def test_window_decode_reads_only_the_window():
 
 
 @pytest.mark.parametrize("symbol", [m.symbol for m in MIXERS  # the linear mixers
-                                    if not m.self_attention and m.name not in CANNOT_DECODE
+                                    if not m.self_attention
+                                    and m.name not in harness.CANNOT_DECODE
                                     and m.name != "mla"])
 def test_linear_layers_continue_in_chunks(symbol):
     """Linear mixers also continue a sequence several tokens at a time (chunked prefill; Megatron's
     softmax attention turns its mask off after the prompt, so it takes one token per call)."""
-    model = model_of(symbol * 2)
+    model = harness.decoding_model(symbol * 2)
     tokens = torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         full = model(tokens, torch.arange(LENGTH).expand(2, -1), None)
-        torch.testing.assert_close(decode(model, tokens, PROMPT, step=3), full,
+        torch.testing.assert_close(harness.decode(model, tokens, PROMPT, step=3), full,
                                    atol=2e-5, rtol=1e-4)
 
 
@@ -130,12 +95,13 @@ def test_hybrid_of_every_decoding_mixer():
     """All the mixers that decode in one model, with prompts of different lengths in the
     batch as Megatron's static batching runs them: the shortest prompt is prefilled and the
     rest of the longer prompts is fed token by token, in lockstep."""
-    symbols = "".join(m.symbol for m in MIXERS if m.name not in CANNOT_DECODE)
-    model = model_of(symbols)
+    symbols = "".join(m.symbol for m in MIXERS if m.name not in harness.CANNOT_DECODE)
+    model = harness.decoding_model(symbols)
     tokens = torch.randint(0, VOCAB, (3, LENGTH), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full = model(tokens, torch.arange(LENGTH).expand(3, -1), None)
-        torch.testing.assert_close(decode(model, tokens, prompt=4), full, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(harness.decode(model, tokens, prompt=4),
+                                   full, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("options", [{"residual": "mhc"}, {"residual": "attnres_block"},
@@ -145,11 +111,12 @@ def test_hybrid_of_every_decoding_mixer():
 def test_residual_schemes_and_routing_decode(options):
     """Residual schemes mix each token's layer outputs over depth only, and routing adds a
     per-token term: decoding is unchanged by them."""
-    model = model_of("GM*N", **options)
+    model = harness.decoding_model("GM*N", **options)
     tokens = torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         full = model(tokens, torch.arange(LENGTH).expand(2, -1), None)
-        torch.testing.assert_close(decode(model, tokens, PROMPT), full, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(harness.decode(model, tokens, PROMPT),
+                                   full, atol=2e-5, rtol=1e-4)
 
 
 def test_decode_step_reads_only_the_cache():
@@ -157,7 +124,7 @@ def test_decode_step_reads_only_the_cache():
     the same size after a prompt of 5 tokens and of 17 (a state and convolution tails)."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
-    model = model_of("G")
+    model = harness.decoding_model("G")
     sizes = []
     for prompt in (5, 17):
         context = StaticInferenceContext(max_batch_size=1, max_sequence_length=64)

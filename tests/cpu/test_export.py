@@ -14,7 +14,6 @@ import yaml
 import harness
 from megatron_ext import train
 from megatron_ext.export import export
-from megatron_ext.hf import build_gpt_model
 from megatron_ext.registry import MIXERS
 
 pytestmark = pytest.mark.usefixtures("megatron_single_process")
@@ -22,56 +21,9 @@ pytestmark = pytest.mark.usefixtures("megatron_single_process")
 EVERY_MIXER = "".join(m.symbol for m in MIXERS)
 
 
-def settings_of(pattern: str, **ext) -> train.RunSettings:
-    # hidden 256: megatron-core's default Mamba-2 sizes (head dim 64, 8 groups) need 8 heads.
-    return train.RunSettings.from_dict({
-        "model": {"num_layers": len(pattern), "hidden_size": 256, "ffn_hidden_size": 256,
-                  "num_attention_heads": 4, "num_query_groups": 2, "seq_length": 64,
-                  "position_embedding_type": "none"},
-        "ext": {"pattern": pattern, **harness.SHORT_SPARSE, **ext},
-        "data": {"vocab_size": 500},
-        "train": {"micro_batch_size": 2, "global_batch_size": 4, "steps": 1},
-    })
-
-
-def random_model(settings, seed: int = 0):
-    model = build_gpt_model(settings, train._padded_vocab(settings.data.vocab_size, 1))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
-    return model.eval()
-
-
-def run_dir_with(tmp_path, settings, step: int = 3) -> tuple[pathlib.Path, pathlib.Path]:
-    """A run directory as ``train`` leaves it: config.yaml and checkpoints/latest."""
-    run = tmp_path / "run"
-    folder = run / "checkpoints" / f"iter_{step:07d}"
-    folder.mkdir(parents=True)
-    (run / "config.yaml").write_text(yaml.safe_dump(settings.to_dict()))
-    (run / "checkpoints" / "latest").write_text(f"{step}\n")
-    return run, folder
-
-
 def logits(model, tokens):
     with torch.no_grad():
         return model(tokens, torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1), None)
-
-
-def load_exported(out):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
-
-
-def exported_random_model(tmp_path, settings):
-    """A random model of ``settings`` saved as a CPU train run's checkpoint, and its export
-    loaded with transformers."""
-    model = random_model(settings)
-    run, folder = run_dir_with(tmp_path, settings)
-    (folder / "model").mkdir()
-    torch.save(model.state_dict(), folder / "model" / "model.pt")
-    return model, load_exported(export(run, tmp_path / "hf"))
 
 
 def tokens_fed(hf) -> list[int]:
@@ -90,7 +42,7 @@ TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(
     ("G*M*", {"residual": "attnres_block"}),
 ], ids=["every-mixer", "mhc", "attnres"])
 def test_exported_logits_equal_megatron_ext(tmp_path, pattern, ext):
-    model, hf = exported_random_model(tmp_path, settings_of(pattern, **ext))
+    model, hf = harness.exported_random_model(tmp_path, harness.settings_of(pattern, **ext))
     with torch.no_grad():
         got = hf(TOKENS).logits
     torch.testing.assert_close(got, logits(model, TOKENS), atol=0, rtol=0)
@@ -102,7 +54,7 @@ def test_generate_decodes_incrementally(tmp_path):
     Megatron's inference context, and gives the tokens and logits of recomputing the whole
     sequence at every step (``use_cache=False``); so does a second prompt after the first.
     (Linear mixers: on a CPU, softmax layers recompute, see the next test.)"""
-    _, hf = exported_random_model(tmp_path, settings_of("GKMANQ"))
+    _, hf = harness.exported_random_model(tmp_path, harness.settings_of("GKMANQ"))
     fed = tokens_fed(hf)
     for prompt in (TOKENS[:1, :9], TOKENS[1:, :5]):
         runs = {}
@@ -125,7 +77,7 @@ def test_generate_with_softmax_layers_on_a_cpu_recomputes(tmp_path, monkeypatch)
     """megatron-core 0.19 allocates the KV cache on the CUDA device: on a CPU a model with '*'
     layers runs the whole sequence at every step (the test harness's CUDA shim is taken away,
     as a user's CPU has none)."""
-    _, hf = exported_random_model(tmp_path, settings_of("G*"))
+    _, hf = harness.exported_random_model(tmp_path, harness.settings_of("G*"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1 / 0)  # any use would fail
     fed = tokens_fed(hf)
     hf.generate(TOKENS[:1, :7], max_new_tokens=3, do_sample=False)
@@ -151,15 +103,15 @@ def _save_at_tp2(rank, world_size, settings_dict, source, target):
 def test_export_of_a_tensor_parallel_dist_checkpoint(tmp_path):
     from megatron.core import dist_checkpointing
 
-    settings = settings_of("GKM*")
-    model = random_model(settings)
+    settings = harness.settings_of("GKM*")
+    model = harness.random_model(settings)
     source = tmp_path / "tp1"
     source.mkdir()
     dist_checkpointing.save(model.sharded_state_dict(), str(source))
-    run, folder = run_dir_with(tmp_path, settings)
+    run, folder = harness.run_dir_with(tmp_path, settings)
     (run / "checkpoints" / "latest").rename(run / "checkpoints" / "latest_checkpointed_iteration.txt")
     harness.spawn(_save_at_tp2, 2, settings.to_dict(), str(source), str(folder))
-    hf = load_exported(export(run, tmp_path / "hf"))
+    hf = harness.load_exported(export(run, tmp_path / "hf"))
     with torch.no_grad():
         got = hf(TOKENS).logits
     torch.testing.assert_close(got, logits(model, TOKENS), atol=1e-6, rtol=1e-5)
@@ -175,7 +127,7 @@ def test_train_run_exports_with_its_tokenizer(tmp_path):
     from megatron_ext.data import SentencePieceTokenizer
 
     stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    settings = settings_of("G*").to_dict()
+    settings = harness.settings_of("G*").to_dict()
     settings["model"]["hidden_size"] = 64
     settings["data"] = {"vocab_size": 512, "output_dir": str(tmp_path / "data"),
                         "inputs": [str(stdlib / "email"), str(stdlib / "json")]}
@@ -193,7 +145,7 @@ def test_train_run_exports_with_its_tokenizer(tmp_path):
     text = "import json\ndef load(path):\n    return json.loads(path)\n"
     trained = SentencePieceTokenizer(str(tmp_path / "data" / "tokenizer.model"))
     assert tokenizer(text).input_ids == trained.tokenize(text)
-    model = load_exported(tmp_path / "hf")
+    model = harness.load_exported(tmp_path / "hf")
     ids = tokenizer(text, return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert out.shape == (1, ids.shape[1] + 6)
