@@ -191,7 +191,8 @@ def run_one(preset: str, pattern: str | None, seq_length: int, args) -> dict:
         returncode = process.wait()
     row = {"preset": preset, "pattern": settings.ext.pattern if isinstance(settings.ext.pattern, str)
            else ",".join(settings.ext.pattern), "seq_length": seq_length, "micro_batch": micro,
-           "global_batch": global_batch, "returncode": returncode,
+           "global_batch": global_batch, "cuda_graph": settings.train.cuda_graph,
+           "returncode": returncode,
            "wall_s": round(time.time() - start, 1), "log": log_path.name}
     # The profiler starts a step early (its warm-up) and slows the iterations next to it.
     timed = [times[i] for i in sorted(times) if args.warmup < i < profile_at - 2]
@@ -261,10 +262,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-lengths", default="4096,16384")
     parser.add_argument("--tokens-per-micro-batch", type=int, default=16384)
     parser.add_argument("--tokens-per-iteration", type=int, default=65536)
-    parser.add_argument("--iterations", type=int, default=10,
+    parser.add_argument("--iterations", type=int, default=12,
                         help="iterations before the profiled one: --warmup, the timed ones, and "
                              "two next to the profiler's start")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=5,
+                        help="iterations left out first: compilation, autotuning and, with the "
+                             "presets' CUDA graph, Megatron's three eager iterations and capture")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="dense bf16 peak of one GPU (H100/H200 SXM: 989)")
     parser.add_argument("--scratch", default="runs/throughput")

@@ -113,9 +113,27 @@ def megatron_argv(settings: RunSettings, run_dir: str | os.PathLike, *, mock_dat
         # the fused-RoPE slot that Transformer Engine would.
         argv += ["--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
                  "--no-persist-layer-norm"]
+    if t.cuda_graph:
+        argv += ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"]
     if mock_data:
         argv.append("--mock-data")
     return [str(a) for a in argv] + _ext_flags(settings.ext)
+
+
+def check_cuda_graph(args) -> None:
+    """Megatron's full-iteration CUDA graph replays the first captured iteration's kernels, so
+    everything in it must keep its shapes and never wait for the host. It is verified here for
+    one pipeline stage and no context parallelism or MoE (our pipeline sends, context-parallel
+    exchanges and Megatron's token routing are not captured by any test); refuse the rest."""
+    if args.cuda_graph_impl != "full_iteration":
+        return
+    unverified = [name for name, on in (
+        ("pipeline parallelism", args.pipeline_model_parallel_size > 1),
+        ("context parallelism", args.context_parallel_size > 1),
+        ("MoE", bool(args.num_experts))) if on]
+    if unverified:
+        raise ConfigError(f"the full-iteration CUDA graph (train.cuda_graph) is not verified with "
+                          f"{', '.join(unverified)}: set train.cuda_graph: false in the preset")
 
 
 # The Megatron flags that name the training data (any of them: the run has its own data).
@@ -368,6 +386,7 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
     provide_fused_rope()
     sys.argv = ["megatron-ext pretrain", *argv, *(megatron_args or [])]
     args = parse_and_validate_args(extra_args_provider=add_megatron_args)
+    check_cuda_graph(args)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     _use_shipped_dataset_helpers()
     if use_foreach_multi_tensor_ops() and os.environ["RANK"] == "0":

@@ -115,6 +115,10 @@ class TrainSettings:
     eval_batches: int = 4
     save_interval: int = 100
     bf16: bool = True  # on CUDA; CPU runs are fp32
+    # megatron-ext pretrain only: replay each iteration's forward and backward as one CUDA graph
+    # (Megatron's --cuda-graph-impl full_iteration), which takes the host's launch work out of
+    # the step; it turns Megatron's NaN check of loss and gradients off. See docs/megatron.md.
+    cuda_graph: bool = False
 
     def set_steps(self, steps: int) -> None:
         """Train for ``steps`` steps with the same schedule shape: warmup and the WSD decay

@@ -10,7 +10,7 @@ import torch
 
 from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.launch import presets
-from megatron_ext.pretrain import megatron_argv, pretrain
+from megatron_ext.pretrain import check_cuda_graph, megatron_argv, pretrain
 
 
 def _parse(argv, monkeypatch, world_size=1):
@@ -290,6 +290,24 @@ def test_parallel_and_logging_sections_become_megatron_flags(monkeypatch, tmp_pa
     settings.parallel.recompute = "most"
     with pytest.raises(ConfigError, match="parallel.recompute='most'"):
         settings.validate()
+
+
+def test_cuda_graph_setting_becomes_megatrons_full_iteration_graph(monkeypatch, tmp_path):
+    """train.cuda_graph (on in the 350M-3B presets) asks Megatron for one CUDA graph per
+    iteration, which needs its NaN check off; layouts no test captures are refused."""
+    settings = presets.load_settings("hybrid-350m")
+    assert settings.train.cuda_graph
+    args = _parse(megatron_argv(settings, tmp_path, mock_data=True), monkeypatch)
+    assert args.cuda_graph_impl == "full_iteration" and not args.check_for_nan_in_loss_and_grad
+    check_cuda_graph(args)
+    settings.parallel.pipeline = 2
+    args = _parse(megatron_argv(settings, tmp_path, mock_data=True), monkeypatch, world_size=2)
+    with pytest.raises(ConfigError, match="not verified with pipeline parallelism"):
+        check_cuda_graph(args)
+    tiny = presets.load_settings("tiny-hybrid")
+    assert not tiny.train.cuda_graph
+    assert _parse(megatron_argv(tiny, tmp_path, mock_data=True),
+                  monkeypatch).cuda_graph_impl == "none"
 
 
 def test_transformer_engine_only_when_asked(monkeypatch, tmp_path):
