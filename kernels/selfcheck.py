@@ -156,19 +156,20 @@ def passes_first_use_check(check, device, dtype, tolerance: float, kernels: str,
                            log) -> bool:
     """Whether ``check(device, dtype)`` (a first-use check returning its errors by name)
     raises nothing and gives errors within ``tolerance``; else ``log`` warns, naming the
-    ``kernels`` and what runs ``instead``, and the answer is False."""
-    from .sparse.reference import OP
-
+    ``kernels`` and what runs ``instead``, and the answer is False. The check runs with autograd
+    on and autocast off, whatever the caller's mode: a first use inside ``torch.no_grad()``
+    (generation, evaluation) checks the backward too, and its verdict is kept for training."""
     try:
-        errors = check(device, dtype)
+        with torch.autocast(torch.device(device).type, enabled=False), torch.enable_grad():
+            errors = check(device, dtype)
     except Exception as error:  # noqa: BLE001 - a check that cannot run fails
-        log.warning("%s: the first-use check of %s failed on %s in %s (%s: %s); %s", OP,
+        log.warning("megatron-ext: the first-use check of %s failed on %s in %s (%s: %s); %s",
                     kernels, device, dtype, type(error).__name__, error, instead)
         return False
     over = {name: f"{error:.2e}" for name, error in errors.items() if not error <= tolerance}
     if over:
-        log.warning("%s: the first-use check of %s failed on %s in %s (errors over %s: %s); %s",
-                    OP, kernels, device, dtype, tolerance, over, instead)
+        log.warning("megatron-ext: the first-use check of %s failed on %s in %s (errors over %s: "
+                    "%s); %s", kernels, device, dtype, tolerance, over, instead)
     return not over
 
 

@@ -172,19 +172,12 @@ def first_use_check(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the Triton kernels give the reference's outputs and gradients on ``device`` in
     ``dtype`` (:func:`check_errors` within :data:`CHECK_TOLERANCE`); a failure is logged once
     and the PyTorch reference runs instead."""
-    try:
-        errors = check_errors(device, dtype)
-    except Exception as error:  # noqa: BLE001 - a kernel that cannot run fails its check
-        logger.warning("megatron-ext: the fused layer kernels (short_conv, gated_rms_norm, "
-                       "rms_norm, rope) failed their first-use check on %s in %s (%s: %s); the "
-                       "PyTorch reference runs instead", device, dtype, type(error).__name__, error)
-        return False
-    over = {name: f"{e:.2e}" for name, e in errors.items() if not e <= CHECK_TOLERANCE[dtype]}
-    if over:
-        logger.warning("megatron-ext: the fused layer kernels failed their first-use check on %s "
-                       "in %s (relative errors over %s: %s); the PyTorch reference runs instead",
-                       device, dtype, CHECK_TOLERANCE[dtype], over)
-    return not over
+    from ..selfcheck import passes_first_use_check
+
+    return passes_first_use_check(
+        check_errors, device, dtype, CHECK_TOLERANCE[dtype],
+        "the fused layer kernels (short_conv, gated_rms_norm, rms_norm, rope)",
+        "the PyTorch reference runs instead", logger)
 
 
 def check_errors(device, dtype: torch.dtype) -> dict[str, float]:

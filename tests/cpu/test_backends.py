@@ -139,3 +139,21 @@ def test_auto_runs_chunked_for_head_dims_the_triton_kernels_do_not_take(monkeypa
     assert backends.triton_dims_reason(q, v) == ("K = 8, V = 24: the Triton kernels take head dims "
                                                  "16, 32, 64, 128, 256")
     assert backends.triton_dims_reason(torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 1, 128)) is None
+
+
+def test_first_use_check_runs_with_autograd_inside_no_grad():
+    """passes_first_use_check gives its check autograd whatever the caller's mode (a first use
+    in generation must still check the backward), and a check that raises fails."""
+    import logging
+
+    from megatron_ext.kernels.selfcheck import passes_first_use_check
+
+    def check(device, dtype):
+        x = torch.ones(3, dtype=dtype, device=device, requires_grad=True)
+        (2 * x).sum().backward()
+        return {"grad": (x.grad - 2).abs().max().item()}
+
+    log = logging.getLogger("test")
+    with torch.no_grad():
+        assert passes_first_use_check(check, "cpu", torch.float32, 0.0, "k", "r", log)
+    assert not passes_first_use_check(lambda d, t: 1 / 0, "cpu", torch.float32, 0.0, "k", "r", log)

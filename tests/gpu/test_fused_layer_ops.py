@@ -139,3 +139,10 @@ def test_fused_rms_norm_module_matches_torchs():
 
 def test_auto_runs_triton_after_its_check():
     assert ops.first_use_check(torch.device("cuda", 0), torch.bfloat16)
+
+
+def test_first_use_under_no_grad_checks_the_backward_too():
+    """A first use inside torch.no_grad() (generation) passes the check, backward included."""
+    ops.first_use_check.cache_clear()
+    with torch.no_grad():
+        assert ops.first_use_check(torch.device("cuda", 0), torch.float32)
