@@ -64,8 +64,9 @@ def throughput(r):
             parts.append(f"{preset} at T = {seq}: {row['tokens_per_s'] / 1e3:.1f}k tokens/s "
                          f"({versus}MFU {row['mfu']:.1%})")
     tokens = r["rows"][0]["global_batch"] * r["rows"][0]["seq_length"]
+    graph = ", one CUDA graph an iteration" if all(row.get("cuda_graph") for row in r["rows"]) else ""
     what = (f"training throughput in Megatron's loop (`megatron-ext pretrain --mock-data`, "
-            f"{tokens:,} tokens an iteration, bf16)")
+            f"{tokens:,} tokens an iteration, bf16{graph})")
     return what, "; ".join(parts)
 
 
@@ -244,6 +245,20 @@ def train(r):
     return what, result
 
 
+def export_check(r):
+    what = (f"a `pretrain` run's checkpoint ({r['parameters'] / 1e6:.0f}M, {r['checkpoint']}) "
+            "exported to Hugging Face and loaded with transformers, against megatron-ext's "
+            "loading of it")
+    fp32, bf16 = r["fp32"], r["bf16"]
+    generated = r["generate_fp32"], r["generate_bf16"]
+    result = (f"fp32 logits differ by {fp32['max_abs_diff']:g}; bf16 by "
+              f"{bf16['relative_max_diff']:.2%} of the largest logit, same top token at "
+              f"{bf16['top1_agreement']:.1%} of positions; incremental `generate` == recomputing: "
+              f"fp32 {'yes' if generated[0]['same_tokens_as_recomputing'] else 'no'}, bf16 "
+              f"{generated[1]['tokens_equal_to_recomputing']} of {generated[1]['of']} tokens")
+    return what, result
+
+
 # Every JSON kept in benchmarks/results/, in the table's order, with its format.
 ROWS = {
     "throughput_h200.json": throughput,
@@ -257,6 +272,7 @@ ROWS = {
     "parallel_splits_h200x2.json": parallel_splits,
     "pretrain_run_h200.json": pretrain_run,
     "doctor_h200.json": doctor,
+    "export_check_h200.json": export_check,
     "train_tiny_hybrid_cpu.json": train,
 }
 

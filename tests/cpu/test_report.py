@@ -31,7 +31,7 @@ def test_readme_table_is_current(report):
 
 def test_every_row_names_its_source_and_every_result_has_a_row(report):
     rows = table_rows(report.render())
-    assert 0 < len(rows) <= 12
+    assert 0 < len(rows) <= 13  # one row per result file; the README stays short
     named = []
     for row in rows:
         cells = [cell.strip() for cell in row.strip("|").split(" | ")]
