@@ -159,8 +159,8 @@ def summarize(records: list[dict], *, warmup: int, gpus: int, tokens_per_iterati
 
 def kill_leftovers(marker: str) -> list[int]:
     """SIGKILL every other process whose command line holds ``marker`` (a split's own run
-    directory); their PIDs. torchrun starts its ranks in sessions of their own, out of reach of
-    coreutils' timeout, which signals its command's process group: when a timeout killed
+    directory); their PIDs. torchrun starts its ranks with setsid (process groups of their own), out
+    of reach of coreutils' timeout, which signals its command's process group: when a timeout killed
     torchrun, ranks stuck in a collective kept running on the GPUs, orphaned, into the next
     split and the next command (seen on 2 H200s)."""
     killed = []

@@ -155,7 +155,7 @@ def test_a_run_is_summarised_from_megatron_log_lines(bench, tmp_path):
 
 
 def test_ranks_left_running_by_a_split_are_killed(bench, tmp_path):
-    """A split whose launcher exits leaving a "rank" running in a session of its own (as
+    """A split whose launcher exits leaving a "rank" running under setsid (as
     torchrun's are, out of reach of coreutils' timeout) with the split's run directory in its
     command line: run_split kills it and records its PID."""
     import os
