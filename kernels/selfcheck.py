@@ -578,7 +578,7 @@ def _first_use_rows(device: torch.device, backends: list[str] | None):
 
 def _fused_layer_checks(device: torch.device):
     """The first-use check of the fused layer kernels (short conv + SiLU + L2 norm, gated
-    RMSNorm; ``fused.ops.check_errors``), one row per dtype."""
+    RMSNorm, RMSNorm, RoPE, cross-entropy; ``fused.ops.check_errors``), one row per dtype."""
     from .fused import ops as fused
 
     reason = None if device.type == "cuda" else f"our Triton kernels run on CUDA, not {device.type}"

@@ -100,8 +100,8 @@ def megatron_argv(settings: RunSettings, run_dir: str | os.PathLike, *, mock_dat
         argv.append("--sequence-parallel")
     argv += _parallel_flags(settings)
     argv += _logging_flags(settings, run_dir)
-    # Megatron's own fused cross-entropy (torch.compile'd pieces; no Transformer Engine needed):
-    # the fp32 passes over [tokens, vocab] logits are a large part of the step otherwise.
+    # Megatron's fused cross-entropy slot, which pretrain fills with megatron_ext.cross_entropy's
+    # kernels (Megatron's torch.compile'd version where they do not run).
     argv += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]
     # Accumulating weight gradients in the GEMM needs apex's fused_weight_gradient_mlp_cuda.
     if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
@@ -360,6 +360,7 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
     from megatron.training.arguments import parse_and_validate_args
 
     from megatron_ext.config import add_megatron_args
+    from megatron_ext.cross_entropy import provide_fused_cross_entropy
     from megatron_ext.multi_tensor import use_foreach_multi_tensor_ops
     from megatron_ext.rope import provide_fused_rope
     from megatron_ext.specs import uses_te
@@ -384,6 +385,7 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
     argv = megatron_argv(settings, run_dir, mock_data=mock_data,
                          transformer_impl="transformer_engine" if uses_te(settings.ext) else "local")
     provide_fused_rope()
+    provide_fused_cross_entropy()
     sys.argv = ["megatron-ext pretrain", *argv, *(megatron_args or [])]
     args = parse_and_validate_args(extra_args_provider=add_megatron_args)
     check_cuda_graph(args)

@@ -1,5 +1,5 @@
-"""Autograd entry points of the fused layer pieces (short conv, gated RMSNorm, RMSNorm, RoPE),
-with ``backend="auto"|"reference"|"triton"``.
+"""Autograd entry points of the fused layer pieces (short conv, gated RMSNorm, RMSNorm, RoPE,
+vocab-parallel cross-entropy), with ``backend="auto"|"reference"|"triton"``.
 
 "auto" runs the Triton kernels on CUDA tensors whose head dim (the L2-normalised group, the
 normalised head) is a power of two, once they have passed a first-use check on that GPU
@@ -95,6 +95,40 @@ class _Rope(torch.autograd.Function):
         return _triton().rope_forward(_dense_last(dy), freqs, inverse=True), None
 
 
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, group, backend):
+        pieces = _triton() if backend == "triton" else reference
+        rows = logits.reshape(-1, logits.shape[-1]).contiguous()
+        flat = target.reshape(-1).contiguous()
+        loss, lse = merge_vocab_shards(pieces.cross_entropy_stats(rows, flat, vocab_start), group)
+        ctx.save_for_backward(rows, flat, lse)
+        ctx.vocab_start, ctx.pieces, ctx.shape = vocab_start, pieces, logits.shape
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, dloss):
+        rows, flat, lse = ctx.saved_tensors
+        dloss = dloss.reshape(-1).float().contiguous()
+        grad = ctx.pieces.cross_entropy_grad(rows, flat, lse, dloss, ctx.vocab_start)
+        return grad.view(ctx.shape), None, None, None, None
+
+
+def merge_vocab_shards(stats: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, log-sum-exp), fp32 ``[N]`` each, from the ranks' :func:`reference.cross_entropy_stats`
+    ``[N, 3]`` over their columns of the vocabulary: the max over the ranks, each rank's sum
+    rescaled to it and summed with the target logits (one all-reduce each, as Megatron's)."""
+    peak, total, picked = stats.unbind(-1)
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        top = peak.clone()
+        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+        sums = torch.stack([total * torch.exp(peak - top), picked])
+        torch.distributed.all_reduce(sums, group=group)
+        peak, (total, picked) = top, sums
+    lse = peak + torch.log(total)
+    return lse - picked, lse
+
+
 def _dense_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -141,6 +175,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return reference.rms_norm(x, weight, eps)
 
 
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0, group=None,
+                  backend: str = "auto") -> torch.Tensor:
+    """Per-token cross-entropy ``[...]`` (fp32) of ``logits [..., V]`` holding columns
+    ``vocab_start .. vocab_start + V`` of the vocabulary (this rank's share under Megatron's
+    vocab-parallel output layer; ``group``: the ranks holding the rest, or None) against
+    ``target [...]``, see :func:`reference.cross_entropy`; the gradient comes back in
+    ``logits.dtype``. "auto" runs the Triton kernels on CUDA after the first-use check."""
+    _check_backend(backend)
+    if backend == "auto":
+        backend = "triton" if _use_triton(logits) else "reference"
+    return _CrossEntropy.apply(logits, target, vocab_start, group, backend)
+
+
 def rope_fits(t: torch.Tensor, freqs: torch.Tensor) -> bool:
     """Whether :func:`rope`'s kernel takes these: ``t [s, b, H, D]`` and a table ``[s, 1, 1, D]``
     rotating every channel, with D/2 a power of two."""
@@ -176,7 +223,7 @@ def first_use_check(device: torch.device, dtype: torch.dtype) -> bool:
 
     return passes_first_use_check(
         check_errors, device, dtype, CHECK_TOLERANCE[dtype],
-        "the fused layer kernels (short_conv, gated_rms_norm, rms_norm, rope)",
+        "the fused layer kernels (short_conv, gated_rms_norm, rms_norm, rope, cross_entropy)",
         "the PyTorch reference runs instead", logger)
 
 
@@ -185,7 +232,8 @@ def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
     the short convolution over a transposed ``[s, b, C]`` input (T = 45, odd and across the
     kernels' token blocks), with and without the L2 norm, over a slice of a wider projection,
     and on three packed sequences (5, 33 and 7 tokens); RMSNorm over 48 channels; RoPE on a
-    strided slice; the gated RMSNorm with per-head and shared weights, both output layouts."""
+    strided slice; the gated RMSNorm with per-head and shared weights, both output layouts;
+    cross-entropy over a vocabulary shard that holds some of the targets."""
     from ..selfcheck import relative_error
 
     device = torch.device(device)
@@ -235,6 +283,13 @@ def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
               * torch.logspace(0, -3, dim // 2)).repeat(1, 2).view(length, 1, 1, dim)
     compare("rope", lambda t: rope(t, angles.to(device), "triton"),
             lambda t: reference.rope(t, angles), [qkv[:, :, :heads]])
+
+    # Cross-entropy over 2,500 columns (a partial last block) that are columns 1,000.. of the
+    # vocabulary: targets inside and outside them.
+    logits = randn(length, batch, 2500, scale=3.0)
+    target = torch.randint(0, 4500, (length, batch), generator=gen)
+    compare("cross_entropy", lambda x: cross_entropy(x, target.to(device), 1000, None, "triton"),
+            lambda x: cross_entropy(x, target, 1000, None, "reference"), [logits])
 
     o = randn(batch, length, heads, dim)
     gate = randn(length, batch, heads * dim).transpose(0, 1).unflatten(-1, (heads, dim))

@@ -8,6 +8,11 @@ Triton kernels (``triton.py``) are tested against, and the path on CPUs.
   dropped: ``positions[t]`` is the token's index within its sequence (packed sequences), or t.
 - :func:`gated_rms_norm`: ``rmsnorm(o) * w * silu(gate)`` over each head's channels.
 - :func:`rms_norm`: ``x / rms(x) * w`` over the last dim (the layers' input norms).
+- :func:`cross_entropy`: ``logsumexp(x) - x[target]`` per row of logits; over a vocabulary split
+  across ranks (Megatron's vocab-parallel output layer) each rank reduces its columns to
+  :func:`cross_entropy_stats` (max, sum of exponentials below it, the target's logit when the
+  target is its own), the ranks combine those (``ops.merge_vocab_shards``), and the gradient
+  of the rank's columns is :func:`cross_entropy_grad`, ``(softmax - onehot) * dloss``.
 - :func:`rope`: rotary position embedding in Megatron's rotate-half form,
   ``y = t cos(f) + rotate_half(t) sin(f)`` with ``rotate_half([t1, t2]) = [-t2, t1]`` (halves of
   the head dim) and ``f`` the angles Megatron's rotary table gives each channel.
@@ -72,3 +77,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     ``x.dtype``."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``logits [..., V]``, ``target [...]`` -> the loss ``[...]`` in fp32."""
+    x = logits.float()
+    return torch.logsumexp(x, -1) - x.gather(-1, target.long().unsqueeze(-1)).squeeze(-1)
+
+
+def cross_entropy_stats(rows: torch.Tensor, target: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """``rows [N, V]`` (columns ``vocab_start ..`` of the vocabulary), ``target [N]`` -> fp32
+    ``[N, 3]``: each row's max m, ``sum exp(x - m)``, and its target's logit (0 where the
+    target is not among the columns)."""
+    x = rows.float()
+    peak = x.max(-1).values
+    total = torch.exp(x - peak[:, None]).sum(-1)
+    local = target.long() - vocab_start
+    inside = (local >= 0) & (local < x.shape[-1])
+    picked = x.gather(-1, local.clamp(0, x.shape[-1] - 1)[:, None]).squeeze(-1)
+    return torch.stack([peak, total, torch.where(inside, picked, 0.0)], dim=-1)
+
+
+def cross_entropy_grad(rows: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                       dloss: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """The gradient of the loss for ``rows`` (as in :func:`cross_entropy_stats`) given each
+    row's log-sum-exp over the whole vocabulary ``lse [N]`` and the loss gradient ``dloss [N]``:
+    ``(exp(x - lse) - onehot(target)) * dloss``, in ``rows.dtype``."""
+    x = rows.float()
+    local = target.long() - vocab_start
+    onehot = torch.arange(x.shape[-1], device=x.device) == local[:, None]
+    return ((torch.exp(x - lse[:, None]) - onehot.float()) * dloss[:, None]).to(rows.dtype)

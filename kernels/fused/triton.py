@@ -17,6 +17,11 @@ RMSNorm (``rms_norm_forward`` / ``_backward``): a program normalises ``RMS_ROWS`
 time; the backward's programs each stride over many rows and sum their share of the weight
 gradient, so that only ``[programs, N]`` partials are summed after it.
 
+Cross-entropy (``cross_entropy_stats`` / ``cross_entropy_grad``): a program takes one row of
+logits and walks its columns ``CE_BLOCK`` at a time, keeping a running max and sum of
+exponentials per lane (rescaled when the max grows), so the logits are read once forward and
+once backward, in their own dtype; nothing of size ``[N, V]`` is kept between them.
+
 RoPE (``rope_forward``): a program takes one token's heads; cos and sin of the token's angles are
 computed in the kernel. RoPE is a rotation of each channel pair ``(j, j + D/2)``, so its
 gradient is the rotation by the opposite angles: the same kernel with ``INVERSE``.
@@ -366,3 +371,72 @@ def rms_norm_backward(x, weight, rstd, dy):
         x, weight, rstd, dy.contiguous(), dx, dw, rows, width, ROWS=RMS_ROWS,
         BN=triton.next_power_of_2(width))
     return dx, dw.sum(0).to(weight.dtype)
+
+
+CE_BLOCK, CE_WARPS = 2048, 8  # columns a program loads at a time, and its warps
+CE_FLOOR = -3.0e38  # below every logit: the running max's start and masked columns' value
+
+
+@triton.jit
+def _ce_row(target_ptr, vocab_start, BV: tl.constexpr):
+    """This program's row, its column offsets within a block, and its target's column here."""
+    row = tl.program_id(0).to(tl.int64)
+    return row, tl.arange(0, BV), tl.load(target_ptr + row).to(tl.int64) - vocab_start
+
+
+@triton.jit
+def _ce_stats_kernel(x_ptr, target_ptr, stats_ptr, V, vocab_start, BV: tl.constexpr,
+                     FLOOR: tl.constexpr):
+    row, cols, local = _ce_row(target_ptr, vocab_start, BV)
+    peak = tl.full([BV], FLOOR, dtype=tl.float32)
+    total = tl.zeros([BV], dtype=tl.float32)
+    picked = tl.zeros([BV], dtype=tl.float32)
+    for first in range(0, V, BV):
+        c = first + cols
+        ok = c < V
+        x = tl.load(x_ptr + row * V + c, mask=ok, other=FLOOR).to(tl.float32)
+        grown = tl.maximum(peak, x)
+        total = total * tl.exp(peak - grown) + tl.where(ok, tl.exp(x - grown), 0.0)
+        peak = grown
+        picked += tl.where(ok & (c == local), x, 0.0)
+    row_peak = tl.max(peak, axis=0)
+    tl.store(stats_ptr + row * 3, row_peak)
+    tl.store(stats_ptr + row * 3 + 1, tl.sum(total * tl.exp(peak - row_peak), axis=0))
+    tl.store(stats_ptr + row * 3 + 2, tl.sum(picked, axis=0))
+
+
+@triton.jit
+def _ce_grad_kernel(x_ptr, target_ptr, lse_ptr, dloss_ptr, dx_ptr, V, vocab_start,
+                    BV: tl.constexpr):
+    row, cols, local = _ce_row(target_ptr, vocab_start, BV)
+    lse = tl.load(lse_ptr + row)
+    scale = tl.load(dloss_ptr + row)
+    for first in range(0, V, BV):
+        c = first + cols
+        ok = c < V
+        x = tl.load(x_ptr + row * V + c, mask=ok, other=0.0).to(tl.float32)
+        d = (tl.exp(x - lse) - tl.where(ok & (c == local), 1.0, 0.0)) * scale
+        tl.store(dx_ptr + row * V + c, d.to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+def _ce_block(columns: int) -> int:
+    return min(CE_BLOCK, triton.next_power_of_2(columns))
+
+
+def cross_entropy_stats(rows: torch.Tensor, target: torch.Tensor, vocab_start: int):
+    """``rows [N, V]`` (contiguous), ``target [N]`` -> fp32 ``[N, 3]``, as
+    :func:`.reference.cross_entropy_stats`."""
+    count, columns = rows.shape
+    stats = torch.empty(count, 3, device=rows.device, dtype=torch.float32)
+    _ce_stats_kernel[(count,)](rows, target, stats, columns, vocab_start,
+                               BV=_ce_block(columns), FLOOR=CE_FLOOR, num_warps=CE_WARPS)
+    return stats
+
+
+def cross_entropy_grad(rows, target, lse, dloss, vocab_start: int) -> torch.Tensor:
+    """As :func:`.reference.cross_entropy_grad`: ``[N, V]`` in ``rows.dtype``."""
+    count, columns = rows.shape
+    grad = torch.empty_like(rows)
+    _ce_grad_kernel[(count,)](rows, target, lse, dloss, grad, columns, vocab_start,
+                              BV=_ce_block(columns), num_warps=CE_WARPS)
+    return grad

@@ -1,7 +1,8 @@
 """The fused layer kernels (kernels/fused/triton.py) on Triton's CPU interpreter, forward and
 backward against the fp32 reference, every load and store checked to stay inside its tensors:
 this file run as a script runs tests/gpu/test_fused_layer_ops.py's first-use cases in fp32 and
-bf16, one long case and RMSNorm's backward with programs over several row tiles. Skipped where
+bf16, one long case, RMSNorm's backward with programs over several row tiles and the
+cross-entropy over a whole vocabulary of three column blocks. Skipped where
 Triton is not installed. ~20 s on two cores."""
 import time
 
@@ -23,6 +24,8 @@ def main() -> None:
     print(f"long case: worst {max(errors.values()):.1e}")
     errors = checks.check_rms_norm_strided_programs("cpu")
     print(f"rms_norm, programs over several row tiles: worst {max(errors.values()):.1e}")
+    errors = checks.check_cross_entropy("cpu", length=9, batch=2, vocab=4500)
+    print(f"cross_entropy over the whole vocabulary: worst {max(errors.values()):.1e}")
     print("all interpreter cases passed")
 
 

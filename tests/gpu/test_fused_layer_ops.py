@@ -1,5 +1,5 @@
 """The fused layer kernels (kernels/fused/triton.py: short conv + SiLU + L2 norm, gated RMSNorm,
-RoPE) against their fp32 reference, forward and backward, on a GPU; ``check_*`` take a device so
+RoPE, cross-entropy) against their fp32 reference, forward and backward, on a GPU; ``check_*`` take a device so
 that tests/cpu/test_triton_interpret_fused.py runs the same checks on Triton's CPU
 interpreter."""
 import pytest
@@ -77,6 +77,20 @@ def check_rope_large(device, dtype=torch.bfloat16) -> dict[str, float]:
                                   dtype)[0]
 
 
+def check_cross_entropy(device, dtype=torch.bfloat16, length=4096, batch=1,
+                        vocab=32000) -> dict[str, float]:
+    """Cross-entropy of ``[s, b, V]`` logits (as an output layer gives them; by default the
+    presets' T = 4096 and 32,000-token vocabulary) against the fp32 definition over the whole
+    vocabulary."""
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(length, batch, vocab, generator=gen) * 4).to(device, dtype)
+    target = torch.randint(0, vocab, (length, batch), generator=gen).to(device)
+    probe = torch.randn(length, batch, generator=gen).to(device)
+    return compare_with_reference(lambda x: ops.cross_entropy(x, target, backend="triton"),
+                                  lambda x: reference.cross_entropy(x, target), [logits], probe,
+                                  ("loss", "dlogits"), dtype)[0]
+
+
 def check_rms_norm_strided_programs(device, dtype=torch.float32) -> dict[str, float]:
     """RMSNorm's backward with fewer programs than row tiles (each program sums the weight
     gradient of several tiles), 50 rows of 40 channels, against the fp32 reference."""
@@ -113,6 +127,10 @@ def test_rope_large():
     check_rope_large("cuda")
 
 
+def test_cross_entropy_large():
+    check_cross_entropy("cuda")
+
+
 def test_fused_rms_norm_module_matches_torchs():
     """The layers' RMSNorm module on the GPU (Triton) against torch.nn.RMSNorm, bf16, at the
     350M preset's hidden size over 4 x 4096 tokens, forward and backward."""
@@ -146,3 +164,31 @@ def test_first_use_under_no_grad_checks_the_backward_too():
     ops.first_use_check.cache_clear()
     with torch.no_grad():
         assert ops.first_use_check(torch.device("cuda", 0), torch.float32)
+
+
+@pytest.mark.usefixtures("megatron_on_cuda")
+def test_megatron_loss_slot_runs_our_cross_entropy():
+    """After provide_fused_cross_entropy, a GPT model's loss (Megatron's fused cross-entropy
+    slot) is megatron_ext.cross_entropy's, and equals Megatron's own function in loss and
+    gradient (bf16 logits)."""
+    from megatron.core import parallel_state
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    from megatron.core.models.common.language_module import language_module
+
+    from megatron_ext.cross_entropy import provide_fused_cross_entropy, vocab_parallel_cross_entropy
+
+    provide_fused_cross_entropy()
+    assert language_module.fused_vocab_parallel_cross_entropy is vocab_parallel_cross_entropy
+    gen = torch.Generator().manual_seed(6)
+    logits = (torch.randn(300, 2, 5000, generator=gen) * 4).cuda().bfloat16()
+    target = torch.randint(0, 5000, (300, 2), generator=gen).cuda()
+    probe = torch.randn(300, 2, generator=gen).cuda()
+    group = parallel_state.get_tensor_model_parallel_group()
+    results = []
+    for function in (vocab_parallel_cross_entropy, fused_vocab_parallel_cross_entropy):
+        leaf = logits.clone().requires_grad_()
+        loss = function(leaf, target, group)
+        (loss * probe).sum().backward()
+        results.append((loss, leaf.grad))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(results[0][1].float(), results[1][1].float(), atol=1e-3, rtol=1e-2)
