@@ -7,7 +7,9 @@ saving off (``--save ''``): no split resumes another's checkpoint and none write
 names its TP, PP and CP sizes; DP is the GPUs left, ``GPUs / (TP * PP * CP)``: ``dp2``, ``tp2``,
 ``pp2``, ``cp2`` (state passing), ``cp2:all_to_all``, ``tp2cp2``, ``pp2dp2``. TP splits add
 ``--sequence-parallel``. NVLink multicast is off in every launched process (:data:`MULTICAST_OFF`,
-set by ``env`` in the command).
+set by ``env`` in the command). Every split runs eagerly (``--cuda-graph-impl none``): the
+presets' CUDA graph of an iteration is refused with pipeline or context parallelism, and the
+splits are compared as they would all run.
 
 Per split, from Megatron's log lines (``run_phase`` of ``benchmarks/pretrain_run.py``): the median
 ms per iteration over the iterations after ``--warmup``, tokens/s in all and per GPU, model
@@ -131,7 +133,7 @@ def split_command(split: Split, *, preset: str, steps: int, run_dir: str, global
         flags += ["--ext-context-parallel-method", split.cp_method]
     flags += ["--global-batch-size", global_batch, "--micro-batch-size", micro_batch,
               "--log-interval", 1, "--log-memory-interval", steps, "--eval-iters", 0,
-              "--save", ""]
+              "--save", "", "--cuda-graph-impl", "none"]
     return ["env", *(f"{k}={v}" for k, v in MULTICAST_OFF.items()),
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             str(split.tp * split.pp * split.cp * split.dp), "-m", "megatron_ext.cli", "pretrain",

@@ -133,7 +133,8 @@ def check_cuda_graph(args) -> None:
         ("MoE", bool(args.num_experts))) if on]
     if unverified:
         raise ConfigError(f"the full-iteration CUDA graph (train.cuda_graph) is not verified with "
-                          f"{', '.join(unverified)}: set train.cuda_graph: false in the preset")
+                          f"{', '.join(unverified)}: set train.cuda_graph: false in the preset, or "
+                          "pass --cuda-graph-impl none after --")
 
 
 # The Megatron flags that name the training data (any of them: the run has its own data).

@@ -115,6 +115,7 @@ def test_megatron_takes_each_split_as_asked(bench, text, gpus, monkeypatch, tmp_
     assert args.eval_iters == 0 and args.log_interval == 1 and args.log_memory_interval == 30
     assert not args.save and args.load == str(tmp_path / "checkpoints")  # nothing saved or resumed
     assert args.seed == 7 and args.mock_data
+    assert args.cuda_graph_impl == "none"  # eager in every split (the graph refuses PP and CP)
 
 
 def _fake(lines, returncode=0):

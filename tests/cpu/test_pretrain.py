@@ -304,6 +304,8 @@ def test_cuda_graph_setting_becomes_megatrons_full_iteration_graph(monkeypatch, 
     args = _parse(megatron_argv(settings, tmp_path, mock_data=True), monkeypatch, world_size=2)
     with pytest.raises(ConfigError, match="not verified with pipeline parallelism"):
         check_cuda_graph(args)
+    check_cuda_graph(_parse(megatron_argv(settings, tmp_path, mock_data=True)
+                            + ["--cuda-graph-impl", "none"], monkeypatch, world_size=2))
     tiny = presets.load_settings("tiny-hybrid")
     assert not tiny.train.cuda_graph
     assert _parse(megatron_argv(tiny, tmp_path, mock_data=True),
