@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from megatron_ext.doctor import add_commit_argument, stamp
+
 
 def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -198,6 +200,7 @@ def main():
     p.add_argument("--backends", default="local,sdpa")
     p.add_argument("--profile", action="store_true", help="print each core's top CUDA kernels")
     p.add_argument("--out", default="benchmarks/results/attention_core.json")
+    add_commit_argument(p)
     args = p.parse_args()
 
     setup()
@@ -205,8 +208,7 @@ def main():
     results = [measure(args, b) for b in args.backends.split(",")]
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  settings=vars(args), results=results,
+    record = dict(environment=stamp(args.commit), settings=vars(args), results=results,
                   sdpa_backend_ms_per_layer_fwd_bwd=backend_ms)
     by_name = {r["backend"]: r for r in results}
     if {"local", "sdpa"} <= by_name.keys():

@@ -18,7 +18,6 @@ plot of the validation curves next to it (``.png``). Runs live in ``--out-dir`` 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import pathlib
@@ -29,6 +28,7 @@ import time
 
 import yaml
 
+from megatron_ext.doctor import add_commit_argument, stamp
 from megatron_ext.launch.presets import load_preset
 
 VARIANTS = {
@@ -138,15 +138,6 @@ def plot(record: dict, path: pathlib.Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _environment(commit):
-    """benchmarks/throughput.py's stamp (commit, GPU, torch, Triton, date)."""
-    spec = importlib.util.spec_from_file_location(
-        "throughput", pathlib.Path(__file__).with_name("throughput.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.environment(commit)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="hybrid-350m")
@@ -163,7 +154,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--out", required=True)
     parser.add_argument("--out-dir", default="/tmp/megatron-ext-architectures")
-    parser.add_argument("--commit", default=None, help="stamp (default: git rev-parse HEAD)")
+    add_commit_argument(parser)
     args = parser.parse_args(argv)
 
     variants = [v for v in args.variants.split(",") if v]
@@ -173,7 +164,7 @@ def main(argv=None) -> int:
     base = load_preset(args.preset)
     root = pathlib.Path(args.out_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    record = {"environment": _environment(args.commit), "command": "python " + " ".join(sys.argv),
+    record = {"environment": stamp(args.commit), "command": "python " + " ".join(sys.argv),
               "preset": args.preset, "steps": args.steps, "rows": []}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_ext.doctor import add_commit_argument, stamp
+
 WRAPPED = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 # Mixers whose CP method is fixed (the linear recurrences take --methods).
 FIXED_METHOD = {"*": "kv_all_gather", "B": "all_to_all", "S": "all_to_all"}
@@ -171,6 +173,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", required=True)
+    add_commit_argument(parser)
     args = parser.parse_args()
 
     from megatron.core import parallel_state
@@ -191,8 +194,7 @@ def main():
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     collectives = Collectives(cuda)
-    results = dict(cp=cp, device=torch.cuda.get_device_name() if cuda else "cpu",
-                   torch=torch.__version__, settings=vars(args), results=[])
+    results = dict(cp=cp, environment=stamp(args.commit), settings=vars(args), results=[])
     out = pathlib.Path(args.out)
     for seq_len in (int(t) for t in args.seq_lens.split(",")):
         for symbol in args.mixers.split(","):

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from megatron_ext.doctor import add_commit_argument, stamp
 from megatron_ext.kernels import sparse
 from megatron_ext.kernels.sparse import layout
 
@@ -102,6 +103,7 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", help="also write the results here (JSON)")
+    add_commit_argument(parser)
     args = parser.parse_args(argv)
     args.dsa = [int(value) for value in args.dsa.split(",")]
     args.kv_heads = args.kv_heads or args.heads
@@ -119,7 +121,8 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(
-            {"settings": {k: v for k, v in vars(args).items() if k != "out"},
+            {"environment": stamp(args.commit),
+             "settings": {k: v for k, v in vars(args).items() if k not in ("out", "commit")},
              "results": results}, indent=1))
 
 

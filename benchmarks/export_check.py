@@ -22,7 +22,6 @@ differ by more than ``--fp32-tolerance`` or fp32 generation differs.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import sys
@@ -30,18 +29,11 @@ import time
 
 import torch
 
+from megatron_ext.doctor import add_commit_argument, stamp
+
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def _environment(commit):
-    """benchmarks/throughput.py's stamp (commit, GPU, torch, Triton, date)."""
-    spec = importlib.util.spec_from_file_location(
-        "throughput", pathlib.Path(__file__).with_name("throughput.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.environment(commit)
 
 
 def reference_model(run_dir: pathlib.Path, device: str):
@@ -102,7 +94,7 @@ def main(argv=None) -> int:
     parser.add_argument("--fp32-tolerance", type=float, default=1e-4,
                         help="largest fp32 logit difference allowed, relative to the largest logit")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--commit", default=None, help="stamp (default: git rev-parse HEAD)")
+    add_commit_argument(parser)
     args = parser.parse_args(argv)
 
     from transformers import AutoModelForCausalLM
@@ -111,7 +103,7 @@ def main(argv=None) -> int:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    record = {"environment": _environment(args.commit), "command": "python " + " ".join(sys.argv)}
+    record = {"environment": stamp(args.commit), "command": "python " + " ".join(sys.argv)}
     log(f"exporting {args.run_dir} -> {args.hf_dir}")
     export(args.run_dir, args.hf_dir, tokenizer_model=args.tokenizer_model)
     reference, checkpoint = reference_model(args.run_dir, args.device)

@@ -52,6 +52,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.doctor import add_commit_argument, stamp
 from megatron_ext.kernels import decay_linear_attention, gated_delta_rule
 from megatron_ext.kernels.backends import fla_unavailable_reason
 from megatron_ext.kernels.decay.fla import decay_fla_kind
@@ -293,13 +294,12 @@ def kernel_times(fn, top: int = 12) -> dict[str, dict[str, float]]:
                 host=longest(on_host), wall_ms=wall_ms)
 
 
-def environment(device: torch.device) -> dict:
-    versions = {"torch": torch.__version__}
-    for module in ("triton", "fla"):
-        if importlib.util.find_spec(module):
-            versions[module] = getattr(__import__(module), "__version__", "?")
+def environment(device: torch.device, commit: str | None = None) -> dict:
+    """The results' stamp (:func:`megatron_ext.doctor.stamp`), the device and fla-core's
+    version."""
+    fla = importlib.util.find_spec("fla") and getattr(__import__("fla"), "__version__", "?")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return dict(device=name, **versions)
+    return dict(stamp(commit), device=name, fla=fla or None)
 
 
 def plot(record: dict, path: pathlib.Path) -> None:
@@ -354,6 +354,7 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, help="timed calls, the median counts (default: 10; 3 on CPU)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/results/kernels_h200.json")
+    add_commit_argument(parser)
     parser.add_argument("--profile", action="store_true",
                         help="also profile one fwd+bwd call: GPU time per kernel, host time "
                              "per op")
@@ -431,7 +432,7 @@ def main(argv=None):
     device = torch.device(args.device)
     ops = select_ops(build_ops(device), args.ops)
     out = pathlib.Path(args.out)
-    record = measure_all(ops, args, environment(device), out)
+    record = measure_all(ops, args, environment(device, args.commit), out)
     try:
         plot(record, out.with_suffix(".png"))
         log(f"wrote {out.with_suffix('.png')}")

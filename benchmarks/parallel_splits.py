@@ -45,6 +45,7 @@ import tempfile
 from typing import NamedTuple
 
 from megatron_ext.config import CHOICES
+from megatron_ext.doctor import add_commit_argument, stamp
 from megatron_ext.launch.presets import load_settings, model_flops_per_token
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -235,6 +236,7 @@ def main(argv=None) -> int:
                         help="dense bf16 peak of one GPU (H100/H200 SXM: 989)")
     parser.add_argument("--split-timeout", type=int, default=180, help="seconds per split")
     parser.add_argument("--out", required=True)
+    add_commit_argument(parser)
     parser.add_argument("megatron_args", nargs=argparse.REMAINDER,
                         help="after --: extra Megatron flags for every split")
     args = parser.parse_args(argv)
@@ -261,7 +263,8 @@ def main(argv=None) -> int:
               "micro_batch_size": args.micro_batch_size, "seq_length": seq,
               "tokens_per_iteration": args.global_batch_size * seq,
               "model_flops_per_token": flops, "peak_tflops": args.peak_tflops,
-              "environment": MULTICAST_OFF, "megatron_args": extra, "splits": []}
+              "environment": stamp(args.commit), "nccl_environment": MULTICAST_OFF,
+              "megatron_args": extra, "splits": []}
     for number, split in enumerate(splits, 1):
         with tempfile.TemporaryDirectory(prefix="parallel_splits_") as run_dir:
             command = split_command(split, preset=args.preset, steps=args.steps, run_dir=run_dir,

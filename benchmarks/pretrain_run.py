@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 
+from megatron_ext.doctor import add_commit_argument, stamp
 from megatron_ext.launch.presets import load_settings, model_flops_per_token, parameter_count
 from megatron_ext.train import PREEMPTED_EXIT_CODE
 
@@ -99,6 +100,7 @@ def main(argv=None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="dense bf16 peak of one GPU (H100/H200 SXM: 989)")
     parser.add_argument("--out", required=True)
+    add_commit_argument(parser)
     parser.add_argument("megatron_args", nargs=argparse.REMAINDER,
                         help="after --: extra Megatron flags for both phases")
     args = parser.parse_args(argv)
@@ -144,7 +146,8 @@ def main(argv=None) -> int:
         summary["stopped_after_iteration"] = first["records"][-1]["iteration"]
         summary["resumed_at_iteration"] = second["records"][0]["iteration"]
     summary["stopped_with"] = args.stop_with
-    result = {"summary": summary, "phases": [first, second], "peak_tflops": args.peak_tflops}
+    result = {"environment": stamp(args.commit), "summary": summary, "phases": [first, second],
+              "peak_tflops": args.peak_tflops}
     out.write_text(json.dumps(result, indent=1))
     log(f"summary: {json.dumps(summary)}")
     ok = first["returncode"] == PREEMPTED_EXIT_CODE and second and second["returncode"] == 0

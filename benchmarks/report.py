@@ -320,8 +320,10 @@ def redraw_plots(results: pathlib.Path = RESULTS, out_dir: pathlib.Path | None =
     """Each script's plot drawn again from its JSON, by the script's own ``plot``
     (train_tiny_hybrid_cpu.png is the run's own loss_curve.png, drawn by ``megatron-ext train``)."""
     def script(name):
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-        module = sys.modules[name] = importlib.util.module_from_spec(spec)  # for its dataclasses
+        # Registered (for its dataclasses) under a name no package has: "kernels" is PyPI's too.
+        spec = importlib.util.spec_from_file_location(f"{name}_benchmark",
+                                                      ROOT / "benchmarks" / f"{name}.py")
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
 

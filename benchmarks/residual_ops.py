@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from megatron_ext.doctor import add_commit_argument, stamp
+
 EPS = 1e-6
 
 
@@ -242,6 +244,7 @@ def main(argv=None) -> int:
     p.add_argument("--mhc-sweep", action="store_true",
                    help="also time the mHC kernels at each launch configuration")
     p.add_argument("--out", required=True)
+    add_commit_argument(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("residual_ops.py times CUDA kernels: no CUDA device here", file=sys.stderr)
@@ -281,9 +284,9 @@ def main(argv=None) -> int:
     mhc = mhc_sweep(x, args.reps) if args.mhc_sweep else []
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                                   settings=vars(args), results=rows, host=host,
-                                   depth_sweep=sweep, mhc_sweep=mhc), indent=1))
+    out.write_text(json.dumps(dict(environment=stamp(args.commit), settings=vars(args),
+                                   results=rows, host=host, depth_sweep=sweep, mhc_sweep=mhc),
+                              indent=1))
     log(f"wrote {out}")
     return 0
 

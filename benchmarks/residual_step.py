@@ -37,6 +37,8 @@ import time
 
 import torch
 
+from megatron_ext.doctor import add_commit_argument, stamp
+
 VARIANTS = {
     "standard": dict(residual="standard"),
     "mhc": dict(residual="mhc"),
@@ -302,6 +304,7 @@ def main():
     p.add_argument("--tiny", action="store_true",
                    help="a 4-layer, hidden-64 model on whatever device there is (smoke test)")
     p.add_argument("--out", default="benchmarks/results/residual_step.json")
+    add_commit_argument(p)
     p.add_argument("--sync-debug", action="store_true",
                    help="also record where one step synchronises the host with the GPU")
     p.add_argument("--profile", action="store_true",
@@ -326,7 +329,6 @@ def main():
         log(f"device {runtime.device}, torch {torch.__version__}")
         pathlib.Path(args.child_result).write_text(json.dumps(measure(args, args.variants, runtime)))
         return
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = []
@@ -336,7 +338,7 @@ def main():
         if variant in table:
             log(f"{variant} vs standard: "
                 + ", ".join(f"{k} {v:+.2f}" for k, v in table[variant].items()))
-        record = dict(device=device, torch=torch.__version__, settings=vars(args),
+        record = dict(environment=stamp(args.commit), settings=vars(args),
                       results=results, overhead_vs_standard=table)
         out.write_text(json.dumps(record, indent=1))  # after every variant: partial runs count
     plot(results, out.with_suffix(".png"),

@@ -63,6 +63,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.doctor import add_commit_argument
 from megatron_ext.kernels import sparse
 from megatron_ext.kernels.backends import fla_unavailable_reason
 from megatron_ext.kernels.selfcheck import relative_error
@@ -362,6 +363,7 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, help="timed calls (default: 10; 3 on CPU)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/results/sparse_attention_h200.json")
+    add_commit_argument(parser)
     parser.add_argument("--resume", action="store_true",
                         help="keep the results already in --out and measure only what is missing "
                              "(to finish a run that was cut short, or to add ops)")
@@ -387,7 +389,7 @@ def main(argv=None):
     ops = bench.select_ops(build_ops(args), args.ops)
     out = pathlib.Path(args.out)
     log(f"{len(ops)} ops x T in {args.seq_lens}")
-    record = bench.measure_all(ops, args, bench.environment(device), out)
+    record = bench.measure_all(ops, args, bench.environment(device, args.commit), out)
     summary(record)
     plot(record, out.with_suffix(".png"))
     log(f"wrote {out.with_suffix('.png')}")

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 
+from megatron_ext.doctor import add_commit_argument, stamp
 from megatron_ext.launch.presets import load_settings, model_flops_per_token, parameter_count
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+.*elapsed time per iteration \(ms\): ([\d.]+)")
@@ -220,17 +221,6 @@ def run_one(preset: str, pattern: str | None, seq_length: int, args) -> dict:
     return row
 
 
-def environment(commit: str | None) -> dict:
-    import torch
-    import triton
-
-    commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                      capture_output=True, text=True).stdout.strip() or None
-    return {"commit": commit, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d")}
-
-
 def plot(record: dict, path: pathlib.Path) -> None:
     import matplotlib
 
@@ -278,9 +268,7 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-traces", default=None, metavar="DIR",
                         help="keep each run's profiled-iteration trace (Chrome JSON) in DIR")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--commit", default=None,
-                        help="the commit to stamp the results with (default: git's HEAD here; a "
-                             "copy of the tree without its .git, as on a lent GPU machine, needs it)")
+    add_commit_argument(parser)
     parser.add_argument("--replot", action="store_true",
                         help="only redraw --out's plot from its JSON")
     parser.add_argument("--append", action="store_true",
@@ -296,7 +284,7 @@ def main(argv=None) -> int:
         args.megatron_args = args.megatron_args[1:]
     pathlib.Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"environment": environment(args.commit), "commands": [], "peak_tflops": args.peak_tflops,
+    record = {"environment": stamp(args.commit), "commands": [], "peak_tflops": args.peak_tflops,
               "rows": []}
     if args.append and out.exists():
         record = json.loads(out.read_text())

@@ -73,6 +73,31 @@ def environment(device) -> dict:
     return info
 
 
+def stamp(commit: str | None = None) -> dict:
+    """The stamp of a benchmark's result file, which ``benchmarks/report.py`` shows beside its
+    numbers: the commit (``commit``, else git's HEAD of the working directory, else None), the
+    GPU (None without CUDA), torch, Triton and the date."""
+    import subprocess
+
+    import torch
+
+    if commit is None:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True)
+        commit = done.stdout.strip() or None
+    return {"commit": commit,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "torch": torch.__version__, "triton": _version("triton"),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def add_commit_argument(parser: argparse.ArgumentParser) -> None:
+    """A benchmark's ``--commit``, for :func:`stamp` (a copy of the tree without its .git, as
+    on a lent GPU machine, has no HEAD to read)."""
+    parser.add_argument("--commit", default=None,
+                        help="the commit to stamp the results with (default: git's HEAD here)")
+
+
 def _resolve_device(choice: str):
     import torch
 

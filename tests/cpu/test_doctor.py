@@ -202,3 +202,17 @@ def test_cudnn_rows_show_their_own_check(capsys, monkeypatch):
     assert exit_code == 0, output
     lines = rows(output, "sparse_attention", "cuDNN", "first-use", "flash")
     assert len(lines) == 2 and all(" pass " in line for line in lines), output
+
+
+def test_stamp_names_the_commit_and_the_versions(monkeypatch, tmp_path):
+    """Benchmarks stamp their results with the commit asked for, else git's HEAD here (none
+    outside a checkout), and torch's and Triton's versions."""
+    import torch
+
+    from megatron_ext.doctor import stamp
+
+    given = stamp("abc1234")
+    assert given["commit"] == "abc1234" and given["torch"] == torch.__version__
+    assert set(given) == {"commit", "gpu", "torch", "triton", "date"}
+    monkeypatch.chdir(tmp_path)  # not a git checkout
+    assert stamp()["commit"] is None
