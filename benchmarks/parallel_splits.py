@@ -57,7 +57,7 @@ LOG_TAIL = 30
 
 
 def _pretrain_run():
-    """benchmarks/pretrain_run.py, for run_phase and log (loaded by path:
+    """benchmarks/pretrain_run.py, for run_phase, log and its Megatron flags (loaded by path:
     benchmarks/ is a folder of scripts, not a package)."""
     path = pathlib.Path(__file__).with_name("pretrain_run.py")
     spec = importlib.util.spec_from_file_location("pretrain_run", path)
@@ -237,10 +237,9 @@ def main(argv=None) -> int:
     parser.add_argument("--split-timeout", type=int, default=180, help="seconds per split")
     parser.add_argument("--out", required=True)
     add_commit_argument(parser)
-    parser.add_argument("megatron_args", nargs=argparse.REMAINDER,
-                        help="after --: extra Megatron flags for every split")
+    pretrain_run.add_megatron_flags(parser, "every split")
     args = parser.parse_args(argv)
-    extra = args.megatron_args[1:] if args.megatron_args[:1] == ["--"] else args.megatron_args
+    extra = pretrain_run.megatron_flags(args)
     if args.splits is None and args.gpus not in DEFAULT_SPLITS:
         parser.error(f"--splits is needed for --gpus {args.gpus}")
     if args.steps <= args.warmup:

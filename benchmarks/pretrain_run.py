@@ -86,6 +86,17 @@ def run_phase(command: list[str], log_path: pathlib.Path, stop_at: int | None,
             "wall_s": round(time.time() - start, 1), "log": log_path.name}
 
 
+def add_megatron_flags(parser: argparse.ArgumentParser, where: str) -> None:
+    """Megatron flags after ``--`` on this script's command line, for ``megatron-ext pretrain``
+    (read them with :func:`megatron_flags`)."""
+    parser.add_argument("megatron_args", nargs=argparse.REMAINDER,
+                        help=f"after --: extra Megatron flags for {where}")
+
+
+def megatron_flags(args) -> list[str]:
+    return args.megatron_args[1:] if args.megatron_args[:1] == ["--"] else args.megatron_args
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="hybrid-350m")
@@ -101,10 +112,9 @@ def main(argv=None) -> int:
                         help="dense bf16 peak of one GPU (H100/H200 SXM: 989)")
     parser.add_argument("--out", required=True)
     add_commit_argument(parser)
-    parser.add_argument("megatron_args", nargs=argparse.REMAINDER,
-                        help="after --: extra Megatron flags for both phases")
+    add_megatron_flags(parser, "both phases")
     args = parser.parse_args(argv)
-    extra = args.megatron_args[1:] if args.megatron_args[:1] == ["--"] else args.megatron_args
+    extra = megatron_flags(args)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "megatron_ext.cli", "pretrain", "--preset", args.preset,
