@@ -64,7 +64,8 @@ def throughput(r):
             parts.append(f"{preset} at T = {seq}: {row['tokens_per_s'] / 1e3:.1f}k tokens/s "
                          f"({versus}MFU {row['mfu']:.1%})")
     tokens = r["rows"][0]["global_batch"] * r["rows"][0]["seq_length"]
-    graph = ", one CUDA graph an iteration" if all(row.get("cuda_graph") for row in r["rows"]) else ""
+    graphed = all(row.get("cuda_graph") for row in r["rows"])
+    graph = ", one CUDA graph an iteration" if graphed else ""
     what = (f"training throughput in Megatron's loop (`megatron-ext pretrain --mock-data`, "
             f"{tokens:,} tokens an iteration, bf16{graph})")
     return what, "; ".join(parts)
