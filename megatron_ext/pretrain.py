@@ -103,7 +103,8 @@ def megatron_argv(settings: RunSettings, run_dir: str | os.PathLike, *, mock_dat
     # Megatron's fused cross-entropy slot, which pretrain fills with megatron_ext.cross_entropy's
     # kernels (Megatron's torch.compile'd version where they do not run).
     argv += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]
-    # Accumulating weight gradients in the GEMM needs apex's fused_weight_gradient_mlp_cuda.
+    # Accumulating weight gradients in the GEMM needs apex's fused_weight_gradient_mlp_cuda, or
+    # megatron_ext.wgrad's in its place (pretrain registers it first where it runs).
     if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
         argv.append("--no-gradient-accumulation-fusion")
     if transformer_impl == "local":
@@ -365,6 +366,7 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
     from megatron_ext.multi_tensor import use_foreach_multi_tensor_ops
     from megatron_ext.rope import provide_fused_rope
     from megatron_ext.specs import uses_te
+    from megatron_ext.wgrad import provide_gradient_accumulation_fusion
 
     settings.validate()
     if settings.model.rope_scaling != "none":
@@ -383,6 +385,7 @@ def pretrain(settings: RunSettings, run_dir: str | os.PathLike, *, mock_data: bo
     if os.environ["RANK"] == "0":
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(settings.to_dict(), sort_keys=False))
+    provide_gradient_accumulation_fusion()
     argv = megatron_argv(settings, run_dir, mock_data=mock_data,
                          transformer_impl="transformer_engine" if uses_te(settings.ext) else "local")
     provide_fused_rope()

@@ -6,9 +6,12 @@ stores, not in a copy).
 Short convolution (``short_conv_forward`` / ``short_conv_backward``): a program takes ``BT``
 tokens x ``BC`` channels of one batch row; with the L2 normalisation ``BC`` is one head
 (``l2_norm_dim``, a power of two), so that the norm is a row sum of the tile. The backward
-recomputes the pre-activation instead of saving it: the gradient at token t needs the SiLU/norm
-gradient at tokens ``t .. t+K-1``, each recomputed from K inputs (K(K+1) cached loads a value);
-the weight gradient is summed per program into ``[programs, C, K]`` partials (no atomics).
+recomputes the pre-activation instead of saving it. The input gradient at token t needs the
+pre-activation's gradient at tokens ``t .. t+K-1``: a program computes it at its ``BT`` tokens
+and the ``K - 1`` after them (a halo tile of ``HALO`` rows), writes both to a scratch tile of its
+own, and reads that back shifted by each tap after a barrier (fp32, ``[programs, BT + HALO,
+BC]``, about the size of the input in fp32). The weight gradient is summed per program into
+``[programs, C, K]`` partials (no atomics).
 
 Gated RMSNorm (``gated_rms_norm_forward`` / ``_backward``): a program takes ``BT`` tokens of one
 head (D channels); the weight gradient is summed per program as above.
@@ -35,11 +38,6 @@ import triton.language as tl
 from .reference import L2_EPS
 
 TOKENS_PER_PROGRAM = 32
-# The short convolution's backward keeps several fp32 tiles live per tap (the recomputed
-# pre-activation, its SiLU, the incoming and outgoing gradients): 16 tokens on 2 warps a
-# program runs fastest on an H200 at the hybrid presets' widths (64-channel L2 heads and
-# 1024-channel values); larger tiles spill registers.
-CONV_BWD_TOKENS, CONV_BWD_WARPS = 16, 2
 
 
 @triton.jit
@@ -84,47 +82,71 @@ def _short_conv_fwd_kernel(x_ptr, w_ptr, pos_ptr, y_ptr, T, C, sxb, sxt, sxc,
 
 
 @triton.jit
-def _short_conv_bwd_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_ptr, T, C,
+def _conv_preactivation_grad(x_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_ok, T, C,
+                             sxb, sxt, sxc, K: tl.constexpr, HAS_POS: tl.constexpr,
+                             L2: tl.constexpr, EPS: tl.constexpr):
+    """The gradient of the pre-activation at token ``rows`` (zero past T), fp32, and the
+    pre-activation's inputs recomputed on the way (no activation is saved forward)."""
+    row_ok = rows < T
+    acc = _conv_preactivation(x_ptr, w_ptr, pos_ptr, b, rows, row_ok, cols, col_ok,
+                              sxb, sxt, sxc, K, HAS_POS)
+    sig = tl.sigmoid(acc)
+    dy = tl.load(dy_ptr + (b * T + rows[:, None]) * C + cols[None, :],
+                 mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    if L2:
+        u = acc * sig
+        norm = tl.maximum(tl.sqrt(tl.sum(u * u, axis=1)), EPS)
+        y = u / norm[:, None]
+        dy = (dy - y * tl.sum(dy * y, axis=1)[:, None]) / norm[:, None]
+    return dy * sig * (1.0 + acc * (1.0 - sig))
+
+
+@triton.jit
+def _short_conv_bwd_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_ptr, scratch_ptr, T, C,
                            sxb, sxt, sxc, sdb, sdt, sdc,
                            K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                           HAS_POS: tl.constexpr, L2: tl.constexpr, EPS: tl.constexpr):
+                           HALO: tl.constexpr, HAS_POS: tl.constexpr, L2: tl.constexpr,
+                           EPS: tl.constexpr):
     b, rows, cols, row_ok, col_ok = _conv_tile(T, C, BT, BC)
+    # The pre-activation's gradient at this program's tokens and at the HALO >= K - 1 after
+    # them, into this program's own scratch tile [BT + HALO, BC].
+    dacc = _conv_preactivation_grad(x_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_ok, T, C,
+                                    sxb, sxt, sxc, K, HAS_POS, L2, EPS)
+    halo_rows = tl.program_id(0) * BT + BT + tl.arange(0, HALO)
+    dacc_halo = _conv_preactivation_grad(x_ptr, w_ptr, pos_ptr, dy_ptr, b, halo_rows, cols,
+                                         col_ok, T, C, sxb, sxt, sxc, K, HAS_POS, L2, EPS)
+    program = b * tl.num_programs(0) + tl.program_id(0)
+    tile = scratch_ptr + ((program * tl.num_programs(2) + tl.program_id(2)) * (BT + HALO)) * BC
+    lanes = tl.arange(0, BC)[None, :]
+    tl.store(tile + tl.arange(0, BT)[:, None] * BC + lanes, dacc)
+    tl.store(tile + (BT + tl.arange(0, HALO))[:, None] * BC + lanes, dacc_halo)
+    tl.debug_barrier()  # the tile is read back shifted, by other threads of this program
+    # dx[t] = sum_i dacc[t + i] w[K-1-i] over the tokens t + i of t's sequence.
     dx = tl.zeros([BT, BC], dtype=tl.float32)
     for i in tl.static_range(K):
-        # The gradient of the pre-activation at token row + i, which tap K-1-i of this token feeds.
         later = rows + i
         if HAS_POS:
             later_pos = tl.load(pos_ptr + later, mask=later < T, other=0)
         else:
             later_pos = later
-        same = (later < T) & (later_pos >= i)  # token row + i is in row's sequence
-        acc = _conv_preactivation(x_ptr, w_ptr, pos_ptr, b, later, later < T, cols, col_ok,
-                                  sxb, sxt, sxc, K, HAS_POS)
-        sig = tl.sigmoid(acc)
-        u = acc * sig
-        dy = tl.load(dy_ptr + (b * T + later[:, None]) * C + cols[None, :],
-                     mask=same[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        if L2:
-            norm = tl.maximum(tl.sqrt(tl.sum(u * u, axis=1)), EPS)
-            y = u / norm[:, None]
-            dy = (dy - y * tl.sum(dy * y, axis=1)[:, None]) / norm[:, None]
-        dacc = dy * sig * (1.0 + acc * (1.0 - sig))
+        same = (later < T) & (later_pos >= i)
+        shifted = tl.load(tile + (tl.arange(0, BT) + i)[:, None] * BC + lanes,
+                          mask=same[:, None], other=0.0)
         wi = tl.load(w_ptr + cols * K + (K - 1 - i), mask=col_ok, other=0.0).to(tl.float32)
-        dx += dacc * wi[None, :]
-        if i == 0:  # this program's share of the weight gradient
-            if HAS_POS:
-                pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
-            else:
-                pos = rows
-            program = b * tl.num_programs(0) + tl.program_id(0)
-            for j in tl.static_range(K):
-                ok = row_ok & (pos >= j)
-                xj = tl.load(x_ptr + b * sxb + (rows - j)[:, None] * sxt + cols[None, :] * sxc,
-                             mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-                tl.store(dw_ptr + (program * C + cols) * K + (K - 1 - j),
-                         tl.sum(dacc * xj, axis=0), mask=col_ok)
+        dx += shifted * wi[None, :]
     tl.store(dx_ptr + b * sdb + rows[:, None] * sdt + cols[None, :] * sdc,
              dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    # This program's share of the weight gradient: dw[c, K-1-j] += sum_t dacc[t] x[t - j].
+    if HAS_POS:
+        pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+    else:
+        pos = rows
+    for j in tl.static_range(K):
+        ok = row_ok & (pos >= j)
+        xj = tl.load(x_ptr + b * sxb + (rows - j)[:, None] * sxt + cols[None, :] * sxc,
+                     mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        tl.store(dw_ptr + (program * C + cols) * K + (K - 1 - j), tl.sum(dacc * xj, axis=0),
+                 mask=col_ok)
 
 
 def empty_in_order_of(t: torch.Tensor) -> torch.Tensor:
@@ -164,17 +186,20 @@ def short_conv_backward(x, weight, positions, l2_norm_dim, dy):
     """Gradients of :func:`short_conv_forward`: ``dx`` in ``x``'s strides and dtype, ``dw``
     ``[C, K]`` in ``weight``'s dtype."""
     batch, length, channels = x.shape
+    kernel = weight.shape[1]
     block = _channel_block(channels, l2_norm_dim)
+    halo = triton.next_power_of_2(max(kernel - 1, 1))
     dy = dy.contiguous()
     dx = empty_in_order_of(x)
-    grid = (triton.cdiv(length, CONV_BWD_TOKENS), batch, triton.cdiv(channels, block))
-    dw = torch.empty(grid[0] * batch, channels, weight.shape[1], device=x.device,
-                     dtype=torch.float32)
+    grid = (triton.cdiv(length, TOKENS_PER_PROGRAM), batch, triton.cdiv(channels, block))
+    dw = torch.empty(grid[0] * batch, channels, kernel, device=x.device, dtype=torch.float32)
+    scratch = torch.empty(grid[0] * batch * grid[2], TOKENS_PER_PROGRAM + halo, block,
+                          device=x.device, dtype=torch.float32)
     _short_conv_bwd_kernel[grid](
-        x, weight, positions if positions is not None else x, dy, dx, dw, length, channels,
-        *x.stride(), *dx.stride(), K=weight.shape[1], BT=CONV_BWD_TOKENS, BC=block,
-        HAS_POS=positions is not None, L2=l2_norm_dim is not None, EPS=L2_EPS,
-        num_warps=CONV_BWD_WARPS)
+        x, weight, positions if positions is not None else x, dy, dx, dw, scratch, length,
+        channels, *x.stride(), *dx.stride(), K=kernel, BT=TOKENS_PER_PROGRAM, BC=block,
+        HALO=halo, HAS_POS=positions is not None, L2=l2_norm_dim is not None, EPS=L2_EPS,
+        num_warps=4)
     return dx, dw.sum(0).to(weight.dtype)
 
 

@@ -3,6 +3,7 @@ and the model Megatron's builder makes from them is the preset's model. (The tra
 itself needs CUDA; benchmarks/pretrain_run.py runs it on a GPU, its H200 run in
 benchmarks/results/pretrain_run_h200.json.)"""
 
+import importlib.machinery
 import signal
 
 import pytest
@@ -325,6 +326,26 @@ def test_transformer_engine_only_when_asked(monkeypatch, tmp_path):
         specs.uses_te(ExtConfig(attention_backend="te"))
     argv = megatron_argv(presets.load_settings("tiny-hybrid"), tmp_path, mock_data=True)
     assert "--no-gradient-accumulation-fusion" in argv  # no apex here
+
+
+def test_gradient_accumulation_fusion_is_not_provided_without_cuda(monkeypatch, tmp_path):
+    """megatron_ext.wgrad registers its weight-gradient GEMM only on a GPU (addmm's fp32
+    out_dtype is CUDA-only); without it pretrain's flags keep the fusion off. Where it is
+    registered (a module of apex's name that find_spec sees), the flag is dropped."""
+    import sys
+    import types
+
+    from megatron_ext import wgrad
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not wgrad.provide_gradient_accumulation_fusion()
+    assert wgrad.MODULE not in sys.modules
+    module = types.ModuleType(wgrad.MODULE)
+    module.__spec__ = importlib.machinery.ModuleSpec(wgrad.MODULE, loader=None)
+    monkeypatch.setitem(sys.modules, wgrad.MODULE, module)
+    assert wgrad.provide_gradient_accumulation_fusion()
+    argv = megatron_argv(presets.load_settings("tiny-hybrid"), tmp_path, mock_data=True)
+    assert "--no-gradient-accumulation-fusion" not in argv
 
 
 def test_an_indexed_dataset_with_a_hugging_face_tokenizer_directory(
