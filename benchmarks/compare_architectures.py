@@ -6,11 +6,16 @@ Variants (``--variants``, default all): ``*`` (softmax attention in every layer)
 the preset's layers, and ``GG*`` with mHC (``GG*+mhc``) and with block attention residuals
 (``GG*+attnres``). Each runs ``--steps`` steps of the preset (its sizes and learning rate; the
 corpus of ``data.inputs``, tokenized once into ``--out-dir``/data and shared) for every seed
-of ``--seeds``, evaluating every ``--eval-interval`` steps on the held-out split.
+of ``--seeds``, evaluating every ``--eval-interval`` steps on the held-out split. The corpus is
+the preset's ``data.inputs`` or ``--inputs`` (files or folders; None: the Python standard
+library), tokenized once before the runs with one worker per CPU.
 
 Output (``--out``, JSON): per variant and seed the train and validation loss curves and
 tokens/s; per variant the final validation loss's mean and spread (min, max) over seeds; a
-plot of the validation curves next to it (``.png``). Runs live in ``--out-dir`` (not kept).
+plot of the validation curves next to it (``.png``). The JSON is rewritten after every run;
+with ``--append`` a later command adds its runs to it (runs already in it are skipped), so a
+comparison can be split over several jobs. A run that fails is reported and skipped, and the
+script then exits with status 1. Runs live in ``--out-dir`` (not kept).
 
     python benchmarks/compare_architectures.py --preset hybrid-350m --steps 300 \\
         --out benchmarks/results/architectures_h200.json
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import statistics
 import subprocess
@@ -69,6 +75,8 @@ def variant_preset(base: dict, variant: str, seed: int, args, data_dir: pathlib.
     preset["data"]["output_dir"] = str(data_dir)
     for name in ("paths", "tokenizer_type", "tokenizer_model"):
         preset["data"].pop(name, None)  # `train` tokenizes data.inputs itself
+    if args.inputs:
+        preset["data"]["inputs"] = args.inputs
     if args.vocab_size:
         preset["data"]["vocab_size"] = args.vocab_size
     preset["parallel"] = {"tensor": 1, "pipeline": 1}
@@ -138,6 +146,20 @@ def plot(record: dict, path: pathlib.Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def prepare_corpus(base: dict, args, data_dir: pathlib.Path) -> dict:
+    """Tokenize the runs' corpus once, with a worker per CPU (the runs then reuse it)."""
+    from megatron_ext.data import prepare_data
+    from megatron_ext.train import RunSettings
+
+    settings = RunSettings.from_dict(variant_preset(base, "*", 0, args, data_dir))
+    prepared = prepare_data(inputs=settings.data.inputs, output_dir=data_dir,
+                            vocab_size=settings.data.vocab_size, workers=os.cpu_count() or 1)
+    counts = prepared.meta["counts"]
+    log(f"corpus: {counts['files']:,} files, {counts['tokens']:,} tokens, vocabulary "
+        f"{prepared.meta['vocab_size']:,}")
+    return counts
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="hybrid-350m")
@@ -149,10 +171,15 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--global-batch-size", type=int, default=None)
+    parser.add_argument("--inputs", nargs="+", default=None, metavar="PATH",
+                        help="the corpus: text files or folders (default: the preset's "
+                             "data.inputs)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="the tokenizer trained on the corpus (default: the preset's)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--append", action="store_true",
+                        help="add to --out's runs (same preset and steps) instead of replacing")
     parser.add_argument("--out-dir", default="/tmp/megatron-ext-architectures")
     add_commit_argument(parser)
     args = parser.parse_args(argv)
@@ -164,21 +191,42 @@ def main(argv=None) -> int:
     base = load_preset(args.preset)
     root = pathlib.Path(args.out_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    record = {"environment": stamp(args.commit), "command": "python " + " ".join(sys.argv),
-              "preset": args.preset, "steps": args.steps, "rows": []}
     out = pathlib.Path(args.out)
+    command = "python " + " ".join(sys.argv)
+    record = {"environment": stamp(args.commit), "commands": [command],
+              "preset": args.preset, "steps": args.steps, "rows": []}
+    if args.append and out.exists():
+        record = json.loads(out.read_text())
+        if (record["preset"], record["steps"]) != (args.preset, args.steps):
+            parser.error(f"{out} holds {record['preset']} at {record['steps']} steps")
+        record["commands"].append(command)
     out.parent.mkdir(parents=True, exist_ok=True)
+    record["corpus"] = prepare_corpus(base, args, root / "data")
+    done = {(r["variant"], r["seed"]) for r in record["rows"]}
+    failed = []
     for variant in variants:
         for seed in (int(s) for s in args.seeds.split(",")):
-            record["rows"].append(run(variant, seed, base, args, root))
+            if (variant, seed) in done:
+                log(f"{variant} seed {seed}: already in {out}")
+                continue
+            try:
+                record["rows"].append(run(variant, seed, base, args, root))
+            except RuntimeError as error:
+                log(str(error))
+                failed.append((variant, seed))
+                continue
             record["summary"] = summary(record["rows"])
             out.write_text(json.dumps(record, indent=1))  # as it goes
-    plot(record, out.with_suffix(".png"))
-    for variant, stats in sorted(record["summary"].items(), key=lambda kv: kv[1]["valid_loss"]):
+    if record["rows"]:
+        plot(record, out.with_suffix(".png"))
+    for variant, stats in sorted(record.get("summary", {}).items(),
+                                 key=lambda kv: kv[1]["valid_loss"]):
         log(f"{variant:<12} valid {stats['valid_loss']:.4f} [{stats['valid_min']:.4f}, "
             f"{stats['valid_max']:.4f}] over {stats['seeds']} seed(s), "
             f"{stats['tokens_per_s'] or 0:,.0f} tokens/s")
-    return 0
+    if failed:
+        log(f"failed: {failed}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
