@@ -2,17 +2,17 @@
 
 Each benchmark script writes one JSON there (and some a plot next to it). This script reads them
 and rewrites the part of README.md between the markers ``<!-- performance:begin -->`` and
-``<!-- performance:end -->``: one table row per JSON (what was measured, on which machine, the
-key numbers, the file, and the commit, GPU, torch and Triton it records, "not recorded" where
-it records none), then the plots.
+``<!-- performance:end -->``: one table row per measurement's JSON (what was measured, on which
+machine, the key numbers, the file, and the commit, GPU, torch and Triton it records, "not
+recorded" where it records none), one line per check's JSON under it, then the plots.
 
     python benchmarks/report.py            # rewrite README.md's block
     python benchmarks/report.py --check    # exit 1 if README.md's block is not what it would write
     python benchmarks/report.py --plots    # also redraw the scripts' plots from their JSONs
 
 The table needs the standard library only; ``--plots`` imports the benchmark scripts (torch,
-matplotlib). A new result file needs an entry in :data:`ROWS`: ``tests/cpu/test_report.py``
-fails while a JSON in benchmarks/results/ has none.
+matplotlib). A new result file needs an entry in :data:`ROWS` or :data:`CHECKS`:
+``tests/cpu/test_report.py`` fails while a JSON in benchmarks/results/ has none.
 """
 from __future__ import annotations
 
@@ -260,7 +260,22 @@ def export_check(r):
     return what, result
 
 
-# Every JSON kept in benchmarks/results/, in the table's order, with its format.
+def architectures(r):
+    corpus = r["corpus"]
+    what = (f"architecture comparison at {r['preset']}'s sizes: {r['steps']} steps of "
+            f"`megatron-ext train` each on the same {corpus['tokens'] / 1e6:.0f}M-token corpus "
+            "of Python sources, final held-out loss (mean [min, max] over seeds)")
+    ranked = sorted(r["summary"].items(), key=lambda kv: kv[1]["valid_loss"])
+    result = "; ".join(
+        f"`{variant}` {s['valid_loss']:.3f}" + (
+            f" [{s['valid_min']:.3f}, {s['valid_max']:.3f}] ({s['seeds']} seeds)"
+            if s["seeds"] > 1 else "")
+        for variant, s in ranked)
+    return what, result
+
+
+# The JSONs kept in benchmarks/results/, each with its format: measurements as table rows, in
+# this order, and checks (a run that had to work, with what it showed) as a list under it.
 ROWS = {
     "throughput_h200.json": throughput,
     "attention_core_h200.json": attention_core,
@@ -271,10 +286,13 @@ ROWS = {
     "residual_ops_h200.json": residual_ops,
     "context_parallel_h200x2.json": context_parallel,
     "parallel_splits_h200x2.json": parallel_splits,
+    "architectures_h200.json": architectures,
+    "train_tiny_hybrid_cpu.json": train,
+}
+CHECKS = {
     "pretrain_run_h200.json": pretrain_run,
     "doctor_h200.json": doctor,
     "export_check_h200.json": export_check,
-    "train_tiny_hybrid_cpu.json": train,
 }
 
 
@@ -301,6 +319,12 @@ def render(results: pathlib.Path = RESULTS) -> str:
         what, result = extract(record)
         lines.append(f"| {what} | {where(name, record)} | {result} | {link(results / name)}: "
                      f"{stamp(record)} |")
+    lines += ["", "Checks:", ""]
+    for name, extract in CHECKS.items():
+        record = json.loads((results / name).read_text())
+        what, result = extract(record)
+        lines.append(f"- {what} ({where(name, record)}): {result}. {link(results / name)}: "
+                     f"{stamp(record)}")
     plots = sorted(results.glob("*.png"))
     lines.append("")
     lines += [f"![{path.stem}]({path.relative_to(ROOT).as_posix()})"
@@ -340,6 +364,7 @@ def redraw_plots(results: pathlib.Path = RESULTS, out_dir: pathlib.Path | None =
         "sparse_attention_h200.json": ("sparse_attention", lambda r, path: (r, path)),
         "residual_step_h200.json": ("residual_step",
                                     lambda r, path: (r["results"], path, residual_title(r))),
+        "architectures_h200.json": ("compare_architectures", lambda r, path: (r, path)),
     }
     written = []
     for name, (module, arguments) in plots.items():
