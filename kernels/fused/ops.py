@@ -32,21 +32,22 @@ def _triton():
 
 class _ShortConv(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, positions, l2_norm_dim):
+    def forward(ctx, x, weight, positions, l2_norm_dim, grad_into):
         ctx.save_for_backward(x, weight, positions)
-        ctx.l2_norm_dim = l2_norm_dim
+        ctx.l2_norm_dim, ctx.grad_into = l2_norm_dim, grad_into
         return _triton().short_conv_forward(x, weight, positions, l2_norm_dim)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, positions = ctx.saved_tensors
-        dx, dw = _triton().short_conv_backward(x, weight, positions, ctx.l2_norm_dim, dy)
-        return dx, dw, None, None
+        dx = None if ctx.grad_into is None else ctx.grad_into()
+        dx, dw = _triton().short_conv_backward(x, weight, positions, ctx.l2_norm_dim, dy, dx)
+        return dx, dw, None, None, None
 
 
 class _GatedRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, o, weight, gate, eps, sequence_first):
+    def forward(ctx, o, weight, gate, eps, sequence_first, gate_grad_into):
         batch, length, heads, dim = o.shape
         if sequence_first:
             out = torch.empty(length, batch, heads * dim, device=o.device, dtype=o.dtype)
@@ -55,7 +56,7 @@ class _GatedRMSNorm(torch.autograd.Function):
             out = view = torch.empty_like(o, memory_format=torch.contiguous_format)
         _triton().gated_rms_norm_forward(o, weight, gate, eps, view)
         ctx.save_for_backward(o, weight, gate)
-        ctx.eps, ctx.sequence_first = eps, sequence_first
+        ctx.eps, ctx.sequence_first, ctx.gate_grad_into = eps, sequence_first, gate_grad_into
         return out
 
     @staticmethod
@@ -64,8 +65,9 @@ class _GatedRMSNorm(torch.autograd.Function):
         dy = dy.contiguous()
         if ctx.sequence_first:
             dy = dy.transpose(0, 1).unflatten(-1, o.shape[2:])
-        do, dgate, dweight = _triton().gated_rms_norm_backward(o, weight, gate, ctx.eps, dy)
-        return do, dweight, dgate, None, None
+        dgate = None if ctx.gate_grad_into is None else ctx.gate_grad_into()
+        do, dgate, dweight = _triton().gated_rms_norm_backward(o, weight, gate, ctx.eps, dy, dgate)
+        return do, dweight, dgate, None, None, None
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -114,6 +116,62 @@ class _CrossEntropy(torch.autograd.Function):
         return grad.view(ctx.shape), None, None, None, None
 
 
+class ProjectionGradient:
+    """The gradient of a fused projection's output ``[s, b, W]``, one buffer that the consumers
+    of its parts (column slices ``[s, b, w_i]``, :func:`split_projection`) write their input
+    gradients into, so that no concatenation of the parts' gradients is needed: the short
+    convolution and the gated RMSNorm do, given ``grad_into=gradient.part_of(i)``. The buffer is
+    allocated by the first backward that asks for it and handed over by the split's backward,
+    which copies in the gradients that did not arrive in place (other consumers, the reference
+    paths) and zeros those of unused parts."""
+
+    def __init__(self, output: torch.Tensor, widths: list[int]):
+        self.widths = list(widths)
+        self._shape, self._dtype, self._device = output.shape, output.dtype, output.device
+        self._whole: torch.Tensor | None = None
+
+    def _parts(self) -> tuple[torch.Tensor, ...]:
+        if self._whole is None:
+            self._whole = torch.empty(self._shape, dtype=self._dtype, device=self._device)
+        return self._whole.split(self.widths, dim=-1)
+
+    def part_of(self, index: int, view=None):
+        """A function (for ``grad_into``) returning part ``index``'s slice of the buffer, through
+        ``view`` (the consumer's layout of the part, e.g. a transpose) where given."""
+        return lambda: self._parts()[index] if view is None else view(self._parts()[index])
+
+    def take(self, grads) -> torch.Tensor:
+        """The whole gradient from the parts' gradients (None: unused), which may already lie in
+        the buffer; the buffer is released."""
+        for part, grad in zip(self._parts(), grads):
+            if grad is None:
+                part.zero_()
+            elif not (grad.data_ptr() == part.data_ptr() and grad.shape == part.shape
+                      and grad.stride() == part.stride()):
+                part.copy_(grad)
+        whole, self._whole = self._whole, None
+        return whole
+
+
+class _SplitProjection(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, output, gradient):
+        ctx.gradient = gradient
+        ctx.set_materialize_grads(False)  # an unused part's gradient arrives as None
+        return output.split(gradient.widths, dim=-1)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return ctx.gradient.take(grads), None
+
+
+def split_projection(output: torch.Tensor, widths: list[int]):
+    """``output [..., sum(widths)]`` split into column slices (views), and the
+    :class:`ProjectionGradient` their consumers may write their input gradients into."""
+    gradient = ProjectionGradient(output, widths)
+    return _SplitProjection.apply(output, gradient), gradient
+
+
 def merge_vocab_shards(stats: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, log-sum-exp), fp32 ``[N]`` each, from the ranks' :func:`reference.cross_entropy_stats`
     ``[N, 3]`` over their columns of the vocabulary: the max over the ranks, each rank's sum
@@ -139,27 +197,32 @@ def _check_backend(backend: str) -> None:
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | None = None,
-               l2_norm_dim: int | None = None, backend: str = "auto") -> torch.Tensor:
+               l2_norm_dim: int | None = None, backend: str = "auto",
+               grad_into=None) -> torch.Tensor:
     """Causal depthwise conv + SiLU (+ L2 norm per ``l2_norm_dim`` channels), see
     :func:`reference.short_conv`. ``x [B, T, C]`` in any strides; returns ``[B, T, C]``
-    contiguous in ``x.dtype``; the gradient of ``x`` comes back in ``x``'s strides."""
+    contiguous in ``x.dtype``; the gradient of ``x`` comes back in ``x``'s strides, or, where the
+    Triton kernel runs and ``grad_into`` is given, in the tensor of ``x``'s shape that
+    ``grad_into()`` returns when the backward runs (see :class:`ProjectionGradient`)."""
     _check_backend(backend)
     tiled = l2_norm_dim is None or _power_of_two(l2_norm_dim)  # one head is one kernel tile
     if backend == "triton" or (backend == "auto" and tiled and _use_triton(x)):
-        return _ShortConv.apply(x, weight, positions, l2_norm_dim)
+        return _ShortConv.apply(x, weight, positions, l2_norm_dim, grad_into)
     return reference.short_conv(x, weight, positions, l2_norm_dim)
 
 
 def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float,
-                   sequence_first: bool = False, backend: str = "auto") -> torch.Tensor:
+                   sequence_first: bool = False, backend: str = "auto",
+                   gate_grad_into=None) -> torch.Tensor:
     """``rmsnorm(o) * weight * silu(gate)`` per head, see :func:`reference.gated_rms_norm`.
     ``o``, ``gate``: ``[B, T, H, D]`` (any strides with a dense last dim); ``weight``: ``[H, D]``
     or ``[D]``. Returns ``[B, T, H, D]``, or with ``sequence_first`` Megatron's ``[T, B, H*D]``
-    (contiguous, ready for the output projection), in ``o.dtype``."""
+    (contiguous, ready for the output projection), in ``o.dtype``. ``gate_grad_into``: as
+    :func:`short_conv`'s ``grad_into``, for the gate's gradient."""
     _check_backend(backend)
     tiled = _power_of_two(o.shape[-1]) and o.stride(-1) == gate.stride(-1) == 1
     if backend == "triton" or (backend == "auto" and tiled and _use_triton(o)):
-        return _GatedRMSNorm.apply(o, weight, gate, eps, sequence_first)
+        return _GatedRMSNorm.apply(o, weight, gate, eps, sequence_first, gate_grad_into)
     out = reference.gated_rms_norm(o, weight, gate, eps)
     return out.transpose(0, 1).flatten(2).contiguous() if sequence_first else out
 
@@ -233,7 +296,8 @@ def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
     kernels' token blocks), with and without the L2 norm, over a slice of a wider projection,
     and on three packed sequences (5, 33 and 7 tokens); RMSNorm over 48 channels; RoPE on a
     strided slice; the gated RMSNorm with per-head and shared weights, both output layouts;
-    cross-entropy over a vocabulary shard that holds some of the targets."""
+    cross-entropy over a vocabulary shard that holds some of the targets; the short conv and
+    the gated RMSNorm writing their input gradients into a split projection's gradient."""
     from ..selfcheck import relative_error
 
     device = torch.device(device)
@@ -291,7 +355,36 @@ def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
     compare("cross_entropy", lambda x: cross_entropy(x, target.to(device), 1000, None, "triton"),
             lambda x: cross_entropy(x, target, 1000, None, "reference"), [logits])
 
+    # A fused projection's output split four ways: the short conv and the gated RMSNorm write
+    # their input gradients into its gradient buffer, another consumer's gradient is copied in,
+    # the unused part's is zero.
+    widths = [8, heads * dim, heads * dim, 5]
     o = randn(batch, length, heads, dim)
+
+    def heads_of(t):  # [s, b, H * D] -> [b, s, H, D]
+        return t.transpose(0, 1).unflatten(-1, (heads, dim))
+
+    def through_projection(conv, norm, split):
+        def run(wide, w, o, norm_weight):
+            (other, part, gate_part, _), gradient = split(wide)
+            y = conv(part.transpose(0, 1), w, gradient.part_of(1, lambda t: t.transpose(0, 1)))
+            z = norm(o, norm_weight, heads_of(gate_part), gradient.part_of(2, heads_of))
+            return torch.cat([y.flatten(), z.flatten(), (other * 2).flatten()])
+        return run
+
+    def plain_split(wide):
+        return wide.split(widths, dim=-1), ProjectionGradient(wide, widths)
+
+    compare("projection gradient",
+            through_projection(
+                lambda x, w, into: short_conv(x, w, None, dim, "triton", grad_into=into),
+                lambda o, nw, g, into: gated_rms_norm(o, nw, g, 1e-6, False, "triton", into),
+                lambda wide: split_projection(wide, widths)),
+            through_projection(
+                lambda x, w, into: reference.short_conv(x, w, None, dim),
+                lambda o, nw, g, into: reference.gated_rms_norm(o, nw, g, 1e-6), plain_split),
+            [randn(length, batch, sum(widths)), weight, o, randn(heads, dim, scale=0.3) + 1])
+
     gate = randn(length, batch, heads * dim).transpose(0, 1).unflatten(-1, (heads, dim))
     for shape in ((heads, dim), (dim,)):
         norm_weight = randn(*shape, scale=0.3) + 1

@@ -159,6 +159,15 @@ def empty_in_order_of(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, device=t.device, dtype=t.dtype)
 
 
+def _checked_out(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A given output tensor for the gradient of ``like``: its shape, dtype and device."""
+    if (out.shape, out.dtype, out.device) != (like.shape, like.dtype, like.device):
+        raise ValueError(f"the gradient's output {tuple(out.shape)} {out.dtype} {out.device} "
+                         f"does not match its input {tuple(like.shape)} {like.dtype} "
+                         f"{like.device}")
+    return out
+
+
 def _channel_block(channels: int, l2_norm_dim: int | None) -> int:
     if l2_norm_dim is not None:
         if l2_norm_dim & (l2_norm_dim - 1) or channels % l2_norm_dim:
@@ -182,15 +191,15 @@ def short_conv_forward(x: torch.Tensor, weight: torch.Tensor, positions: torch.T
     return y
 
 
-def short_conv_backward(x, weight, positions, l2_norm_dim, dy):
-    """Gradients of :func:`short_conv_forward`: ``dx`` in ``x``'s strides and dtype, ``dw``
-    ``[C, K]`` in ``weight``'s dtype."""
+def short_conv_backward(x, weight, positions, l2_norm_dim, dy, dx=None):
+    """Gradients of :func:`short_conv_forward`: ``dx`` (written into ``dx`` where given, else a
+    new tensor in ``x``'s strides) in ``x``'s dtype, ``dw`` ``[C, K]`` in ``weight``'s dtype."""
     batch, length, channels = x.shape
     kernel = weight.shape[1]
     block = _channel_block(channels, l2_norm_dim)
     halo = triton.next_power_of_2(max(kernel - 1, 1))
     dy = dy.contiguous()
-    dx = empty_in_order_of(x)
+    dx = empty_in_order_of(x) if dx is None else _checked_out(dx, x)
     grid = (triton.cdiv(length, TOKENS_PER_PROGRAM), batch, triton.cdiv(channels, block))
     dw = torch.empty(grid[0] * batch, channels, kernel, device=x.device, dtype=torch.float32)
     scratch = torch.empty(grid[0] * batch * grid[2], TOKENS_PER_PROGRAM + halo, block,
@@ -281,11 +290,13 @@ def gated_rms_norm_forward(o, weight, gate, eps, out):
     return out
 
 
-def gated_rms_norm_backward(o, weight, gate, eps, dy):
+def gated_rms_norm_backward(o, weight, gate, eps, dy, dgate=None):
     """Gradients of :func:`gated_rms_norm_forward`: ``do`` and ``dgate`` in the strides of ``o``
-    and ``gate``, ``dweight`` in ``weight``'s shape and dtype."""
+    and ``gate`` (``dgate`` written into ``dgate`` where given, whose last dim is dense),
+    ``dweight`` in ``weight``'s shape and dtype."""
     batch, length, heads, dim = o.shape
-    do, dgate = empty_in_order_of(o), empty_in_order_of(gate)
+    do = empty_in_order_of(o)
+    dgate = empty_in_order_of(gate) if dgate is None else _checked_out(dgate, gate)
     grid = (triton.cdiv(length, TOKENS_PER_PROGRAM), batch, heads)
     dw = torch.empty(grid[0] * batch, heads, dim, device=o.device, dtype=torch.float32)
     _gated_norm_bwd_kernel[grid](o, gate, weight, dy, do, dgate, dw, length, heads, *_heads(o),

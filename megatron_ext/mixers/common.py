@@ -28,7 +28,7 @@ from megatron.core.transformer.utils import (
 )
 
 from megatron_ext.config import ConfigError
-from megatron_ext.kernels.fused import short_conv
+from megatron_ext.kernels.fused import short_conv, split_projection
 
 
 @dataclass
@@ -79,11 +79,20 @@ class HeadShardedModule(MegatronModule):
         linear.weight.fused_part_sizes = tuple(local.values())
         return linear
 
-    def split_outputs(self, name: str, output: torch.Tensor) -> dict[str, torch.Tensor]:
+    def split_outputs(self, name: str, output: torch.Tensor):
         """The parts of the fused projection ``name``'s output ``[s, b, sum of widths]``, as
-        views by part name."""
+        views by part name, and ``grad_into(part, view=None)``: where a consumer of that part
+        (the short convolution, the gated RMSNorm) writes its gradient, the part's slice of one
+        buffer for the whole output's gradient (``ProjectionGradient`` in
+        ``megatron_ext.kernels.fused``; ``view``: the consumer's layout of the part)."""
         local = self._fused_splits[name]
-        return dict(zip(local, output.split(list(local.values()), dim=-1)))
+        parts, gradient = split_projection(output, list(local.values()))
+        index = {part: i for i, part in enumerate(local)}
+
+        def grad_into(part: str, view=None):
+            return gradient.part_of(index[part], view)
+
+        return dict(zip(local, parts)), grad_into
 
     def column(self, name: str, in_size: int, out_size: int, gather_output: bool = False,
                config=None):
@@ -207,7 +216,7 @@ def packed_cu_seqlens(packed_seq_params):
 
 def conv_silu_heads(x: torch.Tensor, weight: torch.Tensor, heads: int, positions=None, cp=None,
                     packed=None, l2_norm: bool = False, cache: dict | None = None,
-                    name: str | None = None):
+                    name: str | None = None, grad_into=None):
     """``[s, b, heads * d]`` projection -> causal conv + SiLU (+ L2 norm per head) -> ``[b, s,
     heads, d]``, in one kernel (:func:`megatron_ext.kernels.fused.short_conv`, which reads the
     projection in place). ``positions``: each token's index within its packed sequence
@@ -221,14 +230,17 @@ def conv_silu_heads(x: torch.Tensor, weight: torch.Tensor, heads: int, positions
 
     Decoding (``cache``, a layer's :meth:`HeadShardedModule.decoding_cache`): the inputs follow
     the ``kernel - 1`` inputs before them, kept in ``cache[name]`` from the previous call.
+
+    ``grad_into``: where the gradient of ``x`` (``[s, b, heads * d]``) goes, from
+    :meth:`HeadShardedModule.split_outputs`; used without context parallelism or decoding.
     """
     s, b = x.shape[:2]
     x = x.transpose(0, 1)
     halo = weight.shape[1] - 1
     head_dim = x.shape[-1] // heads if l2_norm else None
 
-    def conv(inputs, positions=None):
-        return short_conv(inputs, weight, positions, head_dim)
+    def conv(inputs, positions=None, grad_into=None):
+        return short_conv(inputs, weight, positions, head_dim, grad_into=grad_into)
 
     if cache is not None:
         before = cache.get(name)
@@ -236,7 +248,7 @@ def conv_silu_heads(x: torch.Tensor, weight: torch.Tensor, heads: int, positions
         cache[name] = seen[:, max(seen.shape[1] - halo, 0):].clone()
         x = conv(seen)[:, seen.shape[1] - s:]
     elif cp is None or halo == 0:
-        x = conv(x, positions)
+        x = conv(x, positions, None if grad_into is None else lambda: grad_into().transpose(0, 1))
     elif packed is not None:  # b = 1; one convolution per piece, after its halo
         pieces = packed.split(x)
         before = cp.before_tails(torch.cat([piece[:, piece.shape[1] - halo:] for piece in pieces]))

@@ -142,7 +142,7 @@ class DecayMixer(HeadShardedModule):
                 inference_context=None, **_unused):
         cache = self.decoding_cache(inference_context, packed_seq_params)
         projected, _ = self.in_proj(hidden_states)  # [s, b, widths] (full s: SP gathers here)
-        parts = self.split_outputs("in_proj", projected)
+        parts, grad_into = self.split_outputs("in_proj", projected)
         q, k, v = parts["q"], parts["k"], parts["v"]
         s, b = q.shape[:2]
 
@@ -175,8 +175,8 @@ class DecayMixer(HeadShardedModule):
             o = o.to(hidden_states.dtype).reshape(b, s, -1).transpose(0, 1).contiguous()
         else:
             o = gated_rms_norm(o.to(hidden_states.dtype), self.out_norm_weight,
-                               to_heads(parts["gate"]), self.norm_eps,
-                               sequence_first=True)  # [s, b, heads * V]
+                               to_heads(parts["gate"]), self.norm_eps, sequence_first=True,
+                               gate_grad_into=grad_into("gate", to_heads))  # [s, b, heads * V]
         if cache is not None:
             cache["state"] = final
         return self.linear_out(o)
@@ -229,18 +229,19 @@ class Mamba2Mixer(HeadShardedModule):
                 inference_context=None, **_unused):
         cache = self.decoding_cache(inference_context, packed_seq_params)
         projected, _ = self.in_proj(hidden_states)  # [s, b, widths] (full s: SP gathers here)
-        z, x, B, C, dt = self.split_outputs("in_proj", projected).values()
+        parts, grad_into = self.split_outputs("in_proj", projected)
+        z, x, B, C, dt = parts.values()
         s, b = x.shape[:2]
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
         packed = check_sequence(self.cp, s, cu_seqlens, self.conv_x.shape[1], "mamba2")
         positions = sequence_positions(cu_seqlens, s, x.device)
 
         x = conv_silu_heads(x, self.conv_x, self.heads, positions, self.cp, packed,
-                            cache=cache, name="x")  # [b, s, H, P]
+                            cache=cache, name="x", grad_into=grad_into("x"))  # [b, s, H, P]
         B = conv_silu_heads(B, self.conv_B, self.groups, positions, self.cp, packed,
-                            cache=cache, name="B")  # [b, s, G, N]
+                            cache=cache, name="B", grad_into=grad_into("B"))  # [b, s, G, N]
         C = conv_silu_heads(C, self.conv_C, self.groups, positions, self.cp, packed,
-                            cache=cache, name="C")
+                            cache=cache, name="C", grad_into=grad_into("C"))
         dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())  # [b, s, H]
         g = -self.A_log.float().exp() * dt
         # C reads and B writes the state; dt scales the write; scale 1 as in Mamba-2.

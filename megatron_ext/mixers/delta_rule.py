@@ -20,7 +20,10 @@ Around the op: one fused input projection (q, k, v, the output gate, the erase/w
 GDN's decay); q, k and v each through a short causal depthwise convolution and SiLU, q and k
 L2-normalised per head, in one kernel per tensor (:mod:`megatron_ext.kernels.fused`); a per-head
 RMSNorm gated by ``silu(x W_z)`` (one kernel, which also writes Megatron's ``[s, b, h]``
-layout); the output projection. (KDA's paper gates its output with a low-rank sigmoid; we use GDN's full-rank SiLU
+layout); the output projection. The convolutions' and the norm's backward kernels write their
+input gradients into one buffer for the fused projection's gradient
+(:meth:`~megatron_ext.mixers.common.HeadShardedModule.split_outputs`), so the parts' gradients are
+not concatenated. (KDA's paper gates its output with a low-rank sigmoid; we use GDN's full-rank SiLU
 gate for all four, so that they differ only in the recurrence.)
 
 Tensor parallelism splits heads: the input projections are column-parallel over heads (each
@@ -147,7 +150,7 @@ class DeltaRuleMixer(HeadShardedModule):
         :meth:`~megatron_ext.mixers.common.HeadShardedModule.decoding_cache`)."""
         cache = self.decoding_cache(inference_context, packed_seq_params)
         projected, _ = self.in_proj(hidden_states)  # [s, b, widths] (full s: SP gathers here)
-        projected = self.split_outputs("in_proj", projected)
+        projected, grad_into = self.split_outputs("in_proj", projected)
         s, b = projected["q"].shape[:2]
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
         packed = check_sequence(self.cp, s, cu_seqlens, self.conv_q.shape[1], self.variant)
@@ -159,11 +162,11 @@ class DeltaRuleMixer(HeadShardedModule):
 
         # Conv + SiLU (+ L2 norm per head for q and k) in one kernel each, read in place.
         q = conv_silu_heads(projected["q"], self.conv_q, self.key_heads, positions, self.cp,
-                            packed, l2_norm=True, cache=cache, name="q")
+                            packed, l2_norm=True, cache=cache, name="q", grad_into=grad_into("q"))
         k = conv_silu_heads(projected["k"], self.conv_k, self.key_heads, positions, self.cp,
-                            packed, l2_norm=True, cache=cache, name="k")
+                            packed, l2_norm=True, cache=cache, name="k", grad_into=grad_into("k"))
         v = conv_silu_heads(projected["v"], self.conv_v, self.value_heads, positions, self.cp,
-                            packed, cache=cache, name="v")
+                            packed, cache=cache, name="v", grad_into=grad_into("v"))
         gates = {}
         if self.variant == "gated_deltanet2":
             gates["erase"] = sigmoid_gate("erase", (self.key_dim,))
@@ -182,9 +185,12 @@ class DeltaRuleMixer(HeadShardedModule):
             signal = residual[0] if self.routing == "cler_h" else v
             self.routed_signal = signal.reshape(b, s, -1).transpose(0, 1)
 
-        gate = projected["gate"].transpose(0, 1).unflatten(-1, (self.value_heads, self.value_dim))
-        o = gated_rms_norm(o.to(hidden_states.dtype), self.out_norm_weight, gate, self.norm_eps,
-                           sequence_first=True)  # [s, b, value heads * V]
+        def gate_heads(gate):  # [s, b, Hv * V] -> [b, s, Hv, V]
+            return gate.transpose(0, 1).unflatten(-1, (self.value_heads, self.value_dim))
+
+        o = gated_rms_norm(o.to(hidden_states.dtype), self.out_norm_weight,
+                           gate_heads(projected["gate"]), self.norm_eps, sequence_first=True,
+                           gate_grad_into=grad_into("gate", gate_heads))  # [s, b, Hv * V]
         return self.linear_out(o)
 
 

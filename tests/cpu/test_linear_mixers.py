@@ -92,7 +92,7 @@ def test_mamba2_equals_the_ssm_recurrence_written_out():
     hidden = torch.randn(9, 1, 64)
     out, _ = m(hidden)
 
-    parts = m.split_outputs("in_proj", m.in_proj(hidden)[0])
+    parts, _ = m.split_outputs("in_proj", m.in_proj(hidden)[0])
 
     def proj(name):
         return parts[name][:, 0].float()  # [s, C]
@@ -128,8 +128,8 @@ def test_hgrn2_equals_its_recurrence_written_out():
     m = _mixer("hgrn2", backend="chunked", layer_number=3)
     hidden = torch.randn(9, 1, 64)
     out, _ = m(hidden)
-    q, forget_logits, v, gate = (part[:, 0].float().view(9, m.heads, -1)
-                                 for part in m.split_outputs("in_proj", m.in_proj(hidden)[0]).values())
+    parts, _ = m.split_outputs("in_proj", m.in_proj(hidden)[0])
+    q, forget_logits, v, gate = (part[:, 0].float().view(9, m.heads, -1) for part in parts.values())
     bound = 2 / 4
     forget = bound + (1 - bound) * torch.sigmoid(forget_logits)
     assert forget.min() >= bound
@@ -153,7 +153,7 @@ def test_hedgehog_equals_normalised_feature_map_attention():
         m.feature_bias.normal_()
     hidden = torch.randn(11, 1, 64)
     out, _ = m(hidden)
-    parts = m.split_outputs("in_proj", m.in_proj(hidden)[0])
+    parts, _ = m.split_outputs("in_proj", m.in_proj(hidden)[0])
     assert set(parts) == {"q", "k", "v"}
     q, k, v = (parts[name][:, 0].float().view(11, m.heads, -1) for name in ("q", "k", "v"))
 
