@@ -279,9 +279,9 @@ def check(job: Job) -> Job:
 # Transformer Models", table 2) less the score-matrix terms; with TP t: 10 + 24 / t, and with
 # sequence parallelism 34 / t.
 LAYER_BYTES_PER_HIDDEN = 34
-# Bytes per token per vocabulary entry of the output layer: its bf16 logits and the fp32 logits
-# and gradient of the cross-entropy.
-LOGIT_BYTES = 10
+# Bytes per token per vocabulary entry of the output layer: its bf16 logits and, in the backward,
+# their bf16 gradient (megatron_ext.cross_entropy keeps no fp32 copy of either).
+LOGIT_BYTES = 4
 
 
 def memory_per_gpu(job: Job) -> MemoryEstimate:
