@@ -17,6 +17,8 @@ Ops (``--ops`` takes families, e.g. ``moba``, backends, e.g. ``flex``, or single
                   (+ CSA's selection and indexer loss); ``--hca`` = rate, window (128,128),
                   ``--csa`` = rate, top-k, window, indexer heads, indexer dim
                   (4,512,128,64,128)
+    fox           softmax_attention with the Forgetting Transformer's forget gates (causal;
+                  flex only: the gathered form does not take them)
     sdpa          torch SDPA, causal (flash on CUDA)
 
 each with the backends of ``megatron_ext.kernels.sparse``: flex (FlexAttention, compiled; CUDA
@@ -88,7 +90,8 @@ INPUTS = {"swa_sink": ["q", "k", "v", "sink"], "causal_sink": ["q", "k", "v", "s
           "dsa": ["q", "k", "v", "sink", "index_q", "index_k", "index_weights"],
           "hca": ["q", "k", "v", "sink", "kv", "gate", "bias"],
           "csa": ["q", "k", "v", "sink", "kv2", "gate2", "bias2", "index_q", "index_kv", "index_gate",
-                  "index_bias", "index_weights"]}
+                  "index_bias", "index_weights"],
+          "fox": ["q", "k", "v", "log_forget"]}
 BACKENDS = ["flex", "gathered"]
 FLASH_FAMILIES = ["swa_sink", "causal_sink", "moba", "nsa", "dsa", "csa"]  # what "flash" runs
 FLA_FAMILIES = ["swa_sink", "causal_sink"]  # what fla-core's parallel_attn runs
@@ -132,7 +135,8 @@ def make_inputs(args, family, batch, seq_len, heads, dim):
         v=randn(batch, seq_len, kv_heads, dim).bfloat16(), sink=randn(heads),
         gates=torch.sigmoid(randn(batch, seq_len, heads, 3)).bfloat16(),
         k_weights=torch.full((kv_heads, compress_block), 1 / compress_block, device=device),
-        v_weights=torch.full((kv_heads, compress_block), 1 / compress_block, device=device))
+        v_weights=torch.full((kv_heads, compress_block), 1 / compress_block, device=device),
+        log_forget=F.logsigmoid(randn(batch, seq_len, heads) + 2))
     return {name: inputs[name] for name in INPUTS[family]}
 
 
@@ -157,6 +161,8 @@ def family_run(family, backend, args):
         "dsa": lambda x: dsa_layer_op(x, args.dsa[0], backend),
         "hca": lambda x: hca_layer_op(x, *args.hca, backend),
         "csa": lambda x: csa_layer_op(x, *args.csa[:3], backend),
+        "fox": lambda x: sparse.softmax_attention(
+            x["q"], x["k"], x["v"], log_forget=x["log_forget"], backend=backend),
     }
     return lambda **x: calls[family](x)
 
@@ -262,6 +268,8 @@ def build_ops(args) -> list:
             skip = None
             if backend == "flex" and device.type != "cuda":
                 skip = "FlexAttention has no backward on the CPU"
+            if backend == "gathered" and family == "fox":
+                skip = "the gathered form does not take forget gates"
             ops.append(bench.Op(family, backend, make, family_run(family, backend, args), skip))
         if family in FLASH_FAMILIES:
             skip = None if device.type == "cuda" else "FlashAttention runs on CUDA only"

@@ -50,6 +50,9 @@ MIXERS: tuple[Mixer, ...] = (
           {"variant": "moba"}, self_attention=True),
     Mixer("S", "nsa", _ATTENTION, "NSA: Native Sparse Attention (Yuan et al. 2025)",
           {"variant": "nsa"}, self_attention=True),
+    Mixer("F", "fox", _ATTENTION,
+          "FoX: Forgetting Transformer, softmax attention with a forget gate (Lin et al. 2025)",
+          {"variant": "fox"}, self_attention=True),
     # A SelfAttention too, but its indexer reads the normalised input: the input norm stays the
     # layer's own (under Transformer Engine not fused into linear_qkv).
     Mixer("D", "dsa", _ATTENTION, "DSA: DeepSeek Sparse Attention (DeepSeek-V3.2, 2025)",

@@ -87,8 +87,8 @@ def _base_submodules(ext: ExtConfig, config) -> TransformerLayerSubmodules:
 
 def attention_self_spec(ext: ExtConfig, config, variant: str = "attention") -> ModuleSpec:
     """The ``self_attention`` spec of a softmax-attention layer: registry builder of ``*``
-    (variant "attention") and of the sparse layers ("moba", "nsa", "dsa", "csa", "hca"), which
-    swap in their core."""
+    (variant "attention") and of the sparse layers ("moba", "nsa", "fox", "dsa", "csa", "hca"),
+    which swap in their core."""
     spec = _base_submodules(ext, config).self_attention
     if variant != "attention":
         from megatron_ext.mixers.sparse_attention import sparse_attention_spec

@@ -114,21 +114,34 @@ def _repeat_heads(t, group: int):
     return t.repeat_interleave(group, dim=2)
 
 
+def _forget_score_mod(log_forget: torch.Tensor):
+    """FlexAttention's ``score_mod`` adding the Forgetting Transformer's bias ``c_i - c_j``
+    (``c = cumsum(log f)`` per query head, fp32 ``[B, Hq, T]``)."""
+    c = log_forget.float().cumsum(1).transpose(1, 2).contiguous()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + (c[b, h, q_idx] - c[b, h, kv_idx])
+
+    return score_mod
+
+
 def flex_attention_layout(q, k, v, layout: BlockLayout, *, sink=None, scale=None,
-                          kernel_options=None):
-    """Same contract as ``gathered_attention``; ``kernel_options`` go to FlexAttention on CUDA.
-    Grouped key/value heads run natively (``enable_gqa``), or repeated per query head for
-    layouts with ``dense_columns``."""
+                          kernel_options=None, log_forget=None):
+    """Same contract as ``gathered_attention``; ``kernel_options`` go to FlexAttention on CUDA;
+    ``log_forget [B, T, Hq]``: forget gates (``softmax_attention``'s). Grouped key/value heads
+    run natively (``enable_gqa``), or repeated per query head for layouts with
+    ``dense_columns``."""
     from torch.nn.attention.flex_attention import AuxRequest
 
     heads, kv_heads = q.shape[2], k.shape[2]
     if q.device.type == "cpu":
         if torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad for t in (q, k, v, sink)):
+                t is not None and t.requires_grad for t in (q, k, v, sink, log_forget)):
             raise RuntimeError(
                 f"{OP}: backend 'flex' cannot run: FlexAttention has no backward on the CPU in "
                 f"torch {torch.__version__}; use backend='gathered'")
         q, k, v = q.detach(), k.detach(), v.detach()  # it refuses any input that requires grad
+        log_forget = None if log_forget is None else log_forget.detach()
     options = {}
     if q.device.type == "cuda":
         run = _compiled_flex_attention()
@@ -146,6 +159,8 @@ def flex_attention_layout(q, k, v, layout: BlockLayout, *, sink=None, scale=None
         # (no dense columns) run a few percent slower repeated, and are not
         # (``benchmarks/sparse_attention.py --kv-heads 1``).
         k, v = (_repeat_heads(t, heads // kv_heads) for t in (k, v))
+    if log_forget is not None:
+        options["score_mod"] = _forget_score_mod(log_forget)
     out, aux = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                    block_mask=block_mask(layout, heads, q.shape[1], k.shape[1]), scale=scale,
                    enable_gqa=heads != k.shape[2], return_aux=AuxRequest(lse=True), **options)

@@ -56,12 +56,24 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.float().repeat_interleave(heads // x.shape[2], dim=2).transpose(1, 2)
 
 
-def _masked_probs(q, k, allowed, sink, scale):
+def forget_bias(log_forget: torch.Tensor) -> torch.Tensor:
+    """The Forgetting Transformer's logit bias ``[B, Hq, T, T]`` (fp32) from the log forget gates
+    ``[B, T, Hq]``: ``D_ij = sum_{j < l <= i} log f_l = c_i - c_j`` with ``c = cumsum(log f)``
+    (meaningful for keys j <= i; packed sequences may share one cumsum, since their queries see
+    no key of another sequence)."""
+    c = log_forget.float().cumsum(1).transpose(1, 2)  # [B, Hq, T]
+    return c[..., :, None] - c[..., None, :]
+
+
+def _masked_probs(q, k, allowed, sink, scale, bias=None):
     """fp32 attention probabilities ``[B, Hq, T, S]``, zero outside ``allowed``; with a sink,
-    each row sums to less than 1."""
+    each row sums to less than 1; ``bias`` (broadcastable to the scores) is added to the
+    scaled logits."""
     batch, seq_len, heads, dim = q.shape
     scale = dim ** -0.5 if scale is None else scale
     scores = q.float().transpose(1, 2) @ _heads(k, heads).transpose(-1, -2) * scale
+    if bias is not None:
+        scores = scores + bias
     allowed = allowed.expand_as(scores)
     scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
     if sink is not None:  # one more logit per head in the denominator, with a zero value
@@ -70,17 +82,18 @@ def _masked_probs(q, k, allowed, sink, scale):
     return scores.softmax(-1)[..., : allowed.shape[-1]] * allowed
 
 
-def _masked_attention_fp32(q, k, v, allowed, sink, scale):
-    probs = _masked_probs(q, k, allowed, sink, scale)
+def _masked_attention_fp32(q, k, v, allowed, sink, scale, bias=None):
+    probs = _masked_probs(q, k, allowed, sink, scale, bias)
     return (probs @ _heads(v, q.shape[2])).transpose(1, 2)  # [B, T, Hq, D]
 
 
-def masked_attention(q, k, v, allowed, *, sink=None, scale=None):
-    """``softmax(q k^T * scale over the allowed keys) v``; with ``sink [Hq]``, the learnable
-    sink of StreamingLLM / gpt-oss: ``exp(sink_h)`` joins each row's denominator, i.e.
-    ``p_ts = exp(z_ts) / (sum_allowed exp(z_ts') + exp(sink_h))``. ``allowed``: bool,
-    broadcastable to ``[B, Hq, T, S]``. scale defaults to ``D ** -0.5``."""
-    return _masked_attention_fp32(q, k, v, allowed, sink, scale).to(v.dtype)
+def masked_attention(q, k, v, allowed, *, sink=None, scale=None, bias=None):
+    """``softmax(q k^T * scale (+ bias) over the allowed keys) v``; with ``sink [Hq]``, the
+    learnable sink of StreamingLLM / gpt-oss: ``exp(sink_h)`` joins each row's denominator,
+    i.e. ``p_ts = exp(z_ts) / (sum_allowed exp(z_ts') + exp(sink_h))``. ``allowed``: bool,
+    broadcastable to ``[B, Hq, T, S]``, as is ``bias`` (fp32). scale defaults to
+    ``D ** -0.5``."""
+    return _masked_attention_fp32(q, k, v, allowed, sink, scale, bias).to(v.dtype)
 
 
 def window_mask(seq_len: int, key_len: int, *, causal: bool = True, window=None,
@@ -108,16 +121,18 @@ def document_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def softmax_attention_reference(q, k, v, *, causal=True, window=None, sink=None, scale=None,
-                                cu_seqlens=None, allowed=None):
+                                cu_seqlens=None, allowed=None, log_forget=None):
     """Softmax attention with an optional sliding window, sink, packed sequences
-    (``cu_seqlens``, B == 1) and extra mask ``allowed`` (bool ``[B | 1, Hq | 1, T, S]``)."""
+    (``cu_seqlens``, B == 1), extra mask ``allowed`` (bool ``[B | 1, Hq | 1, T, S]``) and the
+    Forgetting Transformer's forget gates (``log_forget``, see :func:`forget_bias`)."""
     check_qkv(OP, q, k, v)
     mask = window_mask(q.shape[1], k.shape[1], causal=causal, window=window, device=q.device)
     if cu_seqlens is not None:
         mask = mask & document_mask(cu_seqlens, q.shape[1])
     if allowed is not None:
         mask = mask & allowed
-    return masked_attention(q, k, v, mask, sink=sink, scale=scale)
+    bias = None if log_forget is None else forget_bias(log_forget)
+    return masked_attention(q, k, v, mask, sink=sink, scale=scale, bias=bias)
 
 
 def chosen_blocks(scores: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -1,27 +1,44 @@
 """Softmax attention with a sliding window and a sink (``softmax_attention``)."""
 from . import flash
+from .flex import flex_attention_layout
 from .layout import allowed_rule, both, document_rule, interval_layout, window_rule, window_span
 from .reference import OP, check_qkv, softmax_attention_reference
 from .routing import _EXECUTORS, _backend, _blocks, _check_sink, _runs_flash
 
 
 def softmax_attention(q, k, v, *, causal=True, window=None, sink=None, scale=None,
-                      cu_seqlens=None, allowed=None, backend="auto", layout_blocks=None):
+                      cu_seqlens=None, allowed=None, backend="auto", layout_blocks=None,
+                      log_forget=None):
     """Softmax attention, optionally causal, with an optional sliding window ``(left, right)``
     (Megatron's convention: query t sees keys t - left .. t + right, -1 unbounded), learnable
     sink ``[Hq]`` (``exp(sink_h)`` added to the softmax denominator), packed sequences
     (``cu_seqlens [N + 1]``, B == 1) and extra bool mask ``allowed`` ``[B | 1, Hq | 1, T, S]``
     (True = may attend). q ``[B, T, Hq, D]``, k, v ``[B, S, Hkv, D]`` -> ``[B, T, Hq, D]``.
-    Backends as the package's (``__init__``), plus "flash" (flash.py)."""
+    Backends as the package's (``__init__``), plus "flash" (flash.py).
+
+    ``log_forget [B, T, Hq]`` (<= 0, causal self-attention): the Forgetting Transformer (Lin et
+    al. 2025), each logit biased by the log forget gates between key and query
+    (:func:`~.reference.forget_bias`); it runs on "flex" (a ``score_mod`` adding ``c_i - c_j``,
+    differentiated by FlexAttention) or the reference ("auto": flex on CUDA, the reference
+    elsewhere; flash and gathered do not take it)."""
     check_qkv(OP, q, k, v)
     _check_sink(sink, q)
-    if _runs_flash(backend, q, k, v, allowed):
+    if log_forget is not None:
+        _check_forget(log_forget, q, k, causal)
+    if _runs_flash(backend, q, k, v, allowed,
+                   supported=True if log_forget is None else "forget gates"):
         return flash.flash_attention(q, k, v, causal=causal, window=window, sink=sink,
                                      scale=scale, cu_seqlens=cu_seqlens)
     name = _backend(backend, q)
+    if log_forget is not None and name == "gathered":
+        if backend != "auto":
+            raise ValueError(f"{OP}: backend='gathered' does not take forget gates; use 'flex' "
+                             "(CUDA) or 'reference'")
+        name = "reference"
     if name == "reference":
         return softmax_attention_reference(q, k, v, causal=causal, window=window, sink=sink,
-                                           scale=scale, cu_seqlens=cu_seqlens, allowed=allowed)
+                                           scale=scale, cu_seqlens=cu_seqlens, allowed=allowed,
+                                           log_forget=log_forget)
     seq_len, key_len = q.shape[1], k.shape[1]
     rule = window_rule(causal, window)
     if cu_seqlens is not None:
@@ -30,4 +47,16 @@ def softmax_attention(q, k, v, *, causal=True, window=None, sink=None, scale=Non
         rule = both(rule, allowed_rule(allowed.expand(q.shape[0], -1, seq_len, key_len)))
     layout = interval_layout(seq_len, key_len, *_blocks(name, layout_blocks),
                              *window_span(causal, window), rule, q.device)
+    if log_forget is not None:
+        return flex_attention_layout(q, k, v, layout, sink=sink, scale=scale,
+                                     log_forget=log_forget)
     return _EXECUTORS[name](q, k, v, layout, sink=sink, scale=scale)
+
+
+def _check_forget(log_forget, q, k, causal):
+    if not causal or q.shape[1] != k.shape[1]:
+        raise ValueError(f"{OP}: forget gates (log_forget) need causal self-attention (T == S); "
+                         f"got causal={causal}, T={q.shape[1]}, S={k.shape[1]}")
+    if tuple(log_forget.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"{OP}: log_forget has shape {tuple(log_forget.shape)}, expected "
+                         f"[B, T, Hq] = {list(q.shape[:3])}")

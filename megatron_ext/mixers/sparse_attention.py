@@ -1,11 +1,11 @@
-"""Sparse softmax attention layers: MoBA ('B') and NSA ('S'); DSA ('D', in
-:mod:`megatron_ext.mixers.dsa`) and DeepSeek-V4's CSA and HCA ('C', 'H', in
+"""Sparse softmax attention layers: MoBA ('B') and NSA ('S'), and the Forgetting Transformer
+('F'); DSA ('D', in :mod:`megatron_ext.mixers.dsa`) and DeepSeek-V4's CSA and HCA ('C', 'H', in
 :mod:`megatron_ext.mixers.compressed`) are built here too.
 
-Both are Megatron's SelfAttention (QKV projection, RoPE, QK-norm, output gate, output
+Each is Megatron's SelfAttention (QKV projection, RoPE, QK-norm, output gate, output
 projection, TP over heads, SP) with a core of ours in place of the dense one; every option of
-:class:`~megatron_ext.mixers.attention.SoftmaxCoreAttention` (sink, XSA, and for MoBA the
-sliding window) applies.
+:class:`~megatron_ext.mixers.attention.SoftmaxCoreAttention` (sink, XSA, and for MoBA and FoX
+the sliding window) applies.
 
 - MoBA, Lu et al., "MoBA: Mixture of Block Attention for Long-Context LLMs" (2025): no
   parameters; each query head picks its key blocks by ``q . mean(K_block)``.
@@ -15,11 +15,16 @@ sliding window) applies.
   mixed by per-token sigmoid gates ``sigmoid(X W_g)`` from the layer input. The compression is a
   learned weighted pooling per key/value head and block position (initialised to the mean,
   which is what fla-org's implementation fixes it to); the paper uses a small MLP.
+- FoX, Lin et al., "Forgetting Transformer: Softmax Attention with a Forget Gate" (ICLR 2025):
+  per head a forget gate ``f_t = sigmoid(x_t W_f + b_f)``, and the logit of query i and key
+  j <= i biased by ``sum_{j < l <= i} log f_l`` (a data-dependent ALiBi); the "Pro" block's
+  output gate and QK-norm are SelfAttention's own options.
 
-Under TP every parameter here is per head and split with the heads: the NSA gate projection is
-column-parallel (head-major, 3 gates per head), the compression weights are sharded over the
-key/value heads, the sink over the query heads. Selections are per head (MoBA) or per key/value
-group (NSA), so they never cross ranks. Under CP both split their heads further, by all-to-all
+Under TP every parameter here is per head and split with the heads: the NSA gate projection and
+FoX's forget-gate projection are column-parallel (head-major, 3 gates per head for NSA), the
+compression weights are sharded over the key/value heads, the sink over the query heads.
+Selections are per head (MoBA) or per key/value group (NSA), so they never cross ranks. Under
+CP all three split their heads further, by all-to-all
 (:class:`_SparseCore`).
 """
 
@@ -30,6 +35,7 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
@@ -75,7 +81,7 @@ class _DocumentRows:
 
 
 class _SparseCore(HeadSplitCoreAttention):
-    """MoBA's and NSA's core: causal self-attention over one sequence per batch row.
+    """MoBA's, NSA's and FoX's core: causal self-attention over one sequence per batch row.
 
     Packed (thd) sequences become the rows of a padded batch around the op (exact for a causal
     op; the padding costs compute when the sequences' lengths differ much).
@@ -174,8 +180,48 @@ class NSASelfAttention(SelfAttention):
         return super().forward(hidden_states, *args, **kwargs)
 
 
+class FoXCoreAttention(_SparseCore):
+    """The Forgetting Transformer's core: causal softmax attention whose logits are biased by the
+    log forget gates between key and query (``sparse.softmax_attention``'s ``log_forget``); the
+    gates' logits come from :class:`FoXSelfAttention` (``forget_logits``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.window is not None and self.window[1] > 0:
+            raise NotImplementedError(f"FoX is causal; window_size={self.window} looks ahead")
+        self.forget_logits = None
+
+    def sparse_attend(self, q, k, v, heads, to_rows):
+        # [s, b, heads] -> log f [b, s, heads], laid out as q is
+        log_forget = F.logsigmoid(self.forget_logits.float()).transpose(0, 1)
+        log_forget = to_rows(log_forget.unsqueeze(-1)).squeeze(-1)
+        return sparse.softmax_attention(
+            q, k, v, causal=True, window=self.window, sink=heads(self.sink(q.device)),
+            scale=self.softmax_scale, log_forget=log_forget, backend=self.ext.sparse_backend)
+
+
+class FoXSelfAttention(SelfAttention):
+    """Megatron's SelfAttention plus FoX's forget gate ``f = sigmoid(X W_f + b_f)``, one per head
+    and token: a column-parallel projection to ``heads`` logits with a bias (zero at
+    initialisation, the paper's default), built like ``linear_qkv``, whose output the core reads
+    as ``core_attention.forget_logits``."""
+
+    def __init__(self, config, submodules, layer_number, *args, **kwargs):
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+        self.linear_forget_gate = build_module(
+            submodules.linear_qkv, config.hidden_size, config.num_attention_heads,
+            config=config, init_method=config.init_method, gather_output=False, bias=True,
+            skip_bias_add=False, is_expert=False, tp_comm_buffer_name="fox_gate",
+            tp_group=self.pg_collection.tp)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.core_attention.forget_logits, _ = self.linear_forget_gate(hidden_states)
+        return super().forward(hidden_states, *args, **kwargs)
+
+
 # variant -> (core attention, attention layer)
 _LAYERS = {"moba": (MoBACoreAttention, SelfAttention), "nsa": (NSACoreAttention, NSASelfAttention),
+           "fox": (FoXCoreAttention, FoXSelfAttention),
            "dsa": (DSACoreAttention, DSASelfAttention),
            "csa": (CSACoreAttention, CSASelfAttention), "hca": (HCACoreAttention, HCASelfAttention)}
 

@@ -1,12 +1,13 @@
 """Windowed / sink / sparse softmax attention ops (megatron_ext.kernels.sparse): the gathered
 backend against the dense fp32 reference, forward and backward; FlexAttention's forward and
-block mask on the CPU; causality; the sink; XSA.
+block mask on the CPU; causality; the sink; XSA; the Forgetting Transformer's forget gates.
 
 Lengths (37) are multiples of none of the block sizes (MoBA 5, NSA 4/2/8, layout blocks 8 x 4
 and the default 64 x 64). fp32 throughout; both paths accumulate the same products in a
 different order, so they agree to ~1e-6; 1e-4 relative / 1e-5 absolute leaves room and still
 catches a wrong mask (errors of order 1e-1).
 """
+import itertools
 import math
 
 import pytest
@@ -217,3 +218,64 @@ def test_gathered_bf16_is_close_to_fp32_reference():
         expected = CASES[case]({name: t.float() for name, t in low.items()}, backend="reference")
         assert out.dtype == torch.bfloat16
         assert (out.float() - expected).abs().max() < 2e-2, case
+
+
+def _forget_inputs(length=23, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, length, 4, 16, generator=gen)
+    k, v = (torch.randn(2, length, 2, 16, generator=gen) for _ in range(2))
+    log_forget = torch.nn.functional.logsigmoid(torch.randn(2, length, 4, generator=gen) + 1.5)
+    return q, k, v, log_forget
+
+
+def test_forget_gates_are_the_fox_bias_written_out():
+    """Query i attends to key j <= i with logit q_i.k_j / sqrt(D) + sum_{j < l <= i} log f_l
+    (per query head; grouped key/value heads), in fp64 pair by pair."""
+    q, k, v, log_forget = (t.double() for t in _forget_inputs(length=9))
+    out = sparse.softmax_attention(q, k, v, log_forget=log_forget, backend="reference")
+    expected = torch.zeros_like(q)
+    for b, h, i in itertools.product(range(2), range(4), range(9)):
+        logits = torch.stack([q[b, i, h] @ k[b, j, h // 2] / 4 + log_forget[b, j + 1:i + 1, h].sum()
+                              for j in range(i + 1)])
+        expected[b, i, h] = logits.softmax(0) @ v[b, :i + 1, h // 2]
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_open_forget_gates_are_plain_causal_attention():
+    q, k, v, log_forget = _forget_inputs()
+    plain = sparse.softmax_attention(q, k, v, backend="reference")
+    torch.testing.assert_close(sparse.softmax_attention(q, k, v, log_forget=log_forget * 0,
+                                                        backend="reference"), plain)
+    assert not torch.allclose(sparse.softmax_attention(q, k, v, log_forget=log_forget), plain)
+
+
+@pytest.mark.parametrize("options", [{}, {"window": (6, 0)}, {"sink": "learnable"},
+                                     {"cu_seqlens": [0, 7, 23]}])
+def test_forget_gates_on_flex_forward_match_reference_on_cpu(options):
+    """FlexAttention's score_mod adds c_i - c_j (c the cumsum of the log forget gates) with the
+    window, the sink and packed sequences (one cumsum over the packed sequences)."""
+    q, k, v, log_forget = _forget_inputs()
+    options = dict(options)
+    if "sink" in options:
+        options["sink"] = torch.randn(4, generator=torch.Generator().manual_seed(5))
+    if "cu_seqlens" in options:
+        options["cu_seqlens"] = torch.tensor(options["cu_seqlens"])
+        q, k, v, log_forget = q[:1], k[:1], v[:1], log_forget[:1]
+    with torch.no_grad():
+        fast = sparse.softmax_attention(q, k, v, log_forget=log_forget, backend="flex", **options)
+    slow = sparse.softmax_attention(q, k, v, log_forget=log_forget, backend="reference", **options)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6)
+
+
+def test_forget_gates_refuse_what_they_cannot_run():
+    q, k, v, log_forget = _forget_inputs()
+    with pytest.raises(ValueError, match="need causal self-attention"):
+        sparse.softmax_attention(q, k, v, causal=False, log_forget=log_forget)
+    with pytest.raises(ValueError, match=r"expected \[B, T, Hq\] = \[2, 23, 4\]"):
+        sparse.softmax_attention(q, k, v, log_forget=log_forget[..., :2])
+    with pytest.raises(ValueError, match="'gathered' does not take forget gates"):
+        sparse.softmax_attention(q, k, v, log_forget=log_forget, backend="gathered")
+    # "auto" on the CPU runs the reference, with gradients
+    q.requires_grad_()
+    sparse.softmax_attention(q, k, v, log_forget=log_forget).sum().backward()
+    assert q.grad is not None

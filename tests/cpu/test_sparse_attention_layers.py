@@ -1,6 +1,6 @@
 """The softmax-attention options and the sparse layers inside Megatron models: sliding window
 and sink against Megatron's own local core, XSA, every option at once in a hybrid of '*', MoBA
-and NSA, and the errors for settings that cannot work."""
+and NSA, FoX's forget gate, and the errors for settings that cannot work."""
 
 import pytest
 import torch
@@ -120,8 +120,8 @@ def test_packed_sequences_with_window_and_sink_equal_separate_sequences(on_flash
     assert len(calls) == (3 if on_flash else 0)
 
 
-@pytest.mark.parametrize("pattern", ["B", "S"])
-def test_moba_and_nsa_on_packed_sequences_equal_separate_sequences(pattern):
+@pytest.mark.parametrize("pattern", ["B", "S", "F"])
+def test_sparse_layers_on_packed_sequences_equal_separate_sequences(pattern):
     """thd packing: each sequence's blocks count from its own start (the core runs the
     sequences as the rows of a padded batch); outputs and input gradients."""
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -238,3 +238,29 @@ def test_layers_on_the_flash_path_equal_the_gathered_path(monkeypatch):
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
     for (name, a), b in zip(models[1].named_parameters(), models[0].parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_fox_layer_with_open_forget_gates_is_the_attention_layer():
+    """FoX is '*' plus a forget gate per head: with the gate's projection at weight 0 and bias
+    30 (f = sigmoid(30), log f ~ -1e-13) it gives the '*' layer's outputs and gradients for the
+    same weights; with the projection as initialised (bias 0, f ~ 1/2 a token) it does not, and
+    its gradient reaches the gate."""
+    attention, fox = _model("sdpa", "*"), _model("sdpa", "F")
+    gate = fox.decoder.layers[0].self_attention.linear_forget_gate
+    assert tuple(gate.weight.shape) == (4, 64) and not gate.bias.abs().any()
+    fox.load_state_dict(attention.state_dict(), strict=False)
+    initial = _loss(fox)
+    initial.backward()
+    assert gate.weight.grad.abs().sum() > 0 and gate.bias.grad.abs().sum() > 0
+    with torch.no_grad():
+        gate.weight.zero_()
+        gate.bias.fill_(30.0)
+    losses = [_loss(model) for model in (attention, fox)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    assert abs(initial.item() - losses[1].item()) > 1e-3
+    for model, loss in zip((attention, fox), losses):
+        model.zero_grad()
+        loss.backward()
+    for name, parameter in attention.named_parameters():
+        torch.testing.assert_close(dict(fox.named_parameters())[name].grad, parameter.grad,
+                                   rtol=1e-4, atol=1e-6, msg=name)

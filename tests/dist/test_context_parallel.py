@@ -294,18 +294,18 @@ def run_cp_layouts(rank, world_size, ckpt_dir):
 
 # name: (pattern, ExtConfig options, TransformerConfig overrides, on packed documents rather
 # than the batch, position_embedding_type). Sliding-window attention with a learnable sink;
-# MoBA, NSA and DSA with a sink and CSA and HCA (all-to-all over heads, so 8 query and 4
-# key/value heads: divisible by TP * CP in every layout); all five on packed documents; each
+# MoBA, NSA, FoX and DSA with a sink and CSA and HCA (all-to-all over heads, so 8 query and 4
+# key/value heads: divisible by TP * CP in every layout); all six on packed documents; each
 # next to a linear mixer. Then CSA, '*', DSA and HCA with RoPE (head dim 8, all rotary: the
 # indexers' dim of 8 covers it), on the batch and on packed documents.
 OTHER_MODELS = {
     "window_sink": ("*G*", {}, dict(window_size=(5, 0), softmax_type="learnable"), False, "none"),
-    "sparse": ("BGSD", harness.SHORT_SPARSE,
+    "sparse": ("BGSFD", harness.SHORT_SPARSE,
                dict(softmax_type="learnable", num_attention_heads=8, num_query_groups=4), False,
                "none"),
     "compressed": ("CGH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4), False,
                    "none"),
-    "sparse_packed": ("BSDGCH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4),
+    "sparse_packed": ("BSFDGCH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4),
                       True, "none"),
     "rope": ("C*DH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4), False,
              "rope"),

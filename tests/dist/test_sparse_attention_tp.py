@@ -1,20 +1,20 @@
-"""MoBA, NSA, DSA, CSA, HCA and '*' with every softmax option (learnable sink, output gate,
-QK-norm, XSA, a sliding window on the MoBA and '*' layers) under TP=2 and TP=2 + SP equal the
-single process in loss and gradients, starting from its dist checkpoint resharded to two ranks
-(so this is also the save -> load -> reshard test of the sink, the NSA gate, the compression
-weights, the CSA / HCA compressors (sharded over the key/value heads) and the replicated DSA and
-CSA indexers, whose loss targets are summed over the ranks' heads). The layers are local to a
-pipeline stage; PP is tested with the other mixers (test_parallel_equivalence.py). Helpers:
-tests/harness.py."""
+"""MoBA, NSA, FoX, DSA, CSA, HCA and '*' with every softmax option (learnable sink, output
+gate, QK-norm, XSA, a sliding window on the MoBA, FoX and '*' layers) under TP=2 and TP=2 + SP
+equal the single process in loss and gradients, starting from its dist checkpoint resharded to
+two ranks (so this is also the save -> load -> reshard test of the sink, the NSA gate, the
+compression weights, FoX's forget gate, the CSA / HCA compressors (sharded over the key/value
+heads) and the replicated DSA and CSA indexers, whose loss targets are summed over the ranks'
+heads). The layers are local to a pipeline stage; PP is tested with the other mixers
+(test_parallel_equivalence.py). Helpers: tests/harness.py."""
 
 import pytest
 
 import harness
 
-PATTERN = "BSDCH*"
+PATTERN = "BSFDCH*"
 SPARSE = dict(harness.SHORT_SPARSE, attention_xsa=True)
 OPTIONS = dict(softmax_type="learnable", attention_output_gate=True, qk_layernorm=True,
-               window_size=(9, 0), window_attn_skip_freq=[1, 0, 0, 0, 0, 1])
+               window_size=(9, 0), window_attn_skip_freq=[1, 0, 1, 0, 0, 0, 1])
 
 
 def _ext(**extra):

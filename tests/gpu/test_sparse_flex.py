@@ -1,7 +1,8 @@
 """CUDA checks (skipped without a GPU) of the sparse attention ops (window and sink, MoBA, NSA,
-HCA's attention over its window and compressed entries): compiled FlexAttention and the
-gathered path, forward and backward, against the dense fp32 reference, at lengths that span
-several 128-token blocks and are multiples of none of the block sizes; and bf16 inputs. Also
+HCA's attention over its window and compressed entries, FoX's forget gates): compiled
+FlexAttention and the gathered path, forward and backward, against the dense fp32 reference,
+at lengths that span several 128-token blocks and are multiples of none of the block sizes;
+and bf16 inputs. Also
 DeepSeek-V4's KV compression, which runs compiled on CUDA (``compress_kv``).
 
 fp32 tolerances as on the CPU (1e-4 relative, 1e-5 absolute; TF32 is off in PyTorch's default
@@ -33,6 +34,15 @@ CASES = {
         sink=x["sink"], **kw),
 }
 HCA_RATE = 32  # HCA's entries: one per complete block of 32 tokens
+# The Forgetting Transformer's forget gates: FlexAttention (a score_mod) or the reference only.
+FOX_CASES = {
+    "fox": lambda x, **kw: sparse.softmax_attention(
+        x["q"], x["k"], x["v"], log_forget=x["log_forget"], **kw),
+    "fox+window+sink": lambda x, **kw: sparse.softmax_attention(
+        x["q"], x["k"], x["v"], window=(150, 0), sink=x["sink"], log_forget=x["log_forget"],
+        **kw),
+}
+CASES.update(FOX_CASES)
 
 
 def _inputs(seq, dtype=torch.float32):
@@ -44,6 +54,8 @@ def _inputs(seq, dtype=torch.float32):
     x["v_weights"] = torch.rand(HKV, NSA["compress_block"], device="cuda", generator=g)
     for name in ("entries_k", "entries_v"):
         x[name] = torch.randn(B, seq // HCA_RATE, HKV, D, device="cuda", generator=g)
+    x["log_forget"] = torch.nn.functional.logsigmoid(
+        torch.randn(B, seq, HQ, device="cuda", generator=g) + 2)
     return {name: t.to(dtype).requires_grad_() for name, t in x.items()}
 
 
@@ -61,6 +73,8 @@ def _run(case, backend, x):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("seq", [300, 1000])
 def test_fp32_matches_reference(case, backend, seq):
+    if case in FOX_CASES and backend == "gathered":
+        pytest.skip("the gathered form does not take forget gates")
     x = _inputs(seq)
     expected, expected_grads = _run(case, "reference", x)
     out, grads = _run(case, backend, x)
