@@ -355,7 +355,7 @@ def tiny_config(**overrides):
 DECODING_VOCAB = 96
 # The sparse layers have no incremental decoding yet: they raise a ConfigError that names
 # decoding.
-CANNOT_DECODE = {"dsa", "csa", "hca", "moba", "nsa", "fox"}
+CANNOT_DECODE = {"dsa", "csa", "hca", "moba", "nsa"}
 
 
 def decoding_model(pattern: str, seed: int = 0, config_options=None, **ext_options):

@@ -41,8 +41,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.kernels import sparse
-from megatron_ext.mixers.attention import HeadSplitCoreAttention
-from megatron_ext.mixers.common import packed_cu_seqlens
+from megatron_ext.kernels.sparse.reference import masked_attention
+from megatron_ext.mixers.attention import HeadSplitCoreAttention, SoftmaxCoreAttention
+from megatron_ext.mixers.common import cannot_decode, packed_cu_seqlens
 from megatron_ext.mixers.compressed import (CSACoreAttention, CSASelfAttention,
                                            HCACoreAttention, HCASelfAttention)
 from megatron_ext.mixers.dsa import DSACoreAttention, DSASelfAttention
@@ -183,13 +184,41 @@ class NSASelfAttention(SelfAttention):
 class FoXCoreAttention(_SparseCore):
     """The Forgetting Transformer's core: causal softmax attention whose logits are biased by the
     log forget gates between key and query (``sparse.softmax_attention``'s ``log_forget``); the
-    gates' logits come from :class:`FoXSelfAttention` (``forget_logits``)."""
+    gates' logits come from :class:`FoXSelfAttention` (``forget_logits``), and when decoding
+    with Megatron's KV cache, the running sums ``c`` of the log gates of every cached token
+    (``forget_sums``, ``[b, cached tokens, heads]``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.window is not None and self.window[1] > 0:
             raise NotImplementedError(f"FoX is causal; window_size={self.window} looks ahead")
         self.forget_logits = None
+        self.forget_sums = None
+
+    def forward(self, query, key, value, *args, **kwargs):
+        if query.shape[0] != key.shape[0]:  # Megatron's KV cache: decoding
+            return SoftmaxCoreAttention.forward(self, query, key, value, *args, **kwargs)
+        return super().forward(query, key, value, *args, **kwargs)
+
+    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
+        if q.shape[1] != k.shape[1]:
+            return self._attend_cached(q, k, v)
+        return super().attend(q, k, v, attention_mask, mask_type, packed_seq_params)
+
+    def _attend_cached(self, q, k, v):
+        """The last ``sq`` of ``sk`` cached tokens attend to the keys before them (within the
+        window), their logits biased by ``c_i - c_j`` from ``forget_sums`` (the dense fp32
+        reference: a decoding step is one query per sequence)."""
+        sq, sk = q.shape[1], k.shape[1]
+        c = self.forget_sums.transpose(1, 2)  # [b, heads, sk]
+        query_at = torch.arange(sk - sq, sk, device=q.device)[:, None]
+        key_at = torch.arange(sk, device=q.device)[None, :]
+        allowed = key_at <= query_at
+        if self.window is not None and self.window[0] >= 0:
+            allowed &= key_at >= query_at - self.window[0]
+        return masked_attention(q, k, v, allowed[None, None], sink=self.sink(q.device),
+                                scale=self.softmax_scale,
+                                bias=c[..., sk - sq:, None] - c[..., None, :])
 
     def sparse_attend(self, q, k, v, heads, to_rows):
         # [s, b, heads] -> log f [b, s, heads], laid out as q is
@@ -215,8 +244,29 @@ class FoXSelfAttention(SelfAttention):
             tp_group=self.pg_collection.tp)
 
     def forward(self, hidden_states, *args, **kwargs):
-        self.core_attention.forget_logits, _ = self.linear_forget_gate(hidden_states)
+        logits, _ = self.linear_forget_gate(hidden_states)
+        self.core_attention.forget_logits = logits
+        context = kwargs.get("inference_context")
+        self.core_attention.forget_sums = (None if context is None else
+                                           self._forget_sums(logits, context, kwargs))
         return super().forward(hidden_states, *args, **kwargs)
+
+    def _forget_sums(self, logits, context, kwargs) -> torch.Tensor:
+        """``c`` ``[b, tokens so far, heads]``: the running sums of the log forget gates of every
+        token of the sequences decoded so far (kept in Megatron's static inference context,
+        restarted at sequence offset 0, a new prompt)."""
+        if not context.is_static_batching():
+            raise ConfigError(cannot_decode("FoX with dynamic batching") + "; use Megatron's "
+                              "StaticInferenceContext")
+        if packed_cu_seqlens(kwargs.get("packed_seq_params")) is not None:
+            raise ConfigError(cannot_decode("FoX with packed (thd) sequences"))
+        store, name = context.key_value_memory_dict, ("forget_sums", self.layer_number)
+        sums = F.logsigmoid(logits.float()).transpose(0, 1).cumsum(1)
+        before = store.get(name) if context.sequence_len_offset else None
+        if before is not None:
+            sums = torch.cat([before, before[:, -1:] + sums], dim=1)
+        store[name] = sums
+        return sums
 
 
 # variant -> (core attention, attention layer)

@@ -49,6 +49,20 @@ def test_windowed_and_sink_attention_decode(options):
                                    full, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("step", [1, 3], ids=["decode", "chunked prefill"])
+def test_fox_with_window_and_sink_decodes(step):
+    """FoX layers with a window of 5 earlier tokens and a learnable sink decode through
+    Megatron's KV cache and the running sums of their log forget gates, one token at a time
+    and in chunks of 3."""
+    model = harness.decoding_model("GF", config_options={"window_size": (5, 0),
+                                                         "softmax_type": "learnable"})
+    tokens = torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        full = model(tokens, torch.arange(LENGTH).expand(2, -1), None)
+        torch.testing.assert_close(harness.decode(model, tokens, PROMPT, step=step),
+                                   full, atol=2e-5, rtol=1e-4)
+
+
 def test_window_decode_reads_only_the_window():
     """A decoding step of a windowed '*' layer reads the cached keys and values of its window
     only: values cached before it, made NaN after the prefill, leave the logits unchanged
