@@ -1,6 +1,5 @@
 """Softmax attention with a sliding window and a sink (``softmax_attention``)."""
 from . import flash
-from .flex import flex_attention_layout
 from .layout import allowed_rule, both, document_rule, interval_layout, window_rule, window_span
 from .reference import OP, check_qkv, softmax_attention_reference
 from .routing import _EXECUTORS, _backend, _blocks, _check_sink, _runs_flash
@@ -47,10 +46,8 @@ def softmax_attention(q, k, v, *, causal=True, window=None, sink=None, scale=Non
         rule = both(rule, allowed_rule(allowed.expand(q.shape[0], -1, seq_len, key_len)))
     layout = interval_layout(seq_len, key_len, *_blocks(name, layout_blocks),
                              *window_span(causal, window), rule, q.device)
-    if log_forget is not None:
-        return flex_attention_layout(q, k, v, layout, sink=sink, scale=scale,
-                                     log_forget=log_forget)
-    return _EXECUTORS[name](q, k, v, layout, sink=sink, scale=scale)
+    forget = {} if log_forget is None else {"log_forget": log_forget}  # flex's only (above)
+    return _EXECUTORS[name](q, k, v, layout, sink=sink, scale=scale, **forget)
 
 
 def _check_forget(log_forget, q, k, causal):

@@ -108,6 +108,21 @@ class SoftmaxCoreAttention(HeadShardedModule):
         """q ``[b, s, hq, d]``, k/v ``[b, s, hkv, d]`` -> ``[b, s, hq, d]``."""
         raise NotImplementedError
 
+    def cached_keys(self, sq: int, sk: int, device) -> tuple[int, torch.Tensor]:
+        """Decoding with Megatron's KV cache: the queries are the last ``sq`` of the ``sk``
+        cached tokens; each sees the keys before it within its window. Returns the first cached
+        key any query sees (with a window, only the keys from there on are read, so that a
+        decoding step costs O(window), not O(tokens so far); Megatron's static cache still holds
+        every token) and the bool mask ``[sq, sk - first]`` of the keys each query sees."""
+        windowed = self.window is not None and self.window[0] >= 0
+        first = max(sk - sq - self.window[0], 0) if windowed else 0
+        query_at = torch.arange(sk - sq, sk, device=device)[:, None]
+        key_at = torch.arange(first, sk, device=device)[None, :]
+        allowed = key_at <= query_at
+        if windowed:
+            allowed &= key_at >= query_at - self.window[0]
+        return first, allowed
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None,
                 attn_mask_type: AttnMaskType | None = None,
@@ -207,20 +222,9 @@ class SDPACoreAttention(SoftmaxCoreAttention):
         return out.transpose(1, 2)
 
     def _attend_cached(self, q, k, v, sink):
-        """Decoding with Megatron's KV cache, with a window or a sink: the queries are the last
-        ``sq`` of the ``sk`` cached tokens; each sees the keys before it within its window.
-        With a window, only the cached keys inside the first query's window are read, so that a
-        decoding step costs O(window), not O(tokens so far). (Megatron's static cache still
-        holds every token.)"""
-        sq, sk = q.shape[1], k.shape[1]
-        windowed = self.window is not None and self.window[0] >= 0
-        first = max(sk - sq - self.window[0], 0) if windowed else 0
+        """Decoding with Megatron's KV cache, with a window or a sink (:meth:`cached_keys`)."""
+        first, allowed = self.cached_keys(q.shape[1], k.shape[1], q.device)
         k, v = k[:, first:], v[:, first:]
-        query_at = torch.arange(sk - sq, sk, device=q.device)[:, None]
-        key_at = torch.arange(first, sk, device=q.device)[None, :]
-        allowed = key_at <= query_at
-        if windowed:
-            allowed &= key_at >= query_at - self.window[0]
         return sparse.softmax_attention(q, k, v, causal=False, sink=sink,
                                         scale=self.softmax_scale, allowed=allowed[None, None],
                                         backend=self.ext.sparse_backend)

@@ -158,6 +158,17 @@ class NSACoreAttention(_SparseCore):
             backend=ext.sparse_backend)
 
 
+def _head_gate_projection(attention, config, submodules, per_head: int, name: str):
+    """``X -> [heads * per_head]`` gate logits with a bias, head-major, built like the layer's
+    ``linear_qkv`` (column-parallel, so split with the heads; under Transformer Engine with the
+    input norm fused)."""
+    return build_module(
+        submodules.linear_qkv, config.hidden_size, per_head * config.num_attention_heads,
+        config=config, init_method=config.init_method, gather_output=False, bias=True,
+        skip_bias_add=False, is_expert=False, tp_comm_buffer_name=name,
+        tp_group=attention.pg_collection.tp)
+
+
 class NSASelfAttention(SelfAttention):
     """Megatron's SelfAttention plus NSA's gate projection ``X -> [heads, 3]`` logits, built like
     ``linear_qkv`` (column-parallel; under Transformer Engine with the input norm fused), whose
@@ -170,11 +181,7 @@ class NSASelfAttention(SelfAttention):
                 f"NSA shards its compression over the {config.num_query_groups} key/value heads: "
                 "num_query_groups must be divisible by tensor_model_parallel_size="
                 f"{self.world_size}")
-        self.linear_branch_gate = build_module(
-            submodules.linear_qkv, config.hidden_size, 3 * config.num_attention_heads,
-            config=config, init_method=config.init_method, gather_output=False, bias=True,
-            skip_bias_add=False, is_expert=False, tp_comm_buffer_name="nsa_gate",
-            tp_group=self.pg_collection.tp)
+        self.linear_branch_gate = _head_gate_projection(self, config, submodules, 3, "nsa_gate")
 
     def forward(self, hidden_states, *args, **kwargs):
         self.core_attention.gate_logits, _ = self.linear_branch_gate(hidden_states)
@@ -206,19 +213,15 @@ class FoXCoreAttention(_SparseCore):
         return super().attend(q, k, v, attention_mask, mask_type, packed_seq_params)
 
     def _attend_cached(self, q, k, v):
-        """The last ``sq`` of ``sk`` cached tokens attend to the keys before them (within the
-        window), their logits biased by ``c_i - c_j`` from ``forget_sums`` (the dense fp32
-        reference: a decoding step is one query per sequence)."""
+        """The last ``sq`` of ``sk`` cached tokens attend to the keys before them
+        (:meth:`cached_keys`), their logits biased by ``c_i - c_j`` from ``forget_sums`` (the
+        dense fp32 reference: a decoding step is one query per sequence)."""
         sq, sk = q.shape[1], k.shape[1]
+        first, allowed = self.cached_keys(sq, sk, q.device)
         c = self.forget_sums.transpose(1, 2)  # [b, heads, sk]
-        query_at = torch.arange(sk - sq, sk, device=q.device)[:, None]
-        key_at = torch.arange(sk, device=q.device)[None, :]
-        allowed = key_at <= query_at
-        if self.window is not None and self.window[0] >= 0:
-            allowed &= key_at >= query_at - self.window[0]
-        return masked_attention(q, k, v, allowed[None, None], sink=self.sink(q.device),
-                                scale=self.softmax_scale,
-                                bias=c[..., sk - sq:, None] - c[..., None, :])
+        return masked_attention(q, k[:, first:], v[:, first:], allowed[None, None],
+                                sink=self.sink(q.device), scale=self.softmax_scale,
+                                bias=c[..., sk - sq:, None] - c[..., None, first:])
 
     def sparse_attend(self, q, k, v, heads, to_rows):
         # [s, b, heads] -> log f [b, s, heads], laid out as q is
@@ -237,11 +240,7 @@ class FoXSelfAttention(SelfAttention):
 
     def __init__(self, config, submodules, layer_number, *args, **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
-        self.linear_forget_gate = build_module(
-            submodules.linear_qkv, config.hidden_size, config.num_attention_heads,
-            config=config, init_method=config.init_method, gather_output=False, bias=True,
-            skip_bias_add=False, is_expert=False, tp_comm_buffer_name="fox_gate",
-            tp_group=self.pg_collection.tp)
+        self.linear_forget_gate = _head_gate_projection(self, config, submodules, 1, "fox_gate")
 
     def forward(self, hidden_states, *args, **kwargs):
         logits, _ = self.linear_forget_gate(hidden_states)
