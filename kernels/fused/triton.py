@@ -7,11 +7,10 @@ Short convolution (``short_conv_forward`` / ``short_conv_backward``): a program 
 tokens x ``BC`` channels of one batch row; with the L2 normalisation ``BC`` is one head
 (``l2_norm_dim``, a power of two), so that the norm is a row sum of the tile. The backward
 recomputes the pre-activation instead of saving it. The input gradient at token t needs the
-pre-activation's gradient at tokens ``t .. t+K-1``: a program computes it at its ``BT`` tokens
-and the ``K - 1`` after them (a halo tile of ``HALO`` rows), writes both to a scratch tile of its
-own, and reads that back shifted by each tap after a barrier (fp32, ``[programs, BT + HALO,
-BC]``, about the size of the input in fp32). The weight gradient is summed per program into
-``[programs, C, K]`` partials (no atomics).
+pre-activation's gradient at tokens ``t .. t+K-1``: a program recomputes it at its tokens
+shifted by each tap (K times the forward's arithmetic, from the same few rows of x and dy in
+cache), so no tile is exchanged between threads. A backward program walks ``TILES`` token tiles
+and sums its share of the weight gradient into ``[programs, C, K]`` partials (no atomics).
 
 Gated RMSNorm (``gated_rms_norm_forward`` / ``_backward``): a program takes ``BT`` tokens of one
 head (D channels); the weight gradient is summed per program as above.
@@ -38,6 +37,9 @@ import triton.language as tl
 from .reference import L2_EPS
 
 TOKENS_PER_PROGRAM = 32
+CONV_CHANNELS = 64  # channels a short-conv program takes without the L2 norm (else one head)
+CONV_BWD_TILE_ELEMENTS = 2048  # tokens x channels of a backward tile
+CONV_BWD_TILES = 4  # tiles a backward program walks, summing its share of the weight gradient
 
 
 @triton.jit
@@ -102,51 +104,51 @@ def _conv_preactivation_grad(x_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_o
 
 
 @triton.jit
-def _short_conv_bwd_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_ptr, scratch_ptr, T, C,
+def _short_conv_bwd_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_ptr, T, C,
                            sxb, sxt, sxc, sdb, sdt, sdc,
-                           K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                           HALO: tl.constexpr, HAS_POS: tl.constexpr, L2: tl.constexpr,
-                           EPS: tl.constexpr):
-    b, rows, cols, row_ok, col_ok = _conv_tile(T, C, BT, BC)
-    # The pre-activation's gradient at this program's tokens and at the HALO >= K - 1 after
-    # them, into this program's own scratch tile [BT + HALO, BC].
-    dacc = _conv_preactivation_grad(x_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_ok, T, C,
-                                    sxb, sxt, sxc, K, HAS_POS, L2, EPS)
-    halo_rows = tl.program_id(0) * BT + BT + tl.arange(0, HALO)
-    dacc_halo = _conv_preactivation_grad(x_ptr, w_ptr, pos_ptr, dy_ptr, b, halo_rows, cols,
-                                         col_ok, T, C, sxb, sxt, sxc, K, HAS_POS, L2, EPS)
-    program = b * tl.num_programs(0) + tl.program_id(0)
-    tile = scratch_ptr + ((program * tl.num_programs(2) + tl.program_id(2)) * (BT + HALO)) * BC
-    lanes = tl.arange(0, BC)[None, :]
-    tl.store(tile + tl.arange(0, BT)[:, None] * BC + lanes, dacc)
-    tl.store(tile + (BT + tl.arange(0, HALO))[:, None] * BC + lanes, dacc_halo)
-    tl.debug_barrier()  # the tile is read back shifted, by other threads of this program
-    # dx[t] = sum_i dacc[t + i] w[K-1-i] over the tokens t + i of t's sequence.
-    dx = tl.zeros([BT, BC], dtype=tl.float32)
-    for i in tl.static_range(K):
-        later = rows + i
+                           K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+                           BC: tl.constexpr, TILES: tl.constexpr, HAS_POS: tl.constexpr,
+                           L2: tl.constexpr, EPS: tl.constexpr):
+    b = tl.program_id(1)
+    cols = tl.program_id(2) * BC + tl.arange(0, BC)
+    col_ok = cols < C
+    taps = tl.arange(0, KP)
+    dw = tl.zeros([KP, BC], dtype=tl.float32)  # dw[k, c], this program's share
+    for tile in range(TILES):
+        rows = (tl.program_id(0) * TILES + tile) * BT + tl.arange(0, BT)
+        row_ok = rows < T
+        # dx[t] = sum_i dacc[t + i] w[K-1-i] over the tokens t + i of t's sequence, with the
+        # pre-activation's gradient dacc recomputed at each shift.
+        dacc = _conv_preactivation_grad(x_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_ok,
+                                        T, C, sxb, sxt, sxc, K, HAS_POS, L2, EPS)
+        w_last = tl.load(w_ptr + cols * K + (K - 1), mask=col_ok, other=0.0).to(tl.float32)
+        dx = dacc * w_last[None, :]
+        for i in tl.static_range(1, K):
+            later = rows + i
+            if HAS_POS:
+                later_pos = tl.load(pos_ptr + later, mask=later < T, other=0)
+            else:
+                later_pos = later
+            same = (later < T) & (later_pos >= i)
+            shifted = _conv_preactivation_grad(x_ptr, w_ptr, pos_ptr, dy_ptr, b, later, cols,
+                                               col_ok, T, C, sxb, sxt, sxc, K, HAS_POS, L2, EPS)
+            wi = tl.load(w_ptr + cols * K + (K - 1 - i), mask=col_ok, other=0.0).to(tl.float32)
+            dx += tl.where(same[:, None], shifted, 0.0) * wi[None, :]
+        tl.store(dx_ptr + b * sdb + rows[:, None] * sdt + cols[None, :] * sdc,
+                 dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        # The weight gradient: dw[c, K-1-j] += sum_t dacc[t] x[t - j].
         if HAS_POS:
-            later_pos = tl.load(pos_ptr + later, mask=later < T, other=0)
+            pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
         else:
-            later_pos = later
-        same = (later < T) & (later_pos >= i)
-        shifted = tl.load(tile + (tl.arange(0, BT) + i)[:, None] * BC + lanes,
-                          mask=same[:, None], other=0.0)
-        wi = tl.load(w_ptr + cols * K + (K - 1 - i), mask=col_ok, other=0.0).to(tl.float32)
-        dx += shifted * wi[None, :]
-    tl.store(dx_ptr + b * sdb + rows[:, None] * sdt + cols[None, :] * sdc,
-             dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    # This program's share of the weight gradient: dw[c, K-1-j] += sum_t dacc[t] x[t - j].
-    if HAS_POS:
-        pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
-    else:
-        pos = rows
-    for j in tl.static_range(K):
-        ok = row_ok & (pos >= j)
-        xj = tl.load(x_ptr + b * sxb + (rows - j)[:, None] * sxt + cols[None, :] * sxc,
-                     mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        tl.store(dw_ptr + (program * C + cols) * K + (K - 1 - j), tl.sum(dacc * xj, axis=0),
-                 mask=col_ok)
+            pos = rows
+        for j in tl.static_range(K):
+            ok = row_ok & (pos >= j)
+            xj = tl.load(x_ptr + b * sxb + (rows - j)[:, None] * sxt + cols[None, :] * sxc,
+                         mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            dw += tl.where(taps[:, None] == K - 1 - j, tl.sum(dacc * xj, axis=0)[None, :], 0.0)
+    program = b * tl.num_programs(0) + tl.program_id(0)
+    tl.store(dw_ptr + (program * C + cols[None, :]) * K + taps[:, None], dw,
+             mask=(taps[:, None] < K) & col_ok[None, :])
 
 
 def empty_in_order_of(t: torch.Tensor) -> torch.Tensor:
@@ -174,7 +176,7 @@ def _channel_block(channels: int, l2_norm_dim: int | None) -> int:
             raise ValueError(f"short_conv: the L2-normalised group ({l2_norm_dim} channels) must "
                              f"be a power of two dividing the {channels} channels")
         return l2_norm_dim
-    return min(128, triton.next_power_of_2(channels))
+    return min(CONV_CHANNELS, triton.next_power_of_2(channels))
 
 
 def short_conv_forward(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | None,
@@ -197,18 +199,16 @@ def short_conv_backward(x, weight, positions, l2_norm_dim, dy, dx=None):
     batch, length, channels = x.shape
     kernel = weight.shape[1]
     block = _channel_block(channels, l2_norm_dim)
-    halo = triton.next_power_of_2(max(kernel - 1, 1))
+    tokens = CONV_BWD_TILE_ELEMENTS // block
     dy = dy.contiguous()
     dx = empty_in_order_of(x) if dx is None else _checked_out(dx, x)
-    grid = (triton.cdiv(length, TOKENS_PER_PROGRAM), batch, triton.cdiv(channels, block))
+    grid = (triton.cdiv(length, tokens * CONV_BWD_TILES), batch, triton.cdiv(channels, block))
     dw = torch.empty(grid[0] * batch, channels, kernel, device=x.device, dtype=torch.float32)
-    scratch = torch.empty(grid[0] * batch * grid[2], TOKENS_PER_PROGRAM + halo, block,
-                          device=x.device, dtype=torch.float32)
     _short_conv_bwd_kernel[grid](
-        x, weight, positions if positions is not None else x, dy, dx, dw, scratch, length,
-        channels, *x.stride(), *dx.stride(), K=kernel, BT=TOKENS_PER_PROGRAM, BC=block,
-        HALO=halo, HAS_POS=positions is not None, L2=l2_norm_dim is not None, EPS=L2_EPS,
-        num_warps=4)
+        x, weight, positions if positions is not None else x, dy, dx, dw, length, channels,
+        *x.stride(), *dx.stride(), K=kernel, KP=triton.next_power_of_2(kernel), BT=tokens,
+        BC=block, TILES=CONV_BWD_TILES, HAS_POS=positions is not None,
+        L2=l2_norm_dim is not None, EPS=L2_EPS, num_warps=4)
     return dx, dw.sum(0).to(weight.dtype)
 
 

@@ -1,7 +1,7 @@
 """The fused layer kernels (kernels/fused/triton.py) on Triton's CPU interpreter, forward and
 backward against the fp32 reference, every load and store checked to stay inside its tensors:
 this file run as a script runs tests/gpu/test_fused_layer_ops.py's first-use cases in fp32 and
-bf16, one long case, RMSNorm's backward with programs over several row tiles and the
+bf16, two long cases, RMSNorm's backward with programs over several row tiles and the
 cross-entropy over a whole vocabulary of three column blocks. Skipped where
 Triton is not installed. ~20 s on two cores."""
 import time
@@ -20,8 +20,9 @@ def main() -> None:
         errors = checks.check_first_use_cases("cpu", dtype)
         print(f"first-use cases {dtype}: worst {max(errors.values()):.1e} "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
-    errors = checks.check_large((1, 70, 64, 32), "cpu", torch.float32)
-    print(f"long case: worst {max(errors.values()):.1e}")
+    for case in ((1, 70, 64, 32), (2, 300, 96, None)):  # the second: backward programs over
+        errors = checks.check_large(case, "cpu", torch.float32)  # several token tiles each,
+        print(f"long case {case}: worst {max(errors.values()):.1e}")  # a partial channel block
     errors = checks.check_rms_norm_strided_programs("cpu")
     print(f"rms_norm, programs over several row tiles: worst {max(errors.values()):.1e}")
     errors = checks.check_cross_entropy("cpu", length=9, batch=2, vocab=4500)
