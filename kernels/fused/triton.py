@@ -5,12 +5,11 @@ stores, not in a copy).
 
 Short convolution (``short_conv_forward`` / ``short_conv_backward``): a program takes ``BT``
 tokens x ``BC`` channels of one batch row; with the L2 normalisation ``BC`` is one head
-(``l2_norm_dim``, a power of two), so that the norm is a row sum of the tile. The backward
-recomputes the pre-activation instead of saving it. The input gradient at token t needs the
-pre-activation's gradient at tokens ``t .. t+K-1``: a program recomputes it at its tokens
-shifted by each tap (K times the forward's arithmetic, from the same few rows of x and dy in
-cache), so no tile is exchanged between threads. A backward program walks ``TILES`` token tiles
-and sums its share of the weight gradient into ``[programs, C, K]`` partials (no atomics).
+(``l2_norm_dim``, a power of two), so that the norm is a row sum of the tile. The backward runs
+two kernels: the first recomputes the pre-activation (none is saved forward) and writes its
+gradient g in fp32, a program walking ``CONV_BWD_TILES`` token tiles and summing their share
+of the weight gradient into ``[programs, C, K]`` partials (no atomics); the second reads g at
+each tap's shift, ``dx[t] = sum_i g[t + i] w[K-1-i]``, as the forward reads x.
 
 Gated RMSNorm (``gated_rms_norm_forward`` / ``_backward``): a program takes ``BT`` tokens of one
 head (D channels); the weight gradient is summed per program as above.
@@ -38,8 +37,7 @@ from .reference import L2_EPS
 
 TOKENS_PER_PROGRAM = 32
 CONV_CHANNELS = 64  # channels a short-conv program takes without the L2 norm (else one head)
-CONV_BWD_TILE_ELEMENTS = 2048  # tokens x channels of a backward tile
-CONV_BWD_TILES = 4  # tiles a backward program walks, summing its share of the weight gradient
+CONV_BWD_TILES = 4  # token tiles a backward program walks, summing its share of dw
 
 
 @triton.jit
@@ -104,39 +102,25 @@ def _conv_preactivation_grad(x_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_o
 
 
 @triton.jit
-def _short_conv_bwd_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_ptr, T, C,
-                           sxb, sxt, sxc, sdb, sdt, sdc,
-                           K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
-                           BC: tl.constexpr, TILES: tl.constexpr, HAS_POS: tl.constexpr,
-                           L2: tl.constexpr, EPS: tl.constexpr):
+def _short_conv_bwd_preact_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, g_ptr, dw_ptr, T, C,
+                                  sxb, sxt, sxc, K: tl.constexpr, KP: tl.constexpr,
+                                  BT: tl.constexpr, BC: tl.constexpr, TILES: tl.constexpr,
+                                  HAS_POS: tl.constexpr, L2: tl.constexpr, EPS: tl.constexpr):
+    """The pre-activation's gradient g (fp32 ``[B, T, C]``) of ``TILES`` token tiles, and their
+    share of the weight gradient, ``dw[c, K-1-j] = sum_t g[t] x[t - j]``, in ``[programs, C,
+    K]`` partials."""
     b = tl.program_id(1)
     cols = tl.program_id(2) * BC + tl.arange(0, BC)
     col_ok = cols < C
     taps = tl.arange(0, KP)
-    dw = tl.zeros([KP, BC], dtype=tl.float32)  # dw[k, c], this program's share
+    dw = tl.zeros([KP, BC], dtype=tl.float32)  # dw[k, c]
     for tile in range(TILES):
         rows = (tl.program_id(0) * TILES + tile) * BT + tl.arange(0, BT)
         row_ok = rows < T
-        # dx[t] = sum_i dacc[t + i] w[K-1-i] over the tokens t + i of t's sequence, with the
-        # pre-activation's gradient dacc recomputed at each shift.
-        dacc = _conv_preactivation_grad(x_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_ok,
-                                        T, C, sxb, sxt, sxc, K, HAS_POS, L2, EPS)
-        w_last = tl.load(w_ptr + cols * K + (K - 1), mask=col_ok, other=0.0).to(tl.float32)
-        dx = dacc * w_last[None, :]
-        for i in tl.static_range(1, K):
-            later = rows + i
-            if HAS_POS:
-                later_pos = tl.load(pos_ptr + later, mask=later < T, other=0)
-            else:
-                later_pos = later
-            same = (later < T) & (later_pos >= i)
-            shifted = _conv_preactivation_grad(x_ptr, w_ptr, pos_ptr, dy_ptr, b, later, cols,
-                                               col_ok, T, C, sxb, sxt, sxc, K, HAS_POS, L2, EPS)
-            wi = tl.load(w_ptr + cols * K + (K - 1 - i), mask=col_ok, other=0.0).to(tl.float32)
-            dx += tl.where(same[:, None], shifted, 0.0) * wi[None, :]
-        tl.store(dx_ptr + b * sdb + rows[:, None] * sdt + cols[None, :] * sdc,
-                 dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-        # The weight gradient: dw[c, K-1-j] += sum_t dacc[t] x[t - j].
+        g = _conv_preactivation_grad(x_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_ok, T,
+                                     C, sxb, sxt, sxc, K, HAS_POS, L2, EPS)
+        tl.store(g_ptr + (b * T + rows[:, None]) * C + cols[None, :], g,
+                 mask=row_ok[:, None] & col_ok[None, :])
         if HAS_POS:
             pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
         else:
@@ -145,10 +129,32 @@ def _short_conv_bwd_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_ptr, T, C,
             ok = row_ok & (pos >= j)
             xj = tl.load(x_ptr + b * sxb + (rows - j)[:, None] * sxt + cols[None, :] * sxc,
                          mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            dw += tl.where(taps[:, None] == K - 1 - j, tl.sum(dacc * xj, axis=0)[None, :], 0.0)
+            dw += tl.where(taps[:, None] == K - 1 - j, tl.sum(g * xj, axis=0)[None, :], 0.0)
     program = b * tl.num_programs(0) + tl.program_id(0)
     tl.store(dw_ptr + (program * C + cols[None, :]) * K + taps[:, None], dw,
              mask=(taps[:, None] < K) & col_ok[None, :])
+
+
+@triton.jit
+def _short_conv_bwd_input_kernel(g_ptr, w_ptr, pos_ptr, dx_ptr, T, C, sdb, sdt, sdc,
+                                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                                 HAS_POS: tl.constexpr):
+    """``dx[t] = sum_i g[t + i] w[K-1-i]`` over the tokens t + i of t's sequence."""
+    b, rows, cols, row_ok, col_ok = _conv_tile(T, C, BT, BC)
+    dx = tl.zeros([BT, BC], dtype=tl.float32)
+    for i in tl.static_range(K):
+        later = rows + i
+        if HAS_POS:
+            later_pos = tl.load(pos_ptr + later, mask=later < T, other=0)
+        else:
+            later_pos = later
+        same = (later < T) & (later_pos >= i)
+        gi = tl.load(g_ptr + (b * T + later[:, None]) * C + cols[None, :],
+                     mask=same[:, None] & col_ok[None, :], other=0.0)
+        wi = tl.load(w_ptr + cols * K + (K - 1 - i), mask=col_ok, other=0.0).to(tl.float32)
+        dx += gi * wi[None, :]
+    tl.store(dx_ptr + b * sdb + rows[:, None] * sdt + cols[None, :] * sdc,
+             dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def empty_in_order_of(t: torch.Tensor) -> torch.Tensor:
@@ -199,16 +205,22 @@ def short_conv_backward(x, weight, positions, l2_norm_dim, dy, dx=None):
     batch, length, channels = x.shape
     kernel = weight.shape[1]
     block = _channel_block(channels, l2_norm_dim)
-    tokens = CONV_BWD_TILE_ELEMENTS // block
     dy = dy.contiguous()
     dx = empty_in_order_of(x) if dx is None else _checked_out(dx, x)
-    grid = (triton.cdiv(length, tokens * CONV_BWD_TILES), batch, triton.cdiv(channels, block))
+    pos = positions if positions is not None else x
+    tiles = triton.cdiv(length, TOKENS_PER_PROGRAM)
+    grid = (triton.cdiv(tiles, CONV_BWD_TILES), batch, triton.cdiv(channels, block))
+    g = torch.empty(batch, length, channels, device=x.device, dtype=torch.float32)
     dw = torch.empty(grid[0] * batch, channels, kernel, device=x.device, dtype=torch.float32)
-    _short_conv_bwd_kernel[grid](
-        x, weight, positions if positions is not None else x, dy, dx, dw, length, channels,
-        *x.stride(), *dx.stride(), K=kernel, KP=triton.next_power_of_2(kernel), BT=tokens,
-        BC=block, TILES=CONV_BWD_TILES, HAS_POS=positions is not None,
-        L2=l2_norm_dim is not None, EPS=L2_EPS, num_warps=4)
+    _short_conv_bwd_preact_kernel[grid](
+        x, weight, pos, dy, g, dw, length, channels, *x.stride(), K=kernel,
+        KP=triton.next_power_of_2(kernel), BT=TOKENS_PER_PROGRAM, BC=block,
+        TILES=CONV_BWD_TILES, HAS_POS=positions is not None, L2=l2_norm_dim is not None,
+        EPS=L2_EPS)
+    block = _channel_block(channels, None)
+    _short_conv_bwd_input_kernel[(tiles, batch, triton.cdiv(channels, block))](
+        g, weight, pos, dx, length, channels, *dx.stride(), K=kernel, BT=TOKENS_PER_PROGRAM,
+        BC=block, HAS_POS=positions is not None)
     return dx, dw.sum(0).to(weight.dtype)
 
 

@@ -116,11 +116,14 @@ def _repeat_heads(t, group: int):
 
 def _forget_score_mod(log_forget: torch.Tensor):
     """FlexAttention's ``score_mod`` adding the Forgetting Transformer's bias ``c_i - c_j``
-    (``c = cumsum(log f)`` per query head, fp32 ``[B, Hq, T]``)."""
-    c = log_forget.float().cumsum(1).transpose(1, 2).contiguous()
+    (``c = cumsum(log f)`` per query head, fp32 ``[B, Hq, T]``). The query's and the key's
+    terms index two copies of ``c``: FlexAttention's backward takes a captured tensor that
+    needs gradients indexed once only."""
+    c_query = log_forget.float().cumsum(1).transpose(1, 2).contiguous()
+    c_key = c_query.clone()
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return score + (c[b, h, q_idx] - c[b, h, kv_idx])
+        return score + (c_query[b, h, q_idx] - c_key[b, h, kv_idx])
 
     return score_mod
 

@@ -21,7 +21,7 @@ KERNELS = {  # names as seen in an H200 trace of `megatron-ext pretrain`
     "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "gemm",
     "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64": "attention",
     "_bwd_state_kernel": "linear_mixer",
-    "_short_conv_bwd_kernel": "mixer_glue",
+    "_short_conv_bwd_input_kernel": "mixer_glue",
     "_gated_norm_fwd_kernel": "mixer_glue",
     "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>": "elementwise_copy_reduce",
     "triton_poi_fused_add_cat_mul_rsub_sigmoid_silu_split_0": "elementwise_copy_reduce",
