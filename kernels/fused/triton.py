@@ -36,7 +36,7 @@ import triton.language as tl
 from .reference import L2_EPS
 
 TOKENS_PER_PROGRAM = 32
-CONV_CHANNELS = 64  # channels a short-conv program takes without the L2 norm (else one head)
+CONV_CHANNELS = 128  # channels a short-conv program takes without the L2 norm (else one head)
 CONV_BWD_TILES = 4  # token tiles a backward program walks, summing its share of dw
 
 
