@@ -67,11 +67,12 @@ def _triton_names(modules) -> tuple[str, ...]:
 
 def categoriser():
     """``category(kernel name) -> one of CATEGORIES`` for this tree's kernels: ``linear_mixer``
-    the delta-rule and decay ops' Triton kernels, ``mixer_glue`` all of ``kernels/fused``'s (the
+    the delta-rule and decay ops' Triton kernels (with their grouped heads' gradient sum),
+    ``mixer_glue`` all of ``kernels/fused``'s (the
     mixers' short convolution and gated RMSNorm, and the layers' RMSNorm, RoPE and the loss's
     cross-entropy, which without them run as PyTorch's ``elementwise_copy_reduce`` kernels)."""
     mixer = _triton_names(["megatron_ext.kernels.delta_rule.triton",
-                           "megatron_ext.kernels.decay.triton"])
+                           "megatron_ext.kernels.decay.triton", "megatron_ext.kernels.group_sum"])
     glue = _triton_names(["megatron_ext.kernels.fused.triton"])
 
     def category(name: str) -> str:

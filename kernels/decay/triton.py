@@ -104,6 +104,7 @@ import triton.language as tl
 
 from .. import backends
 from ..common import sequence_bounds
+from ..group_sum import group_sum
 from .reference import OP, check_inputs
 
 __all__ = ["decay_linear_attention_triton", "LAUNCH"]
@@ -781,8 +782,10 @@ class _DecayLinearAttention(torch.autograd.Function):
             BC=SUB_CHUNK, **problem.options())
 
         shape = (problem.batch, problem.seq_len, problem.key_heads, heads // problem.key_heads, key_dim)
-        grad_q, grad_k = (grad.view(shape).sum(3) if grouped else grad.view(shape[:3] + shape[4:])
-                          for grad in (grad_q, grad_k))
+        q_dtype, k_dtype, v_dtype, state_dtype = ctx.input_dtypes
+        grad_q, grad_k = ((group_sum(grad, heads // problem.key_heads, dtype) if grouped
+                           else grad.to(dtype)).view(shape[:3] + shape[4:])
+                          for grad, dtype in ((grad_q, q_dtype), (grad_k, k_dtype)))
         if g is None:
             grad_g = None
         else:
@@ -791,8 +794,7 @@ class _DecayLinearAttention(torch.autograd.Function):
             # g [Hv] is the same log-decay at every token of every sequence: the sum of them all.
             grad_g = (grad_g.sum(0) if g.dim() == 1 else grad_g.view(g.shape)).to(g.dtype)
         grad_v = grad_v.view(*shape[:2], heads, problem.value_dim)  # V, not -1, which T = 0 leaves open
-        q_dtype, k_dtype, v_dtype, state_dtype = ctx.input_dtypes
-        return (grad_q.to(q_dtype), grad_k.to(k_dtype), grad_v.to(v_dtype), grad_g,
+        return (grad_q, grad_k, grad_v.to(v_dtype), grad_g,
                 None if state_dtype is None else grad_state0.to(state_dtype), None, None)
 
 

@@ -128,6 +128,7 @@ import triton.language as tl
 
 from .. import backends
 from ..common import sequence_bounds
+from ..group_sum import group_sum
 from .reference import check_inputs
 
 __all__ = ["gated_delta_rule_triton", "triton_unavailable_reason"]
@@ -979,9 +980,7 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
                 tensor.zero_()
 
     def per_key_head(grad, like):
-        if per_v_head:
-            grad = grad.view(tokens, Hk, cfg.group, K).sum(2)
-        return grad.to(like.dtype)
+        return group_sum(grad, cfg.group, like.dtype) if per_v_head else grad.to(like.dtype)
 
     d_beta = None
     if beta is not None:

@@ -203,10 +203,13 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | 
     :func:`reference.short_conv`. ``x [B, T, C]`` in any strides; returns ``[B, T, C]``
     contiguous in ``x.dtype``; the gradient of ``x`` comes back in ``x``'s strides, or, where the
     Triton kernel runs and ``grad_into`` is given, in the tensor of ``x``'s shape that
-    ``grad_into()`` returns when the backward runs (see :class:`ProjectionGradient`)."""
+    ``grad_into()`` returns when the backward runs (see :class:`ProjectionGradient`). The Triton
+    kernels take filters of up to ``CONV_MAX_TAPS`` (4) taps; "auto" runs the reference for
+    wider ones."""
     _check_backend(backend)
     tiled = l2_norm_dim is None or _power_of_two(l2_norm_dim)  # one head is one kernel tile
-    if backend == "triton" or (backend == "auto" and tiled and _use_triton(x)):
+    if backend == "triton" or (backend == "auto" and tiled and _use_triton(x)
+                               and weight.shape[1] <= _triton().CONV_MAX_TAPS):
         return _ShortConv.apply(x, weight, positions, l2_norm_dim, grad_into)
     return reference.short_conv(x, weight, positions, l2_norm_dim)
 

@@ -7,9 +7,11 @@ Short convolution (``short_conv_forward`` / ``short_conv_backward``): a program 
 tokens x ``BC`` channels of one batch row; with the L2 normalisation ``BC`` is one head
 (``l2_norm_dim``, a power of two), so that the norm is a row sum of the tile. The backward runs
 two kernels: the first recomputes the pre-activation (none is saved forward) and writes its
-gradient g in fp32, a program walking ``CONV_BWD_TILES`` token tiles and summing their share
-of the weight gradient into ``[programs, C, K]`` partials (no atomics); the second reads g at
-each tap's shift, ``dx[t] = sum_i g[t + i] w[K-1-i]``, as the forward reads x.
+gradient g in x's dtype; the second reads g at each tap's shift, ``dx[t] = sum_i g[t + i]
+w[K-1-i]``, as the forward reads x, and from the same pairs the weight gradient ``dw[c, K-1-i]
+= sum_t g[t + i] x[t]``: a program walks ``CONV_BWD_TILES`` tiles, accumulates the products per
+tap (``CONV_MAX_TAPS`` accumulators, the widths Dao's causal-conv1d takes too), row and channel,
+and sums over the rows once at the end into ``[programs, C, K]`` partials (no atomics).
 
 Gated RMSNorm (``gated_rms_norm_forward`` / ``_backward``): a program takes ``BT`` tokens of one
 head (D channels); the weight gradient is summed per program as above.
@@ -37,7 +39,9 @@ from .reference import L2_EPS
 
 TOKENS_PER_PROGRAM = 32
 CONV_CHANNELS = 128  # channels a short-conv program takes without the L2 norm (else one head)
-CONV_BWD_TILES = 4  # token tiles a backward program walks, summing its share of dw
+CONV_BWD_CHANNELS = 64  # channels an input-gradient program takes (its K accumulators)
+CONV_BWD_TILES = 8  # token tiles it walks, summing their share of dw
+CONV_MAX_TAPS = 4  # filter widths the kernels take (one dw accumulator per tap), as causal-conv1d
 
 
 @triton.jit
@@ -102,59 +106,74 @@ def _conv_preactivation_grad(x_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_o
 
 
 @triton.jit
-def _short_conv_bwd_preact_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, g_ptr, dw_ptr, T, C,
-                                  sxb, sxt, sxc, K: tl.constexpr, KP: tl.constexpr,
-                                  BT: tl.constexpr, BC: tl.constexpr, TILES: tl.constexpr,
+def _short_conv_bwd_preact_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, g_ptr, T, C, sxb, sxt, sxc,
+                                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                                   HAS_POS: tl.constexpr, L2: tl.constexpr, EPS: tl.constexpr):
-    """The pre-activation's gradient g (fp32 ``[B, T, C]``) of ``TILES`` token tiles, and their
-    share of the weight gradient, ``dw[c, K-1-j] = sum_t g[t] x[t - j]``, in ``[programs, C,
-    K]`` partials."""
-    b = tl.program_id(1)
-    cols = tl.program_id(2) * BC + tl.arange(0, BC)
-    col_ok = cols < C
-    taps = tl.arange(0, KP)
-    dw = tl.zeros([KP, BC], dtype=tl.float32)  # dw[k, c]
-    for tile in range(TILES):
-        rows = (tl.program_id(0) * TILES + tile) * BT + tl.arange(0, BT)
-        row_ok = rows < T
-        g = _conv_preactivation_grad(x_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_ok, T,
-                                     C, sxb, sxt, sxc, K, HAS_POS, L2, EPS)
-        tl.store(g_ptr + (b * T + rows[:, None]) * C + cols[None, :], g,
-                 mask=row_ok[:, None] & col_ok[None, :])
-        if HAS_POS:
-            pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
-        else:
-            pos = rows
-        for j in tl.static_range(K):
-            ok = row_ok & (pos >= j)
-            xj = tl.load(x_ptr + b * sxb + (rows - j)[:, None] * sxt + cols[None, :] * sxc,
-                         mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            dw += tl.where(taps[:, None] == K - 1 - j, tl.sum(g * xj, axis=0)[None, :], 0.0)
-    program = b * tl.num_programs(0) + tl.program_id(0)
-    tl.store(dw_ptr + (program * C + cols[None, :]) * K + taps[:, None], dw,
-             mask=(taps[:, None] < K) & col_ok[None, :])
+    """The pre-activation's gradient g ``[B, T, C]`` (fp32 inside, stored in g's dtype)."""
+    b, rows, cols, row_ok, col_ok = _conv_tile(T, C, BT, BC)
+    g = _conv_preactivation_grad(x_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_ok, T, C,
+                                 sxb, sxt, sxc, K, HAS_POS, L2, EPS)
+    tl.store(g_ptr + (b * T + rows[:, None]) * C + cols[None, :], g.to(g_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _short_conv_bwd_input_kernel(g_ptr, w_ptr, pos_ptr, dx_ptr, T, C, sdb, sdt, sdc,
-                                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+def _tap_sum(dw_ptr, program, cols, col_ok, acc, C, K: tl.constexpr, tap: tl.constexpr):
+    """Store the row sum of ``acc`` as this program's partial of ``dw[:, tap]``."""
+    tl.store(dw_ptr + (program * C + cols) * K + tap, tl.sum(acc, axis=0), mask=col_ok)
+
+
+@triton.jit
+def _short_conv_bwd_input_kernel(g_ptr, x_ptr, w_ptr, pos_ptr, dx_ptr, dw_ptr, T, C,
+                                 sxb, sxt, sxc, sdb, sdt, sdc, K: tl.constexpr,
+                                 BT: tl.constexpr, BC: tl.constexpr, TILES: tl.constexpr,
                                  HAS_POS: tl.constexpr):
-    """``dx[t] = sum_i g[t + i] w[K-1-i]`` over the tokens t + i of t's sequence."""
-    b, rows, cols, row_ok, col_ok = _conv_tile(T, C, BT, BC)
-    dx = tl.zeros([BT, BC], dtype=tl.float32)
-    for i in tl.static_range(K):
-        later = rows + i
-        if HAS_POS:
-            later_pos = tl.load(pos_ptr + later, mask=later < T, other=0)
-        else:
-            later_pos = later
-        same = (later < T) & (later_pos >= i)
-        gi = tl.load(g_ptr + (b * T + later[:, None]) * C + cols[None, :],
-                     mask=same[:, None] & col_ok[None, :], other=0.0)
-        wi = tl.load(w_ptr + cols * K + (K - 1 - i), mask=col_ok, other=0.0).to(tl.float32)
-        dx += gi * wi[None, :]
-    tl.store(dx_ptr + b * sdb + rows[:, None] * sdt + cols[None, :] * sdc,
-             dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    """``dx[t] = sum_i g[t + i] w[K-1-i]`` over the tokens t + i of t's sequence, for ``TILES``
+    token tiles, and their share of the weight gradient ``dw[c, K-1-i] = sum_t g[t + i] x[t]``
+    (same pairs) in ``[programs, C, K]`` partials: one accumulator of products per tap (K <=
+    CONV_MAX_TAPS), summed over its rows once at the end."""
+    b = tl.program_id(1)
+    cols = tl.program_id(2) * BC + tl.arange(0, BC)
+    col_ok = cols < C
+    acc0 = tl.zeros([BT, BC], dtype=tl.float32)
+    acc1 = tl.zeros([BT, BC], dtype=tl.float32)
+    acc2 = tl.zeros([BT, BC], dtype=tl.float32)
+    acc3 = tl.zeros([BT, BC], dtype=tl.float32)
+    for tile in range(TILES):
+        rows = (tl.program_id(0) * TILES + tile) * BT + tl.arange(0, BT)
+        row_ok = rows < T
+        x = tl.load(x_ptr + b * sxb + rows[:, None] * sxt + cols[None, :] * sxc,
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        dx = tl.zeros([BT, BC], dtype=tl.float32)
+        for i in tl.static_range(K):
+            later = rows + i
+            if HAS_POS:
+                later_pos = tl.load(pos_ptr + later, mask=later < T, other=0)
+            else:
+                later_pos = later
+            same = (later < T) & (later_pos >= i)
+            gi = tl.load(g_ptr + (b * T + later[:, None]) * C + cols[None, :],
+                         mask=same[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            wi = tl.load(w_ptr + cols * K + (K - 1 - i), mask=col_ok, other=0.0).to(tl.float32)
+            dx += gi * wi[None, :]
+            if i == 0:
+                acc0 += gi * x
+            elif i == 1:
+                acc1 += gi * x
+            elif i == 2:
+                acc2 += gi * x
+            else:
+                acc3 += gi * x
+        tl.store(dx_ptr + b * sdb + rows[:, None] * sdt + cols[None, :] * sdc,
+                 dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    program = b * tl.num_programs(0) + tl.program_id(0)
+    _tap_sum(dw_ptr, program, cols, col_ok, acc0, C, K, K - 1)
+    if K > 1:
+        _tap_sum(dw_ptr, program, cols, col_ok, acc1, C, K, K - 2)
+    if K > 2:
+        _tap_sum(dw_ptr, program, cols, col_ok, acc2, C, K, K - 3)
+    if K > 3:
+        _tap_sum(dw_ptr, program, cols, col_ok, acc3, C, K, K - 4)
 
 
 def empty_in_order_of(t: torch.Tensor) -> torch.Tensor:
@@ -187,7 +206,11 @@ def _channel_block(channels: int, l2_norm_dim: int | None) -> int:
 
 def short_conv_forward(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | None,
                        l2_norm_dim: int | None) -> torch.Tensor:
-    """``x [B, T, C]`` (any strides) -> ``y [B, T, C]`` contiguous, ``x.dtype``."""
+    """``x [B, T, C]`` (any strides) -> ``y [B, T, C]`` contiguous, ``x.dtype``; ``weight [C,
+    K]`` with K <= ``CONV_MAX_TAPS``."""
+    if weight.shape[1] > CONV_MAX_TAPS:
+        raise ValueError(f"short_conv: the Triton kernels take filters of at most {CONV_MAX_TAPS} "
+                         f"taps, not {weight.shape[1]}; use backend='reference'")
     batch, length, channels = x.shape
     block = _channel_block(channels, l2_norm_dim)
     y = torch.empty(batch, length, channels, device=x.device, dtype=x.dtype)
@@ -204,23 +227,22 @@ def short_conv_backward(x, weight, positions, l2_norm_dim, dy, dx=None):
     new tensor in ``x``'s strides) in ``x``'s dtype, ``dw`` ``[C, K]`` in ``weight``'s dtype."""
     batch, length, channels = x.shape
     kernel = weight.shape[1]
-    block = _channel_block(channels, l2_norm_dim)
     dy = dy.contiguous()
     dx = empty_in_order_of(x) if dx is None else _checked_out(dx, x)
     pos = positions if positions is not None else x
+    block = _channel_block(channels, l2_norm_dim)
+    g = torch.empty(batch, length, channels, device=x.device, dtype=x.dtype)
+    _short_conv_bwd_preact_kernel[(triton.cdiv(length, TOKENS_PER_PROGRAM), batch,
+                                   triton.cdiv(channels, block))](
+        x, weight, pos, dy, g, length, channels, *x.stride(), K=kernel, BT=TOKENS_PER_PROGRAM,
+        BC=block, HAS_POS=positions is not None, L2=l2_norm_dim is not None, EPS=L2_EPS)
+    block = min(CONV_BWD_CHANNELS, triton.next_power_of_2(channels))
     tiles = triton.cdiv(length, TOKENS_PER_PROGRAM)
     grid = (triton.cdiv(tiles, CONV_BWD_TILES), batch, triton.cdiv(channels, block))
-    g = torch.empty(batch, length, channels, device=x.device, dtype=torch.float32)
     dw = torch.empty(grid[0] * batch, channels, kernel, device=x.device, dtype=torch.float32)
-    _short_conv_bwd_preact_kernel[grid](
-        x, weight, pos, dy, g, dw, length, channels, *x.stride(), K=kernel,
-        KP=triton.next_power_of_2(kernel), BT=TOKENS_PER_PROGRAM, BC=block,
-        TILES=CONV_BWD_TILES, HAS_POS=positions is not None, L2=l2_norm_dim is not None,
-        EPS=L2_EPS)
-    block = _channel_block(channels, None)
-    _short_conv_bwd_input_kernel[(tiles, batch, triton.cdiv(channels, block))](
-        g, weight, pos, dx, length, channels, *dx.stride(), K=kernel, BT=TOKENS_PER_PROGRAM,
-        BC=block, HAS_POS=positions is not None)
+    _short_conv_bwd_input_kernel[grid](
+        g, x, weight, pos, dx, dw, length, channels, *x.stride(), *dx.stride(), K=kernel,
+        BT=TOKENS_PER_PROGRAM, BC=block, TILES=CONV_BWD_TILES, HAS_POS=positions is not None)
     return dx, dw.sum(0).to(weight.dtype)
 
 

@@ -23,6 +23,7 @@ KERNELS = {  # names as seen in an H200 trace of `megatron-ext pretrain`
     "_bwd_state_kernel": "linear_mixer",
     "_short_conv_bwd_input_kernel": "mixer_glue",
     "_gated_norm_fwd_kernel": "mixer_glue",
+    "_group_sum_kernel": "linear_mixer",
     "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>": "elementwise_copy_reduce",
     "triton_poi_fused_add_cat_mul_rsub_sigmoid_silu_split_0": "elementwise_copy_reduce",
     "Memcpy DtoD (Device -> Device)": "elementwise_copy_reduce",

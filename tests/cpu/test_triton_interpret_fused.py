@@ -1,7 +1,7 @@
 """The fused layer kernels (kernels/fused/triton.py) on Triton's CPU interpreter, forward and
 backward against the fp32 reference, every load and store checked to stay inside its tensors:
 this file run as a script runs tests/gpu/test_fused_layer_ops.py's first-use cases in fp32 and
-bf16, two long cases, RMSNorm's backward with programs over several row tiles and the
+bf16, three long cases, RMSNorm's backward with programs over several row tiles and the
 cross-entropy over a whole vocabulary of three column blocks. Skipped where
 Triton is not installed. ~20 s on two cores."""
 import time
@@ -20,9 +20,11 @@ def main() -> None:
         errors = checks.check_first_use_cases("cpu", dtype)
         print(f"first-use cases {dtype}: worst {max(errors.values()):.1e} "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
-    for case in ((1, 70, 64, 32), (2, 300, 96, None)):  # the second: backward programs over
-        errors = checks.check_large(case, "cpu", torch.float32)  # several token tiles each,
-        print(f"long case {case}: worst {max(errors.values()):.1e}")  # a partial channel block
+    # The second and third: backward programs over several token tiles each, a partial channel
+    # block, filters of 3 and 1 taps.
+    for case in ((1, 70, 64, 32, 4), (2, 300, 96, None, 3), (1, 150, 32, None, 1)):
+        errors = checks.check_large(case, "cpu", torch.float32)
+        print(f"long case {case}: worst {max(errors.values()):.1e}")
     errors = checks.check_rms_norm_strided_programs("cpu")
     print(f"rms_norm, programs over several row tiles: worst {max(errors.values()):.1e}")
     errors = checks.check_cross_entropy("cpu", length=9, batch=2, vocab=4500)
@@ -33,6 +35,20 @@ def main() -> None:
 @needs_triton
 def test_kernels_on_the_interpreter():
     triton_interpreter.run_as_script(__file__)
+
+
+@needs_triton
+def test_wide_filters_take_the_reference():
+    """Filters wider than the kernels' CONV_MAX_TAPS: backend="triton" refuses them by name,
+    "auto" runs the reference (here on the CPU, as anywhere)."""
+    import pytest
+
+    from megatron_ext.kernels.fused import ops, reference, triton
+
+    x, w = torch.randn(2, 9, 8), torch.randn(8, triton.CONV_MAX_TAPS + 1)
+    with pytest.raises(ValueError, match="at most 4 taps"):
+        ops.short_conv(x, w, backend="triton")
+    torch.testing.assert_close(ops.short_conv(x, w), reference.short_conv(x, w))
 
 
 def test_reference_conv_is_torch_conv1d_per_sequence():

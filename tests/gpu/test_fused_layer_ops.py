@@ -12,10 +12,10 @@ pytestmark = pytest.mark.gpu
 # The first-use check's cases (T = 45 across the 32-token blocks, packed sequences of 5, 33 and
 # 7 tokens, a transposed [s, b, C] input, per-head and shared norm weights) and, at the 350M
 # preset's sizes, a long sequence: 4 key heads of 64 with the L2 norm, 16 value heads of 64.
-LARGE_CASES = [  # (batch, length, channels, l2 head dim or None)
-    (2, 4099, 256, 64),
-    (1, 4096, 1024, None),
-    (2, 1000, 512, 128),
+LARGE_CASES = [  # (batch, length, channels, l2 head dim or None, filter taps)
+    (2, 4099, 256, 64, 4),
+    (1, 4096, 1024, None, 4),
+    (2, 1000, 512, 128, 3),
 ]
 
 
@@ -48,10 +48,10 @@ def compare_with_reference(fast, slow, inputs, probe, names, dtype, what=None):
 def check_large(case, device, dtype=torch.bfloat16) -> dict[str, float]:
     """Output and gradients of the Triton short conv on a transposed [s, b, C] input against
     the fp32 reference (on the same device), and the input gradient's strides."""
-    batch, length, channels, l2 = case
+    batch, length, channels, l2, taps = case
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(length, batch, channels, generator=gen).to(device, dtype).transpose(0, 1)
-    w = (torch.randn(channels, 4, generator=gen) * 0.5).to(device, dtype)
+    w = (torch.randn(channels, taps, generator=gen) * 0.5).to(device, dtype)
     probe = torch.randn(batch, length, channels, generator=gen).to(device)
     errors, (dx, _) = compare_with_reference(
         lambda x, w: ops.short_conv(x, w, None, l2, backend="triton"),
