@@ -1,5 +1,5 @@
-"""Autograd entry points of the fused layer pieces (short conv, gated RMSNorm, RMSNorm, RoPE,
-vocab-parallel cross-entropy), with ``backend="auto"|"reference"|"triton"``.
+"""Autograd entry points of the fused layer pieces (short conv, gates, gated RMSNorm, RMSNorm,
+RoPE, vocab-parallel cross-entropy), with ``backend="auto"|"reference"|"triton"``.
 
 "auto" runs the Triton kernels on CUDA tensors whose head dim (the L2-normalised group, the
 normalised head) is a power of two, once they have passed a first-use check on that GPU
@@ -68,6 +68,20 @@ class _GatedRMSNorm(torch.autograd.Function):
         dgate = None if ctx.gate_grad_into is None else ctx.gate_grad_into()
         do, dgate, dweight = _triton().gated_rms_norm_backward(o, weight, gate, ctx.eps, dy, dgate)
         return do, dweight, dgate, None, None, None
+
+
+class _Gate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, A_log, dt_bias, grad_into):
+        ctx.save_for_backward(x, A_log, dt_bias)
+        ctx.grad_into = grad_into
+        return _triton().gate_forward(x, A_log, dt_bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, A_log, dt_bias = ctx.saved_tensors
+        dx = None if ctx.grad_into is None else ctx.grad_into()
+        return (*_triton().gate_backward(x, A_log, dt_bias, dy, dx), None)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -214,6 +228,19 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | 
     return reference.short_conv(x, weight, positions, l2_norm_dim)
 
 
+def gate(x: torch.Tensor, A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+         backend: str = "auto", grad_into=None) -> torch.Tensor:
+    """A gate activation in fp32, see :func:`reference.gate`: ``sigmoid(x)``, or with ``A_log
+    [N / C]`` and ``dt_bias [N]`` the log-decay ``-exp(A_log) softplus(x + dt_bias)``. ``x [B,
+    T, N]`` with a dense last dim, any batch and token strides (a transposed slice of a fused
+    projection's ``[s, b, W]`` output is read in place); returns ``[B, T, N]`` (contiguous from
+    the Triton kernel). ``grad_into``: as :func:`short_conv`'s."""
+    _check_backend(backend)
+    if backend == "triton" or (backend == "auto" and x.stride(-1) == 1 and _use_triton(x)):
+        return _Gate.apply(x, A_log, dt_bias, grad_into)
+    return reference.gate(x, A_log, dt_bias)
+
+
 def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float,
                    sequence_first: bool = False, backend: str = "auto",
                    gate_grad_into=None) -> torch.Tensor:
@@ -289,7 +316,8 @@ def first_use_check(device: torch.device, dtype: torch.dtype) -> bool:
 
     return passes_first_use_check(
         check_errors, device, dtype, CHECK_TOLERANCE[dtype],
-        "the fused layer kernels (short_conv, gated_rms_norm, rms_norm, rope, cross_entropy)",
+        "the fused layer kernels (short_conv, gate, gated_rms_norm, rms_norm, rope, "
+        "cross_entropy)",
         "the PyTorch reference runs instead", logger)
 
 
@@ -300,7 +328,8 @@ def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
     and on three packed sequences (5, 33 and 7 tokens); RMSNorm over 48 channels; RoPE on a
     strided slice; the gated RMSNorm with per-head and shared weights, both output layouts;
     cross-entropy over a vocabulary shard that holds some of the targets; the short conv and
-    the gated RMSNorm writing their input gradients into a split projection's gradient."""
+    the gated RMSNorm writing their input gradients into a split projection's gradient; the
+    sigmoid and log-decay gates on a strided slice."""
     from ..selfcheck import relative_error
 
     device = torch.device(device)
@@ -388,12 +417,23 @@ def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
                 lambda o, nw, g, into: reference.gated_rms_norm(o, nw, g, 1e-6), plain_split),
             [randn(length, batch, sum(widths)), weight, o, randn(heads, dim, scale=0.3) + 1])
 
-    gate = randn(length, batch, heads * dim).transpose(0, 1).unflatten(-1, (heads, dim))
+    # Gates on a transposed slice of a wider projection: the sigmoid, and log-decays with one
+    # value per head (A_log and dt_bias of 5 heads) and per channel (3 heads of 16 channels).
+    wide = randn(length, batch, 8 + heads * dim)
+    compare("gate sigmoid", lambda x: gate(x, backend="triton"), reference.gate,
+            [wide[..., 8:].transpose(0, 1)])
+    for decay_heads, width in ((5, 5), (heads, heads * dim)):
+        compare(f"gate decay {decay_heads} heads x {width // decay_heads}",
+                lambda x, a, dt: gate(x, a, dt, backend="triton"), reference.gate,
+                [wide[..., 8:8 + width].transpose(0, 1) * 8, randn(decay_heads, scale=0.5),
+                 randn(width)])
+
+    gate_input = randn(length, batch, heads * dim).transpose(0, 1).unflatten(-1, (heads, dim))
     for shape in ((heads, dim), (dim,)):
         norm_weight = randn(*shape, scale=0.3) + 1
         for sequence_first in (False, True):
             compare(f"gated_rms_norm w{list(shape)} sequence_first={sequence_first}",
                     lambda o, w, g: gated_rms_norm(o, w, g, 1e-6, sequence_first, "triton"),
                     lambda o, w, g: gated_rms_norm(o, w, g, 1e-6, sequence_first, "reference"),
-                    [o, norm_weight, gate])
+                    [o, norm_weight, gate_input])
     return errors

@@ -7,6 +7,8 @@ Triton kernels (``triton.py``) are tested against, and the path on CPUs.
   (one head of q or k). Taps that would reach before the start of the token's sequence are
   dropped: ``positions[t]`` is the token's index within its sequence (packed sequences), or t.
 - :func:`gated_rms_norm`: ``rmsnorm(o) * w * silu(gate)`` over each head's channels.
+- :func:`gate`: a gate activation in fp32, ``sigmoid(x)`` (the delta rule's beta, erase and write
+  gates), or the Mamba-2 / GDN log-decay ``-exp(A_log) * softplus(x + dt_bias)``.
 - :func:`rms_norm`: ``x / rms(x) * w`` over the last dim (the layers' input norms).
 - :func:`cross_entropy`: ``logsumexp(x) - x[target]`` per row of logits; over a vocabulary split
   across ranks (Megatron's vocab-parallel output layer) each rank reduces its columns to
@@ -62,6 +64,16 @@ def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
     x = o.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return (x * weight.float() * F.silu(gate.float())).to(o.dtype)
+
+
+def gate(x: torch.Tensor, A_log: torch.Tensor | None = None,
+         dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [B, T, N]`` -> fp32: ``sigmoid(x)``, or with ``A_log [N / C]`` and ``dt_bias [N]`` the
+    log-decay ``-exp(A_log) * softplus(x + dt_bias)`` (C channels a head share an A)."""
+    if A_log is None:
+        return torch.sigmoid(x.float())
+    a = -A_log.float().exp().repeat_interleave(x.shape[-1] // A_log.numel())
+    return a * F.softplus(x.float() + dt_bias.float().flatten())
 
 
 def rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

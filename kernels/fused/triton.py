@@ -13,6 +13,11 @@ w[K-1-i]``, as the forward reads x, and from the same pairs the weight gradient 
 tap (``CONV_MAX_TAPS`` accumulators, the widths Dao's causal-conv1d takes too), row and channel,
 and sums over the rows once at the end into ``[programs, C, K]`` partials (no atomics).
 
+Gates (``gate_forward`` / ``gate_backward``): the fp32 sigmoid of a projection's slice, or the
+Mamba-2 / GDN log-decay ``-exp(A_log) softplus(x + dt_bias)``, read in place; the backward's
+programs each walk ``GATE_BWD_TILES`` token tiles and sum their share of the gradients of
+``A_log`` and ``dt_bias`` as the short convolution's dw.
+
 Gated RMSNorm (``gated_rms_norm_forward`` / ``_backward``): a program takes ``BT`` tokens of one
 head (D channels); the weight gradient is summed per program as above.
 
@@ -42,6 +47,8 @@ CONV_CHANNELS = 128  # channels a short-conv program takes without the L2 norm (
 CONV_BWD_CHANNELS = 64  # channels an input-gradient program takes (its K accumulators)
 CONV_BWD_TILES = 8  # token tiles it walks, summing their share of dw
 CONV_MAX_TAPS = 4  # filter widths the kernels take (one dw accumulator per tap), as causal-conv1d
+GATE_CHANNELS = 256  # channels a gate program takes
+GATE_BWD_TILES = 8  # token tiles a gate backward program walks, summing the parameters' share
 
 
 @triton.jit
@@ -339,6 +346,112 @@ def gated_rms_norm_backward(o, weight, gate, eps, dy, dgate=None):
                                  EPS=eps)
     dw = dw.sum(0)
     return do, dgate, (dw if weight.dim() == 2 else dw.sum(0)).to(weight.dtype)
+
+
+@triton.jit
+def _softplus(u):
+    """log(1 + exp(u)) in fp32, as torch's (u itself above 20), without losing exp(u) << 1."""
+    z = tl.exp(-tl.abs(u))
+    return tl.where(u > 20.0, u, tl.maximum(u, 0.0) + tl.where(z < 1e-4, z - 0.5 * z * z,
+                                                               tl.log(1.0 + z)))
+
+
+@triton.jit
+def _gate_fwd_kernel(x_ptr, a_ptr, dt_ptr, y_ptr, T, N, sxb, sxt, C: tl.constexpr,
+                     BT: tl.constexpr, BN: tl.constexpr, DECAY: tl.constexpr):
+    """y = sigmoid(x), or with DECAY ``-exp(A_log[n // C]) * softplus(x + dt_bias[n])``; fp32
+    ``[B, T, N]``."""
+    b, rows, cols, row_ok, col_ok = _conv_tile(T, N, BT, BN)
+    ok = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + b * sxb + rows[:, None] * sxt + cols[None, :], mask=ok,
+                other=0.0).to(tl.float32)
+    if DECAY:
+        dt = tl.load(dt_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        a = -tl.exp(tl.load(a_ptr + cols // C, mask=col_ok, other=0.0).to(tl.float32))
+        y = a[None, :] * _softplus(x + dt[None, :])
+    else:
+        y = tl.sigmoid(x)
+    tl.store(y_ptr + (b * T + rows[:, None]) * N + cols[None, :], y, mask=ok)
+
+
+@triton.jit
+def _gate_bwd_kernel(x_ptr, a_ptr, dt_ptr, dy_ptr, dx_ptr, part_ptr, T, N, sxb, sxt, sdb, sdt,
+                     C: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, TILES: tl.constexpr,
+                     DECAY: tl.constexpr):
+    """dx of :func:`_gate_fwd_kernel` for ``TILES`` token tiles (in dx's dtype and strides) and,
+    with DECAY, their share of the parameters' gradients in ``[programs, 2, N]`` fp32 partials:
+    ``d dt_bias[n] = sum dx[n]`` and ``d A_log`` per channel, ``sum dy * y``."""
+    b = tl.program_id(1)
+    cols = tl.program_id(2) * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    d_dt = tl.zeros([BN], dtype=tl.float32)
+    d_a = tl.zeros([BN], dtype=tl.float32)
+    if DECAY:
+        dt = tl.load(dt_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        a = -tl.exp(tl.load(a_ptr + cols // C, mask=col_ok, other=0.0).to(tl.float32))
+    for tile in range(TILES):
+        rows = (tl.program_id(0) * TILES + tile) * BT + tl.arange(0, BT)
+        ok = (rows < T)[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + b * sxb + rows[:, None] * sxt + cols[None, :], mask=ok,
+                    other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + (b * T + rows[:, None]) * N + cols[None, :], mask=ok, other=0.0)
+        if DECAY:
+            u = x + dt[None, :]
+            dx = dy * a[None, :] * tl.sigmoid(u)
+            d_dt += tl.sum(dx, axis=0)
+            d_a += tl.sum(dy * a[None, :] * _softplus(u), axis=0)
+        else:
+            sig = tl.sigmoid(x)
+            dx = dy * sig * (1.0 - sig)
+        tl.store(dx_ptr + b * sdb + rows[:, None] * sdt + cols[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=ok)
+    if DECAY:
+        program = b * tl.num_programs(0) + tl.program_id(0)
+        tl.store(part_ptr + program * 2 * N + cols, d_dt, mask=col_ok)
+        tl.store(part_ptr + (program * 2 + 1) * N + cols, d_a, mask=col_ok)
+
+
+def _gate_launch(x: torch.Tensor):
+    batch, length, width = x.shape
+    if x.stride(-1) != 1:
+        raise ValueError("gate: the channel dim must be contiguous")
+    block = min(GATE_CHANNELS, triton.next_power_of_2(width))
+    return batch, length, width, block, triton.cdiv(width, block)
+
+
+def gate_forward(x, A_log=None, dt_bias=None) -> torch.Tensor:
+    """``x [B, T, N]`` (any batch and token strides) -> fp32 ``[B, T, N]``: ``sigmoid(x)``, or
+    with ``A_log [N / C]`` and ``dt_bias [N]`` the log-decay ``-exp(A_log) softplus(x +
+    dt_bias)`` (C channels a head)."""
+    batch, length, width, block, blocks = _gate_launch(x)
+    y = torch.empty(batch, length, width, device=x.device, dtype=torch.float32)
+    decay = A_log is not None
+    _gate_fwd_kernel[(triton.cdiv(length, TOKENS_PER_PROGRAM), batch, blocks)](
+        x, A_log if decay else x, dt_bias if decay else x, y, length, width, x.stride(0),
+        x.stride(1), C=width // A_log.numel() if decay else 1, BT=TOKENS_PER_PROGRAM, BN=block,
+        DECAY=decay)
+    return y
+
+
+def gate_backward(x, A_log, dt_bias, dy, dx=None):
+    """Gradients of :func:`gate_forward`: ``dx`` in x's dtype (written into ``dx`` where given,
+    else in x's strides), and with a decay ``dA_log``, ``ddt_bias`` in their own dtypes."""
+    batch, length, width, block, blocks = _gate_launch(x)
+    dx = empty_in_order_of(x) if dx is None else _checked_out(dx, x)
+    decay = A_log is not None
+    grid = (triton.cdiv(triton.cdiv(length, TOKENS_PER_PROGRAM), GATE_BWD_TILES), batch, blocks)
+    part = torch.empty(grid[0] * batch, 2, width, device=x.device,
+                       dtype=torch.float32) if decay else x
+    _gate_bwd_kernel[grid](
+        x, A_log if decay else x, dt_bias if decay else x, dy.contiguous(), dx, part, length,
+        width, x.stride(0), x.stride(1), dx.stride(0), dx.stride(1),
+        C=width // A_log.numel() if decay else 1, BT=TOKENS_PER_PROGRAM, BN=block,
+        TILES=GATE_BWD_TILES, DECAY=decay)
+    if not decay:
+        return dx, None, None
+    d_dt, d_a = part.sum(0)
+    return (dx, d_a.view(A_log.numel(), -1).sum(1).to(A_log.dtype),
+            d_dt.view(dt_bias.shape).to(dt_bias.dtype))
 
 
 @triton.jit

@@ -43,13 +43,12 @@ convolutions take their halo from the neighbouring chunks, and the op runs under
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.config import ConfigError
 from megatron_ext.kernels import gated_delta_rule
 from megatron_ext.kernels.delta_rule import gated_delta_rule_summary
-from megatron_ext.kernels.fused import gated_rms_norm, sequence_positions
+from megatron_ext.kernels.fused import gate, gated_rms_norm, sequence_positions
 from megatron_ext.mixers.common import (
     HeadShardedModule,
     LinearMixerSubmodules,
@@ -61,6 +60,10 @@ from megatron_ext.parallel import ContextParallel
 from megatron_ext.parallel.linear import check_heads, check_sequence, linear_recurrence
 
 VARIANTS = ("deltanet", "gated_deltanet", "kda", "gated_deltanet2")
+
+
+def _batch_first(t: torch.Tensor) -> torch.Tensor:  # [s, b, ...] -> [b, s, ...], a view
+    return t.transpose(0, 1)
 
 
 class DeltaRuleMixer(HeadShardedModule):
@@ -133,15 +136,18 @@ class DeltaRuleMixer(HeadShardedModule):
         self.sharded_parameter("out_norm_weight", torch.ones(value_heads, self.value_dim))
         self.norm_eps = config.layernorm_epsilon
 
-    def _decay(self, x: torch.Tensor, projected: dict, b: int, s: int) -> torch.Tensor | None:
+    def _decay(self, x: torch.Tensor, projected: dict, grad_into, b: int,
+               s: int) -> torch.Tensor | None:
         """Log-decay g: None, ``[b, s, Hv]`` or ``[b, s, Hv, K]`` (fp32, <= 0)."""
         if self.variant == "deltanet":
             return None
-        a = projected["decay"] if self.variant == "gated_deltanet" else self.low_rank_decay(x)
-        a = a.transpose(0, 1).float().reshape(b, s, self.value_heads, -1)
-        a = a + self.dt_bias.float().view(self.value_heads, -1)
-        g = -self.A_log.float().exp().view(-1, 1) * F.softplus(a)
-        return g.squeeze(-1) if self.variant == "gated_deltanet" else g
+        if self.variant == "gated_deltanet":
+            a, into = projected["decay"], grad_into("decay", _batch_first)
+        else:
+            a, into = self.low_rank_decay(x), None
+        g = gate(a.transpose(0, 1), self.A_log, self.dt_bias, grad_into=into)  # [b, s, Hv * C]
+        per_channel = () if self.variant == "gated_deltanet" else (-1,)
+        return g.reshape(b, s, self.value_heads, *per_channel)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None,
                 inference_context=None, **_unused):
@@ -156,9 +162,9 @@ class DeltaRuleMixer(HeadShardedModule):
         packed = check_sequence(self.cp, s, cu_seqlens, self.conv_q.shape[1], self.variant)
         positions = sequence_positions(cu_seqlens, s, hidden_states.device)
 
-        def sigmoid_gate(name, per_head_channels):
-            return torch.sigmoid(projected[name].transpose(0, 1).float()).reshape(
-                b, s, self.value_heads, *per_head_channels)
+        def sigmoid_gate(name, per_head_channels):  # fp32 [b, s, Hv, ...]
+            return gate(projected[name].transpose(0, 1), grad_into=grad_into(name, _batch_first)
+                        ).reshape(b, s, self.value_heads, *per_head_channels)
 
         # Conv + SiLU (+ L2 norm per head for q and k) in one kernel each, read in place.
         q = conv_silu_heads(projected["q"], self.conv_q, self.key_heads, positions, self.cp,
@@ -175,7 +181,8 @@ class DeltaRuleMixer(HeadShardedModule):
             gates["beta"] = sigmoid_gate("beta", ())
         o, final, *residual = linear_recurrence(
             self.cp, self.cp_method, gated_delta_rule, gated_delta_rule_summary,
-            dict(q=q, k=k, v=v, g=self._decay(hidden_states, projected, b, s), **gates),
+            dict(q=q, k=k, v=v, g=self._decay(hidden_states, projected, grad_into, b, s),
+                 **gates),
             cu_seqlens=cu_seqlens, backend=self.kernel_backend,
             return_write_residual=self.routing == "cler_h",
             **recurrent_state(cache))
@@ -185,8 +192,8 @@ class DeltaRuleMixer(HeadShardedModule):
             signal = residual[0] if self.routing == "cler_h" else v
             self.routed_signal = signal.reshape(b, s, -1).transpose(0, 1)
 
-        def gate_heads(gate):  # [s, b, Hv * V] -> [b, s, Hv, V]
-            return gate.transpose(0, 1).unflatten(-1, (self.value_heads, self.value_dim))
+        def gate_heads(z):  # [s, b, Hv * V] -> [b, s, Hv, V]
+            return z.transpose(0, 1).unflatten(-1, (self.value_heads, self.value_dim))
 
         o = gated_rms_norm(o.to(hidden_states.dtype), self.out_norm_weight,
                            gate_heads(projected["gate"]), self.norm_eps, sequence_first=True,
