@@ -85,8 +85,8 @@ Supported K and V: 16, 32, 64, 128, 256. No tl.trans anywhere: transposed operan
 transposed (Hopper with Triton 3.4 to 3.7.0 miscompiles tl.trans of dot results, fla-core issue
 #640).
 
-Kernel structure (chosen from ptxas/SASS for sm_90 and the GPU time per kernel of one fwd+bwd,
-benchmarks/kernels.py --profile, on an H200 at B*T = 32768, H = 16, K = V = 128, bf16):
+Kernel structure (from ptxas/SASS for sm_90 and the GPU time per kernel of one fwd+bwd,
+benchmarks/kernels.py --profile, at B*T = 32768, H = 16, K = V = 128, bf16):
     _bwd_qkg, one decay per head (GDN, DeltaNet): one program per chunk and head forms the
         [64, 64] tiles of dP and dA and their transposes once, loops over the key blocks and sums
         dg and beta's share itself (a program per key block would load, mask and decay the same
@@ -94,15 +94,14 @@ benchmarks/kernels.py --profile, on an H200 at B*T = 32768, H = 16, K = V = 128,
     _bwd_qkg, per-channel decay (KDA, GDN-2): the 16 serial steps over the diagonal sub-blocks
         accumulate apart from the dot results' layout, with the masks folded into per-row
         scalars, so that no step converts tiles through shared memory.
-    _fwd_scores, per-channel decay: the diagonal sub-blocks are formed one column per step;
-        forming 16 columns at once is slower on an H200.
+    _fwd_scores, per-channel decay: the diagonal sub-blocks are formed one column per step,
+        which profiles faster than all 16 columns at once.
     _invert: one loop of 15 steps does all four diagonal blocks, reading A's rows from memory
-        (the blocks one after another, each row extracted by a reduction across warps, is
-        barrier-bound).
+        (extracting each row from registers would take a reduction across warps a step).
     _bwd_scores: 4 warps on tensor cores (at 8 it takes 130 registers a thread, one program
         per SM).
-    _bwd_state: BV = 64 for K <= 128 in 16-bit (at the shape above 256 programs in 2 waves,
-        against 512 in 4 at BV = 32).
+    _bwd_state: BV = 64 for K <= 128 in 16-bit (half the programs of BV = 32, each with twice
+        the columns, so fewer waves of the sequential loop).
 
 Hopper. On an H200 (Triton 3.6.0, with its ptxas 12.8), _bwd_qkg at 8 warps, feeding the
 [64, 64] tiles of dP and dA (and their transposes) to tl.dot straight from memory, returns wrong dk

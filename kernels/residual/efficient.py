@@ -22,12 +22,11 @@ the Sinkhorn iterations (two kernels, :mod:`.triton_sinkhorn`), :func:`depth_att
 (one kernel each way for all source groups of a call, :mod:`.triton_depth`) and
 :func:`add_into_last_slot` (block AttnRes's exit; also :mod:`.triton_depth`). The two mHC
 stream ops, :func:`mhc_pre` and :func:`stream_update`, have fused kernels too (forward and
-backward, :mod:`.triton_mhc`), on unless :func:`use_triton_mhc` turns them off: in a training
-step of the 350M-class model at micro-batch 8 on an H200 they take less GPU and wall time than
-the compiled bodies (benchmarks/residual_step.py). Kernels are used on a device only after
-passing a first-use check there (small random inputs against the PyTorch bodies); where they
-cannot run (the CPU, no Triton, a failed check, sizes or dtypes they do not take) the PyTorch
-bodies do.
+backward, :mod:`.triton_mhc`), on unless :func:`use_triton_mhc` turns them off (in the
+350M-class model's training step they beat the compiled bodies: benchmarks/residual_step.py).
+Kernels are used on a device only after passing a first-use check there (small random inputs
+against the PyTorch bodies); where they cannot run (the CPU, no Triton, a failed check, sizes or
+dtypes they do not take) the PyTorch bodies do.
 Those bodies, and the ops without kernels (rms_project, stream_mix), can be compiled with
 ``torch.compile`` on CUDA (:func:`use_compile`): they are small elementwise and reduction
 chains whose cost in eager mode is mostly kernel launches. If compiling fails, the eager bodies

@@ -65,13 +65,10 @@ a chunk into its column of dalpha, and both passes 2 read a source's columns onc
 chunk.
 
 Launch configuration (fixed): BLOCK_H = 128, 16 tokens a program; 4 warps forward and 2 backward
-(``_FORWARD_LAUNCH``, ``_BACKWARD_LAUNCH``), from sweeps on an H200 (bf16, h = 1024, 5 sources,
-T = 8192 and 32768; ``benchmarks/residual_ops.py --depth-sweep``). None of 8 tokens a program,
-register caps, sums over h elementwise, two chunks a loop iteration or a one-pass forward with an
-online softmax is faster: each is within the runs' noise alone, slower alone (the one-pass
-forward), or faster alone and slower in the block AttnRes training step (8 tokens a program in
-the forward). The kernels take 0.244 ms forward and 0.495 ms backward a call at T = 32768 with 5
-sources (1.9 and 2.4 TB/s of their least bytes; ``benchmarks/residual_ops.py``).
+(``_FORWARD_LAUNCH``, ``_BACKWARD_LAUNCH``), chosen with ``benchmarks/residual_ops.py
+--depth-sweep`` (bf16, h = 1024, 5 sources) and checked in the block AttnRes training step
+(``benchmarks/residual_step.py``); their current speed is in
+benchmarks/results/residual_ops_h200.json.
 
 Loads in flight: the loops that stream the sources (forward pass 1 over a source's columns,
 forward pass 2 and both backward passes over a group's sources) are ``tl.range`` loops with

@@ -24,9 +24,8 @@ the stream tensor ``[T, n h]`` in its own dtype once or twice and make no fp32 c
                        autograd's sum of the two, a read and a write of [T, n h], saved).
                        Reads X twice (and that gradient once), writes dX. Pass 1's loads
                        of X and du ask L2 to keep their lines (evict_last) and pass 2's, their
-                       last use, to drop them first (evict_first), which makes the kernel
-                       faster in the 350M-class mHC step on an H200 (the same hints do not
-                       change the depth kernels' times, which go without them).
+                       last use, to drop them first (evict_first), for pass 2 to find them
+                       in L2 (the depth kernels go without these hints).
                        Outside the kernel: dW = (r dmixes)^T x in one torch matmul (cuBLAS; a
                        third read of X), and the bias and gate gradients as one sum over tokens
                        of a [T, (2 + n) n + 3] fp32 tensor the kernel writes.
@@ -76,9 +75,9 @@ Launch configuration (fixed, no autotuning; each choice comes from sweeps made w
 - Grids: the pre op's forward kernels and the update kernels run on [cdiv(T, BLOCK_T), slabs of
   columns of h]; a slab is ``_PRE_COLS = 128`` columns (of every stream) in the pre op's forward
   and one chunk of BLOCK_H in the update kernels. The pre op's backward runs on
-  [cdiv(T, BLOCK_T)]: each program loops over all of h, in chunks, twice (one kernel over whole
-  rows is faster there than a slab kernel plus a second launch; for the forward it is slower, so
-  the forward keeps its slabs).
+  [cdiv(T, BLOCK_T)]: each program loops over all of h, in chunks, twice: for the backward one
+  kernel over whole rows beats a slab kernel and a second launch, for the forward the slabs win
+  (``benchmarks/residual_ops.py``).
 - Sums over h: the pre forward's first kernel and update_backward write per-slab sums to an fp32
   buffer that torch sums over its first axis (deterministic; no atomics): [cdiv(h, 128), T,
   (2 + n) n + 1] and [cdiv(h, 128), T, n + n n] (6.6 and 5 MB at T = 8192, h = 1024, n = 4). The
@@ -87,12 +86,12 @@ Launch configuration (fixed, no autotuning; each choice comes from sweeps made w
   programs write them.
 - 2-D tiles: every pass over the streams without a tl.dot works on [BLOCK_T, 128] tiles of one
   stream at a time, the sums over streams unrolled (n is a constexpr); only update_forward, which
-  reduces nothing, keeps n-stream tiles [BLOCK_T, NP, 128] (reducing [BLOCK_T, NP, BLOCK_H]
-  tiles over one axis makes update_backward many times slower). Per-token sums are set into one
-  [BLOCK_T, SP] tile and stored as whole rows at the end, which is faster than a store per sum.
+  reduces nothing, keeps n-stream tiles [BLOCK_T, NP, 128] (reductions over one axis of such
+  tiles are slow in update_backward). Per-token sums are set into one [BLOCK_T, SP] tile and
+  stored as whole rows at the end, not one store per sum.
 - Registers (ptxas for sm_90): update_backward up to 255 without spills at n = 4; the pre
   backward's single kernel at BLOCK_T = 32 uses 128 registers and a 1.6 KB stack at n = 4 in
-  bf16, and is still the fastest of the sizes swept.
+  bf16.
 - T is not specialised on: one compiled kernel serves every token count, which the first-use
   check in :mod:`.efficient` therefore covers.
 
@@ -126,8 +125,8 @@ LAUNCH = {"pre_forward": dict(BLOCK_T=64, BLOCK_H=128, num_warps=4),
           "update_backward": dict(BLOCK_T=16, BLOCK_H=128, num_warps=8)}
 # From 5 streams on (NP = 8) the tiles at those sizes hold 2 to 4 times as much (MP = 64 or 128
 # mix columns, n-stream tiles of 8); there the smaller sizes below are used, under which the
-# kernels pass tests/gpu/test_triton_mhc.py (at the sizes above its n = 8 fp32 case does not
-# finish in 200 s on an H200).
+# kernels pass tests/gpu/test_triton_mhc.py (at the sizes above, its n = 8 fp32 case runs past
+# the test's time limit).
 LAUNCH_WIDE = {"pre_forward": dict(BLOCK_T=16, BLOCK_H=16, num_warps=4),
                "pre_backward": dict(BLOCK_T=16, BLOCK_H=16, num_warps=8),
                "update_forward": dict(BLOCK_T=16, BLOCK_H=16, num_warps=8),

@@ -44,7 +44,7 @@ def _selected_kernels(backend: str, q, k, v):
 # The most keys for which "auto" runs dsa_attention and csa_attention on FlexAttention over the
 # selection's bitmap. Its dense tiles cost B Hq T S / 2 (query, key) products and its bitmap
 # B T S / 8 bytes, against B T K rows for the gathered kernels (triton.py), which leaves flex the
-# faster up to long sequences (benchmarks/dsa_stages.py, on an H200); beyond this limit, triton.
+# faster up to long sequences (benchmarks/dsa_stages.py); beyond this limit, triton.
 SELECTED_FLEX_MAX_KEYS = 65536
 
 
@@ -188,9 +188,8 @@ def dsa_attention(q, k, v, selected, *, sink=None, scale=None, causal=False, bac
 
 # The largest bias (2 B T^2 bytes, made in the forward and again in the backward) for which
 # "auto" runs dsa_attention on cuDNN; beyond it FlexAttention's bitmap (B T^2 / 8 bytes). At 4 GiB:
-# B = 2 at T = 32768, B = 8 at T = 16384; on an H200 DSA's sparse stage at B = 1, T = 32768
-# peaks at 4.59 GiB with its 2 GiB bias (benchmarks/results/sparse_attention_h200.json), 3.33 GiB
-# on FlexAttention (``benchmarks/sparse_attention.py --ops dsa/flex``).
+# B = 2 at T = 32768, B = 8 at T = 16384 (the peaks of both: ``benchmarks/sparse_attention.py
+# --ops dsa/flash,dsa/flex``).
 CAUSAL_SELECTION_MAX_BIAS = 4 << 30
 
 

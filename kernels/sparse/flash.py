@@ -61,12 +61,9 @@ plus the compressed entries each query selected) is the same identity over two d
 sets: the window in one FlashAttention-2 call (causal, ``window_size`` = window - 1), the
 entries on cuDNN with the selection as a bias, in chunks of ``CSA_QUERY_CHUNK`` queries each
 against only the entries its last query can see (an entry is complete once its block of
-``rate`` tokens is), merged with the sink through their log-sum-exps. On an H200 (B*T = 32768,
-16 heads of 128, bf16, T = 16384, V4's sizes: blocks of 4, 512 entries a query, a window of 128)
-CSA's whole sparse stage (compression, selection, attention, indexer loss) takes 43.7 ms fwd+bwd
-against 50.6 with the attention on FlexAttention over the window and entries' bitmap, and 40.4
-with the entries' log-sum-exp handed to the indexer loss (``benchmarks/sparse_attention.py --ops
-csa/flash,csa/flex``).
+``rate`` tokens is), merged with the sink through their log-sum-exps.
+``benchmarks/sparse_attention.py --ops csa/flash,csa/flex`` compares it with FlexAttention over
+the window and entries' bitmap.
 """
 from __future__ import annotations
 
@@ -134,24 +131,17 @@ def _kernel_backward(d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
 
 
 # cuDNN's fused attention (torch's SDPA backend) takes the own blocks of a block selection where
-# every block is full (they are then a batch of equal causal sequences). On an H200 it is faster
-# than FlashAttention-2 there: 2 x 32 blocks of 512, 16 heads of 128, fwd+bwd 1.25 against 2.06
-# ms (1.17 against 2.08 with 4 key/value heads); MoBA at T = 16384 (16 / 4 key/value heads)
-# 7.56 / 7.08 ms against 8.11 / 7.73 (calls back to back); NSA's blocks of 64 gain 0.1 ms
-# (``benchmarks/sparse_attention.py --ops moba/flash,nsa/flash``). cuDNN's SDPA backward on Hopper
-# takes head dims up to 128.
+# every block is full (they are then a batch of equal causal sequences), where it outruns
+# FlashAttention-2 on Hopper (``benchmarks/sparse_attention.py --ops moba/flash,nsa/flash``
+# measures both). cuDNN's SDPA backward on Hopper takes head dims up to 128.
 CUDNN_MAX_HEAD_DIM = 128
 # The earlier blocks' call runs on cuDNN too, as a batch of chunks: CUDNN_CHUNK pair rows of one
 # (batch, key/value head, block) sequence against that block's keys, gathered per chunk
-# (:class:`_SelectionPlan`), from blocks of CUDNN_MIN_EARLIER_BLOCK keys. On an H200, MoBA's
-# 999,424 pairs at T = 16384 (4 key/value heads, blocks of 512) take 2.37 ms fwd+bwd in 2,072
-# chunks of 512 against FlashAttention-2's 4.16; the whole MoBA call 6.0 against 7.05 ms (7.25
-# against 7.46 with 16 key/value heads, whose 4x more sequences leave more chunks part full);
-# NSA's selected blocks of 64 are slower so (33.9 against 31.6 ms), hence the minimum block
-# (``benchmarks/sparse_attention.py --ops moba/flash,nsa/flash``). It costs memory while it runs,
-# the chunks' gathered keys and values and the padded slots: MoBA's peak there is 3.41 GiB against
-# 2.31 on FlashAttention-2 (4.74 with 16 key/value heads), still flat in T at a fixed B T
-# (benchmarks/results/sparse_attention_h200.json).
+# (:class:`_SelectionPlan`), from blocks of CUDNN_MIN_EARLIER_BLOCK keys: MoBA's blocks (512)
+# gain from it, NSA's selected blocks of 64 would lose, hence the
+# minimum block (``benchmarks/sparse_attention.py --ops moba/flash,nsa/flash``). It costs memory
+# while it runs, the chunks' gathered keys and values and the padded slots, still flat in T at a
+# fixed B T (benchmarks/results/sparse_attention_h200.json has the peaks).
 CUDNN_CHUNK = 512
 CUDNN_MIN_EARLIER_BLOCK = 128
 
@@ -612,13 +602,11 @@ def moba_attention(q, k, v, *, block_size, top_k, sink=None, scale=None, cudnn=N
 # DSA's attention over each query's selected keys (:func:`causal_selection_attention`) runs on
 # cuDNN's fused attention, causal, with the selection as an additive bias ``[B, 1, T, T']`` in
 # q's dtype (T' = T rounded up to 8 keys; triton_select.selection_bias), made again in the
-# backward rather than kept from the forward: 2 B T^2 bytes, 1 GiB at B = 2, T = 16384. There, on
-# an H200 (16 heads of 128, 2,048 keys a query, bf16), the attention takes 36.7 ms fwd+bwd
-# against 63.5 for FlexAttention over the selection's bitmap (the bias made twice 3.2 ms of it;
-# cuDNN's calls alone 30.1, and 49.1 with the bias but no causal flag: every tile computed), and
-# DSA's whole sparse stage 139.3 against 165.0 ms; its peak memory is 3.59 GiB against 3.20
-# (4.59 against 3.33 at T = 32768, B = 1) (``benchmarks/dsa_stages.py --attention flash,flex``,
-# ``benchmarks/sparse_attention.py --ops dsa/flash,dsa/flex``).
+# backward rather than kept from the forward: 2 B T^2 bytes, 1 GiB at B = 2, T = 16384. The causal
+# flag lets cuDNN skip the tiles above the diagonal, which the bias alone would not; against
+# FlexAttention over the selection's bitmap it trades a little peak memory for speed
+# (``benchmarks/dsa_stages.py --attention flash,flex``, ``benchmarks/sparse_attention.py --ops
+# dsa/flash,dsa/flex`` measure both).
 _BIAS_ALIGN = 8
 
 

@@ -156,10 +156,8 @@ def flex_attention_layout(q, k, v, layout: BlockLayout, *, sink=None, scale=None
         # FlexAttention's backward runs one program per key block and key/value head, which
         # loops over the query blocks that visit it and, with grouped heads, over the group:
         # the few dense key blocks then take group times longer than the rest. Repeating the
-        # heads spreads them over group times as many programs: on an H200 (B T = 32768, 16
-        # query heads of 128, bf16, fwd+bwd, T = 16384) NSA's compressed branch and HCA run
-        # several times faster so with one key/value head. Causal layouts and 512-token windows
-        # (no dense columns) run a few percent slower repeated, and are not
+        # heads spreads them over group times as many programs; layouts without dense columns
+        # (causal, windows) gain nothing from it and are not repeated
         # (``benchmarks/sparse_attention.py --kv-heads 1``).
         k, v = (_repeat_heads(t, heads // kv_heads) for t in (k, v))
     if log_forget is not None:

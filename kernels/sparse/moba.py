@@ -44,8 +44,6 @@ def moba_attention(q, k, v, *, block_size, top_k, window=None, sink=None, scale=
 
 # From this many tokens a sequence, "auto" runs NSA's selected and window branches on flash.py
 # (where it runs and has passed its first-use check), below it all three on the block layout.
-# On an H200 (B*T = 32768, 16 query heads of 128, bf16, fwd+bwd; benchmarks/sparse_attention.py)
-# flash and the block layout (FlexAttention) are even at T = 4096, and from T = 8192 on flash is
-# the faster (about 3x at T = 32768), with 4 key/value heads (and with 16 at T = 8192). Flash's
-# peak memory is 4-5x the layout's: its call over the chosen blocks holds each query's row once
-# per block.
+# Flash and the block layout (FlexAttention) are about even at T = 4096, and flash is the faster
+# beyond (benchmarks/sparse_attention.py). Flash's peak memory is several times the layout's:
+# its call over the chosen blocks holds each query's row once per block.

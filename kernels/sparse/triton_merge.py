@@ -26,9 +26,9 @@ and one query head; S, G and the padded D are compile-time constants (not tuned)
 tensors, or CPU tensors under Triton's interpreter (tests/cpu/test_triton_interpret_merge.py).
 
 The pairs' call reads its queries (and in backward the output gradients, queries and merged
-outputs) as rows gathered from the token-major ones: ``x[rows]`` for ``x [R, G, D]``. PyTorch's
-indexing kernel moves these 256-byte rows at about 0.85 TB/s on an H200; :func:`gather_rows`
-copies BLOCK_P whole rows per program, several times faster.
+outputs) as rows gathered from the token-major ones: ``x[rows]`` for ``x [R, G, D]``.
+:func:`gather_rows` copies BLOCK_P whole rows per program, where PyTorch's indexing kernel moves
+these 256-byte rows far below the memory's bandwidth.
 """
 from __future__ import annotations
 
@@ -232,8 +232,7 @@ def add_block_gradients(own: torch.Tensor, chunks: torch.Tensor, chunk_cu: torch
 # the pairs (row, earlier block) grouped by (batch, key/value head, block) sequence, in (selection
 # head, token) order within one, as a dense count and a dense placement over ``chosen`` instead of
 # a compaction and a sort: two launches and a cumsum (a third launch lists the chunks' keys) where
-# PyTorch takes some 50 small ops, whose host time (over 1 ms a MoBA call on an H200) leaves the
-# GPU idle.
+# PyTorch takes some 50 small ops, whose host time leaves the GPU idle.
 _PLAN_ELEMENTS = 4096  # a program's tile of tokens x blocks
 
 

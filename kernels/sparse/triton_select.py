@@ -22,11 +22,9 @@ from them, masked as ``layout.moba_chosen`` masks them. The products run on tens
 three TF32 products (``tf32x3``: the operands split into a TF32 high part and the rest, the
 product of the two rests dropped): as accurate as fp32 to about 2^-22 of each product, not
 bitwise, so where two blocks' gates tie to that precision the choice may differ from PyTorch's
-fp32 GEMM. On an H200 (B T = 32768, 16 heads, D = 128, 32 blocks of 512, bf16) the kernel
-chooses as PyTorch does in every one of the 524,288 rows, several times faster than PyTorch's
-form (per chunk of 4096 queries an fp32 copy of q, a GEMM, two masks, the choice) and than fp32
-products without tensor cores (``ieee``). It runs after a first-use check against that form
-(:func:`moba_checked`, a row of ``megatron-ext doctor``).
+fp32 GEMM. It replaces PyTorch's form (per chunk of 4096 queries an fp32 copy of q, a GEMM, two
+masks, the choice) and runs after a first-use check against it (:func:`moba_checked`, a row of
+``megatron-ext doctor``).
 
 :func:`selection_words` sets bit ``s % 32`` of word ``s // 32`` of row t for each key s listed in
 row t of ``selected [B, T, K]``, one program per row and an atomic OR per listed key: the same
@@ -150,7 +148,7 @@ def moba_chosen(q: torch.Tensor, means: torch.Tensor, block_size: int,
                          f"blocks, got strides {q.stride()} and {n} blocks")
     chosen = torch.empty(batch, heads, seq_len, n, dtype=torch.bool, device=q.device)
     padded = max(16, triton.next_power_of_2(n))
-    # 64 x 32 tiles at 32 blocks (the fastest size there on an H200)
+    # 64 x 32 tiles at 32 blocks
     block_t = max(16, min(64, ROW_ELEMENTS // padded))
     if chosen.numel():
         _moba_kernel[(triton.cdiv(seq_len, block_t), batch * heads)](
@@ -345,10 +343,8 @@ def _importance_kernel(q_ptr, k_ptr, out_ptr, seq_len, num_compressed, num_selec
 
 _IMPORTANCE_LAUNCH = dict(BLOCK_T=64, BLOCK_N=64, BLOCK_J=16, num_warps=4)
 # The most query heads of a group one program takes; larger groups are split over programs
-# (a divisor of the group each) and their sums added. On an H200 (T = 16384, B = 2, 16 query
-# heads of 128, bf16; ``benchmarks/sparse_attention.py --ops nsa/flash``) one program per group
-# of 16 heads takes about twice as long as one per group of 4 (fewer, longer programs); split in
-# four, a group of 16 takes as long as a group of 4.
+# (a divisor of the group each) and their sums added, so that a large group does not make fewer,
+# longer programs (``benchmarks/sparse_attention.py --ops nsa/flash``).
 _IMPORTANCE_HEADS = 4
 
 

@@ -38,10 +38,8 @@ several uses (each a pass over the whole state, and for a slice a zero tensor an
 - an output that starts a slot of its own (full: every output; block: the first output of a
   block) is appended at the exit, in one concatenation.
 
-On an H200 (20 layers, hidden 1024, seq 4096, blocks of 4 layers, micro-batch 8) block AttnRes
-takes +10.1% GPU time a training step over the standard residual (234.5 against 213.0 ms), peak
-memory +6.37 GiB; the depth-attention kernels are 22.0 ms of it (benchmarks/residual_step.py;
-its result in benchmarks/results/residual_step_h200.json).
+What it costs a training step over the standard residual (GPU time, peak memory) is measured by
+benchmarks/residual_step.py (benchmarks/results/residual_step_h200.json).
 """
 from __future__ import annotations
 
