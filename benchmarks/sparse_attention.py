@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from megatron_ext.doctor import add_commit_argument
 from megatron_ext.kernels import sparse
 from megatron_ext.kernels.backends import fla_unavailable_reason
-from megatron_ext.kernels.selfcheck import relative_error
+from megatron_ext.kernels.first_use import relative_error
 
 
 def _kernel_benchmark():

@@ -43,6 +43,8 @@ import time
 
 import torch
 
+from .cases import CASES, DTYPES
+
 __all__ = [
     "FLA_KINDS", "auto_backend", "fla_unavailable_reason", "selfcheck_cache_path", "triton_verdict",
 ]
@@ -169,7 +171,7 @@ def _kernels_fingerprint() -> str:
         version = "not installed"
     here = pathlib.Path(__file__).parent
     digest = hashlib.sha256()
-    for source in ("delta_rule/triton.py", "decay/triton.py", "selfcheck.py"):
+    for source in ("delta_rule/triton.py", "decay/triton.py", "selfcheck.py", "cases.py"):
         digest.update((here / source).read_bytes())
     return f"{version}, kernels {digest.hexdigest()[:12]}"
 
@@ -214,12 +216,10 @@ SELFCHECK_WORKERS = 8  # child processes at a time, at most one per CPU core
 def selfcheck_jobs(op: str, form: str | None = None, dtype: torch.dtype | None = None,
                    packed: bool = False) -> tuple[tuple[str, str], ...]:
     """The self-check jobs ``(case, dtype name)`` of ``op`` that a call relies on: the case of
-    its input ``form`` (selfcheck's DELTA_RULE_CASES / DECAY_CASES) in its dtype, plus the op's
+    its input ``form`` (cases.py's DELTA_RULE_CASES / DECAY_CASES) in its dtype, plus the op's
     packed case(s) in that dtype when the call packs sequences (cu_seqlens). fp16 calls rely on
     the bf16 check (the same 16-bit tensor-core code). ``form=None``: every job of the op."""
-    from .selfcheck import DTYPES, OPS
-
-    cases = OPS[op].cases
+    cases = CASES[op]
     if form is None:
         return tuple((case.name, _dtype_name(d)) for case in cases for d in DTYPES)
     name = "float32" if dtype == torch.float32 else "bfloat16"

@@ -2,7 +2,7 @@
 and backward, on one device. ``megatron-ext doctor`` prints it; kernels/backends.py runs it once
 per machine before ``backend="auto"`` trusts our Triton kernels.
 
-What is checked, per op (``OPS``):
+What is checked, per op (``OPS``; the cases are named in ``cases.py``):
     gated_delta_rule        deltanet, gated_deltanet, kda, gdn2, and kda on packed sequences
     decay_linear_attention  none, constant (per head: RetNet, Lightning), per_head (Mamba-2 SSD),
                             per_channel (GLA), and per_channel on packed sequences
@@ -43,20 +43,20 @@ import torch
 import torch.nn.functional as F
 
 from . import backends, decay, delta_rule
+from .cases import CASES, DECAY_CASES, DELTA_RULE_CASES, DTYPES, Case
 from .decay.fla import decay_fla_kind
 from .delta_rule.fla import fla_kind
+from .first_use import relative_error
 
 __all__ = [
     "OPS", "CheckResult", "auto_backend", "check_backend", "decay_inputs", "delta_rule_inputs",
-    "relative_error", "run_all", "run_with_grads", "tolerance_for",
+    "run_all", "run_with_grads", "tolerance_for",
 ]
 
 # ---------------------------------------------------------------------------------------------
 # Inputs (shared with tests/cpu/test_recurrence_ops.py, test_delta_rule.py and test_decay.py)
 # ---------------------------------------------------------------------------------------------
 
-DELTA_RULE_CASES = ("deltanet", "gated_deltanet", "kda", "gdn2")
-DECAY_CASES = ("none", "constant", "per_head", "per_channel")
 
 
 def _random_qkv(seed, batch, seq_len, key_heads, value_heads, key_dim, value_dim):
@@ -144,35 +144,6 @@ def run_with_grads(function, inputs, *, weights_dtype=None, **options):
     return o, final_state, dict(zip(inputs, grads))
 
 
-def relative_error(actual, expected) -> float:
-    """``||actual - expected|| / ||expected||`` in fp64 on the CPU (the absolute norm where the
-    expected tensor is zero)."""
-    actual, expected = actual.detach().cpu().double(), expected.detach().cpu().double()
-    norm = expected.norm().item()
-    return (actual - expected).norm().item() / (norm if norm > 0 else 1.0)
-
-
-def passes_first_use_check(check, device, dtype, tolerance: float, kernels: str, instead: str,
-                           log) -> bool:
-    """Whether ``check(device, dtype)`` (a first-use check returning its errors by name)
-    raises nothing and gives errors within ``tolerance``; else ``log`` warns, naming the
-    ``kernels`` and what runs ``instead``, and the answer is False. The check runs with autograd
-    on and autocast off, whatever the caller's mode: a first use inside ``torch.no_grad()``
-    (generation, evaluation) checks the backward too, and its verdict is kept for training."""
-    try:
-        with torch.autocast(torch.device(device).type, enabled=False), torch.enable_grad():
-            errors = check(device, dtype)
-    except Exception as error:  # noqa: BLE001 - a check that cannot run fails
-        log.warning("megatron-ext: the first-use check of %s failed on %s in %s (%s: %s); %s",
-                    kernels, device, dtype, type(error).__name__, error, instead)
-        return False
-    over = {name: f"{error:.2e}" for name, error in errors.items() if not error <= tolerance}
-    if over:
-        log.warning("megatron-ext: the first-use check of %s failed on %s in %s (errors over %s: "
-                    "%s); %s", kernels, device, dtype, tolerance, over, instead)
-    return not over
-
-
 # ---------------------------------------------------------------------------------------------
 # The ops and their cases
 # ---------------------------------------------------------------------------------------------
@@ -184,13 +155,6 @@ PACKED_LENGTHS = (5, 70, 22)  # shorter than a chunk, across a chunk boundary, a
 
 # The tensors that take the checked dtype; the mixers compute gates and states in fp32.
 LOW_PRECISION_INPUTS = ("q", "k", "v")
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str                      # as shown in the table
-    form: str                      # the op's input form (delta_rule_inputs' case, decay_inputs' decay)
-    packed: bool = False           # sequences of PACKED_LENGTHS packed along T (cu_seqlens)
 
 
 def _fla_delta_rule_reason(inputs, device, requires_grad: bool) -> str | None:
@@ -238,12 +202,11 @@ OPS = {
     op.name: op for op in (
         Op("gated_delta_rule", delta_rule.gated_delta_rule, delta_rule.gated_delta_rule_reference,
            delta_rule, delta_rule_inputs,
-           cases=(*(Case(form, form) for form in DELTA_RULE_CASES), Case("kda_packed", "kda", True)),
+           cases=CASES["gated_delta_rule"],
            unavailable={"fla": _fla_delta_rule_reason, "triton": _triton_reason}),
         Op("decay_linear_attention", decay.decay_linear_attention,
            decay.decay_linear_attention_reference, decay, decay_inputs,
-           cases=(*(Case(form, form) for form in DECAY_CASES),
-                  Case("per_channel_packed", "per_channel", True)),
+           cases=CASES["decay_linear_attention"],
            unavailable={"fla": _fla_decay_reason, "triton": _triton_reason}),
     )
 }
@@ -453,7 +416,6 @@ def check_backend(op: str, case: str, backend: str, device, dtype: torch.dtype) 
 
 
 # On every device: fp32 checks the algebra at full precision, bf16 is what the models pass.
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 def run_all(device, on_result: Callable[[CheckResult], None] | None = None,

@@ -74,7 +74,7 @@ def gated_delta_rule(
     """
     if backend == "auto":
         form = ("gdn2" if erase is not None or write is not None else "deltanet" if g is None
-                else "gated_deltanet" if g.dim() == 3 else "kda")  # selfcheck.DELTA_RULE_CASES
+                else "gated_deltanet" if g.dim() == 3 else "kda")  # cases.DELTA_RULE_CASES
         jobs = backends.selfcheck_jobs(OP, form, q.dtype, packed=cu_seqlens is not None)
         name = backends.auto_backend(OP, q.device, backends.triton_dims_reason(q, v), jobs)
     else:

@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from ..first_use import passes_first_use_check, relative_error
 from . import reference
 
 logger = logging.getLogger("megatron_ext.kernels")
@@ -312,8 +313,6 @@ def first_use_check(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the Triton kernels give the reference's outputs and gradients on ``device`` in
     ``dtype`` (:func:`check_errors` within :data:`CHECK_TOLERANCE`); a failure is logged once
     and the PyTorch reference runs instead."""
-    from ..selfcheck import passes_first_use_check
-
     return passes_first_use_check(
         check_errors, device, dtype, CHECK_TOLERANCE[dtype],
         "the fused layer kernels (short_conv, gate, gated_rms_norm, rms_norm, rope, "
@@ -330,8 +329,6 @@ def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
     cross-entropy over a vocabulary shard that holds some of the targets; the short conv and
     the gated RMSNorm writing their input gradients into a split projection's gradient; the
     sigmoid and log-decay gates on a strided slice."""
-    from ..selfcheck import relative_error
-
     device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
 

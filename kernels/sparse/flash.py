@@ -73,6 +73,7 @@ import logging
 
 import torch
 
+from ..first_use import passes_first_use_check, relative_error
 from .layout import moba_chosen
 from .reference import (OP, csa_attention_reference, dsa_attention_reference,
                         moba_attention_reference, softmax_attention_reference)
@@ -807,8 +808,6 @@ def compressed_selection_attention(q, k, v, compressed_k, compressed_v, selected
 def checked(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernels passed their first-use check (:func:`check`) on ``device`` in
     ``dtype``; run once, a failure logged once."""
-    from ..selfcheck import passes_first_use_check
-
     return passes_first_use_check(check, device, dtype, CHECK_TOLERANCE,
                                   "the FlashAttention kernels", "FlexAttention runs instead", _log)
 
@@ -819,8 +818,6 @@ def cudnn_checked(device: torch.device, dtype: torch.dtype) -> bool:
     and CSA's attention (:func:`check_cudnn`) on ``device`` in ``dtype``; run once, a failure
     logged once. Where it fails, FlashAttention-2 runs every block, and DSA's and CSA's
     attention run on their other backends (the rest of the flash path is checked apart)."""
-    from ..selfcheck import passes_first_use_check
-
     return passes_first_use_check(check_cudnn, device, dtype, CHECK_TOLERANCE,
                                   "cuDNN's attention for block selections, DSA and CSA",
                                   "FlashAttention-2 runs their blocks, and DSA's and CSA's "
@@ -905,8 +902,6 @@ def check_cudnn(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
 def _check_calls(device, dtype, generator, calls) -> dict[str, float]:
     """The first-use checks' loop over ``calls``: ``((ours, the reference), batch, T, options,
     with a sink)`` each, 4 query heads on 2 key/value heads, D = 64; the worst error by name."""
-    from ..selfcheck import relative_error
-
     worst = {}
     with torch.autocast(device.type, enabled=False), torch.enable_grad():
         for runs, batch, seq_len, options, with_sink in calls:

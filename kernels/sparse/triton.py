@@ -100,6 +100,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..first_use import passes_first_use_check, relative_error
 from .reference import OP, _heads, _masked_probs, dsa_attention_reference, selected_mask
 from .triton_indexer import reference_indexer_kl, selected_indexer_kl
 from .triton_indexer import unavailable_reason as indexer_unavailable_reason
@@ -550,8 +551,6 @@ def selected_mass(q, k, selected, *, sink=None, scale=None, lse=None) -> torch.T
 def checked(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernels passed their first-use check (:func:`check`) on ``device`` in
     ``dtype``; run once, a failure logged once."""
-    from ..selfcheck import passes_first_use_check
-
     return passes_first_use_check(check, device, dtype, CHECK_TOLERANCE[dtype],
                                   "the selected-attention Triton kernels",
                                   "the gathered path runs instead", _log)
@@ -568,8 +567,6 @@ def check(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     queries over 2 x 96 keys: query t picks 67 keys (one full block of 64 and a partial one) at
     random among the first 4 (t + 1), so that the rows of the first 16 queries are padded with
     -1 (at random places), and the rows of 2 queries are all -1."""
-    from ..selfcheck import relative_error
-
     generator = torch.Generator(device=device).manual_seed(0)
     batch, seq_len, key_len, top_k = 2, 24, 96, 67
     # K of each query's candidates at random (the top K of random scores), -1 past them.
@@ -621,8 +618,6 @@ def _check_indexer_kl(selected, dtype, generator) -> dict[str, float]:
     ``reference_indexer_kl`` on the same rounded values, 4 indexer heads of dim 32, a random
     target (0 at the -1 slots, so 0 for the two empty rows); the early keys, candidates of
     every query, meet in the atomic adds of index_k's gradient."""
-    from ..selfcheck import relative_error
-
     device = selected.device
     batch, seq_len, top_k = selected.shape
     leaves = [torch.randn(*shape, device=device, generator=generator).to(dtype).float()

@@ -55,6 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..first_use import passes_first_use_check, relative_error
+
 __all__ = ["chosen_blocks", "moba_chosen", "check_moba", "moba_checked", "selection_words",
            "selection_bias",
            "nsa_importance", "check_importance", "importance_checked", "MOBA_CHECK_TOLERANCE",
@@ -184,8 +186,6 @@ def check_moba(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
 def moba_checked(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :func:`moba_chosen` passed :func:`check_moba` on ``device`` in ``dtype``; run
     once, a failure logged once."""
-    from ..selfcheck import passes_first_use_check
-
     return passes_first_use_check(check_moba, device, dtype, MOBA_CHECK_TOLERANCE,
                                   "MoBA's selection kernel", "PyTorch chooses the blocks", _log)
 
@@ -395,7 +395,6 @@ def check_importance(device: torch.device, dtype: torch.dtype) -> dict[str, floa
     in fp32 on the CPU, on the same values rounded to ``dtype``: 2 x 150 tokens, 8 query heads
     on 1 key/value head (a group split over two programs), D = 64, compressed blocks of 32
     every 16 tokens, selection blocks of 32, the queries in two chunks (0 .. 99, 100 .. 149)."""
-    from ..selfcheck import relative_error
     from . import layout
 
     generator = torch.Generator().manual_seed(0)
@@ -419,7 +418,5 @@ def check_importance(device: torch.device, dtype: torch.dtype) -> dict[str, floa
 def importance_checked(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :func:`nsa_importance` passed :func:`check_importance` on ``device`` in
     ``dtype``; run once, a failure logged once."""
-    from ..selfcheck import passes_first_use_check
-
     return passes_first_use_check(check_importance, device, dtype, IMPORTANCE_TOLERANCE,
                                   "NSA's block-importance kernel", "PyTorch computes it", _log)

@@ -13,7 +13,8 @@ def test_selfcheck_child_reports_failures_off_cuda():
     """The child processes run the real checks; on a CPU our Triton kernels cannot run, so every
     job is a failure with the reason, and each job asked for is reported."""
     jobs = backends.selfcheck_jobs("decay_linear_attention")
-    from megatron_ext.kernels.selfcheck import DTYPES, OPS
+    from megatron_ext.kernels.cases import DTYPES
+    from megatron_ext.kernels.selfcheck import OPS
 
     assert len(jobs) == len(OPS["decay_linear_attention"].cases) * len(DTYPES)  # None: every job
     verdicts = backends._run_selfcheck("decay_linear_attention", torch.device("cpu"), jobs)
@@ -146,7 +147,7 @@ def test_first_use_check_runs_with_autograd_inside_no_grad():
     in generation must still check the backward), and a check that raises fails."""
     import logging
 
-    from megatron_ext.kernels.selfcheck import passes_first_use_check
+    from megatron_ext.kernels.first_use import passes_first_use_check
 
     def check(device, dtype):
         x = torch.ones(3, dtype=dtype, device=device, requires_grad=True)

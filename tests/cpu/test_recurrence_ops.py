@@ -31,7 +31,8 @@ import torch
 from megatron_ext.kernels import decay_linear_attention, gated_delta_rule
 from megatron_ext.kernels.decay import decay_linear_attention_chunked, decay_linear_attention_reference
 from megatron_ext.kernels.delta_rule import gated_delta_rule_chunked, gated_delta_rule_reference
-from megatron_ext.kernels.selfcheck import decay_inputs, delta_rule_inputs, relative_error, run_with_grads
+from megatron_ext.kernels.first_use import relative_error
+from megatron_ext.kernels.selfcheck import decay_inputs, delta_rule_inputs, run_with_grads
 
 VALUE_DIM = 12  # the selfcheck inputs' (K = 8)
 

@@ -8,7 +8,8 @@ import torch
 from megatron_ext.kernels import decay_linear_attention, gated_delta_rule
 from megatron_ext.kernels.decay import decay_linear_attention_summary
 from megatron_ext.kernels.delta_rule import gated_delta_rule_summary
-from megatron_ext.kernels.selfcheck import DECAY_CASES, DELTA_RULE_CASES, decay_inputs, delta_rule_inputs
+from megatron_ext.kernels.cases import DECAY_CASES, DELTA_RULE_CASES
+from megatron_ext.kernels.selfcheck import decay_inputs, delta_rule_inputs
 
 
 def _delta_rule_transition_by_steps(k, beta, g, erase):

@@ -12,7 +12,7 @@ from flash_emulation import emulate, emulate_cudnn, emulated_forward
 
 from megatron_ext.kernels import sparse
 from megatron_ext.kernels.sparse import flash, triton
-from megatron_ext.kernels.selfcheck import relative_error
+from megatron_ext.kernels.first_use import relative_error
 from megatron_ext.kernels.sparse.reference import moba_attention_reference, softmax_attention_reference
 
 

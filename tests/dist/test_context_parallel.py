@@ -57,8 +57,8 @@ def _op_cases(cp, batch=2, seq_len=24):
     from megatron_ext.kernels import decay_linear_attention, gated_delta_rule
     from megatron_ext.kernels.decay import decay_linear_attention_summary
     from megatron_ext.kernels.delta_rule import gated_delta_rule_summary
-    from megatron_ext.kernels.selfcheck import (DECAY_CASES, DELTA_RULE_CASES, decay_inputs,
-                                                delta_rule_inputs)
+    from megatron_ext.kernels.cases import DECAY_CASES, DELTA_RULE_CASES
+    from megatron_ext.kernels.selfcheck import decay_inputs, delta_rule_inputs
 
     shape = dict(batch=batch, seq_len=seq_len, key_heads=cp, value_heads=2 * cp, key_dim=8,
                  value_dim=6, dtype=torch.float32, with_initial_state=False)

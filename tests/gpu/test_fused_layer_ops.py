@@ -31,7 +31,7 @@ def compare_with_reference(fast, slow, inputs, probe, names, dtype, what=None):
     and ``slow(*inputs)`` (the fp32 reference, inputs in fp32), through ``(y * probe).sum()``:
     their relative errors by ``names`` (asserted within the dtype's tolerance) and the fast
     run's input gradients."""
-    from megatron_ext.kernels.selfcheck import relative_error
+    from megatron_ext.kernels.first_use import relative_error
 
     results = []
     for run, cast in ((fast, lambda t: t), (slow, lambda t: t.float())):
@@ -134,7 +134,7 @@ def test_cross_entropy_large():
 def test_fused_rms_norm_module_matches_torchs():
     """The layers' RMSNorm module on the GPU (Triton) against torch.nn.RMSNorm, bf16, at the
     350M preset's hidden size over 4 x 4096 tokens, forward and backward."""
-    from megatron_ext.kernels.selfcheck import relative_error
+    from megatron_ext.kernels.first_use import relative_error
     from megatron_ext.norm import FusedRMSNorm
 
     gen = torch.Generator().manual_seed(4)

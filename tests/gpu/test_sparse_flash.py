@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatron_ext.kernels import sparse
-from megatron_ext.kernels.selfcheck import relative_error
+from megatron_ext.kernels.first_use import relative_error
 from megatron_ext.kernels.sparse import flash, triton
 
 pytestmark = pytest.mark.gpu

@@ -49,7 +49,8 @@ import torch
 from megatron_ext.kernels import decay_linear_attention
 from megatron_ext.kernels.backends import decay_triton_declined_reason
 from megatron_ext.kernels.decay import decay_linear_attention_reference
-from megatron_ext.kernels.selfcheck import decay_inputs, relative_error, run_with_grads
+from megatron_ext.kernels.first_use import relative_error
+from megatron_ext.kernels.selfcheck import decay_inputs, run_with_grads
 
 DECAYS = ("none", "constant", "per_head", "per_channel")
 TOLERANCES = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}

@@ -38,7 +38,8 @@ import pytest
 import torch
 
 from megatron_ext.kernels.delta_rule import gated_delta_rule_reference, gated_delta_rule_triton
-from megatron_ext.kernels.selfcheck import delta_rule_inputs, relative_error
+from megatron_ext.kernels.first_use import relative_error
+from megatron_ext.kernels.selfcheck import delta_rule_inputs
 
 pytestmark = pytest.mark.gpu
 
