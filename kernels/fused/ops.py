@@ -220,13 +220,24 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | 
     Triton kernel runs and ``grad_into`` is given, in the tensor of ``x``'s shape that
     ``grad_into()`` returns when the backward runs (see :class:`ProjectionGradient`). The Triton
     kernels take filters of up to ``CONV_MAX_TAPS`` (4) taps; "auto" runs the reference for
-    wider ones."""
+    wider ones (and says so once)."""
     _check_backend(backend)
     tiled = l2_norm_dim is None or _power_of_two(l2_norm_dim)  # one head is one kernel tile
     if backend == "triton" or (backend == "auto" and tiled and _use_triton(x)
-                               and weight.shape[1] <= _triton().CONV_MAX_TAPS):
+                               and _conv_taps_fit(weight.shape[1])):
         return _ShortConv.apply(x, weight, positions, l2_norm_dim, grad_into)
     return reference.short_conv(x, weight, positions, l2_norm_dim)
+
+
+@functools.cache
+def _conv_taps_fit(taps: int) -> bool:
+    """Whether the Triton short conv takes filters of ``taps`` taps; a refusal is logged once."""
+    fits = taps <= _triton().CONV_MAX_TAPS
+    if not fits:
+        logger.warning("megatron-ext: the fused short-convolution kernels take filters of up to "
+                       "%d taps, not %d (linear_conv_kernel); the PyTorch reference runs "
+                       "instead, slower", _triton().CONV_MAX_TAPS, taps)
+    return fits
 
 
 def gate(x: torch.Tensor, A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,

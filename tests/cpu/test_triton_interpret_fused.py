@@ -38,9 +38,10 @@ def test_kernels_on_the_interpreter():
 
 
 @needs_triton
-def test_wide_filters_take_the_reference():
+def test_wide_filters_take_the_reference(caplog):
     """Filters wider than the kernels' CONV_MAX_TAPS: backend="triton" refuses them by name,
-    "auto" runs the reference (here on the CPU, as anywhere)."""
+    "auto" runs the reference (here on the CPU, as anywhere) and, where it would have run the
+    kernels, says so once."""
     import pytest
 
     from megatron_ext.kernels.fused import ops, reference, triton
@@ -49,6 +50,14 @@ def test_wide_filters_take_the_reference():
     with pytest.raises(ValueError, match="at most 4 taps"):
         ops.short_conv(x, w, backend="triton")
     torch.testing.assert_close(ops.short_conv(x, w), reference.short_conv(x, w))
+    ops._conv_taps_fit.cache_clear()
+    with caplog.at_level("WARNING", logger="megatron_ext.kernels"):
+        assert ops._conv_taps_fit(triton.CONV_MAX_TAPS)
+        assert not ops._conv_taps_fit(triton.CONV_MAX_TAPS + 1)
+        assert not ops._conv_taps_fit(triton.CONV_MAX_TAPS + 1)
+    assert [r.getMessage() for r in caplog.records] == [
+        "megatron-ext: the fused short-convolution kernels take filters of up to 4 taps, not 5 "
+        "(linear_conv_kernel); the PyTorch reference runs instead, slower"]
 
 
 def test_reference_conv_is_torch_conv1d_per_sequence():
