@@ -48,16 +48,17 @@ class _ShortConv(torch.autograd.Function):
 
 class _GatedRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, o, weight, gate, eps, sequence_first, gate_grad_into):
+    def forward(ctx, o, weight, gate, eps, sequence_first, gate_grad_into, gate_first):
         batch, length, heads, dim = o.shape
         if sequence_first:
             out = torch.empty(length, batch, heads * dim, device=o.device, dtype=o.dtype)
             view = out.transpose(0, 1).unflatten(-1, (heads, dim))
         else:
             out = view = torch.empty_like(o, memory_format=torch.contiguous_format)
-        _triton().gated_rms_norm_forward(o, weight, gate, eps, view)
+        _triton().gated_rms_norm_forward(o, weight, gate, eps, view, gate_first)
         ctx.save_for_backward(o, weight, gate)
         ctx.eps, ctx.sequence_first, ctx.gate_grad_into = eps, sequence_first, gate_grad_into
+        ctx.gate_first = gate_first
         return out
 
     @staticmethod
@@ -67,8 +68,9 @@ class _GatedRMSNorm(torch.autograd.Function):
         if ctx.sequence_first:
             dy = dy.transpose(0, 1).unflatten(-1, o.shape[2:])
         dgate = None if ctx.gate_grad_into is None else ctx.gate_grad_into()
-        do, dgate, dweight = _triton().gated_rms_norm_backward(o, weight, gate, ctx.eps, dy, dgate)
-        return do, dweight, dgate, None, None, None
+        do, dgate, dweight = _triton().gated_rms_norm_backward(o, weight, gate, ctx.eps, dy, dgate,
+                                                               ctx.gate_first)
+        return do, dweight, dgate, None, None, None, None
 
 
 class _Gate(torch.autograd.Function):
@@ -255,8 +257,9 @@ def gate(x: torch.Tensor, A_log: torch.Tensor | None = None, dt_bias: torch.Tens
 
 def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float,
                    sequence_first: bool = False, backend: str = "auto",
-                   gate_grad_into=None) -> torch.Tensor:
-    """``rmsnorm(o) * weight * silu(gate)`` per head, see :func:`reference.gated_rms_norm`.
+                   gate_grad_into=None, gate_first: bool = False) -> torch.Tensor:
+    """``rmsnorm(o) * weight * silu(gate)`` per head, or with ``gate_first`` Mamba-2's
+    ``rmsnorm(o * silu(gate)) * weight``, see :func:`reference.gated_rms_norm`.
     ``o``, ``gate``: ``[B, T, H, D]`` (any strides with a dense last dim); ``weight``: ``[H, D]``
     or ``[D]``. Returns ``[B, T, H, D]``, or with ``sequence_first`` Megatron's ``[T, B, H*D]``
     (contiguous, ready for the output projection), in ``o.dtype``. ``gate_grad_into``: as
@@ -264,8 +267,9 @@ def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
     _check_backend(backend)
     tiled = _power_of_two(o.shape[-1]) and o.stride(-1) == gate.stride(-1) == 1
     if backend == "triton" or (backend == "auto" and tiled and _use_triton(o)):
-        return _GatedRMSNorm.apply(o, weight, gate, eps, sequence_first, gate_grad_into)
-    out = reference.gated_rms_norm(o, weight, gate, eps)
+        return _GatedRMSNorm.apply(o, weight, gate, eps, sequence_first, gate_grad_into,
+                                   gate_first)
+    out = reference.gated_rms_norm(o, weight, gate, eps, gate_first)
     return out.transpose(0, 1).flatten(2).contiguous() if sequence_first else out
 
 
@@ -339,7 +343,7 @@ def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
     strided slice; the gated RMSNorm with per-head and shared weights, both output layouts;
     cross-entropy over a vocabulary shard that holds some of the targets; the short conv and
     the gated RMSNorm writing their input gradients into a split projection's gradient; the
-    sigmoid and log-decay gates on a strided slice."""
+    sigmoid and log-decay gates on a strided slice; the gated RMSNorm with the gate first."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
 
@@ -444,4 +448,8 @@ def check_errors(device, dtype: torch.dtype) -> dict[str, float]:
                     lambda o, w, g: gated_rms_norm(o, w, g, 1e-6, sequence_first, "triton"),
                     lambda o, w, g: gated_rms_norm(o, w, g, 1e-6, sequence_first, "reference"),
                     [o, norm_weight, gate_input])
+    compare("gated_rms_norm gate first",  # Mamba-2's order, per-head weights, sequence-first
+            lambda o, w, g: gated_rms_norm(o, w, g, 1e-6, True, "triton", gate_first=True),
+            lambda o, w, g: gated_rms_norm(o, w, g, 1e-6, True, "reference", gate_first=True),
+            [o, randn(heads, dim, scale=0.3) + 1, gate_input])
     return errors

@@ -6,7 +6,8 @@ Triton kernels (``triton.py``) are tested against, and the path on CPUs.
   followed by SiLU, and optionally an L2 normalisation of each group of ``l2_norm_dim`` channels
   (one head of q or k). Taps that would reach before the start of the token's sequence are
   dropped: ``positions[t]`` is the token's index within its sequence (packed sequences), or t.
-- :func:`gated_rms_norm`: ``rmsnorm(o) * w * silu(gate)`` over each head's channels.
+- :func:`gated_rms_norm`: ``rmsnorm(o) * w * silu(gate)`` over each head's channels, or
+  Mamba-2's ``rmsnorm(o * silu(gate)) * w`` (``gate_first``).
 - :func:`gate`: a gate activation in fp32, ``sigmoid(x)`` (the delta rule's beta, erase and write
   gates), or the Mamba-2 / GDN log-decay ``-exp(A_log) * softplus(x + dt_bias)``.
 - :func:`rms_norm`: ``x / rms(x) * w`` over the last dim (the layers' input norms).
@@ -59,11 +60,15 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | 
     return y.to(x.dtype)
 
 
-def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float):
-    """``rmsnorm(o) * weight * silu(gate)`` over the last dim, in fp32, returned in ``o.dtype``."""
-    x = o.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return (x * weight.float() * F.silu(gate.float())).to(o.dtype)
+def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float,
+                   gate_first: bool = False):
+    """``rmsnorm(o) * weight * silu(gate)`` over the last dim, or with ``gate_first``
+    ``rmsnorm(o * silu(gate)) * weight`` (Mamba-2's), in fp32, returned in ``o.dtype``."""
+    x, gate = o.float(), F.silu(gate.float())
+    if gate_first:
+        x = x * gate
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (x if gate_first else x * gate).to(o.dtype)
 
 
 def gate(x: torch.Tensor, A_log: torch.Tensor | None = None,

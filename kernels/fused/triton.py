@@ -19,7 +19,8 @@ programs each walk ``GATE_BWD_TILES`` token tiles and sum their share of the gra
 ``A_log`` and ``dt_bias`` as the short convolution's dw.
 
 Gated RMSNorm (``gated_rms_norm_forward`` / ``_backward``): a program takes ``BT`` tokens of one
-head (D channels); the weight gradient is summed per program as above.
+head (D channels), the gate after the norm or, ``GATE_FIRST`` (Mamba-2's), before it; the weight
+gradient is summed per program as above.
 
 RMSNorm (``rms_norm_forward`` / ``_backward``): a program normalises ``RMS_ROWS`` rows at a
 time; the backward's programs each stride over many rows and sum their share of the weight
@@ -262,9 +263,10 @@ def _at(b, rows, h, cols, sb, st, sh):
 @triton.jit
 def _gated_norm_inputs(o_ptr, g_ptr, w_ptr, T, sob, sot, soh, sgb, sgt, sgh,
                        W_PER_HEAD: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
-                       EPS: tl.constexpr):
-    """This program's tile (batch row b, token rows, head h, channels cols, row mask ok) and its
-    o, gate and weight in fp32, with each row's 1 / rms(o)."""
+                       EPS: tl.constexpr, GATE_FIRST: tl.constexpr):
+    """This program's tile (batch row b, token rows, head h, channels cols, row mask ok), its o,
+    gate and weight in fp32, silu(gate), and each row's 1 / rms of what is normalised (o, or
+    with GATE_FIRST o * silu(gate))."""
     t_block, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = t_block * BT + tl.arange(0, BT)
     cols = tl.arange(0, D)
@@ -272,17 +274,20 @@ def _gated_norm_inputs(o_ptr, g_ptr, w_ptr, T, sob, sot, soh, sgb, sgt, sgh,
     o = tl.load(o_ptr + _at(b, rows, h, cols, sob, sot, soh), mask=ok, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + _at(b, rows, h, cols, sgb, sgt, sgh), mask=ok, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + W_PER_HEAD * h * D + cols).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / D + EPS)
-    return b, rows, h, cols, ok, o, g, w, r
+    gate = g * tl.sigmoid(g)
+    u = o * gate if GATE_FIRST else o
+    r = 1.0 / tl.sqrt(tl.sum(u * u, axis=1) / D + EPS)
+    return b, rows, h, cols, ok, o, g, w, gate, r
 
 
 @triton.jit
 def _gated_norm_fwd_kernel(o_ptr, g_ptr, w_ptr, y_ptr, T, H, sob, sot, soh, sgb, sgt, sgh,
                            syb, syt, syh, W_PER_HEAD: tl.constexpr, D: tl.constexpr,
-                           BT: tl.constexpr, EPS: tl.constexpr):
-    b, rows, h, cols, ok, o, g, w, r = _gated_norm_inputs(
-        o_ptr, g_ptr, w_ptr, T, sob, sot, soh, sgb, sgt, sgh, W_PER_HEAD, D, BT, EPS)
-    y = o * r[:, None] * w[None, :] * (g * tl.sigmoid(g))
+                           BT: tl.constexpr, EPS: tl.constexpr, GATE_FIRST: tl.constexpr):
+    b, rows, h, cols, ok, o, g, w, gate, r = _gated_norm_inputs(
+        o_ptr, g_ptr, w_ptr, T, sob, sot, soh, sgb, sgt, sgh, W_PER_HEAD, D, BT, EPS,
+        GATE_FIRST)
+    y = o * r[:, None] * w[None, :] * gate
     tl.store(y_ptr + _at(b, rows, h, cols, syb, syt, syh), y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -290,23 +295,36 @@ def _gated_norm_fwd_kernel(o_ptr, g_ptr, w_ptr, y_ptr, T, H, sob, sot, soh, sgb,
 def _gated_norm_bwd_kernel(o_ptr, g_ptr, w_ptr, dy_ptr, do_ptr, dg_ptr, dw_ptr, T, H,
                            sob, sot, soh, sgb, sgt, sgh, syb, syt, syh, sdob, sdot, sdoh,
                            sdgb, sdgt, sdgh, W_PER_HEAD: tl.constexpr, D: tl.constexpr,
-                           BT: tl.constexpr, EPS: tl.constexpr):
-    b, rows, h, cols, ok, o, g, w, r = _gated_norm_inputs(
-        o_ptr, g_ptr, w_ptr, T, sob, sot, soh, sgb, sgt, sgh, W_PER_HEAD, D, BT, EPS)
+                           BT: tl.constexpr, EPS: tl.constexpr, GATE_FIRST: tl.constexpr):
+    """With u the normalised tensor (o, or o * silu(g)) and uhat = u / rms(u):
+    du = (dyhat - uhat mean(dyhat uhat)) / rms(u), where dyhat = dy w (times silu(g) when the
+    gate comes after the norm); the gate's gradient takes the rest through silu' ."""
+    b, rows, h, cols, ok, o, g, w, gate, r = _gated_norm_inputs(
+        o_ptr, g_ptr, w_ptr, T, sob, sot, soh, sgb, sgt, sgh, W_PER_HEAD, D, BT, EPS,
+        GATE_FIRST)
     dy = tl.load(dy_ptr + _at(b, rows, h, cols, syb, syt, syh), mask=ok,
                  other=0.0).to(tl.float32)
-    xhat = o * r[:, None]
     sig = tl.sigmoid(g)
-    gate = g * sig
-    dxhat = dy * w[None, :] * gate
-    do = r[:, None] * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=1) / D)[:, None])
-    dg = dy * xhat * w[None, :] * sig * (1.0 + g * (1.0 - sig))
+    dsilu = sig * (1.0 + g * (1.0 - sig))
+    if GATE_FIRST:
+        uhat = o * gate * r[:, None]
+        dyhat = dy * w[None, :]
+        du = r[:, None] * (dyhat - uhat * (tl.sum(dyhat * uhat, axis=1) / D)[:, None])
+        do = du * gate
+        dg = du * o * dsilu
+        dw = tl.sum(dy * uhat, axis=0)
+    else:
+        xhat = o * r[:, None]
+        dxhat = dy * w[None, :] * gate
+        do = r[:, None] * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=1) / D)[:, None])
+        dg = dy * xhat * w[None, :] * dsilu
+        dw = tl.sum(dy * xhat * gate, axis=0)
     tl.store(do_ptr + _at(b, rows, h, cols, sdob, sdot, sdoh), do.to(do_ptr.dtype.element_ty),
              mask=ok)
     tl.store(dg_ptr + _at(b, rows, h, cols, sdgb, sdgt, sdgh), dg.to(dg_ptr.dtype.element_ty),
              mask=ok)
     program = b * tl.num_programs(0) + tl.program_id(0)
-    tl.store(dw_ptr + (program * H + h) * D + cols, tl.sum(dy * xhat * gate, axis=0))
+    tl.store(dw_ptr + (program * H + h) * D + cols, dw)
 
 
 def _heads(t: torch.Tensor) -> tuple[int, int, int]:
@@ -320,18 +338,19 @@ def _check_head_dim(dim: int) -> None:
         raise ValueError(f"gated_rms_norm: the head dim ({dim}) must be a power of two")
 
 
-def gated_rms_norm_forward(o, weight, gate, eps, out):
-    """Writes ``rmsnorm(o) * weight * silu(gate)`` into ``out`` (all ``[B, T, H, D]`` views)."""
+def gated_rms_norm_forward(o, weight, gate, eps, out, gate_first=False):
+    """Writes ``rmsnorm(o) * weight * silu(gate)`` (``gate_first``: ``rmsnorm(o * silu(gate)) *
+    weight``) into ``out`` (all ``[B, T, H, D]`` views)."""
     batch, length, heads, dim = o.shape
     _check_head_dim(dim)
     grid = (triton.cdiv(length, TOKENS_PER_PROGRAM), batch, heads)
     _gated_norm_fwd_kernel[grid](o, gate, weight, out, length, heads, *_heads(o), *_heads(gate),
                                  *_heads(out), W_PER_HEAD=int(weight.dim() == 2), D=dim,
-                                 BT=TOKENS_PER_PROGRAM, EPS=eps)
+                                 BT=TOKENS_PER_PROGRAM, EPS=eps, GATE_FIRST=gate_first)
     return out
 
 
-def gated_rms_norm_backward(o, weight, gate, eps, dy, dgate=None):
+def gated_rms_norm_backward(o, weight, gate, eps, dy, dgate=None, gate_first=False):
     """Gradients of :func:`gated_rms_norm_forward`: ``do`` and ``dgate`` in the strides of ``o``
     and ``gate`` (``dgate`` written into ``dgate`` where given, whose last dim is dense),
     ``dweight`` in ``weight``'s shape and dtype."""
@@ -343,7 +362,7 @@ def gated_rms_norm_backward(o, weight, gate, eps, dy, dgate=None):
     _gated_norm_bwd_kernel[grid](o, gate, weight, dy, do, dgate, dw, length, heads, *_heads(o),
                                  *_heads(gate), *_heads(dy), *_heads(do), *_heads(dgate),
                                  W_PER_HEAD=int(weight.dim() == 2), D=dim, BT=TOKENS_PER_PROGRAM,
-                                 EPS=eps)
+                                 EPS=eps, GATE_FIRST=gate_first)
     dw = dw.sum(0)
     return do, dgate, (dw if weight.dim() == 2 else dw.sum(0)).to(weight.dtype)
 

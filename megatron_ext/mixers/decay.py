@@ -252,14 +252,18 @@ class Mamba2Mixer(HeadShardedModule):
             **recurrent_state(cache))
         if cache is not None:
             cache["state"] = final
-        y = y.float() + self.D.float().view(-1, 1) * x.float()
-        # Mamba-2 gates before its norm: rmsnorm(y * silu(z)) per group of heads, times weight.
-        group_shape = (b, s, self.groups, -1)
-        y = y.reshape(group_shape) * F.silu(z.transpose(0, 1).reshape(group_shape).float())
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-        y = y * self.norm_weight.float().view(self.groups, -1)
-        return self.linear_out(y.to(hidden_states.dtype).reshape(b, s, -1).transpose(0, 1)
-                               .contiguous())
+        y = torch.addcmul(y, x, self.D.to(y.dtype).view(-1, 1))  # the skip D x, [b, s, H, P]
+
+        def groups_of(t):  # [b, s, inner] -> [b, s, G, inner / G]
+            return t.unflatten(-1, (self.groups, -1))
+
+        # Mamba-2 gates before its norm: rmsnorm(y * silu(z)) per group of heads, times weight
+        # (one kernel each way, which also writes Megatron's [s, b, inner] layout).
+        y = gated_rms_norm(groups_of(y.flatten(2)), self.norm_weight.view(self.groups, -1),
+                           groups_of(z.transpose(0, 1)), self.norm_eps, sequence_first=True,
+                           gate_grad_into=grad_into("z", lambda t: groups_of(t.transpose(0, 1))),
+                           gate_first=True)
+        return self.linear_out(y)
 
 
 def decay_spec(ext_config, transformer_config, variant: str) -> ModuleSpec:
