@@ -18,10 +18,11 @@ Decays follow Mamba-2 / GDN: ``g = -exp(A_log) * softplus(a + dt_bias)`` with ``
 and, per key channel, ``a`` from a low-rank projection ``x W_down W_up`` as in Kimi Linear.
 Around the op: one fused input projection (q, k, v, the output gate, the erase/write gates and
 GDN's decay); q, k and v each through a short causal depthwise convolution and SiLU, q and k
-L2-normalised per head, in one kernel per tensor (:mod:`megatron_ext.kernels.fused`); a per-head
+L2-normalised per head, in one kernel per tensor (:mod:`megatron_ext.kernels.fused`); the
+sigmoid gates and the log-decay in one kernel each (``kernels.fused.gate``); a per-head
 RMSNorm gated by ``silu(x W_z)`` (one kernel, which also writes Megatron's ``[s, b, h]``
-layout); the output projection. The convolutions' and the norm's backward kernels write their
-input gradients into one buffer for the fused projection's gradient
+layout); the output projection. The convolutions', the gates' and the norm's backward kernels
+write their input gradients into one buffer for the fused projection's gradient
 (:meth:`~megatron_ext.mixers.common.HeadShardedModule.split_outputs`), so the parts' gradients are
 not concatenated. (KDA's paper gates its output with a low-rank sigmoid; we use GDN's full-rank SiLU
 gate for all four, so that they differ only in the recurrence.)
@@ -145,7 +146,7 @@ class DeltaRuleMixer(HeadShardedModule):
             a, into = projected["decay"], grad_into("decay", _batch_first)
         else:
             a, into = self.low_rank_decay(x), None
-        g = gate(a.transpose(0, 1), self.A_log, self.dt_bias, grad_into=into)  # [b, s, Hv * C]
+        g = gate(_batch_first(a), self.A_log, self.dt_bias, grad_into=into)  # [b, s, Hv * C]
         per_channel = () if self.variant == "gated_deltanet" else (-1,)
         return g.reshape(b, s, self.value_heads, *per_channel)
 
@@ -163,7 +164,7 @@ class DeltaRuleMixer(HeadShardedModule):
         positions = sequence_positions(cu_seqlens, s, hidden_states.device)
 
         def sigmoid_gate(name, per_head_channels):  # fp32 [b, s, Hv, ...]
-            return gate(projected[name].transpose(0, 1), grad_into=grad_into(name, _batch_first)
+            return gate(_batch_first(projected[name]), grad_into=grad_into(name, _batch_first)
                         ).reshape(b, s, self.value_heads, *per_head_channels)
 
         # Conv + SiLU (+ L2 norm per head for q and k) in one kernel each, read in place.
