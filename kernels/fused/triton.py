@@ -244,13 +244,14 @@ def short_conv_backward(x, weight, positions, l2_norm_dim, dy, dx=None):
                                    triton.cdiv(channels, block))](
         x, weight, pos, dy, g, length, channels, *x.stride(), K=kernel, BT=TOKENS_PER_PROGRAM,
         BC=block, HAS_POS=positions is not None, L2=l2_norm_dim is not None, EPS=L2_EPS)
-    block = min(CONV_BWD_CHANNELS, triton.next_power_of_2(channels))
+    input_block = min(CONV_BWD_CHANNELS, triton.next_power_of_2(channels))
     tiles = triton.cdiv(length, TOKENS_PER_PROGRAM)
-    grid = (triton.cdiv(tiles, CONV_BWD_TILES), batch, triton.cdiv(channels, block))
+    grid = (triton.cdiv(tiles, CONV_BWD_TILES), batch, triton.cdiv(channels, input_block))
     dw = torch.empty(grid[0] * batch, channels, kernel, device=x.device, dtype=torch.float32)
     _short_conv_bwd_input_kernel[grid](
         g, x, weight, pos, dx, dw, length, channels, *x.stride(), *dx.stride(), K=kernel,
-        BT=TOKENS_PER_PROGRAM, BC=block, TILES=CONV_BWD_TILES, HAS_POS=positions is not None)
+        BT=TOKENS_PER_PROGRAM, BC=input_block, TILES=CONV_BWD_TILES,
+        HAS_POS=positions is not None)
     return dx, dw.sum(0).to(weight.dtype)
 
 
@@ -430,42 +431,43 @@ def _gate_bwd_kernel(x_ptr, a_ptr, dt_ptr, dy_ptr, dx_ptr, part_ptr, T, N, sxb, 
         tl.store(part_ptr + (program * 2 + 1) * N + cols, d_a, mask=col_ok)
 
 
-def _gate_launch(x: torch.Tensor):
+def _gate_launch(x: torch.Tensor, A_log, dt_bias):
+    """Sizes, channel block and the decay's arguments of a gate kernel's launch (x stands in for
+    the absent parameters of the sigmoid, which DECAY keeps the kernel from reading)."""
     batch, length, width = x.shape
     if x.stride(-1) != 1:
         raise ValueError("gate: the channel dim must be contiguous")
     block = min(GATE_CHANNELS, triton.next_power_of_2(width))
-    return batch, length, width, block, triton.cdiv(width, block)
+    decay = A_log is not None
+    params = (A_log, dt_bias) if decay else (x, x)
+    options = dict(C=width // A_log.numel() if decay else 1, BT=TOKENS_PER_PROGRAM, BN=block,
+                   DECAY=decay)
+    return batch, length, width, triton.cdiv(width, block), params, options
 
 
 def gate_forward(x, A_log=None, dt_bias=None) -> torch.Tensor:
     """``x [B, T, N]`` (any batch and token strides) -> fp32 ``[B, T, N]``: ``sigmoid(x)``, or
     with ``A_log [N / C]`` and ``dt_bias [N]`` the log-decay ``-exp(A_log) softplus(x +
     dt_bias)`` (C channels a head)."""
-    batch, length, width, block, blocks = _gate_launch(x)
+    batch, length, width, blocks, params, options = _gate_launch(x, A_log, dt_bias)
     y = torch.empty(batch, length, width, device=x.device, dtype=torch.float32)
-    decay = A_log is not None
     _gate_fwd_kernel[(triton.cdiv(length, TOKENS_PER_PROGRAM), batch, blocks)](
-        x, A_log if decay else x, dt_bias if decay else x, y, length, width, x.stride(0),
-        x.stride(1), C=width // A_log.numel() if decay else 1, BT=TOKENS_PER_PROGRAM, BN=block,
-        DECAY=decay)
+        x, *params, y, length, width, x.stride(0), x.stride(1), **options)
     return y
 
 
 def gate_backward(x, A_log, dt_bias, dy, dx=None):
     """Gradients of :func:`gate_forward`: ``dx`` in x's dtype (written into ``dx`` where given,
     else in x's strides), and with a decay ``dA_log``, ``ddt_bias`` in their own dtypes."""
-    batch, length, width, block, blocks = _gate_launch(x)
+    batch, length, width, blocks, params, options = _gate_launch(x, A_log, dt_bias)
     dx = empty_in_order_of(x) if dx is None else _checked_out(dx, x)
-    decay = A_log is not None
+    decay = options["DECAY"]
     grid = (triton.cdiv(triton.cdiv(length, TOKENS_PER_PROGRAM), GATE_BWD_TILES), batch, blocks)
     part = torch.empty(grid[0] * batch, 2, width, device=x.device,
                        dtype=torch.float32) if decay else x
     _gate_bwd_kernel[grid](
-        x, A_log if decay else x, dt_bias if decay else x, dy.contiguous(), dx, part, length,
-        width, x.stride(0), x.stride(1), dx.stride(0), dx.stride(1),
-        C=width // A_log.numel() if decay else 1, BT=TOKENS_PER_PROGRAM, BN=block,
-        TILES=GATE_BWD_TILES, DECAY=decay)
+        x, *params, dy.contiguous(), dx, part, length, width, x.stride(0), x.stride(1),
+        dx.stride(0), dx.stride(1), TILES=GATE_BWD_TILES, **options)
     if not decay:
         return dx, None, None
     d_dt, d_a = part.sum(0)
