@@ -42,7 +42,7 @@ block substitution with fp32 ("ieee") dots.
 Precision. With fp32 q, k, v every tl.dot runs in full fp32 ("ieee", not TF32), so that the fp32
 path checks the algebra tightly; with bf16 (or fp16) q, k, v the dot operands are rounded to
 that dtype (tensor cores, fp32 accumulation), and so are the stored tiles P, T, W, Y, U, the
-decayed keys and queries, dP, dA and the chunk states and their gradients.
+decayed keys and queries, dU, dP, dA and the chunk states and their gradients.
 
 Kernels, in order (grids in brackets; NC chunks over all sequences, N sequences, Hv v heads):
     forward   _chunk_cumsum [NC, Hv] -> G;  _fwd_scores [NC, Hv] -> A, P;  _invert [NC * Hv]
@@ -60,7 +60,7 @@ G (fp32; K values, or 1 with one decay per head), U (V; fp32 with the write resi
 each), W (K), with a decay the decayed keys and queries (2 K), and the chunk states (K V / 64).
 For K = V = 128 in bf16: 512 + 256 + 256 + 256 + 512 + 512 = 2304 bytes with a per-channel decay
 (KDA, GDN-2), 1796 with one per head (GDN), 1280 without (DeltaNet). The backward adds, freed on
-return, dS_C per chunk (as the states), dU (fp32) and dP, dA.
+return, dS_C per chunk (as the states), dU, dP and dA.
 
 Grouped heads: a program of v head hv reads q/k head hv // (Hv / Hk); the gradients of q and k
 are written per v head and summed over each group afterwards. Varlen: a host table of the chunks'
@@ -929,7 +929,7 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
     d_residual = None if d_residual is None else _flat(d_residual)
 
     dh = torch.empty(NC, Hv, K, V, device=device, dtype=cfg.store_dtype)
-    dU = cfg.empty(V, dtype=torch.float32)
+    dU = cfg.empty(V)  # every reader feeds it to tl.dot, which rounds it to the dot dtype
     dh0 = torch.empty(cfg.num_states, Hv, K, V, device=device, dtype=torch.float32)
     _bwd_state_kernel[(cfg.num_states, Hv, V // cfg.bwd_state_block_v)](
         q, k, G, W, KD, QG, P, d_o, dummy if d_residual is None else d_residual, d_final, dh, dU, dh0,
