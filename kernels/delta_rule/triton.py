@@ -51,9 +51,9 @@ Kernels, in order (grids in brackets; NC chunks over all sequences, N sequences,
               sequence -> chunk states, U, final state;  _fwd_output [NC, Hv, V/BV] -> o
     backward  _bwd_state [N, Hv, V/BV], along each sequence in reverse -> dS_C per chunk, dU,
               the initial state's gradient;  _bwd_scores [NC, Hv] -> dP, dA, dv, dw (or beta's
-              share);  _bwd_qkg [NC, Hv] (one decay per head or none; a loop over blocks of BK
-              key channels) or [NC, Hv, K/BK] (per-channel decay) -> dq, dk, d erase (or beta's
-              share), dg
+              share);  _bwd_qkg [NC, Hk] (one decay per head or none; a loop over blocks of BK
+              key channels) or [NC, Hk, K/BK] (per-channel decay), each over the q/k head's
+              group of v heads -> dq, dk, d erase (or beta's share), dg
 Only the two sequential kernels loop over chunks (two dots per chunk each); everything else is
 parallel over chunks. Saved for the backward, per token and v head, in the dot dtype unless said:
 G (fp32; K values, or 1 with one decay per head), U (V; fp32 with the write residual), T and P (64
@@ -62,8 +62,9 @@ For K = V = 128 in bf16: 512 + 256 + 256 + 256 + 512 + 512 = 2304 bytes with a p
 (KDA, GDN-2), 1796 with one per head (GDN), 1280 without (DeltaNet). The backward adds, freed on
 return, dS_C per chunk (as the states), dU, dP and dA.
 
-Grouped heads: a program of v head hv reads q/k head hv // (Hv / Hk); the gradients of q and k
-are written per v head and summed over each group afterwards. Varlen: a host table of the chunks'
+Grouped heads: a program of v head hv reads q/k head hv // (Hv / Hk); a _bwd_qkg program takes
+a q/k head's group of v heads in turn and sums their shares of dq and dk (fp32 partial sums in a
+scratch buffer, the total stored once in q's dtype). Varlen: a host table of the chunks'
 token bounds and of each sequence's first chunk; loads past a chunk's end are zero, which is exact
 padding (a zero token with g = 0 reads, writes and decays nothing).
 
@@ -127,7 +128,6 @@ import triton.language as tl
 
 from .. import backends
 from ..common import sequence_bounds
-from ..group_sum import group_sum
 from .reference import check_inputs
 
 __all__ = ["gated_delta_rule_triton", "triton_unavailable_reason"]
@@ -625,151 +625,171 @@ def _qkg_state_terms(h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, start, t, valid, valu
     return d_qg, d_us, d_kd, d_end
 
 
+@triton.jit
+def _group_put(out_ptr, acc_ptr, start, t, valid, key_heads, hk, K: tl.constexpr, c0, BK: tl.constexpr, x,
+               member, group):
+    """Add x, the share of v head ``member`` of its q/k head's group in a q or k gradient tile, to
+    the group's sum: members before the last leave fp32 partial sums in acc (the same program's
+    tile, read back by the next member), the last stores the sum in out's dtype."""
+    if member > 0:
+        x += _rows(acc_ptr, start, t, valid, key_heads, hk, K, c0, BK)
+    if member == group - 1:
+        _put(out_ptr, start, t, valid, key_heads, hk, K, c0, BK, x)
+    else:
+        _put(acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, x)
+
+
 @triton.jit(do_not_specialize=["num_tokens", "key_heads", "value_heads", "group"])
 def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr,
-                    do_ptr, dP_ptr, dA_ptr, dq_ptr, dk_ptr, derase_ptr, dbeta_ptr, dg_ptr, bounds_ptr,
+                    do_ptr, dP_ptr, dA_ptr, dq_ptr, dk_ptr, dq_acc_ptr, dk_acc_ptr, derase_ptr, dbeta_ptr, dg_ptr,
+                    bounds_ptr,
                     num_tokens, key_heads, value_heads, group, scale,
                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     G_MODE: tl.constexpr, ERASE: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
-    """dq, dk (per v head), the erase gate's gradient (or beta's share) and dg of one chunk and v
-    head, BK key channels at a time. G_MODE is 1 or 2: without a decay the host passes a zero
-    per-head one (see "Hopper" in the module docstring). With one decay per head (grid [NC, Hv])
-    the program loops over the key blocks: it masks and decays the [64, 64] tiles of dP and dA
-    (and their transposes) once, before the loop, and sums dg and beta's share over the key blocks
-    itself. With one per key channel those tiles decay per channel: one program per key block
-    (grid [NC, Hv, K/BK]), and beta's share is a partial sum over the key blocks, at [kb, token,
-    head]. dP and dA come whole from _bwd_scores and are masked here, as they are used, so that
-    their tiles reach tl.dot from registers, not straight from memory."""
+    """dq and dk of one chunk and q/k head, and for each v head of its group the erase gate's
+    gradient (or beta's share) and dg, BK key channels at a time. The program takes the group's v
+    heads one after another and sums their shares of dq and dk itself (``_group_put``). G_MODE is
+    1 or 2: without a decay the host passes a zero per-head one (see "Hopper" in the module
+    docstring). With one decay per head (grid [NC, Hk]) the program loops over the key blocks: it
+    masks and decays the [64, 64] tiles of dP and dA (and their transposes) once per v head,
+    before the loop, and sums dg and beta's share over the key blocks itself. With one per key
+    channel those tiles decay per channel: one program per key block (grid [NC, Hk, K/BK]), and
+    beta's share is a partial sum over the key blocks, at [kb, token, head]. dP and dA come whole
+    from _bwd_scores and are masked here, as they are used, so that their tiles reach tl.dot from
+    registers, not straight from memory."""
     c = tl.program_id(0).to(tl.int64)
-    hv = tl.program_id(1)
-    hk = hv // group
+    hk = tl.program_id(1)
     start, count, t, valid = _chunk(bounds_ptr, c)
-    state_base = (c * value_heads + hv) * K * V
-    square = (c * value_heads + hv) * _C * _C
     last_row = count - 1
-    if G_MODE == 2:
-        kb = tl.program_id(2)
-        c0 = kb * BK
-        d_qg, d_us, d_kd, d_end = _qkg_state_terms(h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, start, t, valid,
-                                                   value_heads, hv, state_base, scale, c0, BK, V, BV, DOT, IEEE)
-        d_ga = -_mm(_square(T_ptr, square, True), d_us, DOT, IEEE)  # d(Gamma * a)
-        q = _rows(q_ptr, start, t, valid, key_heads, hk, K, c0, BK)
-        k = _rows(k_ptr, start, t, valid, key_heads, hk, K, c0, BK)
-        if ERASE:
-            gate = _rows(erase_ptr, start, t, valid, value_heads, hv, K, c0, BK)
-        else:
-            gate = _vec(beta_ptr, start, t, valid, value_heads, hv)[:, None]
-        a = k * gate
-        blk = t // _SUB
-        within = t % _SUB
-        G = _rows(G_ptr, start, t, valid, value_heads, hv, K, c0, BK)
-        G_end = _decay_row(G_ptr, start, count, value_heads, hv, K, count - 1, c0, BK)
-        # Diagonal sub-blocks, exactly: step j pairs each row with row 16 * blk + j of its
-        # sub-block, as its column (rows at or after it; for A after it) or as its row (rows up to
-        # it; for A before it), the pairs chosen by masking the per-row entries of dP and dA. They
-        # have accumulators of their own (in the layout of the loads, where those of the dots
-        # would cost layout conversions at every step) and come first, where fewer registers are
-        # live than around the dots.
-        d_q_diag = tl.zeros([_C, BK], dtype=tl.float32)
-        d_a_diag = tl.zeros([_C, BK], dtype=tl.float32)
-        d_k_diag = tl.zeros([_C, BK], dtype=tl.float32)
-        for j in range(0, _SUB):
-            other = blk * _SUB + j
-            other_valid = other < count
-            decay = tl.exp(-tl.abs(G - _rows(G_ptr, start, other, other_valid, value_heads, hv, K, c0, BK)))
-            k_decayed = _rows(k_ptr, start, other, other_valid, key_heads, hk, K, c0, BK) * decay
-            p_below = tl.load(dP_ptr + square + t * _C + other, mask=within >= j, other=0.0).to(tl.float32)
-            a_below = tl.load(dA_ptr + square + t * _C + other, mask=within > j, other=0.0).to(tl.float32)
-            p_above = tl.load(dP_ptr + square + other * _C + t, mask=within <= j, other=0.0).to(tl.float32)
-            a_above = tl.load(dA_ptr + square + other * _C + t, mask=within < j, other=0.0).to(tl.float32)
-            d_q_diag += p_below[:, None] * k_decayed
-            d_a_diag += a_below[:, None] * k_decayed
-            q_other = _rows(q_ptr, start, other, other_valid, key_heads, hk, K, c0, BK)
-            if ERASE:
-                gate_other = _rows(erase_ptr, start, other, other_valid, value_heads, hv, K, c0, BK)
-                a_above_gate = a_above[:, None] * gate_other
-            else:
-                a_above_gate = (a_above * _vec(beta_ptr, start, other, other_valid, value_heads, hv))[:, None]
-            d_k_diag += p_above[:, None] * q_other * decay + a_above_gate * k_decayed
-        d_q = tl.exp(G) * d_qg + d_q_diag
-        d_a = tl.exp(G) * d_ga + d_a_diag
-        d_k = tl.exp(tl.minimum(G_end[None, :] - G, 0.0)) * d_kd
-        d_G_end = tl.sum(k * d_k, 0) + tl.exp(G_end) * d_end
-        d_k += d_k_diag
-        # Off-diagonal sub-blocks, referenced at the row sub-block's first token: the pairs (t, s)
-        # of rows t in sub-block i and columns s before it.
-        d_scores_p = _square(dP_ptr, square, False)
-        d_scores_a = _square(dA_ptr, square, False)
-        d_scores_p_t = _square(dP_ptr, square, True)
-        d_scores_a_t = _square(dA_ptr, square, True)
-        for i in tl.static_range(1, 4):
-            G_ref = _decay_row(G_ptr, start, count, value_heads, hv, K, i * _SUB, c0, BK)
-            row_decay = tl.exp(tl.minimum(G - G_ref[None, :], 0.0))
-            col_decay = tl.exp(tl.minimum(G_ref[None, :] - G, 0.0))
-            pairs = (blk == i)[:, None] & (t < i * _SUB)[None, :]    # [t, s]
-            pairs_t = (t < i * _SUB)[:, None] & (blk == i)[None, :]  # [s, t]
-            k_cols = k * col_decay
-            d_q += row_decay * _mm(tl.where(pairs, d_scores_p, 0.0), k_cols, DOT, IEEE)
-            d_a += row_decay * _mm(tl.where(pairs, d_scores_a, 0.0), k_cols, DOT, IEEE)
-            d_k += col_decay * (_mm(tl.where(pairs_t, d_scores_p_t, 0.0), q * row_decay, DOT, IEEE)
-                                + _mm(tl.where(pairs_t, d_scores_a_t, 0.0), a * row_decay, DOT, IEEE))
-        d_G = q * d_q + a * d_a - k * d_k
-        d_G += tl.where((t == last_row)[:, None], d_G_end[None, :], 0.0)
-        _put(dg_ptr, start, t, valid, value_heads, hv, K, c0, BK, tl.cumsum(d_G, 0, reverse=True))
-        _put(dq_ptr, start, t, valid, value_heads, hv, K, c0, BK, d_q)
-        _put(dk_ptr, start, t, valid, value_heads, hv, K, c0, BK, d_k + gate * d_a)
-        if ERASE:
-            _put(derase_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * d_a)
-        else:
-            partial_start = kb.to(tl.int64) * num_tokens + start  # this key block's row of partial sums
-            tl.store(_at(dbeta_ptr, partial_start, value_heads, hv, 1) + t * value_heads, tl.sum(k * d_a, 1),
-                     mask=valid)
-    else:
-        G = _vec(G_ptr, start, t, valid, value_heads, hv)
-        G_end = tl.load(_at(G_ptr, start, value_heads, hv, 1) + last_row * value_heads)
-        decay = tl.exp(tl.minimum(G[:, None] - G[None, :], 0.0))  # [t, s]
-        decay_t = tl.exp(tl.minimum(G[None, :] - G[:, None], 0.0))  # [s, t]
-        # The operands shared by all key blocks, in the dot dtype (the compiler keeps them in shared
-        # memory through the loop).
-        d_scores_p = (tl.where(t[:, None] >= t[None, :], _square(dP_ptr, square, False), 0.0) * decay).to(DOT)
-        d_scores_a = (tl.where(t[:, None] > t[None, :], _square(dA_ptr, square, False), 0.0) * decay).to(DOT)
-        d_scores_p_t = (tl.where(t[:, None] <= t[None, :], _square(dP_ptr, square, True), 0.0) * decay_t).to(DOT)
-        d_scores_a_t = (tl.where(t[:, None] < t[None, :], _square(dA_ptr, square, True), 0.0) * decay_t).to(DOT)
-        inverse_t = _square(T_ptr, square, True)
-        if not ERASE:
-            beta = _vec(beta_ptr, start, t, valid, value_heads, hv)
-            d_beta = tl.zeros([_C], dtype=tl.float32)
-        d_G = tl.zeros([_C], dtype=tl.float32)
-        for kb in range(0, K // BK):
+    for member in range(0, group):
+        hv = hk * group + member
+        state_base = (c * value_heads + hv) * K * V
+        square = (c * value_heads + hv) * _C * _C
+        if G_MODE == 2:
+            kb = tl.program_id(2)
             c0 = kb * BK
             d_qg, d_us, d_kd, d_end = _qkg_state_terms(h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, start, t, valid,
-                                                       value_heads, hv, state_base, scale, c0, BK, V, BV, DOT,
-                                                       IEEE)
-            d_ga = -_mm(inverse_t, d_us, DOT, IEEE)  # d(Gamma * a)
+                                                       value_heads, hv, state_base, scale, c0, BK, V, BV, DOT, IEEE)
+            d_ga = -_mm(_square(T_ptr, square, True), d_us, DOT, IEEE)  # d(Gamma * a)
             q = _rows(q_ptr, start, t, valid, key_heads, hk, K, c0, BK)
             k = _rows(k_ptr, start, t, valid, key_heads, hk, K, c0, BK)
             if ERASE:
                 gate = _rows(erase_ptr, start, t, valid, value_heads, hv, K, c0, BK)
             else:
-                gate = beta[:, None]
+                gate = _vec(beta_ptr, start, t, valid, value_heads, hv)[:, None]
             a = k * gate
-            d_k = tl.exp(tl.minimum(G_end - G, 0.0))[:, None] * d_kd
-            d_G_end = tl.sum(tl.sum(k * d_k, 1), 0) + tl.exp(G_end) * tl.sum(d_end, 0)
-            d_q = tl.exp(G)[:, None] * d_qg + _mm(d_scores_p, k, DOT, IEEE)
-            d_a = tl.exp(G)[:, None] * d_ga + _mm(d_scores_a, k, DOT, IEEE)
-            d_k += _mm(d_scores_p_t, q, DOT, IEEE) + _mm(d_scores_a_t, a, DOT, IEEE)
-            d_G += tl.sum(q * d_q + a * d_a - k * d_k, 1) + tl.where(t == last_row, d_G_end, 0.0)
-            _put(dq_ptr, start, t, valid, value_heads, hv, K, c0, BK, d_q)
-            _put(dk_ptr, start, t, valid, value_heads, hv, K, c0, BK, d_k + gate * d_a)
+            blk = t // _SUB
+            within = t % _SUB
+            G = _rows(G_ptr, start, t, valid, value_heads, hv, K, c0, BK)
+            G_end = _decay_row(G_ptr, start, count, value_heads, hv, K, count - 1, c0, BK)
+            # Diagonal sub-blocks, exactly: step j pairs each row with row 16 * blk + j of its
+            # sub-block, as its column (rows at or after it; for A after it) or as its row (rows up to
+            # it; for A before it), the pairs chosen by masking the per-row entries of dP and dA. They
+            # have accumulators of their own (in the layout of the loads, where those of the dots
+            # would cost layout conversions at every step) and come first, where fewer registers are
+            # live than around the dots.
+            d_q_diag = tl.zeros([_C, BK], dtype=tl.float32)
+            d_a_diag = tl.zeros([_C, BK], dtype=tl.float32)
+            d_k_diag = tl.zeros([_C, BK], dtype=tl.float32)
+            for j in range(0, _SUB):
+                other = blk * _SUB + j
+                other_valid = other < count
+                decay = tl.exp(-tl.abs(G - _rows(G_ptr, start, other, other_valid, value_heads, hv, K, c0, BK)))
+                k_decayed = _rows(k_ptr, start, other, other_valid, key_heads, hk, K, c0, BK) * decay
+                p_below = tl.load(dP_ptr + square + t * _C + other, mask=within >= j, other=0.0).to(tl.float32)
+                a_below = tl.load(dA_ptr + square + t * _C + other, mask=within > j, other=0.0).to(tl.float32)
+                p_above = tl.load(dP_ptr + square + other * _C + t, mask=within <= j, other=0.0).to(tl.float32)
+                a_above = tl.load(dA_ptr + square + other * _C + t, mask=within < j, other=0.0).to(tl.float32)
+                d_q_diag += p_below[:, None] * k_decayed
+                d_a_diag += a_below[:, None] * k_decayed
+                q_other = _rows(q_ptr, start, other, other_valid, key_heads, hk, K, c0, BK)
+                if ERASE:
+                    gate_other = _rows(erase_ptr, start, other, other_valid, value_heads, hv, K, c0, BK)
+                    a_above_gate = a_above[:, None] * gate_other
+                else:
+                    a_above_gate = (a_above * _vec(beta_ptr, start, other, other_valid, value_heads, hv))[:, None]
+                d_k_diag += p_above[:, None] * q_other * decay + a_above_gate * k_decayed
+            d_q = tl.exp(G) * d_qg + d_q_diag
+            d_a = tl.exp(G) * d_ga + d_a_diag
+            d_k = tl.exp(tl.minimum(G_end[None, :] - G, 0.0)) * d_kd
+            d_G_end = tl.sum(k * d_k, 0) + tl.exp(G_end) * d_end
+            d_k += d_k_diag
+            # Off-diagonal sub-blocks, referenced at the row sub-block's first token: the pairs (t, s)
+            # of rows t in sub-block i and columns s before it.
+            d_scores_p = _square(dP_ptr, square, False)
+            d_scores_a = _square(dA_ptr, square, False)
+            d_scores_p_t = _square(dP_ptr, square, True)
+            d_scores_a_t = _square(dA_ptr, square, True)
+            for i in tl.static_range(1, 4):
+                G_ref = _decay_row(G_ptr, start, count, value_heads, hv, K, i * _SUB, c0, BK)
+                row_decay = tl.exp(tl.minimum(G - G_ref[None, :], 0.0))
+                col_decay = tl.exp(tl.minimum(G_ref[None, :] - G, 0.0))
+                pairs = (blk == i)[:, None] & (t < i * _SUB)[None, :]    # [t, s]
+                pairs_t = (t < i * _SUB)[:, None] & (blk == i)[None, :]  # [s, t]
+                k_cols = k * col_decay
+                d_q += row_decay * _mm(tl.where(pairs, d_scores_p, 0.0), k_cols, DOT, IEEE)
+                d_a += row_decay * _mm(tl.where(pairs, d_scores_a, 0.0), k_cols, DOT, IEEE)
+                d_k += col_decay * (_mm(tl.where(pairs_t, d_scores_p_t, 0.0), q * row_decay, DOT, IEEE)
+                                    + _mm(tl.where(pairs_t, d_scores_a_t, 0.0), a * row_decay, DOT, IEEE))
+            d_G = q * d_q + a * d_a - k * d_k
+            d_G += tl.where((t == last_row)[:, None], d_G_end[None, :], 0.0)
+            _put(dg_ptr, start, t, valid, value_heads, hv, K, c0, BK, tl.cumsum(d_G, 0, reverse=True))
+            _group_put(dq_ptr, dq_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_q, member, group)
+            _group_put(dk_ptr, dk_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_k + gate * d_a,
+                       member, group)
             if ERASE:
                 _put(derase_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * d_a)
             else:
-                d_beta += tl.sum(k * d_a, 1)
-        tl.store(_at(dg_ptr, start, value_heads, hv, 1) + t * value_heads, tl.cumsum(d_G, 0, reverse=True),
-                 mask=valid)
-        if not ERASE:
-            tl.store(_at(dbeta_ptr, start, value_heads, hv, 1) + t * value_heads, d_beta, mask=valid)
-
+                partial_start = kb.to(tl.int64) * num_tokens + start  # this key block's row of partial sums
+                tl.store(_at(dbeta_ptr, partial_start, value_heads, hv, 1) + t * value_heads, tl.sum(k * d_a, 1),
+                         mask=valid)
+        else:
+            G = _vec(G_ptr, start, t, valid, value_heads, hv)
+            G_end = tl.load(_at(G_ptr, start, value_heads, hv, 1) + last_row * value_heads)
+            decay = tl.exp(tl.minimum(G[:, None] - G[None, :], 0.0))  # [t, s]
+            decay_t = tl.exp(tl.minimum(G[None, :] - G[:, None], 0.0))  # [s, t]
+            # The operands shared by all key blocks, in the dot dtype (the compiler keeps them in shared
+            # memory through the loop).
+            d_scores_p = (tl.where(t[:, None] >= t[None, :], _square(dP_ptr, square, False), 0.0) * decay).to(DOT)
+            d_scores_a = (tl.where(t[:, None] > t[None, :], _square(dA_ptr, square, False), 0.0) * decay).to(DOT)
+            d_scores_p_t = (tl.where(t[:, None] <= t[None, :], _square(dP_ptr, square, True), 0.0) * decay_t).to(DOT)
+            d_scores_a_t = (tl.where(t[:, None] < t[None, :], _square(dA_ptr, square, True), 0.0) * decay_t).to(DOT)
+            inverse_t = _square(T_ptr, square, True)
+            if not ERASE:
+                beta = _vec(beta_ptr, start, t, valid, value_heads, hv)
+                d_beta = tl.zeros([_C], dtype=tl.float32)
+            d_G = tl.zeros([_C], dtype=tl.float32)
+            for kb in range(0, K // BK):
+                c0 = kb * BK
+                d_qg, d_us, d_kd, d_end = _qkg_state_terms(h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, start, t, valid,
+                                                           value_heads, hv, state_base, scale, c0, BK, V, BV, DOT,
+                                                           IEEE)
+                d_ga = -_mm(inverse_t, d_us, DOT, IEEE)  # d(Gamma * a)
+                q = _rows(q_ptr, start, t, valid, key_heads, hk, K, c0, BK)
+                k = _rows(k_ptr, start, t, valid, key_heads, hk, K, c0, BK)
+                if ERASE:
+                    gate = _rows(erase_ptr, start, t, valid, value_heads, hv, K, c0, BK)
+                else:
+                    gate = beta[:, None]
+                a = k * gate
+                d_k = tl.exp(tl.minimum(G_end - G, 0.0))[:, None] * d_kd
+                d_G_end = tl.sum(tl.sum(k * d_k, 1), 0) + tl.exp(G_end) * tl.sum(d_end, 0)
+                d_q = tl.exp(G)[:, None] * d_qg + _mm(d_scores_p, k, DOT, IEEE)
+                d_a = tl.exp(G)[:, None] * d_ga + _mm(d_scores_a, k, DOT, IEEE)
+                d_k += _mm(d_scores_p_t, q, DOT, IEEE) + _mm(d_scores_a_t, a, DOT, IEEE)
+                d_G += tl.sum(q * d_q + a * d_a - k * d_k, 1) + tl.where(t == last_row, d_G_end, 0.0)
+                _group_put(dq_ptr, dq_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_q, member, group)
+                _group_put(dk_ptr, dk_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_k + gate * d_a,
+                       member, group)
+                if ERASE:
+                    _put(derase_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * d_a)
+                else:
+                    d_beta += tl.sum(k * d_a, 1)
+            tl.store(_at(dg_ptr, start, value_heads, hv, 1) + t * value_heads, tl.cumsum(d_G, 0, reverse=True),
+                     mask=valid)
+            if not ERASE:
+                tl.store(_at(dbeta_ptr, start, value_heads, hv, 1) + t * value_heads, d_beta, mask=valid)
+        tl.debug_barrier()  # the next member reads the partial sums this one stored
 
 
 # ---------------------------------------------------------------------------------------------
@@ -937,9 +957,10 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
         K=K, V=V, BV=cfg.bwd_state_block_v, G_MODE=cfg.g_mode, HAS_DR=d_residual is not None,
         num_warps=8, num_stages=stages, **cfg.flags)
 
-    per_v_head = cfg.group > 1  # q/k gradients per v head, summed over each group below
-    dq = cfg.empty(K, dtype=torch.float32 if per_v_head else q.dtype)
-    dk = cfg.empty(K, dtype=torch.float32 if per_v_head else k.dtype)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    # fp32 partial sums of the q/k gradients over each group's v heads (_group_put)
+    dq_acc, dk_acc = ((torch.empty(tokens, Hk, K, device=device, dtype=torch.float32) for _ in range(2))
+                      if cfg.group > 1 else (dummy, dummy))
     dv = torch.empty_like(v)
     dwrite = torch.empty_like(write) if cfg.write else None
     derase = torch.empty_like(erase) if cfg.erase else None
@@ -951,11 +972,11 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
     qkg_mode = max(cfg.g_mode, 1)
     G_qkg = G if cfg.g_mode != 0 else torch.zeros(tokens, Hv, device=device, dtype=torch.float32)
     if cfg.g_mode == 2:
-        qkg_grid = (NC, Hv, K // cfg.qkg_block_k)
+        qkg_grid = (NC, Hk, K // cfg.qkg_block_k)
         dbeta_k_shape = (qkg_grid[2], tokens, Hv)
         dg = torch.empty_like(g)
     else:
-        qkg_grid = (NC, Hv)
+        qkg_grid = (NC, Hk)
         dbeta_k_shape = (tokens, Hv)
         dg = cfg.empty(dtype=torch.float32)
     dbeta_k = None if cfg.erase else torch.empty(dbeta_k_shape, device=device, dtype=torch.float32)
@@ -968,7 +989,7 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
             V=V, BV=cfg.score_block_v, WRITE=cfg.write, num_warps=cfg.score_warps, num_stages=stages,
             **cfg.flags)
         _bwd_qkg_kernel[qkg_grid](
-            q, k, beta_, erase_, G_qkg, T, h, dh, U, dU, d_o, dP, dA, dq, dk,
+            q, k, beta_, erase_, G_qkg, T, h, dh, U, dU, d_o, dP, dA, dq, dk, dq_acc, dk_acc,
             dummy if derase is None else derase, dummy if dbeta_k is None else dbeta_k,
             dg, cfg.bounds, tokens, Hk, Hv, cfg.group, cfg.scale,
             K=K, V=V, BK=cfg.qkg_block_k, BV=cfg.block_v, G_MODE=qkg_mode, ERASE=cfg.erase,
@@ -977,9 +998,6 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
         for tensor in (dq, dk, dv, dwrite, derase, dbeta_v, dbeta_k, dg):
             if tensor is not None:
                 tensor.zero_()
-
-    def per_key_head(grad, like):
-        return group_sum(grad, cfg.group, like.dtype) if per_v_head else grad.to(like.dtype)
 
     d_beta = None
     if beta is not None:
@@ -992,7 +1010,7 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
     elif cfg.g_mode == 0:
         dg = None
     d_initial = None if initial_state is None else dh0.to(initial_state.dtype)
-    return per_key_head(dq, q), per_key_head(dk, k), dv, d_beta, dg, derase, dwrite, d_initial
+    return dq, dk, dv, d_beta, dg, derase, dwrite, d_initial
 
 
 class _GatedDeltaRule(torch.autograd.Function):
