@@ -1,7 +1,8 @@
-"""The sum of q/k gradients over a group of value heads (grouped heads), for the Triton backends.
+"""The sum of q/k gradients over a group of value heads (grouped heads), for the decay family's
+Triton backend.
 
-With grouped heads a q/k head serves ``Hv / Hk`` value heads, and the backward kernels write the
-gradients of q and k per value head, in fp32. :func:`group_sum` adds each group's ``Hv / Hk``
+With grouped heads a q/k head serves ``Hv / Hk`` value heads, and the decay backward kernels write
+the gradients of q and k per value head, in fp32 (the delta rule's sum theirs in-kernel). :func:`group_sum` adds each group's ``Hv / Hk``
 rows and rounds once to the input's dtype, in one pass over the fp32 gradient (torch's sum over
 that middle dim, then a cast, take two passes and a slow reduction layout).
 """
