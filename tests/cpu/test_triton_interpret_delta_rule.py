@@ -27,12 +27,13 @@ GPU_TESTS = pathlib.Path(__file__).parents[1] / "gpu"
 CPU_TESTS = pathlib.Path(__file__).parent
 
 # Keyword arguments of check(): all four forms with grouped heads (Hk = 1, Hv = 2) across a chunk
-# boundary, K != V both ways (K = 64 is several blocks of key channels, with a decay per channel
-# and per head), one token, Hk = Hv, packed sequences (one empty), strong decay, the write
-# residual, an erase gate next to beta, fp16, bf16 without a decay and with a per-channel one
-# (the forms whose bf16 backward failed on an H200), and bf16 at K = V = 128 with one decay per
-# head (the benchmark's form: several blocks of V in _bwd_scores and in the sequential kernels,
-# BV = 64 in _bwd_state).
+# boundary, three v heads to a q/k head (a group's middle member reads and writes partial sums),
+# K != V both ways (K = 64 is several blocks of key channels, with a decay per channel and per
+# head), one token, Hk = Hv, packed sequences (one empty), strong decay, the write residual, an
+# erase gate next to beta, fp16, bf16 without a decay and with a per-channel one (the forms whose
+# bf16 backward failed on an H200), and bf16 at K = V = 128 with one decay per head (the
+# benchmark's form: several blocks of V in _bwd_scores and in the sequential kernels, BV = 64 in
+# _bwd_state).
 SMALL = dict(key_heads=1, value_heads=2, key_dim=16, value_dim=32)
 CASES = [
     *(dict(case=case, seq_len=70, **SMALL) for case in ("deltanet", "gated_deltanet", "kda", "gdn2")),
@@ -40,6 +41,7 @@ CASES = [
     dict(SMALL, case="gated_deltanet", seq_len=70, key_dim=64, value_dim=16),
     dict(SMALL, case="gdn2", seq_len=1),
     dict(SMALL, case="gated_deltanet", seq_len=65, value_heads=1),
+    dict(SMALL, case="kda", seq_len=40, value_heads=3),
     dict(SMALL, case="kda", cu_seqlens=[0, 37, 64, 64, 130]),
     dict(SMALL, case="gated_deltanet", cu_seqlens=[0, 5, 70]),
     dict(SMALL, case="gated_deltanet", seq_len=70, strong_decay=True),

@@ -179,6 +179,14 @@ def test_production_head_dims(case):
     check(case, device="cuda", dtype=torch.bfloat16, seq_len=200, key_dim=128, value_dim=128)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["gated_deltanet", "kda"])
+def test_hybrid_preset_heads(case, dtype):
+    """The hybrid presets' grouping, four v heads per q/k head, at K = V = 64: _bwd_qkg sums each
+    group's q/k gradients over four v heads."""
+    check(case, device="cuda", dtype=dtype, seq_len=200, key_heads=2, value_heads=8, key_dim=64, value_dim=64)
+
+
 def test_write_residual():
     check("gdn2", device="cuda", seq_len=130, residual=True)
 
