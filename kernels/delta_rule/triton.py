@@ -42,12 +42,13 @@ block substitution with fp32 ("ieee") dots.
 Precision. With fp32 q, k, v every tl.dot runs in full fp32 ("ieee", not TF32), so that the fp32
 path checks the algebra tightly; with bf16 (or fp16) q, k, v the dot operands are rounded to
 that dtype (tensor cores, fp32 accumulation), and so are the stored tiles P, T, W, Y, U, the
-decayed keys and queries, dU, dP, dA and the chunk states and their gradients.
+decayed keys and queries, dU, dP, dA and the chunk states and their gradients (the decayed keys
+and queries of one decay per head are rounded where they are formed, to the same values).
 
 Kernels, in order (grids in brackets; NC chunks over all sequences, N sequences, Hv v heads):
     forward   _chunk_cumsum [NC, Hv] -> G;  _fwd_scores [NC, Hv] -> A, P;  _invert [NC * Hv]
-              -> T;  _fwd_prepare [NC, Hv] -> W, Y (and, with a decay, the decayed keys
-              k Gamma_C / Gamma and queries Gamma q);  _fwd_state [N, Hv, V/BV], along each
+              -> T;  _fwd_prepare [NC, Hv] -> W, Y (and, with a per-channel decay, the decayed
+              keys k Gamma_C / Gamma and queries Gamma q);  _fwd_state [N, Hv, V/BV], along each
               sequence -> chunk states, U, final state;  _fwd_output [NC, Hv, V/BV] -> o
     backward  _bwd_state [N, Hv, V/BV], along each sequence in reverse -> dS_C per chunk, dU,
               the initial state's gradient;  _bwd_scores [NC, Hv] -> dP, dA, dv, dw (or beta's
@@ -57,10 +58,12 @@ Kernels, in order (grids in brackets; NC chunks over all sequences, N sequences,
 Only the two sequential kernels loop over chunks (two dots per chunk each); everything else is
 parallel over chunks. Saved for the backward, per token and v head, in the dot dtype unless said:
 G (fp32; K values, or 1 with one decay per head), U (V; fp32 with the write residual), T and P (64
-each), W (K), with a decay the decayed keys and queries (2 K), and the chunk states (K V / 64).
-For K = V = 128 in bf16: 512 + 256 + 256 + 256 + 512 + 512 = 2304 bytes with a per-channel decay
-(KDA, GDN-2), 1796 with one per head (GDN), 1280 without (DeltaNet). The backward adds, freed on
-return, dS_C per chunk (as the states), dU, dP and dA.
+each), W (K), with a per-channel decay the decayed keys and queries (2 K), and the chunk states
+(K V / 64). For K = V = 128 in bf16: 512 + 256 + 256 + 256 + 512 + 512 = 2304 bytes with a
+per-channel decay (KDA, GDN-2), 1284 with one per head (GDN), 1280 without (DeltaNet). (One decay
+per head scales whole rows, so the kernels that need Gamma q and k Gamma_C / Gamma form them from
+q, k and G as they load them.) The backward adds, freed on return, dS_C per chunk (as the states),
+dU, dP and dA.
 
 Grouped heads: a program of v head hv reads q/k head hv // (Hv / Hk); a _bwd_qkg program takes
 a q/k head's group of v heads in turn and sums their shares of dq and dk (fp32 partial sums in a
@@ -248,6 +251,16 @@ def _decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K: tl.constexpr, G
         return tl.exp(tl.load(_at(G_ptr, start, value_heads, hv, 1) + (count - 1) * value_heads))
 
 
+@triton.jit
+def _head_decays(G_ptr, start, count, t, valid, value_heads, hv):
+    """One log-decay per head: Gamma = exp(G) and Gamma_C / Gamma = exp(G_C - G) of the chunk's
+    rows, [64] fp32 each, the row factors of the decayed queries Gamma q and keys k Gamma_C / Gamma
+    (formed from q and k where they are used; a per-channel decay stores them)."""
+    G = _vec(G_ptr, start, t, valid, value_heads, hv)
+    G_end = tl.load(_at(G_ptr, start, value_heads, hv, 1) + (count - 1) * value_heads)
+    return tl.exp(G), tl.exp(tl.minimum(G_end - G, 0.0))
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
@@ -420,8 +433,9 @@ def _fwd_prepare_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, erase_ptr, write_ptr, G_p
                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         G_MODE: tl.constexpr, ERASE: tl.constexpr, WRITE: tl.constexpr,
                         DOT: tl.constexpr, IEEE: tl.constexpr):
-    """W = T (Gamma * a) and Y = T x of one chunk and v head; with a decay also the decayed keys
-    k Gamma_C / Gamma and queries Gamma * q (without one, the sequential kernels read k and q)."""
+    """W = T (Gamma * a) and Y = T x of one chunk and v head; with a per-channel decay also the
+    decayed keys k Gamma_C / Gamma and queries Gamma * q (with one decay per head or none, the
+    kernels that use them form them from k and q)."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     hk = hv // group
@@ -430,10 +444,8 @@ def _fwd_prepare_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, erase_ptr, write_ptr, G_p
     if not (ERASE and WRITE):
         beta = _vec(beta_ptr, start, t, valid, value_heads, hv)
     if G_MODE == 1:
-        G = _vec(G_ptr, start, t, valid, value_heads, hv)
-        G_end = tl.load(_at(G_ptr, start, value_heads, hv, 1) + (count - 1) * value_heads)
-        decay = tl.exp(G)[:, None]
-        decay_to_end = tl.exp(tl.minimum(G_end - G, 0.0))[:, None]
+        decay, _ = _head_decays(G_ptr, start, count, t, valid, value_heads, hv)
+        decay = decay[:, None]
     for kb in range(0, K // BK):
         c0 = kb * BK
         k = _rows(k_ptr, start, t, valid, key_heads, hk, K, c0, BK)
@@ -448,6 +460,7 @@ def _fwd_prepare_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, erase_ptr, write_ptr, G_p
                 _decay_row(G_ptr, start, count, value_heads, hv, K, count - 1, c0, BK)[None, :] - G, 0.0))
         if G_MODE != 0:
             a = a * decay
+        if G_MODE == 2:
             _put(KD_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * decay_to_end)
             _put(QG_ptr, start, t, valid, value_heads, hv, K, c0, BK,
                  _rows(q_ptr, start, t, valid, key_heads, hk, K, c0, BK) * decay)
@@ -488,17 +501,21 @@ def _fwd_state_kernel(k_ptr, G_ptr, W_ptr, Y_ptr, KD_ptr, h_ptr, U_ptr, h0_ptr, 
         w = _tile(W_ptr, start, t, valid, value_heads, hv, K, 0, K, False)
         U = _tile(Y_ptr, start, t, valid, value_heads, hv, V, v0, BV, False) - _mm(w, state, DOT, IEEE)
         _put(U_ptr, start, t, valid, value_heads, hv, V, v0, BV, U)
-        if G_MODE == 0:
-            keys_t = _tile(k_ptr, start, t, valid, key_heads, hk, K, 0, K, True)
-        else:
+        if G_MODE == 2:
             keys_t = _tile(KD_ptr, start, t, valid, value_heads, hv, K, 0, K, True)
+        else:
+            keys_t = _tile(k_ptr, start, t, valid, key_heads, hk, K, 0, K, True)
+        if G_MODE == 1:
+            _, decay_to_end = _head_decays(G_ptr, start, count, t, valid, value_heads, hv)
+            keys_t = keys_t.to(tl.float32) * decay_to_end[None, :]
+        if G_MODE != 0:
             state = state * _decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K, G_MODE)
         state += _mm(keys_t, U, DOT, IEEE)
     tl.store(final_ptr + (n * value_heads + hv) * K * V + in_state, state)
 
 
 @triton.jit(do_not_specialize=["key_heads", "value_heads", "group"])
-def _fwd_output_kernel(q_ptr, QG_ptr, P_ptr, h_ptr, U_ptr, o_ptr, bounds_ptr,
+def _fwd_output_kernel(q_ptr, G_ptr, QG_ptr, P_ptr, h_ptr, U_ptr, o_ptr, bounds_ptr,
                        key_heads, value_heads, group, scale,
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        G_MODE: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
@@ -511,11 +528,15 @@ def _fwd_output_kernel(q_ptr, QG_ptr, P_ptr, h_ptr, U_ptr, o_ptr, bounds_ptr,
     out = _mm(_square(P_ptr, (c * value_heads + hv) * _C * _C, False),
               _tile(U_ptr, start, t, valid, value_heads, hv, V, v0, BV, False), DOT, IEEE)
     state_base = (c * value_heads + hv) * K * V
+    if G_MODE == 1:
+        decay, _ = _head_decays(G_ptr, start, count, t, valid, value_heads, hv)
     for kb in range(0, K // BK):
-        if G_MODE == 0:
-            q = _tile(q_ptr, start, t, valid, key_heads, hk, K, kb * BK, BK, False)
-        else:
+        if G_MODE == 2:
             q = _tile(QG_ptr, start, t, valid, value_heads, hv, K, kb * BK, BK, False)
+        else:
+            q = _tile(q_ptr, start, t, valid, key_heads, hk, K, kb * BK, BK, False)
+        if G_MODE == 1:
+            q = q.to(tl.float32) * decay[:, None]
         out += _mm(q, _state_tile(h_ptr, state_base, kb * BK, BK, v0, BV, V, False), DOT, IEEE)
     _put(o_ptr, start, t, valid, value_heads, hv, V, v0, BV, out * scale)
 
@@ -546,12 +567,16 @@ def _bwd_state_kernel(q_ptr, k_ptr, G_ptr, W_ptr, KD_ptr, QG_ptr, P_ptr, do_ptr,
         start, count, t, valid = _chunk(bounds_ptr, c)
         tl.store(dh_ptr + (c * value_heads + hv) * K * V + in_state, d_state.to(dh_ptr.dtype.element_ty))
         d_out = _rows(do_ptr, start, t, valid, value_heads, hv, V, v0, BV) * scale
-        if G_MODE == 0:
-            keys = _tile(k_ptr, start, t, valid, key_heads, hk, K, 0, K, False)
-            queries_t = _tile(q_ptr, start, t, valid, key_heads, hk, K, 0, K, True)
-        else:
+        if G_MODE == 2:
             keys = _tile(KD_ptr, start, t, valid, value_heads, hv, K, 0, K, False)
             queries_t = _tile(QG_ptr, start, t, valid, value_heads, hv, K, 0, K, True)
+        else:
+            keys = _tile(k_ptr, start, t, valid, key_heads, hk, K, 0, K, False)
+            queries_t = _tile(q_ptr, start, t, valid, key_heads, hk, K, 0, K, True)
+        if G_MODE == 1:
+            decay, decay_to_end = _head_decays(G_ptr, start, count, t, valid, value_heads, hv)
+            keys = keys.to(tl.float32) * decay_to_end[:, None]
+            queries_t = queries_t.to(tl.float32) * decay[None, :]
         d_u = (_mm(_square(P_ptr, (c * value_heads + hv) * _C * _C, True), d_out, DOT, IEEE)
                + _mm(keys, d_state, DOT, IEEE))
         if HAS_DR:
@@ -899,7 +924,7 @@ def _forward(cfg: _Config, q, k, v, beta, g, erase, write, initial_state):
     P = torch.empty(square, device=device, dtype=cfg.store_dtype)
     T = torch.empty_like(P)
     W = cfg.empty(K)
-    KD, QG = (cfg.empty(K), cfg.empty(K)) if cfg.g_mode != 0 else (dummy, dummy)
+    KD, QG = (cfg.empty(K), cfg.empty(K)) if cfg.g_mode == 2 else (dummy, dummy)
     h = torch.empty(NC, Hv, K, V, device=device, dtype=cfg.store_dtype)
     U = cfg.empty(V, dtype=torch.float32 if cfg.want_residual else None)
     final = torch.empty(cfg.num_states, Hv, K, V, device=device, dtype=torch.float32)
@@ -930,7 +955,7 @@ def _forward(cfg: _Config, q, k, v, beta, g, erase, write, initial_state):
     del Y
     if NC > 0:
         _fwd_output_kernel[(NC, Hv, V // cfg.block_v)](
-            q, QG, P, h, U, o, cfg.bounds, Hk, Hv, cfg.group, cfg.scale,
+            q, G, QG, P, h, U, o, cfg.bounds, Hk, Hv, cfg.group, cfg.scale,
             K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, G_MODE=cfg.g_mode,
             num_warps=4, num_stages=stages, **cfg.flags)
     return o, final, U, (G, T, P, W, KD, QG, h, U)
