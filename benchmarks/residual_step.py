@@ -27,6 +27,7 @@ Goals (issue 6): mHC <= 5 % step time (the paper reports 6.7 %), block attention
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -68,14 +69,19 @@ def settings_for(args, variant):
 
 
 def measure(args, variant, runtime):
-    from megatron_ext import train
+    from megatron_ext import residual, train
     from megatron_ext.kernels.residual import efficient
 
     settings = settings_for(args, variant)
-    efficient.use_triton_mhc(not args.mhc_bodies)
     torch.manual_seed(0)
     config = train.transformer_config(settings, runtime)
     model = train.build_model(settings, config, args.vocab)
+    backend = residual.ops_backend(settings.ext)
+    if args.mhc_bodies:  # the model's schemes run mHC's stream ops in the PyTorch bodies
+        backend = dataclasses.replace(backend, triton_mhc=False)
+        for module in model.modules():
+            if isinstance(module, residual.ResidualScheme):
+                module.backend = backend
     model.to(runtime.device)
     n_params = sum(p.numel() for p in model.parameters())
     model, optimizer, scheduler = train.build_optimizer(model, settings, runtime)
@@ -104,9 +110,10 @@ def measure(args, variant, runtime):
         log(f"{variant}: window {windows[-1]:.1f} ms/step")
     result = dict(variant=variant, ext=settings.ext.to_dict(), params=n_params,
                   ms_per_step=statistics.median(windows), ms_per_step_windows=windows,
-                  loss_after=loss, residual_ops_compiled=efficient.compile_enabled(),
-                  residual_triton_kernels=efficient.triton_enabled(),
-                  mhc_triton_kernels=efficient.triton_enabled() and efficient.triton_mhc_enabled())
+                  loss_after=loss,
+                  residual_ops_compiled=backend.compiled and not efficient.compile_failures(),
+                  residual_triton_kernels=backend.triton,
+                  mhc_triton_kernels=backend.triton and backend.triton_mhc)
     if runtime.cuda:
         peak_gib = torch.cuda.max_memory_allocated() / 2**30
         if args.sync_debug:

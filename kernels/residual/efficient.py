@@ -15,30 +15,33 @@ alive between forward and backward is chosen, not every intermediate:
 - :func:`depth_attention`: references to its sources plus per-token fp32 scalars (inverse
   RMS, logits, weights), as the Attention Residuals paper describes for training.
 
-What runs where. The forward and backward of each op are PyTorch bodies (the ``_*_body`` and
-``_*_vjp`` functions below). On CUDA (where Triton runs; :func:`use_triton`, on by default)
-some run in Triton kernels of ours instead, each launched eagerly from its autograd Function:
-the Sinkhorn iterations (two kernels, :mod:`.triton_sinkhorn`), :func:`depth_attention`
-(one kernel each way for all source groups of a call, :mod:`.triton_depth`) and
-:func:`add_into_last_slot` (block AttnRes's exit; also :mod:`.triton_depth`). The two mHC
-stream ops, :func:`mhc_pre` and :func:`stream_update`, have fused kernels too (forward and
-backward, :mod:`.triton_mhc`), on unless :func:`use_triton_mhc` turns them off (in the
-350M-class model's training step they beat the compiled bodies: benchmarks/residual_step.py).
+What runs where is each call's ``backend`` (a :class:`Backend`; the model's residual schemes
+pass the one ``ExtConfig.residual_backend`` maps to, :func:`megatron_ext.residual.ops_backend`).
+The forward and backward of each op are PyTorch bodies (the ``_*_body`` and ``_*_vjp``
+functions below). On CUDA (where Triton runs; ``Backend.triton``, on by default) some run in
+Triton kernels of ours instead, each launched eagerly from its autograd Function: the Sinkhorn
+iterations (two kernels, :mod:`.triton_sinkhorn`), :func:`depth_attention` (one kernel each way
+for all source groups of a call, :mod:`.triton_depth`) and :func:`add_into_last_slot` (block
+AttnRes's exit; also :mod:`.triton_depth`). The two mHC stream ops, :func:`mhc_pre` and
+:func:`stream_update`, have fused kernels too (forward and backward, :mod:`.triton_mhc`), on
+unless ``Backend.triton_mhc`` is off (in the 350M-class model's training step they beat the
+compiled bodies: benchmarks/residual_step.py).
 Kernels are used on a device only after passing a first-use check there (small random inputs
 against the PyTorch bodies); where they cannot run (the CPU, no Triton, a failed check, sizes or
 dtypes they do not take) the PyTorch bodies do.
 Those bodies, and the ops without kernels (rms_project, stream_mix), can be compiled with
-``torch.compile`` on CUDA (:func:`use_compile`): they are small elementwise and reduction
-chains whose cost in eager mode is mostly kernel launches. If compiling fails, the eager bodies
-are used and the reason is logged once. The Sinkhorn iterations are never part of a compiled
-body (see the Sinkhorn section): compiled, they would be unrolled into one kernel per
-normalisation.
+``torch.compile`` on CUDA (``Backend.compiled``): they are small elementwise and reduction
+chains whose cost in eager mode is mostly kernel launches. A body whose compiled form fails
+runs eagerly from then on in this process, the reason logged once (:func:`compile_failures`
+names those bodies). The Sinkhorn iterations are never part of a compiled body (see the
+Sinkhorn section): compiled, they would be unrolled into one kernel per normalisation.
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import logging
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -46,95 +49,78 @@ import torch
 from . import reference
 from .reference import EPS
 
-__all__ = ["use_compile", "compile_enabled", "use_triton", "triton_enabled", "use_triton_mhc",
-           "triton_mhc_enabled", "sinkhorn",
-           "mhc_pre", "rms_project", "stream_mix", "stream_update", "depth_attention",
-           "add_into_last_slot"]
+__all__ = ["Backend", "compile_failures", "sinkhorn", "mhc_pre", "rms_project", "stream_mix",
+           "stream_update", "depth_attention", "add_into_last_slot"]
 
 _log = logging.getLogger(__name__)
-_compile_enabled = False
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How the ops run (module docstring); every op takes one as ``backend``.
+
+    ``compiled``: the PyTorch bodies through ``torch.compile`` (a body whose compiled form
+    fails runs eagerly instead). ``triton``: our Triton kernels in place of the bodies where
+    they run (CUDA tensors, after their first-use check on the device). ``triton_mhc``: with
+    ``triton``, also the fused kernels of :func:`mhc_pre` and :func:`stream_update`; off, those
+    two run the bodies while the other kernels stay on (to compare).
+
+    The default, ``Backend()``: eager bodies, and every Triton kernel where it runs."""
+
+    compiled: bool = False
+    triton: bool = True
+    triton_mhc: bool = True
+
+
 _compiled: dict[Callable, Callable] = {}
+_compile_failed: set[Callable] = set()  # bodies whose compiled form failed: eager from then on
 
 
-def use_compile(enabled: bool) -> None:
-    """Run the op bodies through ``torch.compile`` from now on (or not)."""
-    global _compile_enabled
-    _compile_enabled = enabled
-
-
-def compile_enabled() -> bool:
-    """Whether the op bodies run compiled (False again after a compiler failure)."""
-    return _compile_enabled
+def compile_failures() -> list[str]:
+    """The names of the op bodies whose ``torch.compile``'d form failed in this process (each
+    runs eagerly from then on); empty where every compiled body ran."""
+    return sorted(fn.__name__ for fn in _compile_failed)
 
 
 def _body(fn: Callable, dynamic: bool | None = None) -> Callable:
-    """An op body: compiled when :func:`use_compile` is on; eager otherwise or after a failure.
-    ``dynamic=True`` for bodies whose shapes change from layer to layer (depth attention)."""
+    """An op body, called as ``body(*args, compiled=...)``: compiled when ``compiled`` is true
+    and its compiled form has not failed before; eager otherwise. ``dynamic=True`` for bodies
+    whose shapes change from layer to layer (depth attention)."""
 
     @functools.wraps(fn)
-    def call(*args):
-        global _compile_enabled
-        if _compile_enabled:
-            compiled = _compiled.get(fn)
-            if compiled is None:
-                compiled = _compiled[fn] = torch.compile(fn, dynamic=dynamic)
+    def call(*args, compiled: bool):
+        if compiled and fn not in _compile_failed:
+            compiled_fn = _compiled.get(fn)
+            if compiled_fn is None:
+                compiled_fn = _compiled[fn] = torch.compile(fn, dynamic=dynamic)
             try:
-                return compiled(*args)
+                return compiled_fn(*args)
             except torch.OutOfMemoryError:
                 raise
             except Exception as error:  # a compiler failure: the eager body computes the same
-                _compile_enabled = False
-                _log.warning("torch.compile of the residual-stream ops failed (%s: %s); they run "
-                             "in eager PyTorch from now on", type(error).__name__, error)
+                _compile_failed.add(fn)
+                _log.warning("torch.compile of the residual-stream op body %s failed (%s: %s); it "
+                             "runs in eager PyTorch from now on", fn.__name__,
+                             type(error).__name__, error)
         return fn(*args)
 
     return call
 
 
 # ----------------------------------------------------------------------------- Triton kernels
-# Where Triton runs (CUDA), the Sinkhorn iterations, mhc_pre / stream_update and depth_attention
-# run in Triton kernels of ours (triton_sinkhorn.py, triton_mhc.py, triton_depth.py) in place of
-# the PyTorch bodies; the rest of each op (saving for backward, recompute_input, the glue
-# between kernels) is the same on every device. The kernels are launched from the autograd
-# Functions between compiled bodies, never inside one (see the Sinkhorn section for why).
-_triton_enabled = True
+# Where Triton runs (CUDA) and the backend has them on, the Sinkhorn iterations, mhc_pre /
+# stream_update and depth_attention run in Triton kernels of ours (triton_sinkhorn.py,
+# triton_mhc.py, triton_depth.py) in place of the PyTorch bodies; the rest of each op (saving
+# for backward, recompute_input, the glue between kernels) is the same on every device. The
+# kernels are launched from the autograd Functions between compiled bodies, never inside one
+# (see the Sinkhorn section for why).
 _TRITON_DEVICE_TYPES = {"cuda"}  # tests add "cpu" under Triton's interpreter
 
 
-def use_triton(enabled: bool) -> None:
-    """Run the Sinkhorn iterations, the mHC ops (mhc_pre, stream_update), depth_attention and
-    add_into_last_slot of CUDA tensors in our Triton kernels (the default) or in the PyTorch
-    bodies (for comparisons)."""
-    global _triton_enabled
-    _triton_enabled = enabled
-
-
-def triton_enabled() -> bool:
-    """Whether :func:`use_triton` has the Triton kernels on (each still runs only where it
-    passed its first-use check)."""
-    return _triton_enabled
-
-
-# The fused mHC kernels (triton_mhc.py) are on by default (module docstring);
-# use_triton_mhc(False) runs the PyTorch bodies instead, to compare.
-_triton_mhc_enabled = True
-
-
-def use_triton_mhc(enabled: bool) -> None:
-    """Run mhc_pre and stream_update of CUDA tensors in the fused Triton kernels (the default,
-    where :func:`use_triton` has the kernels on) or in the PyTorch bodies."""
-    global _triton_mhc_enabled
-    _triton_mhc_enabled = enabled
-
-
-def triton_mhc_enabled() -> bool:
-    """Whether :func:`use_triton_mhc` has the fused mHC kernels on."""
-    return _triton_mhc_enabled
-
-
-def _triton_runs(tensor: torch.Tensor) -> bool:
-    """Whether the Triton kernels are on and run tensors on ``tensor``'s device type."""
-    return _triton_enabled and tensor.device.type in _TRITON_DEVICE_TYPES
+def _triton_runs(backend: Backend, tensor: torch.Tensor) -> bool:
+    """Whether ``backend`` has the Triton kernels on and they run tensors on ``tensor``'s
+    device type."""
+    return backend.triton and tensor.device.type in _TRITON_DEVICE_TYPES
 
 
 def _import_kernels(module: str, label: str):
@@ -250,11 +236,12 @@ _sinkhorn_backward = _body(_sinkhorn_vjp)
 # because it is the robust option: it depends on nothing in Dynamo's and Inductor's handling of
 # user kernels, which could be checked on a GPU only (wrap_triton refuses the kernels of
 # Triton's CPU interpreter, on which our tests run everything else), and where a compiler
-# failure would send every body to eager mode (_body's fallback). It also keeps one code path
-# on every device: only the steps that run in kernels differ.
-def _triton_sinkhorn_for(logits: torch.Tensor):
-    """The Triton kernels' module if they run ``logits [..., n, n]``, else None."""
-    if not _triton_runs(logits):
+# failure would send the bodies holding the kernels to eager mode (_body's fallback). It also
+# keeps one code path on every device: only the steps that run in kernels differ.
+def _triton_sinkhorn_for(backend: Backend, logits: torch.Tensor):
+    """The Triton kernels' module if they run ``logits [..., n, n]`` with ``backend``, else
+    None."""
+    if not _triton_runs(backend, logits):
         return None
     kernels = _triton_kernels()
     n = logits.shape[-1]
@@ -282,39 +269,41 @@ def _triton_sinkhorn_checked(device: torch.device, n: int) -> bool:
     return _triton_checked("Sinkhorn", _check_triton_sinkhorn, device, n)
 
 
-def _sinkhorn_values(logits, iters, eps):
-    """:func:`reference.sinkhorn` (fp32) on this device's path."""
-    kernels = _triton_sinkhorn_for(logits)
+def _sinkhorn_values(logits, iters, eps, backend: Backend):
+    """:func:`reference.sinkhorn` (fp32) on ``backend``'s path on this device."""
+    kernels = _triton_sinkhorn_for(backend, logits)
     if kernels is not None:
         return kernels.sinkhorn_forward(logits, iters, eps)
-    return _sinkhorn_forward(logits, iters, eps)
+    return _sinkhorn_forward(logits, iters, eps, compiled=backend.compiled)
 
 
-def _sinkhorn_gradient(logits, grad, iters, eps):
-    """:func:`_sinkhorn_vjp` (fp32) on this device's path."""
-    kernels = _triton_sinkhorn_for(logits)
+def _sinkhorn_gradient(logits, grad, iters, eps, backend: Backend):
+    """:func:`_sinkhorn_vjp` (fp32) on ``backend``'s path on this device."""
+    kernels = _triton_sinkhorn_for(backend, logits)
     if kernels is not None:
         return kernels.sinkhorn_backward(logits, grad, iters, eps)
-    return _sinkhorn_backward(logits.float(), grad.float(), iters, eps)
+    return _sinkhorn_backward(logits.float(), grad.float(), iters, eps,
+                              compiled=backend.compiled)
 
 
 class _Sinkhorn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, iters, eps):
-        ctx.iters, ctx.eps = iters, eps
+    def forward(ctx, logits, iters, eps, backend):
+        ctx.iters, ctx.eps, ctx.backend = iters, eps, backend
         ctx.save_for_backward(logits)
-        return _sinkhorn_values(logits, iters, eps)
+        return _sinkhorn_values(logits, iters, eps, backend)
 
     @staticmethod
     def backward(ctx, grad):
         (logits,) = ctx.saved_tensors
-        dlogits = _sinkhorn_gradient(logits, grad, ctx.iters, ctx.eps)
-        return dlogits.to(logits.dtype), None, None
+        dlogits = _sinkhorn_gradient(logits, grad, ctx.iters, ctx.eps, ctx.backend)
+        return dlogits.to(logits.dtype), None, None, None
 
 
-def sinkhorn(logits: torch.Tensor, iters: int = 20, eps: float = EPS) -> torch.Tensor:
+def sinkhorn(logits: torch.Tensor, iters: int = 20, eps: float = EPS, *,
+             backend: Backend = Backend()) -> torch.Tensor:
     """:func:`reference.sinkhorn`, recomputing its iterations in backward."""
-    return _Sinkhorn.apply(logits, iters, eps)
+    return _Sinkhorn.apply(logits, iters, eps, backend)
 
 
 # ------------------------------------------------------------------------------------ mHC
@@ -422,16 +411,18 @@ _stream_update_forward = _body(_stream_update_forward_body)
 _stream_update_backward = _body(_stream_update_vjp)
 
 
-# Where Triton runs and use_triton_mhc is on, mhc_pre and stream_update run in fused Triton
-# kernels instead of the bodies above, forward and backward (triton_mhc.py: each reads the
-# stream tensor once or twice in its own dtype, where the bodies make several passes, some over
-# fp32 copies); the Sinkhorn between mhc_pre's forward and backward stays in its own kernels.
+# Where Triton runs and the backend has them on (Backend.triton and triton_mhc), mhc_pre and
+# stream_update run in fused Triton kernels instead of the bodies above, forward and backward
+# (triton_mhc.py: each reads the stream tensor once or twice in its own dtype, where the bodies
+# make several passes, some over fp32 copies); the Sinkhorn between mhc_pre's forward and
+# backward stays in its own kernels.
 # Not where the kernels do not take the sizes (n outside 2..8, h not a multiple of 16, streams
 # not fp32/bf16/fp16, coefficients broadcast over tokens) or failed their first-use check at
 # (device, n, streams' dtype).
-def _triton_mhc_for(streams: torch.Tensor):
-    """The Triton mHC kernels' module if they run ``streams [..., n, h]``, else None."""
-    if not (_triton_mhc_enabled and _triton_runs(streams)):
+def _triton_mhc_for(backend: Backend, streams: torch.Tensor):
+    """The Triton mHC kernels' module if they run ``streams [..., n, h]`` with ``backend``,
+    else None."""
+    if not (backend.triton_mhc and _triton_runs(backend, streams)):
         return None
     kernels = _triton_mhc_kernels()
     if kernels is None or kernels.unsupported_reason(streams) is not None:
@@ -440,12 +431,12 @@ def _triton_mhc_for(streams: torch.Tensor):
     return kernels if _triton_mhc_checked(streams.device, n, streams.dtype) else None
 
 
-def _triton_update_for(streams, y, post, res):
+def _triton_update_for(backend: Backend, streams, y, post, res):
     """:func:`_triton_mhc_for` for stream_update, whose kernels do not broadcast."""
     lead, (n, h) = streams.shape[:-2], streams.shape[-2:]
     if (y.shape, post.shape, res.shape) != (lead + (h,), lead + (n,), lead + (n, n)):
         return None
-    return _triton_mhc_for(streams)
+    return _triton_mhc_for(backend, streams)
 
 
 # Tolerances of the first-use checks of the mHC and depth-attention kernels, as rtol and as
@@ -513,73 +504,89 @@ def _kept(ctx):
 
 class _MHCPre(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, streams, weight, bias, gate, iters, eps, recompute_input, pass_through):
-        kernels = _triton_mhc_for(streams)
-        forward = kernels.pre_forward if kernels is not None else _mhc_pre_forward
-        u, post, res_logits, mixes = forward(streams, weight, bias, gate, eps)
-        ctx.config = (iters, eps)
+    def forward(ctx, streams, weight, bias, gate, iters, eps, recompute_input, pass_through,
+                backend):
+        kernels = _triton_mhc_for(backend, streams)
+        if kernels is not None:
+            u, post, res_logits, mixes = kernels.pre_forward(streams, weight, bias, gate, eps)
+        else:
+            u, post, res_logits, mixes = _mhc_pre_forward(streams, weight, bias, gate, eps,
+                                                          compiled=backend.compiled)
+        ctx.config, ctx.backend = (iters, eps), backend
         _keep(ctx, streams, recompute_input, weight, bias, gate, mixes)
-        res = _sinkhorn_values(res_logits, iters, eps)
+        res = _sinkhorn_values(res_logits, iters, eps, backend)
         return (u, post, res, streams) if pass_through else (u, post, res)
 
     @staticmethod
     def backward(ctx, grad_u, grad_post, grad_res, grad_passed=None):
         streams, weight, bias, gate, mixes = _kept(ctx)
-        iters, eps = ctx.config
+        (iters, eps), backend = ctx.config, ctx.backend
         logits = _res_logits(mixes, bias, gate, streams.shape[-2])
-        dres = _sinkhorn_gradient(logits, grad_res, iters, eps)
-        kernels = _triton_mhc_for(streams)
-        backward = kernels.pre_backward if kernels is not None else _mhc_pre_backward
-        grads = backward(streams, weight, bias, gate, mixes, grad_u, grad_post, dres, eps,
-                         grad_passed)
-        return (*grads, None, None, None, None)
+        dres = _sinkhorn_gradient(logits, grad_res, iters, eps, backend)
+        args = (streams, weight, bias, gate, mixes, grad_u, grad_post, dres, eps, grad_passed)
+        kernels = _triton_mhc_for(backend, streams)
+        if kernels is not None:
+            grads = kernels.pre_backward(*args)
+        else:
+            grads = _mhc_pre_backward(*args, compiled=backend.compiled)
+        return (*grads, None, None, None, None, None)
 
 
 class _RMSProject(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, recompute_input):
-        ctx.eps = eps
+    def forward(ctx, x, weight, eps, recompute_input, backend):
+        ctx.eps, ctx.backend = eps, backend
         _keep(ctx, x, recompute_input, weight)
-        return _rms_project_forward(x, weight, eps)
+        return _rms_project_forward(x, weight, eps, compiled=backend.compiled)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = _kept(ctx)
-        return (*_rms_project_backward(x, weight, grad, ctx.eps), None, None)
+        return (*_rms_project_backward(x, weight, grad, ctx.eps, compiled=ctx.backend.compiled),
+                None, None, None)
 
 
 class _StreamMix(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, streams, weights, recompute_input):
+    def forward(ctx, streams, weights, recompute_input, backend):
+        ctx.backend = backend
         _keep(ctx, streams, recompute_input, weights)
-        return _stream_mix_forward(streams, weights)
+        return _stream_mix_forward(streams, weights, compiled=backend.compiled)
 
     @staticmethod
     def backward(ctx, grad):
         streams, weights = _kept(ctx)
-        return (*_stream_mix_backward(streams, weights, grad), None)
+        return (*_stream_mix_backward(streams, weights, grad, compiled=ctx.backend.compiled),
+                None, None)
 
 
 class _StreamUpdate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, streams, y, post, res, recompute_input):
+    def forward(ctx, streams, y, post, res, recompute_input, backend):
+        ctx.backend = backend
         _keep(ctx, streams, recompute_input, y, post, res)
-        kernels = _triton_update_for(streams, y, post, res)
-        forward = kernels.update_forward if kernels is not None else _stream_update_forward
-        return forward(streams, y, post, res)
+        kernels = _triton_update_for(backend, streams, y, post, res)
+        if kernels is not None:
+            return kernels.update_forward(streams, y, post, res)
+        return _stream_update_forward(streams, y, post, res, compiled=backend.compiled)
 
     @staticmethod
     def backward(ctx, grad):
         streams, y, post, res = _kept(ctx)
-        kernels = _triton_update_for(streams, y, post, res)
-        backward = kernels.update_backward if kernels is not None else _stream_update_backward
-        return (*backward(streams, y, post, res, grad), None)
+        backend = ctx.backend
+        kernels = _triton_update_for(backend, streams, y, post, res)
+        if kernels is not None:
+            grads = kernels.update_backward(streams, y, post, res, grad)
+        else:
+            grads = _stream_update_backward(streams, y, post, res, grad,
+                                            compiled=backend.compiled)
+        return (*grads, None, None)
 
 
 def mhc_pre(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gate: torch.Tensor,
             iters: int = 20, eps: float = EPS,
             recompute_input: Callable[[], torch.Tensor] | None = None, *,
-            pass_through: bool = False):
+            pass_through: bool = False, backend: Backend = Backend()):
     """Everything of an mHC sublayer before the sublayer itself, in one op: ``(u, H_post,
     H_res)`` with ``u = stream_mix(X, H_pre)`` and ``(H_pre, H_post, H_res) =
     mhc_coefficients(rms_project(vec X, weight), bias, gate)`` (:mod:`.reference`) for streams
@@ -589,26 +596,30 @@ def mhc_pre(streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gat
     ``pass_through``: return ``(u, H_post, H_res, X)``; the gradient reaching that X (from the
     stream update that reads it) is added to the streams' own inside the backward, which on
     the Triton path saves autograd's separate sum of the two ``[..., n, h]`` gradients."""
-    return _MHCPre.apply(streams, weight, bias, gate, iters, eps, recompute_input, pass_through)
+    return _MHCPre.apply(streams, weight, bias, gate, iters, eps, recompute_input, pass_through,
+                         backend)
 
 
 def rms_project(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS,
-                recompute_input: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+                recompute_input: Callable[[], torch.Tensor] | None = None, *,
+                backend: Backend = Backend()) -> torch.Tensor:
     """:func:`reference.rms_project` with the GEMM in ``x``'s dtype (fp32 accumulation and
     output); keeps ``x`` (or calls ``recompute_input()`` in backward)."""
-    return _RMSProject.apply(x, weight, eps, recompute_input)
+    return _RMSProject.apply(x, weight, eps, recompute_input, backend)
 
 
 def stream_mix(streams: torch.Tensor, weights: torch.Tensor,
-               recompute_input: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+               recompute_input: Callable[[], torch.Tensor] | None = None, *,
+               backend: Backend = Backend()) -> torch.Tensor:
     """:func:`reference.stream_mix`; keeps ``streams`` (or recomputes them in backward)."""
-    return _StreamMix.apply(streams, weights, recompute_input)
+    return _StreamMix.apply(streams, weights, recompute_input, backend)
 
 
 def stream_update(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, res: torch.Tensor,
-                  recompute_input: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+                  recompute_input: Callable[[], torch.Tensor] | None = None, *,
+                  backend: Backend = Backend()) -> torch.Tensor:
     """:func:`reference.stream_update`; keeps ``streams`` (or recomputes them in backward)."""
-    return _StreamUpdate.apply(streams, y, post, res, recompute_input)
+    return _StreamUpdate.apply(streams, y, post, res, recompute_input, backend)
 
 
 # -------------------------------------------------------------------------- depth attention
@@ -653,25 +664,28 @@ def _split(x, groups):
     return [part.contiguous() for part in x.split([v.shape[-2] for v in groups], dim=-1)]
 
 
-def _depth_forward(query, groups, eps):
+def _depth_forward(query, groups, eps, *, compiled: bool = False):
     """The PyTorch path of the forward over ``groups`` (tensors ``[..., k_i, h]``):
-    ``(out in the groups' dtype, z, r, alpha [..., K] fp32)``."""
+    ``(out in the groups' dtype, z, r, alpha [..., K] fp32)``; the bodies compiled with
+    ``compiled``."""
     q = query.float()
-    z, r = (torch.cat(parts, -1) for parts in zip(*(_group_logits_body(v, q, eps)
-                                                     for v in groups)))
+    logits = [_group_logits_body(v, q, eps, compiled=compiled) for v in groups]
+    z, r = (torch.cat(parts, -1) for parts in zip(*logits))
     alpha = torch.softmax(z, dim=-1)
-    out = sum(_group_sum_body(a, v) for a, v in zip(_split(alpha, groups), groups))
+    out = sum(_group_sum_body(a, v, compiled=compiled)
+              for a, v in zip(_split(alpha, groups), groups))
     return out.to(groups[0].dtype), z, r, alpha
 
 
-def _depth_backward(query, groups, grad, z, r, alpha):
-    """The PyTorch path of the backward: ``(dquery, [dv of each group])``."""
+def _depth_backward(query, groups, grad, z, r, alpha, *, compiled: bool = False):
+    """The PyTorch path of the backward: ``(dquery, [dv of each group])``; the bodies compiled
+    with ``compiled``."""
     q, g = query.float(), grad.float()
-    dalpha = torch.cat([_group_dalpha_body(v, g) for v in groups], -1)
+    dalpha = torch.cat([_group_dalpha_body(v, g, compiled=compiled) for v in groups], -1)
     dz = alpha * (dalpha - (alpha * dalpha).sum(-1, keepdim=True))
     dgroups, dquery = [], 0
     for v, *parts in zip(groups, *(_split(x, groups) for x in (alpha, dz, z, r))):
-        dv, dq = _group_vjp_body(v, g, q, *parts)
+        dv, dq = _group_vjp_body(v, g, q, *parts, compiled=compiled)
         dgroups.append(dv)
         dquery = dquery + dq
     return dquery.to(query.dtype), dgroups
@@ -705,10 +719,11 @@ def _triton_depth_kernels():
     return _import_kernels("triton_depth", "depth-attention")
 
 
-def _triton_depth_for(query, groups, last_plus):
-    """The Triton depth-attention kernels' module if they run this call, else None."""
+def _triton_depth_for(backend: Backend, query, groups, last_plus):
+    """The Triton depth-attention kernels' module if they run this call with ``backend``, else
+    None."""
     first = groups[0]
-    if not _triton_runs(first):
+    if not _triton_runs(backend, first):
         return None
     kernels = _triton_depth_kernels()
     if kernels is None or kernels.unsupported_reason(query, groups, last_plus) is not None:
@@ -727,10 +742,12 @@ def _with_last_plus(groups, last_plus) -> list:
     return [first, *groups[1:]]
 
 
-def _depth_backward_pytorch(query, groups, grad, z, r, alpha, last_plus, first_grad):
-    """The PyTorch path of triton_depth.backward (with its last_plus and first_grad)."""
+def _depth_backward_pytorch(query, groups, grad, z, r, alpha, last_plus, first_grad, *,
+                            compiled: bool = False):
+    """The PyTorch path of triton_depth.backward (with its last_plus and first_grad); the
+    bodies compiled with ``compiled``."""
     dquery, dgroups = _depth_backward(query, _with_last_plus(groups, last_plus), grad, z, r,
-                                      alpha)
+                                      alpha, compiled=compiled)
     if first_grad is not None:
         dgroups[0] = dgroups[0] + first_grad
     dplus = None if last_plus is None else dgroups[0][..., -1, :]
@@ -784,8 +801,8 @@ def _triton_depth_checked(device: torch.device, dtype: torch.dtype, groups: int,
 
 class _DepthAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, eps, pass_through, last_plus, *groups):
-        kernels = _triton_depth_for(query, groups, last_plus)
+    def forward(ctx, query, eps, pass_through, last_plus, backend, *groups):
+        kernels = _triton_depth_for(backend, query, groups, last_plus)
         if kernels is not None:
             # what pass_through returns, the first group as read: with last_plus a new tensor
             copy = (torch.empty_like(groups[0], memory_format=torch.contiguous_format)
@@ -794,27 +811,30 @@ class _DepthAttention(torch.autograd.Function):
             passed = groups[0] if copy is None else copy
         else:
             read = _with_last_plus(groups, last_plus)
-            out, z, r, alpha = _depth_forward(query, read, eps)
+            out, z, r, alpha = _depth_forward(query, read, eps, compiled=backend.compiled)
             passed = read[0]
-        ctx.eps = eps
+        ctx.eps, ctx.backend = eps, backend
         ctx.save_for_backward(query, z, r, alpha, last_plus, *groups)
         return (out, passed) if pass_through else out
 
     @staticmethod
     def backward(ctx, grad, first_grad=None):
         query, z, r, alpha, last_plus, *groups = ctx.saved_tensors
-        kernels = _triton_depth_for(query, groups, last_plus)
+        backend = ctx.backend
+        kernels = _triton_depth_for(backend, query, groups, last_plus)
         if kernels is not None:
             dquery, dgroups, dplus = kernels.backward(query, groups, grad, z, r, alpha, ctx.eps,
                                                       last_plus, first_grad)
         else:
             dquery, dgroups, dplus = _depth_backward_pytorch(query, groups, grad, z, r, alpha,
-                                                             last_plus, first_grad)
-        return (dquery, None, None, dplus, *dgroups)
+                                                             last_plus, first_grad,
+                                                             compiled=backend.compiled)
+        return (dquery, None, None, dplus, None, *dgroups)
 
 
 def depth_attention(query: torch.Tensor, sources: Sequence[torch.Tensor], eps: float = EPS, *,
-                    last_plus: torch.Tensor | None = None, pass_through: bool = False):
+                    last_plus: torch.Tensor | None = None, pass_through: bool = False,
+                    backend: Backend = Backend()):
     """:func:`reference.depth_attention` over ``sources``, a list of ``[..., k_i, h]`` groups
     (views into a packed state need no copy), keeping only references and per-token scalars.
 
@@ -824,7 +844,7 @@ def depth_attention(query: torch.Tensor, sources: Sequence[torch.Tensor], eps: f
     group with ``last_plus`` added to its last source; a gradient reaching the second output is
     added to the first group's (and, in its last slot, to ``last_plus``'s) inside the backward
     (see the comment above :func:`_triton_depth_kernels`)."""
-    return _DepthAttention.apply(query, eps, pass_through, last_plus, *sources)
+    return _DepthAttention.apply(query, eps, pass_through, last_plus, backend, *sources)
 
 
 # ------------------------------------------------------------- the packed state's last slot
@@ -854,8 +874,8 @@ class _AddIntoLastSlot(torch.autograd.Function):
     contiguous copy of its last slot."""
 
     @staticmethod
-    def forward(ctx, slots, addend):
-        kernels = _triton_depth_kernels() if _triton_runs(slots) else None
+    def forward(ctx, slots, addend, backend):
+        kernels = _triton_depth_kernels() if _triton_runs(backend, slots) else None
         if (kernels is not None and kernels.add_unsupported_reason(slots, addend) is None
                 and _triton_checked("packed-state", _check_triton_add_into_last_slot,
                                     slots.device, slots.dtype)):
@@ -867,11 +887,12 @@ class _AddIntoLastSlot(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, grad[..., -1, :].contiguous()
+        return grad, grad[..., -1, :].contiguous(), None
 
 
-def add_into_last_slot(slots: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
+def add_into_last_slot(slots: torch.Tensor, addend: torch.Tensor, *,
+                       backend: Backend = Backend()) -> torch.Tensor:
     """``slots [..., S, h]`` with ``addend [..., h]`` added to its last slot, in place (the sum
     rounded to the dtype); returns ``slots`` (block AttnRes's exit). ``slots`` must be a tensor
     no other op saved for backward (depth_attention's passed-on state with ``last_plus`` is)."""
-    return _AddIntoLastSlot.apply(slots, addend)
+    return _AddIntoLastSlot.apply(slots, addend, backend)

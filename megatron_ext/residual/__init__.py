@@ -9,7 +9,9 @@ so it travels through ``--spec`` alone: the layer with global number 1 expands t
 into the scheme's state, the last layer collapses it to ``[s, b, h]`` for Megatron's final norm
 and output layer, and layers in between (and pipeline stages) pass ONE packed 3-D tensor
 ``[s, b, K h]``. Every token mixer and MoE FFN works unchanged: the scheme only decides what a
-sublayer reads and how its output is folded back.
+sublayer reads and how its output is folded back. Each scheme runs its ops
+(:mod:`megatron_ext.kernels.residual.efficient`) with the backend ``ExtConfig.residual_backend``
+maps to (:func:`ops_backend`), held as ``scheme.backend``.
 
 Parallelism:
 
@@ -31,10 +33,15 @@ Parallelism:
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.residual.scheme import ResidualScheme, bias_dropout
 
-__all__ = ["ResidualScheme", "bias_dropout", "build", "prepare"]
+if TYPE_CHECKING:
+    from megatron_ext.kernels.residual.efficient import Backend
+
+__all__ = ["ResidualScheme", "bias_dropout", "build", "ops_backend", "prepare"]
 
 
 def build(config, ext: ExtConfig, layer_number: int) -> ResidualScheme | None:
@@ -44,23 +51,35 @@ def build(config, ext: ExtConfig, layer_number: int) -> ResidualScheme | None:
 
         return MHC(config, layer_number, streams=ext.mhc_streams,
                    sinkhorn_iters=ext.mhc_sinkhorn_iters, collapse=ext.mhc_collapse,
-                   recompute=ext.mhc_recompute)
+                   recompute=ext.mhc_recompute, backend=ops_backend(ext))
     if ext.residual in ("attnres_full", "attnres_block"):
         from megatron_ext.residual.attnres import AttentionResiduals
 
         block = ext.attnres_block_layers if ext.residual == "attnres_block" else None
-        return AttentionResiduals(config, layer_number, block_layers=block)
+        return AttentionResiduals(config, layer_number, block_layers=block,
+                                  backend=ops_backend(ext))
     return None
+
+
+def ops_backend(ext: ExtConfig) -> Backend:
+    """How the residual-stream ops run for ``ext.residual_backend``
+    (:class:`megatron_ext.kernels.residual.efficient.Backend`): "auto" runs our Triton kernels
+    (each where it runs and passes its first-use check) and, when CUDA and Triton are
+    available, the compiled PyTorch bodies for the rest; "compile" the compiled bodies only;
+    "eager" the eager bodies only."""
+    from megatron_ext.kernels.residual.efficient import Backend
+
+    auto = ext.residual_backend == "auto"
+    return Backend(compiled=ext.residual_backend == "compile" or (auto and _cuda_with_triton()),
+                   triton=auto)
 
 
 def prepare(config, ext: ExtConfig) -> None:
     """Check that the model config can carry ``ext.residual`` and set what it needs: per-layer
-    checkpoint keys (the last layer holds the collapse), shape exchange between pipeline
-    stages, and how the residual ops run."""
+    checkpoint keys (the last layer holds the collapse) and shape exchange between pipeline
+    stages."""
     if ext.residual == "standard":
         return
-    from megatron_ext.kernels.residual import efficient
-
     refusals = {
         "mtp_num_layers": (config.mtp_num_layers or None, "multi-token prediction needs the "
                            "pre-collapse state on the last stage, which is not wired"),
@@ -83,9 +102,6 @@ def prepare(config, ext: ExtConfig) -> None:
     config.hetereogenous_dist_checkpoint = True
     if config.pipeline_model_parallel_size > 1:
         config.variable_seq_lengths = True
-    efficient.use_compile(ext.residual_backend == "compile" or (
-        ext.residual_backend == "auto" and _cuda_with_triton()))
-    efficient.use_triton(ext.residual_backend == "auto")
 
 
 def _cuda_with_triton() -> bool:

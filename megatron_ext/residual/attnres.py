@@ -61,10 +61,12 @@ class DepthQuery(torch.nn.Module):
         self.weight = replicated_parameter(config, torch.zeros(config.hidden_size))
         self.norm_weight = replicated_parameter(config, torch.ones(config.hidden_size))
 
-    def forward(self, sources: list, **options):
-        """Attention over ``sources`` (``[s, b, k_i, h]`` groups) -> ``[s, b, h]``; ``options``
-        as :func:`megatron_ext.kernels.residual.efficient.depth_attention`'s."""
-        return ops.depth_attention(self.weight * self.norm_weight, sources, self.eps, **options)
+    def forward(self, sources: list, backend: ops.Backend, **options):
+        """Attention over ``sources`` (``[s, b, k_i, h]`` groups) -> ``[s, b, h]``, run with
+        ``backend``; ``options`` as
+        :func:`megatron_ext.kernels.residual.efficient.depth_attention`'s."""
+        return ops.depth_attention(self.weight * self.norm_weight, sources, self.eps,
+                                   backend=backend, **options)
 
 
 @dataclass
@@ -79,8 +81,9 @@ class _State:
 class AttentionResiduals(ResidualScheme):
     """Full (``block_layers=None``) or block Attention Residuals of one layer."""
 
-    def __init__(self, config, layer_number: int, block_layers: int | None = None):
-        super().__init__(config, layer_number)
+    def __init__(self, config, layer_number: int, block_layers: int | None = None, *,
+                 backend: ops.Backend):
+        super().__init__(config, layer_number, backend)
         self.index = layer_number - 1
         self.block_layers = block_layers
         self.mixer = DepthQuery(config)
@@ -106,7 +109,7 @@ class AttentionResiduals(ResidualScheme):
     def sublayer_input(self, state: _State) -> torch.Tensor:
         query = (self.mixer, self.ffn)[state.sublayer]
         # With last_plus, the passed-on slots are a new tensor with it added to the last slot.
-        x, state.slots = query(self._sources(state), last_plus=state.last_plus,
+        x, state.slots = query(self._sources(state), self.backend, last_plus=state.last_plus,
                                pass_through=True)
         # full: every output is a source; block: the first sublayer of a block commits the
         # partial sum it read as a completed block, and its output starts the next partial.
@@ -122,12 +125,12 @@ class AttentionResiduals(ResidualScheme):
         elif state.sublayer == 0:  # the partial sum is the input's last slot; the FFN reads it
             state.last_plus = output
         else:  # the slots the FFN passed on have the mixer's output in the last already
-            state.slots = ops.add_into_last_slot(state.slots, output)
+            state.slots = ops.add_into_last_slot(state.slots, output, backend=self.backend)
         state.sublayer += 1
 
     def exit(self, state: _State) -> torch.Tensor:
         packed = state.slots.flatten(-2)
         if self.last:
             return self.output([packed.unflatten(-1, (-1, self.hidden_size)),
-                                *(output.unsqueeze(-2) for output in state.tail)])
+                                *(output.unsqueeze(-2) for output in state.tail)], self.backend)
         return torch.cat([packed, *state.tail], dim=-1) if state.tail else packed

@@ -48,13 +48,15 @@ class MHCConnection(torch.nn.Module):
         self.bias = replicated_parameter(config, torch.zeros(width))
         self.gate = replicated_parameter(config, torch.full((3,), GATE_INIT))
 
-    def forward(self, streams: torch.Tensor, replay: StreamReplay | None = None):
+    def forward(self, streams: torch.Tensor, backend: ops.Backend,
+                replay: StreamReplay | None = None):
         """The sublayer's input ``u = sum_m H_pre[m] X[m]`` ``[s, b, h]``, with ``H_post
         [s, b, n]`` and ``H_res [s, b, n, n]`` (fp32) for the update after the sublayer, and
         the streams passed through for that update to read (so that the op's backward adds
-        the update's gradient of them to its own: ``efficient.mhc_pre``'s pass_through)."""
+        the update's gradient of them to its own: ``efficient.mhc_pre``'s pass_through); the
+        ops run with ``backend``."""
         return ops.mhc_pre(streams, self.weight, self.bias, self.gate, self.sinkhorn_iters, EPS,
-                           _newest(replay), pass_through=True)
+                           _newest(replay), pass_through=True, backend=backend)
 
 
 class MHCCollapse(torch.nn.Module):
@@ -67,10 +69,12 @@ class MHCCollapse(torch.nn.Module):
         self.bias = replicated_parameter(config, torch.zeros(streams))
         self.gate = replicated_parameter(config, torch.full((1,), GATE_INIT))
 
-    def forward(self, streams: torch.Tensor, replay: StreamReplay | None = None) -> torch.Tensor:
-        mixes = ops.rms_project(streams.flatten(-2), self.weight, EPS, _flat_newest(replay))
+    def forward(self, streams: torch.Tensor, backend: ops.Backend,
+                replay: StreamReplay | None = None) -> torch.Tensor:
+        mixes = ops.rms_project(streams.flatten(-2), self.weight, EPS, _flat_newest(replay),
+                                backend=backend)
         weights = torch.sigmoid(mixes * self.gate.float() + self.bias.float()) + EPS
-        return ops.stream_mix(streams, weights, _newest(replay))
+        return ops.stream_mix(streams, weights, _newest(replay), backend=backend)
 
 
 def _newest(replay: StreamReplay | None):
@@ -86,9 +90,9 @@ def _flat_newest(replay: StreamReplay | None):
 class StreamReplay:
     """mHC recomputation over one run of consecutive layers (paper section 4.3, "store only
     the block input"): the layers' mHC ops keep no stream tensor for backward; this keeps the
-    first state ``X_0`` and, per sublayer k, the connection and its output ``y_k`` (kept for
-    backward anyway), and re-creates ``X_k`` on demand in backward by replaying
-    ``X_{k+1} = update(X_k, y_k, coefficients(X_k))`` without a graph.
+    first state ``X_0`` and, per sublayer k, the connection, its output ``y_k`` (kept for
+    backward anyway) and the backend its ops ran with, and re-creates ``X_k`` on demand in
+    backward by replaying ``X_{k+1} = update(X_k, y_k, coefficients(X_k))`` without a graph.
 
     A replay starts at a layer whose input did not come from the previous layer of the same
     forward pass, i.e. at the first layer of every pipeline stage and VPP chunk (the received
@@ -101,7 +105,7 @@ class StreamReplay:
 
     def __init__(self, first_state: torch.Tensor):
         self.states = {0: first_state}
-        self.steps: list[tuple[MHCConnection, torch.Tensor]] = []
+        self.steps: list[tuple[MHCConnection, torch.Tensor, ops.Backend]] = []
         self.uses: collections.Counter = collections.Counter()
 
     @classmethod
@@ -122,8 +126,9 @@ class StreamReplay:
         self.uses[index] += 1
         return functools.partial(self._state, index)
 
-    def append(self, connection: MHCConnection, output: torch.Tensor) -> None:
-        self.steps.append((connection, output.detach()))
+    def append(self, connection: MHCConnection, output: torch.Tensor,
+               backend: ops.Backend) -> None:
+        self.steps.append((connection, output.detach(), backend))
 
     def _state(self, index: int) -> torch.Tensor:
         if index not in self.states:
@@ -131,9 +136,9 @@ class StreamReplay:
             streams = self.states[start]
             with torch.no_grad():
                 for k in range(start, index):
-                    connection, output = self.steps[k]
-                    _, post, res, _ = connection(streams)  # the same ops as in forward
-                    streams = ops.stream_update(streams, output, post, res)
+                    connection, output, backend = self.steps[k]
+                    _, post, res, _ = connection(streams, backend)  # the same ops as in forward
+                    streams = ops.stream_update(streams, output, post, res, backend=backend)
                     self.states[k + 1] = streams
         streams = self.states[index]
         self.uses[index] -= 1
@@ -155,8 +160,8 @@ class MHC(ResidualScheme):
     (last layer). ``recompute``: keep no stream tensor for backward (see StreamReplay)."""
 
     def __init__(self, config, layer_number: int, streams: int = 4, sinkhorn_iters: int = 20,
-                 collapse: str = "learned", recompute: bool = False):
-        super().__init__(config, layer_number)
+                 collapse: str = "learned", recompute: bool = False, *, backend: ops.Backend):
+        super().__init__(config, layer_number, backend)
         self.streams, self.recompute = streams, recompute
         self.mixer = MHCConnection(config, streams, sinkhorn_iters)
         self.ffn = MHCConnection(config, streams, sinkhorn_iters)
@@ -175,22 +180,23 @@ class MHC(ResidualScheme):
 
     def sublayer_input(self, state: _State) -> torch.Tensor:
         connection = (self.mixer, self.ffn)[state.sublayer]
-        sublayer_input, post, res, state.streams = connection(state.streams, state.replay)
+        sublayer_input, post, res, state.streams = connection(state.streams, self.backend,
+                                                              state.replay)
         state.pending = (connection, post, res)
         return sublayer_input
 
     def sublayer_output(self, state: _State, output: torch.Tensor) -> None:
         connection, post, res = state.pending
         state.streams = ops.stream_update(state.streams, output, post, res,
-                                          _newest(state.replay))
+                                          _newest(state.replay), backend=self.backend)
         if state.replay is not None:
-            state.replay.append(connection, output)
+            state.replay.append(connection, output, self.backend)
         state.pending, state.sublayer = None, state.sublayer + 1
 
     def exit(self, state: _State) -> torch.Tensor:
         if self.last:
             if self.collapse is not None:
-                return self.collapse(state.streams, state.replay)
+                return self.collapse(state.streams, self.backend, state.replay)
             return state.streams.float().mean(-2).to(state.streams.dtype)
         packed = make_viewless_tensor(state.streams.flatten(-2), requires_grad=True,
                                       keep_graph=True)

@@ -16,15 +16,24 @@ shape per message (``config.variable_seq_lengths``, set by :func:`megatron_ext.r
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from megatron_ext.kernels.residual.efficient import Backend
+
 
 class ResidualScheme(torch.nn.Module):
-    """The residual connections of one transformer layer (global number ``layer_number``)."""
+    """The residual connections of one transformer layer (global number ``layer_number``),
+    whose residual-stream ops run with ``backend``
+    (:func:`megatron_ext.residual.ops_backend`): the attribute ``backend``, read at every call,
+    which may be replaced to run the same model otherwise."""
 
-    def __init__(self, config, layer_number: int):
+    def __init__(self, config, layer_number: int, backend: Backend):
         super().__init__()
+        self.backend = backend
         self.hidden_size = config.hidden_size
         self.first = layer_number == 1
         self.last = layer_number == config.num_layers

@@ -311,19 +311,49 @@ def test_model_configs_a_scheme_cannot_carry_are_refused(overrides, match):
 
 @pytest.mark.parametrize(("backend", "compiled", "kernels"), [
     ("eager", False, False), ("compile", True, False), ("auto", False, True)])
-def test_residual_backend_picks_how_the_ops_run(backend, compiled, kernels):
+@pytest.mark.parametrize("scheme", ["mhc", "attnres_block"])
+def test_residual_backend_picks_how_the_ops_run(scheme, backend, compiled, kernels):
     """eager and compile run the PyTorch bodies only; auto lets our Triton kernels run (on
-    CUDA, where each passes its check) and compiles the bodies on CUDA with Triton (not here)."""
+    CUDA, where each passes its check) and compiles the bodies on CUDA with Triton (not here).
+    Every layer's scheme holds that backend."""
     from megatron_ext import residual
     from megatron_ext.kernels.residual import efficient
 
-    was = efficient.compile_enabled(), efficient.triton_enabled()
-    try:
-        residual.prepare(_config(), ExtConfig(residual="mhc", residual_backend=backend))
-        assert (efficient.compile_enabled(), efficient.triton_enabled()) == (compiled, kernels)
-    finally:
-        efficient.use_compile(was[0])
-        efficient.use_triton(was[1])
+    ext = ExtConfig(residual=scheme, residual_backend=backend)
+    expected = efficient.Backend(compiled=compiled, triton=kernels)
+    assert residual.ops_backend(ext) == expected
+    model = _model(_config(), residual=scheme, residual_backend=backend)
+    schemes = [layer.residual for layer in model.decoder.layers]
+    assert len(schemes) == 4 and all(s.backend == expected for s in schemes)
+
+
+@pytest.mark.parametrize("scheme,settings,ops", [
+    ("mhc", dict(mhc_recompute=True), {"mhc_pre", "stream_update", "rms_project", "stream_mix"}),
+    ("attnres_block", dict(attnres_block_layers=2), {"depth_attention", "add_into_last_slot"}),
+])
+def test_every_op_call_runs_with_the_backend_its_scheme_holds(monkeypatch, scheme, settings,
+                                                              ops):
+    """Forward and backward (mHC: with the stream replay's recomputation) pass each scheme's
+    ``backend`` to every residual-stream op, also after it has been replaced on the model."""
+    from megatron_ext.kernels.residual import efficient
+
+    model = _model(_config(), residual=scheme, **settings)
+    backend = efficient.Backend(triton=False, triton_mhc=False)
+    for layer in model.decoder.layers:
+        layer.residual.backend = backend
+    seen = []
+
+    def recording(name, op):
+        def call(*args, **kwargs):
+            seen.append((name, kwargs.get("backend")))
+            return op(*args, **kwargs)
+        return call
+
+    for name in ops:
+        monkeypatch.setattr(efficient, name, recording(name, getattr(efficient, name)))
+    _loss(model).backward()
+    assert {name for name, _ in seen} == ops
+    assert all(used is backend for _, used in seen), seen
 
 
 def test_pipeline_config_gets_shape_exchange():

@@ -174,8 +174,8 @@ def test_compiled_mhc_pre_bodies_hold_no_sinkhorn_iterations(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", recording_compile)
     monkeypatch.setattr(efficient, "_compiled", {})
-    was_compiled = efficient.compile_enabled()
-    efficient.use_compile(True)
+    monkeypatch.setattr(efficient, "_compile_failed", set())
+    compiled = efficient.Backend(compiled=True)
     sizes = {}
     try:
         for iters in (1, 20):
@@ -184,18 +184,47 @@ def test_compiled_mhc_pre_bodies_hold_no_sinkhorn_iterations(monkeypatch):
             torch.manual_seed(0)
             width = (2 + N) * N
             streams, weight = _leaf(3, 5, N, H), _leaf(width, N * H, scale=0.1)
-            u, post, res = efficient.mhc_pre(streams, weight, _leaf(width), _leaf(3), iters)
+            u, post, res = efficient.mhc_pre(streams, weight, _leaf(width), _leaf(3), iters,
+                                             backend=compiled)
             (u.sum() + post.sum() + (res * torch.randn_like(res)).sum()).backward()
             sizes[iters] = dict(captured)
             captured.clear()
-        assert efficient.compile_enabled()
+        assert not efficient.compile_failures()
     finally:
-        efficient.use_compile(was_compiled)
         torch._dynamo.reset()
     for body in ("_mhc_pre_forward_body", "_mhc_pre_vjp"):
         assert sizes[1][body] == sizes[20][body], sizes
     # On the CPU the iterations are compiled on their own: their graphs grow with them.
     assert sizes[20]["sinkhorn"][0] > sizes[1]["sinkhorn"][0] + 100, sizes
+
+
+def test_a_body_whose_compiled_form_fails_runs_eagerly_from_then_on(monkeypatch, caplog):
+    """A compiled body that raises is run eagerly (the same values), logged once and not
+    compiled again; the other bodies are still compiled."""
+    tried = []
+
+    def failing_compile(fn, **kwargs):
+        def call(*args):
+            tried.append(fn.__name__)
+            if fn.__name__ == "_stream_mix_forward_body":
+                raise RuntimeError("no compiler here")
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    monkeypatch.setattr(efficient, "_compiled", {})
+    monkeypatch.setattr(efficient, "_compile_failed", set())
+    compiled = efficient.Backend(compiled=True)
+    streams, weights = _leaf(3, N, H), _leaf(3, N)
+    with caplog.at_level("WARNING"):
+        outs = [efficient.stream_mix(streams, weights, backend=compiled) for _ in range(2)]
+    eager = efficient._stream_mix_forward_body(streams.detach(), weights.detach())
+    for out in outs:
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    outs[0].sum().backward()
+    assert caplog.text.count("_stream_mix_forward_body failed") == 1, caplog.text
+    assert efficient.compile_failures() == ["_stream_mix_forward_body"]
+    assert tried == ["_stream_mix_forward_body", "_stream_mix_vjp"]
 
 
 def test_triton_sinkhorn_that_fails_its_check_is_not_used(monkeypatch, caplog):

@@ -72,7 +72,6 @@ def test_unsupported_sizes_are_named_and_run_in_pytorch(monkeypatch):
         with pytest.raises(ValueError, match=reason):
             triton_mhc.update_forward(streams, streams, streams, streams)  # streams checked first
     # efficient runs such streams in the PyTorch bodies without asking the kernels.
-    monkeypatch.setattr(efficient, "_triton_mhc_enabled", True)
     monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
     monkeypatch.setattr(efficient, "_triton_kernels", lambda: None)  # the Sinkhorn: PyTorch too
     monkeypatch.setattr(efficient, "_triton_mhc_checked",
@@ -103,7 +102,6 @@ def test_mhc_kernels_that_fail_their_check_are_not_used(monkeypatch, caplog):
         update_forward=off, update_backward=efficient._stream_update_vjp)
     monkeypatch.setattr(efficient, "_triton_mhc_kernels", lambda: wrong)
     monkeypatch.setattr(efficient, "_triton_kernels", lambda: None)
-    monkeypatch.setattr(efficient, "_triton_mhc_enabled", True)
     monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
     efficient._triton_checked.cache_clear()
     streams, y = torch.randn(7, 4, 16), torch.randn(7, 16)
@@ -126,16 +124,17 @@ if __name__ == "__main__":
 
 def test_fused_mhc_kernels_are_on_unless_turned_off(monkeypatch):
     """Where Triton runs, mhc_pre and stream_update take the fused mHC kernels (once checked)
-    until use_triton_mhc(False), which leaves the other residual kernels on."""
+    with the default backend, and not with ``triton_mhc=False``, which leaves the other
+    residual kernels on."""
     from megatron_ext.kernels.residual import efficient
 
     monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
     monkeypatch.setattr(efficient, "_triton_mhc_checked", lambda *key: True)
     streams = torch.zeros(5, 4, 16)
-    assert efficient.triton_enabled() and efficient.triton_mhc_enabled()
-    assert efficient._triton_mhc_for(streams) is efficient._triton_mhc_kernels()
-    efficient.use_triton_mhc(False)
-    try:
-        assert efficient.triton_enabled() and efficient._triton_mhc_for(streams) is None
-    finally:
-        efficient.use_triton_mhc(True)
+    default = efficient.Backend()
+    assert default.triton and default.triton_mhc and not default.compiled
+    assert efficient._triton_mhc_for(default, streams) is efficient._triton_mhc_kernels()
+    bodies = efficient.Backend(triton_mhc=False)
+    assert efficient._triton_runs(bodies, streams)
+    assert efficient._triton_mhc_for(bodies, streams) is None
+    assert efficient._triton_mhc_for(efficient.Backend(triton=False), streams) is None

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from megatron_ext.kernels.residual import efficient
-from test_triton_mhc import compare, triton_kernels  # tests/gpu is on sys.path
+from test_triton_mhc import compare, kernels_backend  # tests/gpu is on sys.path
 
 pytestmark = pytest.mark.gpu
 
@@ -156,25 +156,26 @@ def check_ops(device, dtype=torch.float32, h: int = 48, sizes=(1, 2, 6, 41)) -> 
                           lambda q, p, e, k=k: ([p.unflatten(-1, (k, h))],
                                                 dict(last_plus=e, pass_through=True))))
     # The kernels' first-use checks at these keys (not counted below), which they must pass.
-    with triton_kernels(True), torch.no_grad():
+    with torch.no_grad():
         for _, inputs, groups_of in calls:
             sources, options = groups_of(*inputs)
-            efficient.depth_attention(inputs[0], sources, EPS, **options)
+            efficient.depth_attention(inputs[0], sources, EPS, backend=kernels_backend(True),
+                                      **options)
     for name in originals:
         setattr(triton_depth, name, counted(name))
     try:
         for label, inputs, groups_of in calls:
             results = []
             for enabled in (True, False):
-                with triton_kernels(enabled):
-                    sources, options = groups_of(*inputs)
-                    outs = efficient.depth_attention(inputs[0], sources, EPS, **options)
-                    outs = outs if isinstance(outs, tuple) else (outs,)
-                    generator = torch.Generator().manual_seed(2)
-                    grads = torch.autograd.grad(
-                        outs, inputs, [torch.randn(o.shape, generator=generator).to(o.dtype)
-                                       .to(device) for o in outs])
-                    results.append((outs[0], grads))
+                sources, options = groups_of(*inputs)
+                outs = efficient.depth_attention(inputs[0], sources, EPS,
+                                                 backend=kernels_backend(enabled), **options)
+                outs = outs if isinstance(outs, tuple) else (outs,)
+                generator = torch.Generator().manual_seed(2)
+                grads = torch.autograd.grad(
+                    outs, inputs, [torch.randn(o.shape, generator=generator).to(o.dtype)
+                                   .to(device) for o in outs])
+                results.append((outs[0], grads))
             (out_fast, grads_fast), (out_slow, grads_slow) = results
             for what, fast, slow, tolerance in (("value", (out_fast,), (out_slow,), rtol),
                                                 ("gradient", grads_fast, grads_slow, grad_rtol)):
@@ -284,17 +285,25 @@ def test_attnres_model_runs_the_kernels_and_equals_the_pytorch_path(megatron_on_
         return model(tokens[:, :-1], torch.arange(seq, device="cuda").expand(2, -1), None,
                      labels=tokens[:, 1:]).mean()
 
-    with triton_kernels(True), torch.no_grad():
+    compiled = model.decoder.layers[0].residual.backend.compiled  # as ExtConfig's "auto" maps
+
+    def use_kernels(enabled: bool) -> None:
+        """Every layer's scheme runs its ops with the Triton kernels on or off."""
+        for layer in model.decoder.layers:
+            layer.residual.backend = kernels_backend(enabled, compiled)
+
+    use_kernels(True)
+    with torch.no_grad():
         loss_of_model()  # the kernels' first-use checks (they call the launchers), not counted
     results = []
     for enabled in (True, False):
         model.zero_grad(set_to_none=True)
+        use_kernels(enabled)
         for name in originals:
             setattr(triton_depth, name, counted(name))
         try:
-            with triton_kernels(enabled):
-                loss = loss_of_model()
-                loss.backward()
+            loss = loss_of_model()
+            loss.backward()
         finally:
             for name, original in originals.items():
                 setattr(triton_depth, name, original)

@@ -38,7 +38,7 @@ The launchers and bodies run with cuBLAS's reduced-precision bf16 reductions off
 
 ``check_ops`` runs efficient.mhc_pre (also with ``pass_through``, its passed streams read by a
 stream update, as mHC runs it) and efficient.stream_update with the Triton kernels in place
-(their launches counted) and with them off (``efficient.use_triton(False)``: the PyTorch bodies,
+(their launches counted) and with them off (a backend with ``triton=False``: the PyTorch bodies,
 compiled with ``compiled``), also with ``recompute_input``, and compares values and gradients at
 the tolerances of tests/cpu/test_residual_ops.py (fp32) or 2^-6 (bf16).
 """
@@ -178,30 +178,21 @@ def _check_launchers(case: Case, device) -> dict[str, float]:
     return errors
 
 
-@contextlib.contextmanager
-def triton_kernels(enabled: bool):
-    """efficient's Triton kernels, the fused mHC ones included (off by default), on or off
-    inside the block."""
-    was = efficient.triton_enabled(), efficient.triton_mhc_enabled()
-    efficient.use_triton(enabled)
-    efficient.use_triton_mhc(enabled)
-    try:
-        yield
-    finally:
-        efficient.use_triton(was[0])
-        efficient.use_triton_mhc(was[1])
+def kernels_backend(enabled: bool, compiled: bool = False) -> efficient.Backend:
+    """The backend with efficient's Triton kernels, the fused mHC ones included, on or off,
+    and the PyTorch bodies compiled with ``compiled``."""
+    return efficient.Backend(compiled=compiled, triton=enabled, triton_mhc=enabled)
 
 
-def _values_and_grads(op, inputs, enabled: bool):
+def _values_and_grads(op, inputs, backend: efficient.Backend):
     """``op``'s outputs and the gradients of a random projection of them with respect to the
-    inputs that require them, forward and backward with the Triton kernels on or off."""
-    with triton_kernels(enabled):
-        out = op(*inputs)
-        out = out if isinstance(out, tuple) else (out,)
-        generator = torch.Generator().manual_seed(2)
-        grads = [torch.randn(o.shape, generator=generator).to(o.dtype).to(o.device) for o in out]
-        leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-        return out, torch.autograd.grad(out, leaves, grads)
+    inputs that require them, forward and backward with ``backend``."""
+    out = op(*inputs, backend=backend)
+    out = out if isinstance(out, tuple) else (out,)
+    generator = torch.Generator().manual_seed(2)
+    grads = [torch.randn(o.shape, generator=generator).to(o.dtype).to(o.device) for o in out]
+    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    return out, torch.autograd.grad(out, leaves, grads)
 
 
 def check_ops(device, dtype=torch.float32, compiled: bool = False, h: int = 48) -> int:
@@ -239,26 +230,24 @@ def check_ops(device, dtype=torch.float32, compiled: bool = False, h: int = 48) 
     again = streams.detach().clone()  # what recompute_input returns
 
     def mhc_pre(recompute):
-        return lambda *args: efficient.mhc_pre(*args, recompute_input=(lambda: again) if recompute
-                                               else None)
+        return lambda *args, backend: efficient.mhc_pre(
+            *args, recompute_input=(lambda: again) if recompute else None, backend=backend)
 
     def stream_update(recompute):
-        return lambda *args: efficient.stream_update(
-            *args, recompute_input=(lambda: again) if recompute else None)
+        return lambda *args, backend: efficient.stream_update(
+            *args, recompute_input=(lambda: again) if recompute else None, backend=backend)
 
     def mhc_sublayer(recompute):
         """mhc_pre passing its streams on to a stream update of them, as mhc.py runs the two."""
-        def call(streams, weight, bias, gate, y):
+        def call(streams, weight, bias, gate, y, backend):
             u, post, res, passed = efficient.mhc_pre(
                 streams, weight, bias, gate, recompute_input=(lambda: again) if recompute
-                else None, pass_through=True)
-            return u, stream_update(recompute)(passed, y, post, res)
+                else None, pass_through=True, backend=backend)
+            return u, stream_update(recompute)(passed, y, post, res, backend=backend)
         return call
 
-    was_compiled = efficient.compile_enabled()
     for name in names:
         setattr(triton_mhc, name, counted(name))
-    efficient.use_compile(compiled)
     try:
         for recompute in (False, True):
             for label, op, inputs in (
@@ -266,7 +255,8 @@ def check_ops(device, dtype=torch.float32, compiled: bool = False, h: int = 48) 
                     ("stream_update", stream_update(recompute), (streams, y, post, res)),
                     ("mhc_sublayer", mhc_sublayer(recompute), (streams, weight, bias, gate, y))):
                 (out_fast, grads_fast), (out_slow, grads_slow) = (
-                    _values_and_grads(op, inputs, enabled) for enabled in (True, False))
+                    _values_and_grads(op, inputs, kernels_backend(enabled, compiled))
+                    for enabled in (True, False))
                 for what, fast, slow, tolerance in (
                         ("value", out_fast, out_slow, rtol),
                         ("gradient", grads_fast, grads_slow, grad_rtol)):
@@ -278,15 +268,14 @@ def check_ops(device, dtype=torch.float32, compiled: bool = False, h: int = 48) 
         # What is kept for backward is as without the kernels: with recompute_input, no streams.
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
-                                                      lambda t: t), triton_kernels(True):
-            stream_update(True)(streams, y, post, res)
+                                                      lambda t: t):
+            stream_update(True)(streams, y, post, res, backend=kernels_backend(True, compiled))
         assert sorted(saved) == sorted([y.numel(), post.numel(), res.numel()]), saved
         if compiled:
-            assert efficient.compile_enabled(), "the op bodies fell back to eager mode"
+            assert not efficient.compile_failures(), "op bodies fell back to eager mode"
     finally:
         for name in names:
             setattr(triton_mhc, name, originals[name])
-        efficient.use_compile(was_compiled)
     sublayer = ["pre_forward", "update_forward", "update_backward", "pre_backward"]
     assert launches == (["pre_forward", "pre_backward", "update_forward", "update_backward"]
                         + sublayer) * 2 + ["update_forward"], launches

@@ -32,6 +32,7 @@ plain-autograd reference at the tolerances of tests/cpu/test_residual_ops.py, ea
 CUDA) with the op bodies compiled, which is how training runs them.
 """
 import dataclasses
+import functools
 import zlib
 
 import pytest
@@ -162,14 +163,15 @@ def check_ops(device, compiled: bool = False) -> int:
 
     # The kernels' first-use check on this device (not counted below), which they must pass.
     assert efficient._triton_sinkhorn_checked(torch.empty(0, device=device).device, n)  # cuda:0
-    was_compiled = efficient.compile_enabled()
+    backend = efficient.Backend(compiled=compiled)
     triton_sinkhorn.sinkhorn_forward, triton_sinkhorn.sinkhorn_backward = counted(forward), counted(backward)
-    efficient.use_compile(compiled)
     try:
-        _same_values_and_grads(efficient.sinkhorn, reference.sinkhorn,
-                               (leaf(3, 5, n, n, scale=2.0), 20), 1e-5, 1e-4, 1e-5)
+        _same_values_and_grads(functools.partial(efficient.sinkhorn, backend=backend),
+                               reference.sinkhorn, (leaf(3, 5, n, n, scale=2.0), 20), 1e-5, 1e-4,
+                               1e-5)
         width = (2 + n) * n
-        _same_values_and_grads(efficient.mhc_pre, _mhc_pre_reference,
+        _same_values_and_grads(functools.partial(efficient.mhc_pre, backend=backend),
+                               _mhc_pre_reference,
                                (leaf(3, 5, n, h), leaf(width, n * h, scale=0.1), leaf(width),
                                 leaf(3, scale=0.5)), 1e-5, 1e-4, 1e-5)
         # Still only the logits are kept for the backward.
@@ -177,13 +179,12 @@ def check_ops(device, compiled: bool = False) -> int:
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
                                                       lambda t: t):
-            efficient.sinkhorn(logits, 20)
+            efficient.sinkhorn(logits, 20, backend=backend)
         assert saved == [logits.numel()]
         if compiled:
-            assert efficient.compile_enabled(), "the op bodies fell back to eager mode"
+            assert not efficient.compile_failures(), "op bodies fell back to eager mode"
     finally:
         triton_sinkhorn.sinkhorn_forward, triton_sinkhorn.sinkhorn_backward = forward, backward
-        efficient.use_compile(was_compiled)
     assert launches == ["sinkhorn_forward", "sinkhorn_backward"] * 2 + ["sinkhorn_forward"], launches
     return len(launches)
 
