@@ -655,7 +655,8 @@ def _group_put(out_ptr, acc_ptr, start, t, valid, key_heads, hk, K: tl.constexpr
                member, group):
     """Add x, the share of v head ``member`` of its q/k head's group in a q or k gradient tile, to
     the group's sum: members before the last leave fp32 partial sums in acc (the same program's
-    tile, read back by the next member), the last stores the sum in out's dtype."""
+    tile, read back by the next member), the last stores the sum in out's dtype. The group size is
+    a compile-time constant, so that a group of one compiles to the kernel without the loop."""
     if member > 0:
         x += _rows(acc_ptr, start, t, valid, key_heads, hk, K, c0, BK)
     if member == group - 1:
@@ -664,11 +665,11 @@ def _group_put(out_ptr, acc_ptr, start, t, valid, key_heads, hk, K: tl.constexpr
         _put(acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, x)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "key_heads", "value_heads", "group"])
+@triton.jit(do_not_specialize=["num_tokens", "key_heads", "value_heads"])
 def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr,
                     do_ptr, dP_ptr, dA_ptr, dq_ptr, dk_ptr, dq_acc_ptr, dk_acc_ptr, derase_ptr, dbeta_ptr, dg_ptr,
                     bounds_ptr,
-                    num_tokens, key_heads, value_heads, group, scale,
+                    num_tokens, key_heads, value_heads, scale, GROUP: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     G_MODE: tl.constexpr, ERASE: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
     """dq and dk of one chunk and q/k head, and for each v head of its group the erase gate's
@@ -686,8 +687,8 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
     hk = tl.program_id(1)
     start, count, t, valid = _chunk(bounds_ptr, c)
     last_row = count - 1
-    for member in range(0, group):
-        hv = hk * group + member
+    for member in range(0, GROUP):
+        hv = hk * GROUP + member
         state_base = (c * value_heads + hv) * K * V
         square = (c * value_heads + hv) * _C * _C
         if G_MODE == 2:
@@ -759,9 +760,9 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
             d_G = q * d_q + a * d_a - k * d_k
             d_G += tl.where((t == last_row)[:, None], d_G_end[None, :], 0.0)
             _put(dg_ptr, start, t, valid, value_heads, hv, K, c0, BK, tl.cumsum(d_G, 0, reverse=True))
-            _group_put(dq_ptr, dq_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_q, member, group)
+            _group_put(dq_ptr, dq_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_q, member, GROUP)
             _group_put(dk_ptr, dk_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_k + gate * d_a,
-                       member, group)
+                       member, GROUP)
             if ERASE:
                 _put(derase_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * d_a)
             else:
@@ -803,9 +804,9 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
                 d_a = tl.exp(G)[:, None] * d_ga + _mm(d_scores_a, k, DOT, IEEE)
                 d_k += _mm(d_scores_p_t, q, DOT, IEEE) + _mm(d_scores_a_t, a, DOT, IEEE)
                 d_G += tl.sum(q * d_q + a * d_a - k * d_k, 1) + tl.where(t == last_row, d_G_end, 0.0)
-                _group_put(dq_ptr, dq_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_q, member, group)
+                _group_put(dq_ptr, dq_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_q, member, GROUP)
                 _group_put(dk_ptr, dk_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_k + gate * d_a,
-                       member, group)
+                       member, GROUP)
                 if ERASE:
                     _put(derase_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * d_a)
                 else:
@@ -814,7 +815,8 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
                      mask=valid)
             if not ERASE:
                 tl.store(_at(dbeta_ptr, start, value_heads, hv, 1) + t * value_heads, d_beta, mask=valid)
-        tl.debug_barrier()  # the next member reads the partial sums this one stored
+        if GROUP > 1:
+            tl.debug_barrier()  # the next member reads the partial sums this one stored
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1016,7 +1018,7 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
         _bwd_qkg_kernel[qkg_grid](
             q, k, beta_, erase_, G_qkg, T, h, dh, U, dU, d_o, dP, dA, dq, dk, dq_acc, dk_acc,
             dummy if derase is None else derase, dummy if dbeta_k is None else dbeta_k,
-            dg, cfg.bounds, tokens, Hk, Hv, cfg.group, cfg.scale,
+            dg, cfg.bounds, tokens, Hk, Hv, cfg.scale, GROUP=cfg.group,
             K=K, V=V, BK=cfg.qkg_block_k, BV=cfg.block_v, G_MODE=qkg_mode, ERASE=cfg.erase,
             num_warps=cfg.qkg_warps, num_stages=stages, **cfg.flags)
     else:  # no tokens at all
