@@ -34,6 +34,7 @@ CHOICES = {
     "residual_backend": ("auto", "eager", "compile"),
     "context_parallel_method": ("state_passing", "all_to_all"),
     "dsa_stage": ("dense_warmup", "sparse"),
+    "dsa_attention_type": ("gqa", "mla"),
     "mla_rope_type": ("rope", "yarn"),
 }
 
@@ -114,11 +115,16 @@ class ExtConfig:
     # attention; the indexer learns from its KL loss on the selected keys, the rest of the
     # model from the LM loss). The loss is a mean over tokens times dsa_indexer_loss_coeff;
     # as the indexer learns from nothing else, the coefficient only scales its gradient.
+    # dsa_attention_type: the attention the 'D' layers select keys for: "gqa" (Megatron's
+    # SelfAttention with grouped query heads; the indexer's queries from the layer input) or
+    # "mla" (MLA with the mla_* sizes, as in DeepSeek-V3.2 and Megatron's own 'D': the
+    # indexer's queries from MLA's query latent; megatron_ext.mixers.mla).
     dsa_top_k: int = 2048
     dsa_indexer_heads: int = 64
     dsa_indexer_dim: int = 128
     dsa_stage: str = "sparse"
     dsa_indexer_loss_coeff: float = 1.0
+    dsa_attention_type: str = "gqa"
     # DeepSeek-V4's compressed attentions (arXiv 2606.19348; megatron_ext.mixers.compressed),
     # V4-Flash's sizes. CSA ('C'): one compressed entry per csa_compress_rate = 4 tokens (each
     # mixing two adjacent blocks); each query attends to the csa_top_k = 512 entries an

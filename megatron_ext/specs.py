@@ -88,7 +88,12 @@ def _base_submodules(ext: ExtConfig, config) -> TransformerLayerSubmodules:
 def attention_self_spec(ext: ExtConfig, config, variant: str = "attention") -> ModuleSpec:
     """The ``self_attention`` spec of a softmax-attention layer: registry builder of ``*``
     (variant "attention") and of the sparse layers ("moba", "nsa", "fox", "dsa", "csa", "hca"),
-    which swap in their core."""
+    which swap in their core; "dsa" with ``ext.dsa_attention_type == "mla"`` is an MLA layer
+    (:func:`megatron_ext.mixers.mla.mla_spec`)."""
+    if variant == "dsa" and ext.dsa_attention_type == "mla":
+        from megatron_ext.mixers.mla import mla_spec
+
+        return mla_spec(ext, config, indexer=True)
     spec = _base_submodules(ext, config).self_attention
     if variant != "attention":
         from megatron_ext.mixers.sparse_attention import sparse_attention_spec

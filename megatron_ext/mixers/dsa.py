@@ -11,9 +11,12 @@ that a lightning indexer ranks highest (all heads share the choice), plus that i
 with the model's RoPE on the first rotary dims of q_I and k_I. In the paper q_I comes from
 MLA's query latent; a GQA layer has none, so here q_I, like k_I and w, is projected from the
 layer's normalised input x (which is why the layer keeps its input norm separate even under
-Transformer Engine). The paper's Hadamard rotation of q_I and k_I serves its fp8 kernel only
-and is left out. Every option of :class:`~megatron_ext.mixers.attention.SoftmaxCoreAttention`
-but the sliding window applies (sink, XSA).
+Transformer Engine). ``ExtConfig.dsa_attention_type: mla`` makes the 'D' layers MLA layers
+whose indexer reads the query latent as the paper's does
+(:class:`megatron_ext.mixers.mla.MLADSASelfAttention`). The paper's Hadamard rotation of q_I
+and k_I serves its fp8 kernel only and is left out. Every option of
+:class:`~megatron_ext.mixers.attention.SoftmaxCoreAttention` but the sliding window applies
+(sink, XSA).
 
 Training, ``ExtConfig.dsa_stage`` (sec. 2.1 of the paper):
 
@@ -90,16 +93,19 @@ class IndexerLoss(torch.autograd.Function):
 class LightningIndexer(MegatronModule):
     """DSA's indexer, replicated over TP: ``x [s, b, h]`` (the whole sequence) ->
     ``index_q [b, s, HI, DI]``, ``index_k [b, s, DI]``, ``index_weights [b, s, HI]``.
+    ``query_size``: the width of the input index_q is projected from, when that is not x
+    (MLA layers: the query latent, passed to :meth:`forward` as ``query_input``).
 
     A subclass with other keys (CSA's, one per compressed block) overrides :meth:`_build_keys`
     and :meth:`keys`; ``dim_setting`` names its ExtConfig field of DI, for errors."""
 
     dim_setting = "dsa_indexer_dim"
 
-    def __init__(self, config, heads: int, dim: int, **key_options):
+    def __init__(self, config, heads: int, dim: int, query_size: int | None = None,
+                 **key_options):
         super().__init__(config=config)
         self.heads, self.dim = heads, dim
-        self.linear_q = self._linear(heads * dim)
+        self.linear_q = self._linear(heads * dim, query_size)
         self._build_keys(**key_options)
         self.linear_weights = self._linear(heads)
         for p in self.parameters():
@@ -110,8 +116,8 @@ class LightningIndexer(MegatronModule):
         self.key_norm = torch.nn.LayerNorm(self.dim, eps=self.config.layernorm_epsilon,
                                            dtype=self.config.params_dtype)
 
-    def _linear(self, out_size: int) -> torch.nn.Linear:
-        layer = torch.nn.Linear(self.config.hidden_size, out_size, bias=False,
+    def _linear(self, out_size: int, in_size: int | None = None) -> torch.nn.Linear:
+        layer = torch.nn.Linear(in_size or self.config.hidden_size, out_size, bias=False,
                                 dtype=self.config.params_dtype)
         if self.config.perform_initialization:
             self.config.init_method(layer.weight)
@@ -136,9 +142,10 @@ class LightningIndexer(MegatronModule):
             index_k = self._rope(index_k, rotary_pos_emb[1], cu_seqlens, cp_group)
         return index_k.squeeze(2).transpose(0, 1)
 
-    def forward(self, x, rotary_pos_emb=None, cu_seqlens=None, cp_group=None):
+    def forward(self, x, rotary_pos_emb=None, cu_seqlens=None, cp_group=None, query_input=None):
         s, b, _ = x.shape
-        index_q = self.linear_q(x).view(s, b, self.heads, self.dim)
+        index_q = self.linear_q(x if query_input is None else query_input)
+        index_q = index_q.view(s, b, self.heads, self.dim)
         if rotary_pos_emb is not None:
             index_q = self._rope(index_q, rotary_pos_emb[0], cu_seqlens, cp_group)
         index_weights = self.linear_weights(x) * (self.heads * self.dim) ** -0.5
@@ -226,6 +233,16 @@ def refuse_core_recompute(layer: SelfAttention, name: str, inputs: str) -> None:
             "already recomputes its chunks in backward. Drop 'core_attn' from recompute_modules")
 
 
+def rope_cu_seqlens(packed_seq_params):
+    """The ``cu_seqlens`` by which RoPE places the tokens of ``thd``-packed sequences (the
+    padded ones where given, as Megatron's attention does), or None for ordinary batches."""
+    if packed_cu_seqlens(packed_seq_params) is None:
+        return None
+    if packed_seq_params.cu_seqlens_q_padded is not None:
+        return packed_seq_params.cu_seqlens_q_padded
+    return packed_seq_params.cu_seqlens_q
+
+
 class DSASelfAttention(SelfAttention):
     """Megatron's SelfAttention plus DSA's :class:`LightningIndexer`, run on the detached
     input before the attention; its core reads the indexer's outputs as
@@ -247,12 +264,8 @@ class DSASelfAttention(SelfAttention):
         rotary = rotary_pos_emb
         if rotary is not None and not isinstance(rotary, tuple):
             rotary = (rotary, rotary)
-        cu_seqlens = None
-        if packed_cu_seqlens(packed_seq_params) is not None:  # RoPE's positions, as Megatron's
-            cu_seqlens = packed_seq_params.cu_seqlens_q_padded
-            if cu_seqlens is None:
-                cu_seqlens = packed_seq_params.cu_seqlens_q
-        self.core_attention.index = self.indexer(x, rotary, cu_seqlens, self.pg_collection.cp)
+        self.core_attention.index = self.indexer(x, rotary, rope_cu_seqlens(packed_seq_params),
+                                                 self.pg_collection.cp)
         return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb,
                                packed_seq_params=packed_seq_params, **kwargs)
 

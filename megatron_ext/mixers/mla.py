@@ -17,10 +17,32 @@ They apply RoPE themselves (to the ``d_r`` dims, with ``mla_rope_type``): the mo
 table, which ``*`` layers use, is not passed to them. The core attention is ours (torch SDPA,
 :class:`~megatron_ext.mixers.attention.SDPACoreAttention`). TP splits heads (Megatron's
 modules, with the latent's gradient fixed as :class:`MLAMixer` says); TP + SP and pipeline
-splits equal one process (tests/dist). Not yet: DSA's indexer on MLA layers (DeepSeek-V3.2),
-queries without a latent (DeepSeek-V2-Lite: megatron-core wants Transformer Engine's fused
-norm + linear there), context parallelism, decoding, Transformer Engine's MLA modules; RoPE on
-a CPU needs megatron-core's CUDA device calls redirected (as the tests do).
+splits equal one process (tests/dist). Decoding runs through Megatron's static inference
+context (megatron-core caches the per-head keys and values). Not yet: queries without a latent
+(DeepSeek-V2-Lite: megatron-core wants Transformer Engine's fused norm + linear there), context
+parallelism, Transformer Engine's MLA modules; RoPE on a CPU needs megatron-core's CUDA device
+calls redirected (as the tests do).
+
+DSA on MLA layers (DeepSeek-V3.2; Megatron's hybrid ``D``): with
+``ExtConfig.dsa_attention_type: mla`` every ``D`` layer is :class:`MLADSASelfAttention`, this
+MLA plus DSA's lightning indexer (:mod:`megatron_ext.mixers.dsa`, the ``dsa_*`` settings and
+training stages). As in DeepSeek-V3.2 the indexer reads the layer's normalised input ``x`` and
+the query latent ``c_q``, both detached::
+
+    q_I = c_q W_q  [HI, DI],   k_I = LayerNorm(x W_k)  [DI],   w = x W_w / sqrt(HI * DI)  [HI]
+    I[t, s] = sum_j w[t, j] relu(q_I[t, j] . k_I[s])
+
+with MLA's RoPE table (``mla_rope_type``, ``mla_rotary_base``) on the first ``d_r`` dims of
+q_I and k_I, rotated as halves, where MLA's own ``d_r`` dims rotate as pairs, and under
+``mla_rope_type: yarn`` without the concentration factor megatron-core puts on MLA's own
+(both as DeepSeek-V3.2's indexer does). Each query attends, with all its heads, to the
+``dsa_top_k`` earlier tokens the indexer scores highest: its per-head ``q_i``, ``k_i`` (latent
+part and the shared RoPE key) and ``v_i`` restricted to those tokens
+(:class:`MLADSACoreAttention`, on DSA's ops). The indexer's KL loss to the attention, its
+dense warm-up, its TP replication and packed (``thd``) sequences are DSA's; TP and TP + SP
+equal one process (tests/dist). Refused with a ConfigError, as for MLA or for DSA: context
+parallelism, decoding, a sliding window, Megatron's recompute of the core attention,
+Transformer Engine.
 """
 
 from __future__ import annotations
@@ -28,8 +50,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 from megatron.core.tensor_parallel import (
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
 )
@@ -40,14 +64,18 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_ext.config import ConfigError, ExtConfig
+from megatron_ext.mixers.common import cannot_decode
+from megatron_ext.mixers.dsa import (DSACoreAttention, LightningIndexer, refuse_core_recompute,
+                                     rope_cu_seqlens)
 from megatron_ext.norm import TorchNorm
 
 
 def mla_config(config: TransformerConfig, ext: ExtConfig) -> MLATransformerConfig:
     """The model's config as megatron-core's MLA config, with the ``ext.mla_*`` sizes."""
     if getattr(config, "context_parallel_size", 1) > 1:
-        raise ConfigError("mla layers do not run under context parallelism yet; use "
-                          "context_parallel_size=1 or other mixers")
+        raise ConfigError("MLA layers ('+', and 'D' under dsa_attention_type='mla') do not run "
+                          "under context parallelism yet; use context_parallel_size=1 or other "
+                          "mixers")
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(TransformerConfig)
               if f.init and hasattr(config, f.name)}
     values.update(
@@ -120,21 +148,92 @@ class MLAMixer(MLASelfAttention):
                                inference_context=inference_context, **kwargs)
 
 
-def mla_spec(ext_config: ExtConfig, transformer_config) -> ModuleSpec:
-    """The ``self_attention`` spec of an MLA layer (registry builder): Megatron's local MLA
-    submodules (RMSNorm on both latents), with our SDPA core and our norm (which takes sequence
-    parallelism)."""
+def _pad_head_dim(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``x [..., d]`` with zeros appended to ``size`` dims."""
+    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
+
+
+class MLADSACoreAttention(DSACoreAttention):
+    """DSA's core on an MLA layer. DSA's ops take one head dim for q, k and v; MLA's queries
+    and keys have ``d_n + d_r`` dims and its values ``d_v``. All three are zero-padded to the
+    larger of the two (zero dims add nothing to a score, and the scale is MLA's own, passed in;
+    zero value dims give zero output dims), and the output is cut back to ``d_v`` dims. Under
+    ``thd`` packing Megatron's MLA has already padded v to q's dims and trims the output
+    itself."""
+
+    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
+        width = v.shape[-1]
+        dim = max(q.shape[-1], width)
+        q, k, v = (_pad_head_dim(t, dim) for t in (q, k, v))
+        return super().attend(q, k, v, attention_mask, mask_type, packed_seq_params)[..., :width]
+
+
+class MLADSASelfAttention(MLAMixer):
+    """An MLA layer with DSA's :class:`~megatron_ext.mixers.dsa.LightningIndexer` (replicated
+    over TP; its queries from the query latent ``c_q``, width ``mla_q_lora_rank``): the 'D'
+    layers under ``dsa_attention_type: mla``. The indexer runs on the whole sequence (gathered
+    under SP) of the detached input and latent, between MLA's projections and its core, which
+    reads its outputs as ``core_attention.index``."""
+
+    def __init__(self, config, submodules, layer_number: int, ext_config: ExtConfig, **kwargs):
+        super().__init__(config, submodules, layer_number, ext_config, **kwargs)
+        refuse_core_recompute(self, "DSA", "the indexer's outputs")
+        if ext_config.dsa_indexer_dim < ext_config.mla_qk_pos_emb_head_dim:
+            raise ConfigError(
+                f"dsa_indexer_dim={ext_config.dsa_indexer_dim} is smaller than "
+                f"mla_qk_pos_emb_head_dim={ext_config.mla_qk_pos_emb_head_dim}, the dims the "
+                "indexer of an MLA layer rotates with MLA's RoPE; raise dsa_indexer_dim or lower "
+                "mla_qk_pos_emb_head_dim")
+        self.indexer = LightningIndexer(self.config, ext_config.dsa_indexer_heads,
+                                        ext_config.dsa_indexer_dim,
+                                        query_size=self.config.q_lora_rank)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if kwargs.get("inference_context") is not None:
+            raise ConfigError(cannot_decode("DSA"))
+        return super().forward(hidden_states, *args, **kwargs)
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
+                                    packed_seq_params=None, **kwargs):
+        """Megatron's MLA projections, then the indexer on ``x`` and the normalised query
+        latent that they return."""
+        query, key, value, q_latent, kv_latent = super().get_query_key_value_tensors(
+            hidden_states, key_value_states, position_ids, packed_seq_params, **kwargs)
+        x = hidden_states.detach()
+        c_q = q_latent.detach().view(*x.shape[:-1], -1)  # thd: [t, r] -> [t, 1, r]
+        if self.config.sequence_parallel and self.world_size > 1:
+            x, c_q = (gather_from_sequence_parallel_region(t, group=self.tp_group)
+                      for t in (x, c_q))
+        cu_seqlens = rope_cu_seqlens(packed_seq_params)
+        length = x.shape[0] if cu_seqlens is None else self.rotary_pos_emb.get_rotary_seq_len(
+            None, None, hidden_states, self.config, packed_seq_params)
+        freqs = self.rotary_pos_emb(length, packed_seq=cu_seqlens is not None)
+        if self.config.rope_type == "yarn":
+            freqs = freqs[0]  # (table, concentration factor): the table alone
+        self.core_attention.index = self.indexer(x, (freqs, freqs), cu_seqlens,
+                                                 self.pg_collection.cp, query_input=c_q)
+        return query, key, value, q_latent, kv_latent
+
+
+def mla_spec(ext_config: ExtConfig, transformer_config, indexer: bool = False) -> ModuleSpec:
+    """The ``self_attention`` spec of an MLA layer (registry builder of '+'): Megatron's local
+    MLA submodules (RMSNorm on both latents), with our SDPA core and our norm (which takes
+    sequence parallelism). ``indexer``: a 'D' layer under ``dsa_attention_type: mla``
+    (:class:`MLADSASelfAttention` with :class:`MLADSACoreAttention`)."""
     from megatron_ext.mixers.attention import SDPACoreAttention
 
     if ext_config.attention_backend == "te":
-        raise ConfigError("mla layers are built from Megatron's local modules; Transformer "
-                          "Engine's MLA is not wired in: use attention_backend='sdpa'")
+        raise ConfigError("MLA layers ('+', and 'D' under dsa_attention_type='mla') are built "
+                          "from Megatron's local modules; Transformer Engine's MLA is not wired "
+                          "in: use attention_backend='sdpa'")
     spec = get_gpt_layer_local_submodules(multi_latent_attention=True, qk_layernorm=True,
                                           normalization="RMSNorm").self_attention
     attention = spec.submodules
     for name in ("q_layernorm", "kv_layernorm"):
         if getattr(attention, name) is WrappedTorchNorm:
             setattr(attention, name, TorchNorm)
-    attention.core_attention = ModuleSpec(module=SDPACoreAttention, params={"ext": ext_config})
-    return ModuleSpec(module=MLAMixer, submodules=attention,
+    core, module = ((MLADSACoreAttention, MLADSASelfAttention) if indexer
+                    else (SDPACoreAttention, MLAMixer))
+    attention.core_attention = ModuleSpec(module=core, params={"ext": ext_config})
+    return ModuleSpec(module=module, submodules=attention,
                       params={"ext_config": ext_config, "attn_mask_type": AttnMaskType.causal})
