@@ -119,7 +119,10 @@ them), as fla-core keeps its kernels of this shape at 2 or 4 warps on Hopper (it
 by tl.where alone does not keep the compiler from the failing code), so without a decay _bwd_qkg
 runs the per-head form on a zero decay. _bwd_scores at 4 warps and _bwd_state at BV = 64 (8
 warps) also feed tiles loaded transposed (T^T, U^T, P^T) to tl.dot straight from memory, the
-pattern of those failures; both pass tests/gpu/test_triton_delta_rule.py on an H200. Any new
+pattern of those failures; both pass tests/gpu/test_triton_delta_rule.py on an H200. With the
+group size a compile-time constant, _bwd_qkg's per-channel path returned wrong bf16 results for
+groups of four v heads on an H100 (test_hybrid_preset_heads[kda-bf16]; groups of two passed), and
+with it a runtime value the same code passes, so only a group of one is specialised. Any new
 launch configuration must pass that file there before use.
 """
 import functools
@@ -655,8 +658,7 @@ def _group_put(out_ptr, acc_ptr, start, t, valid, key_heads, hk, K: tl.constexpr
                member, group):
     """Add x, the share of v head ``member`` of its q/k head's group in a q or k gradient tile, to
     the group's sum: members before the last leave fp32 partial sums in acc (the same program's
-    tile, read back by the next member), the last stores the sum in out's dtype. The group size is
-    a compile-time constant, so that a group of one compiles to the kernel without the loop."""
+    tile, read back by the next member), the last stores the sum in out's dtype."""
     if member > 0:
         x += _rows(acc_ptr, start, t, valid, key_heads, hk, K, c0, BK)
     if member == group - 1:
@@ -665,16 +667,18 @@ def _group_put(out_ptr, acc_ptr, start, t, valid, key_heads, hk, K: tl.constexpr
         _put(acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, x)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "key_heads", "value_heads"])
+@triton.jit(do_not_specialize=["num_tokens", "key_heads", "value_heads", "group"])
 def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr,
                     do_ptr, dP_ptr, dA_ptr, dq_ptr, dk_ptr, dq_acc_ptr, dk_acc_ptr, derase_ptr, dbeta_ptr, dg_ptr,
                     bounds_ptr,
-                    num_tokens, key_heads, value_heads, scale, GROUP: tl.constexpr,
+                    num_tokens, key_heads, value_heads, group, scale, GROUPED: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     G_MODE: tl.constexpr, ERASE: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
     """dq and dk of one chunk and q/k head, and for each v head of its group the erase gate's
     gradient (or beta's share) and dg, BK key channels at a time. The program takes the group's v
-    heads one after another and sums their shares of dq and dk itself (``_group_put``). G_MODE is
+    heads one after another and sums their shares of dq and dk itself (``_group_put``); a group
+    of one (GROUPED off) compiles without that loop (see "Hopper" in the module docstring for why
+    the group size is not a compile-time constant otherwise). G_MODE is
     1 or 2: without a decay the host passes a zero per-head one (see "Hopper" in the module
     docstring). With one decay per head (grid [NC, Hk]) the program loops over the key blocks: it
     masks and decays the [64, 64] tiles of dP and dA (and their transposes) once per v head,
@@ -687,8 +691,12 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
     hk = tl.program_id(1)
     start, count, t, valid = _chunk(bounds_ptr, c)
     last_row = count - 1
-    for member in range(0, GROUP):
-        hv = hk * GROUP + member
+    if GROUPED:
+        members = group
+    else:  # one v head per q/k head: no loop, no partial sums, no barrier
+        members = 1
+    for member in range(0, members):
+        hv = hk * members + member
         state_base = (c * value_heads + hv) * K * V
         square = (c * value_heads + hv) * _C * _C
         if G_MODE == 2:
@@ -760,9 +768,9 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
             d_G = q * d_q + a * d_a - k * d_k
             d_G += tl.where((t == last_row)[:, None], d_G_end[None, :], 0.0)
             _put(dg_ptr, start, t, valid, value_heads, hv, K, c0, BK, tl.cumsum(d_G, 0, reverse=True))
-            _group_put(dq_ptr, dq_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_q, member, GROUP)
+            _group_put(dq_ptr, dq_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_q, member, members)
             _group_put(dk_ptr, dk_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_k + gate * d_a,
-                       member, GROUP)
+                       member, members)
             if ERASE:
                 _put(derase_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * d_a)
             else:
@@ -804,9 +812,9 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
                 d_a = tl.exp(G)[:, None] * d_ga + _mm(d_scores_a, k, DOT, IEEE)
                 d_k += _mm(d_scores_p_t, q, DOT, IEEE) + _mm(d_scores_a_t, a, DOT, IEEE)
                 d_G += tl.sum(q * d_q + a * d_a - k * d_k, 1) + tl.where(t == last_row, d_G_end, 0.0)
-                _group_put(dq_ptr, dq_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_q, member, GROUP)
+                _group_put(dq_ptr, dq_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_q, member, members)
                 _group_put(dk_ptr, dk_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_k + gate * d_a,
-                       member, GROUP)
+                       member, members)
                 if ERASE:
                     _put(derase_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * d_a)
                 else:
@@ -815,7 +823,7 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
                      mask=valid)
             if not ERASE:
                 tl.store(_at(dbeta_ptr, start, value_heads, hv, 1) + t * value_heads, d_beta, mask=valid)
-        if GROUP > 1:
+        if GROUPED:
             tl.debug_barrier()  # the next member reads the partial sums this one stored
 
 
@@ -1018,7 +1026,7 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
         _bwd_qkg_kernel[qkg_grid](
             q, k, beta_, erase_, G_qkg, T, h, dh, U, dU, d_o, dP, dA, dq, dk, dq_acc, dk_acc,
             dummy if derase is None else derase, dummy if dbeta_k is None else dbeta_k,
-            dg, cfg.bounds, tokens, Hk, Hv, cfg.scale, GROUP=cfg.group,
+            dg, cfg.bounds, tokens, Hk, Hv, cfg.group, cfg.scale, GROUPED=cfg.group > 1,
             K=K, V=V, BK=cfg.qkg_block_k, BV=cfg.block_v, G_MODE=qkg_mode, ERASE=cfg.erase,
             num_warps=cfg.qkg_warps, num_stages=stages, **cfg.flags)
     else:  # no tokens at all
