@@ -74,7 +74,14 @@ class ExtConfig:
     # value head dim, as in Kimi Linear.
     linear_decay_rank: int | None = None
 
-    # Which implementation the linear-recurrence ops use (see megatron_ext.kernels).
+    # RWKV-7 ('V'; megatron_ext.mixers.rwkv7): the rank of its low-rank projections (decay,
+    # in-context learning rate, output gate). Unset: RWKV-7's sizes for the hidden size h,
+    # multiples of 32 and at least 32: 1.8 sqrt(h) for the decay and the rate, 0.6 h^0.8 for
+    # the gate. Must divide by the TP size. Heads and head dims: the linear_* fields above.
+    rwkv7_lora_rank: int | None = None
+
+    # Which implementation the linear-recurrence ops use (see megatron_ext.kernels). RWKV-7's op
+    # has only its PyTorch backends: "triton" and "fla" run its chunked form.
     kernel_backend: str = "auto"
     # Context parallelism (context_parallel_size > 1) of the linear recurrences
     # (megatron_ext.parallel): "state_passing" exchanges each rank's recurrent-state summary
@@ -229,7 +236,7 @@ class ExtConfig:
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {list(choices)}")
         for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                     "linear_value_head_dim", "linear_decay_rank"):
+                     "linear_value_head_dim", "linear_decay_rank", "rwkv7_lora_rank"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name}={value} must be a positive integer (or unset)")

@@ -83,6 +83,9 @@ MIXERS: tuple[Mixer, ...] = (
     Mixer("Y", "hedgehog", _DECAY,
           "Hedgehog: linear attention with a learned softmax feature map (Zhang et al. 2024)",
           {"variant": "hedgehog"}),
+    Mixer("V", "rwkv7", "megatron_ext.mixers.rwkv7:rwkv7_spec",
+          "RWKV-7 time mixing: the delta rule with a diagonal-plus-low-rank transition "
+          "(Peng et al. 2025)"),
 )
 
 _BY_SYMBOL = {m.symbol: m for m in MIXERS}

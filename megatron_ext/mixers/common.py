@@ -95,13 +95,15 @@ class HeadShardedModule(MegatronModule):
         return dict(zip(local, parts)), grad_into
 
     def column(self, name: str, in_size: int, out_size: int, gather_output: bool = False,
-               config=None):
-        """A column-parallel projection (output split over TP), no bias."""
+               config=None, disable_grad_reduce: bool = False):
+        """A column-parallel projection (output split over TP), no bias. ``disable_grad_reduce``:
+        its input gradient stays this rank's part, for an input whose TP reduction the caller
+        does once for several projections."""
         return build_module(
             self.submodules.column_linear, in_size, out_size, config=config or self.config,
             init_method=self.config.init_method, gather_output=gather_output, bias=False,
             skip_bias_add=False, is_expert=False, tp_comm_buffer_name=name,
-            tp_group=self.tp_group)
+            tp_group=self.tp_group, disable_grad_reduce=disable_grad_reduce)
 
     def row(self, name: str, in_size: int, out_size: int):
         """The row-parallel output projection; its bias is returned for bias-dropout-add."""

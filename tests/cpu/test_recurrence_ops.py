@@ -1,10 +1,11 @@
-"""What the two linear-recurrence ops share: ``gated_delta_rule`` (DeltaNet, Gated DeltaNet, KDA,
-GDN-2) and ``decay_linear_attention`` (no decay, a constant per head, one per head and token,
-one per key channel). For every form of each: the chunked backend equals the token-by-token
+"""What the linear-recurrence ops share: ``gated_delta_rule`` (DeltaNet, Gated DeltaNet, KDA,
+GDN-2), ``decay_linear_attention`` (no decay, a constant per head, one per head and token,
+one per key channel) and ``dplr_delta_rule`` (RWKV-7's transition with a decay per key channel,
+per head, or none). For every form of each: the chunked backend equals the token-by-token
 reference forward and backward, over single tokens, T inside, at and across chunk boundaries,
 grouped heads and initial states; packed sequences are each sequence alone; bf16 inputs keep
 an fp32 state; strong decays stay finite; bad arguments are named. Each op's own rules (its
-special cases): test_delta_rule.py and test_decay.py.
+special cases): test_delta_rule.py, test_decay.py and test_dplr.py.
 
 Tolerances are relative errors in the Frobenius norm, ||actual - expected|| / ||expected||:
 - float64: 1e-9. Both paths are exact algebra (the chunked one reassociates sums and adds a
@@ -27,14 +28,47 @@ from typing import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from megatron_ext.kernels import decay_linear_attention, gated_delta_rule
+from megatron_ext.kernels import decay_linear_attention, dplr_delta_rule, gated_delta_rule
 from megatron_ext.kernels.decay import decay_linear_attention_chunked, decay_linear_attention_reference
 from megatron_ext.kernels.delta_rule import gated_delta_rule_chunked, gated_delta_rule_reference
+from megatron_ext.kernels.dplr import dplr_delta_rule_chunked, dplr_delta_rule_reference
 from megatron_ext.kernels.first_use import relative_error
 from megatron_ext.kernels.selfcheck import decay_inputs, delta_rule_inputs, run_with_grads
 
 VALUE_DIM = 12  # the selfcheck inputs' (K = 8)
+DPLR_FORMS = ("rwkv7", "per_head", "none")
+
+
+def dplr_inputs(form, *, batch=2, seq_len=37, key_heads=2, value_heads=4, key_dim=8,
+                value_dim=12, dtype=torch.float64, with_initial_state=True, num_states=None, seed=0):
+    """Keyword arguments for dplr_delta_rule, shapes as in ``delta_rule_inputs``, every tensor a
+    leaf in ``dtype`` that requires grad. a and b are RWKV-7's: ``a = -kappa_hat`` and
+    ``b = kappa_hat * alpha``, kappa_hat an L2-normalised removal key apart from k and alpha in
+    (0, 1); the decay ``g`` is RWKV-7's ``-exp(-0.5) * sigmoid(d)`` per key channel ("rwkv7"), a
+    log-sigmoid per head ("per_head") or absent ("none")."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    per_channel = (batch, seq_len, value_heads, key_dim)
+    removal_key = F.normalize(randn(*per_channel), dim=-1)
+    tensors = {
+        "q": randn(batch, seq_len, key_heads, key_dim),
+        "k": F.normalize(randn(batch, seq_len, key_heads, key_dim), dim=-1),
+        "v": randn(batch, seq_len, value_heads, value_dim),
+        "a": -removal_key,
+        "b": removal_key * torch.sigmoid(randn(*per_channel)),
+    }
+    if form == "rwkv7":
+        tensors["g"] = -torch.exp(torch.tensor(-0.5)) * torch.sigmoid(randn(*per_channel))
+    elif form == "per_head":
+        tensors["g"] = F.logsigmoid(randn(batch, seq_len, value_heads) + 2.0)
+    if with_initial_state:
+        tensors["initial_state"] = randn(num_states or batch, value_heads, key_dim, value_dim)
+    return {name: tensor.to(dtype).requires_grad_() for name, tensor in tensors.items()}
 
 
 @dataclass(frozen=True)
@@ -46,6 +80,7 @@ class Op:
     forms: tuple[str, ...]
     grouped_form: str  # a form with every kind of input, for the single-form tests
     extra_shapes: tuple = ()
+    backends: str = "'auto', 'reference', 'chunked', 'triton', 'fla'"  # as the error lists them
 
 
 OPS = {
@@ -59,6 +94,8 @@ OPS = {
                                  decay_linear_attention_chunked, decay_inputs,
                                  ("none", "constant", "per_head", "per_channel"), "per_channel",
                                  extra_shapes=((50, 24, 1, 1, True),)),
+    "dplr_delta_rule": Op(dplr_delta_rule, dplr_delta_rule_reference, dplr_delta_rule_chunked,
+                          dplr_inputs, DPLR_FORMS, "rwkv7", backends="'auto', 'reference', 'chunked'"),
 }
 FORMS = [pytest.param(name, form, id=f"{name}-{form}") for name, op in OPS.items()
          for form in op.forms]
@@ -197,7 +234,8 @@ def test_bfloat16_inputs(name, form):
 # Per-step decays down to exp(-40), in the forms with a decay per token.
 STRONG_DECAY = [pytest.param("gated_delta_rule", "gdn2", id="gated_delta_rule-gdn2"),
                 pytest.param("decay_linear_attention", "per_head", id="decay-per_head"),
-                pytest.param("decay_linear_attention", "per_channel", id="decay-per_channel")]
+                pytest.param("decay_linear_attention", "per_channel", id="decay-per_channel"),
+                pytest.param("dplr_delta_rule", "rwkv7", id="dplr-rwkv7")]
 
 
 @pytest.mark.parametrize(("name", "form"), STRONG_DECAY)
@@ -260,6 +298,14 @@ OWN_BAD_ARGUMENTS = {
         ("g-constant", lambda x: x.update(g=x["g"][0, 0, :2, 0]),
          r"g has shape \(2,\), expected \[Hv\] = \[4\]"),
     ],
+    "dplr_delta_rule": [
+        ("a-missing", lambda x: x.update(a=None), r"a is required \(expected \[B, T, Hv, K\]"),
+        ("b-heads", lambda x: x.update(b=x["b"][:, :, :2]),
+         r"b has shape \(2, 37, 2, 8\), expected \[B, T, Hv, K\] = \[2, 37, 4, 8\]"),
+        ("g-channels", lambda x: x.update(g=x["g"][..., :3]),
+         r"g has shape \(2, 37, 4, 3\), expected \[B, T, Hv\] = \[2, 37, 4\] .* or "
+         r"\[B, T, Hv, K\] = \[2, 37, 4, 8\]"),
+    ],
 }
 BAD_ARGUMENTS = [pytest.param(name, break_inputs, message, id=f"{name}-{case}")
                  for name in OPS
@@ -289,9 +335,7 @@ def test_bad_varlen_backend_and_chunk_messages(name):
         (dict(cu_seqlens=torch.tensor([0, 4, 6, 10])),
          r"initial_state has shape \(2, 4, 8, 12\), expected .* = \[3, 4, 8, 12\] "
          r"\(N = number of sequences\)"),
-        (dict(backend="nope"),
-         r"unknown backend 'nope'; known backends: 'auto', 'reference', 'chunked', 'triton', "
-         r"'fla'"),
+        (dict(backend="nope"), f"unknown backend 'nope'; known backends: {op.backends}$"),
     ]
     for change, message in expected_messages:
         with pytest.raises(ValueError, match=f"{name}: {message}"):

@@ -17,8 +17,9 @@ import harness
 
 # Every mixer of the registry but the sparse softmax ones (MoBA, NSA: their own sizes and
 # options, in test_sparse_attention_tp.py): GDN, KDA, attention, GDN-2, DeltaNet, MLA, GLA,
-# RetNet, Hedgehog, Lightning, Mamba-2, HGRN-2.
-PATTERN = "GK*QN+ARYLMW"
+# RetNet, Hedgehog, Lightning, Mamba-2, HGRN-2, RWKV-7; then attention, GDN and RWKV-7 again, to
+# make 16 layers (PP=2 x VPP=2 takes a multiple of 4).
+PATTERN = "GK*QN+ARYLMWV*GV"
 # MLA at the tiny model's scale (latents of 32 and 16, 16 + 8 query/key dims per head).
 MLA = dict(mla_q_lora_rank=32, mla_kv_lora_rank=16, mla_qk_head_dim=16,
            mla_qk_pos_emb_head_dim=8, mla_v_head_dim=16)
