@@ -9,6 +9,9 @@ Ops (``--ops`` takes families, e.g. ``kda``, backends, e.g. ``triton``, or singl
     decay_scalar, decay_channel       a constant per-head decay (RetNet, Lightning), a per-token
                                       scalar decay (Mamba-2 SSD) and a per-channel decay (GLA):
                                       backends chunked, triton and fla (chunk_simple_gla/chunk_gla)
+    dplr                              dplr_delta_rule (RWKV-7's recurrence: a = -kappa_hat,
+                                      b = kappa_hat * alpha, a per-channel decay): backend chunked
+                                      (it has no Triton kernels)
     sdpa                              torch SDPA, causal softmax attention
 
 Shapes: B = batch_tokens / T sequences of T tokens, H heads for q, k and v alike, head dim D
@@ -53,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.doctor import add_commit_argument, stamp
-from megatron_ext.kernels import decay_linear_attention, gated_delta_rule
+from megatron_ext.kernels import decay_linear_attention, dplr_delta_rule, gated_delta_rule
 from megatron_ext.kernels.backends import fla_unavailable_reason
 from megatron_ext.kernels.decay.fla import decay_fla_kind
 from megatron_ext.kernels.delta_rule.fla import fla_kind
@@ -97,11 +100,14 @@ def linear_inputs(family, batch, seq_len, heads, dim, device):
               "v": randn(*per_head, dim)}
     if family == "gdn2":
         inputs.update(erase=torch.sigmoid(randn(*per_head, dim)), write=torch.sigmoid(randn(*per_head, dim)))
+    elif family == "dplr":  # RWKV-7: removal key -kappa_hat, its write-back kappa_hat * alpha
+        removal = F.normalize(randn(*per_head, dim), dim=-1)
+        inputs.update(a=-removal, b=removal * torch.sigmoid(randn(*per_head, dim)))
     elif family in DELTA_FAMILIES:
         inputs["beta"] = torch.sigmoid(randn(*per_head))
     if family in ("gdn", "decay_scalar"):
         inputs["g"] = F.logsigmoid(randn(*per_head) + 2.0)
-    elif family in ("kda", "gdn2", "decay_channel"):
+    elif family in ("kda", "gdn2", "decay_channel", "dplr"):
         inputs["g"] = F.logsigmoid(randn(*per_head, dim) + 2.0)
     inputs = {name: tensor.bfloat16() for name, tensor in inputs.items()}
     if family == "decay_constant":  # RetNet's per-head decays, fp32 as the mixers pass them
@@ -142,6 +148,8 @@ def build_ops(device: torch.device) -> list[Op]:
                 skip = "our Triton kernels need CUDA"
             run = lambda backend=backend, function=function, **x: function(**x, backend=backend)[0]  # noqa: E731
             ops.append(Op(family, backend, make, run, skip))
+    ops.append(Op("dplr", "chunked", lambda *shape: linear_inputs("dplr", *shape, device),
+                  lambda **x: dplr_delta_rule(**x, backend="chunked")[0]))
     ops.append(Op("sdpa", "torch", lambda *shape: sdpa_inputs(*shape, device),
                   lambda **x: F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True)))
     return ops
