@@ -48,8 +48,8 @@ setup(
     extras_require={
         "fla": ["fla-core>=0.6"],
         "te": ["transformer-engine[pytorch]"],
-        # setuptools: tests/cpu/test_install.py builds the wheel without build isolation;
-        # transformers: the Hugging Face tokenizer data path (tests/cpu/test_pretrain.py).
+        # setuptools: tests/recipes/test_install.py builds the wheel without build isolation;
+        # transformers: the Hugging Face tokenizer data path (tests/recipes/test_pretrain.py).
         "dev": ["pytest>=8", "pytest-timeout", "setuptools>=70.1", "transformers"],
     },
     entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},

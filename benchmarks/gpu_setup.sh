@@ -9,6 +9,6 @@ cp -r megatron_ext /tmp/pkg/ && cp -r kernels launch slurm /tmp/pkg/megatron_ext
 export PYTHONPATH=/tmp/site:/tmp/pkg
 # From the repository root, python puts ./megatron_ext (which lacks kernels/) ahead of /tmp/pkg,
 # so tests and scripts kept at the root run from copies: the tests in /tmp/tests_run, as in
-#     (cd /tmp/tests_run && python3 -m pytest -q tests/gpu/test_triton_mhc.py)
+#     (cd /tmp/tests_run && python3 -m pytest -q tests/ops/test_triton_mhc.py)
 rm -rf /tmp/tests_run && mkdir -p /tmp/tests_run && cp -r tests pytest.ini /tmp/tests_run/
 (cd /tmp && python3 -c "import megatron_ext.kernels, megatron.core; print('megatron-ext ready')")

@@ -12,7 +12,7 @@ recorded" where it records none), one line per check's JSON under it, then the p
 
 The table needs the standard library only; ``--plots`` imports the benchmark scripts (torch,
 matplotlib). A new result file needs an entry in :data:`ROWS` or :data:`CHECKS`:
-``tests/cpu/test_report.py`` fails while a JSON in benchmarks/results/ has none.
+``tests/recipes/test_report.py`` fails while a JSON in benchmarks/results/ has none.
 """
 from __future__ import annotations
 

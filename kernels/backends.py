@@ -145,7 +145,7 @@ def decay_triton_declined_reason(q: torch.Tensor, g: torch.Tensor | None) -> str
     """Why our decay Triton kernels decline these inputs, or None: on CUDA tensor cores (bf16 or
     fp16 q), a key dim below 64 with no decay or a scalar one. On an H200 (Triton 3.6.0) their
     backward gave dk 0.7 to 0.9 off (relative) at K = 32 in these forms, while K = 64 and 128 and
-    the per-channel form at K = 32 passed (tests/gpu/test_triton_decay.py). ``backend="auto"``
+    the per-channel form at K = 32 passed (tests/ops/test_triton_decay.py). ``backend="auto"``
     then runs chunked; ``backend="triton"`` refuses."""
     per_channel = g is not None and g.dim() == 4
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] < 64 and not per_channel:

@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 # ---------------------------------------------------------------------------------------------
-# Inputs (shared with tests/cpu/test_recurrence_ops.py, test_delta_rule.py and test_decay.py)
+# Inputs (shared with tests/ops/test_recurrence_ops.py, test_delta_rule.py and test_decay.py)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -229,7 +229,7 @@ def auto_backend(op: str, device) -> str:
 TOLERANCES = {
     # fp32 rounds at 6e-8; the chunked sums over K and over the tokens of a chunk, and its
     # unit-triangular solve, amplify that to at most ~8e-7 measured
-    # (tests/cpu/test_recurrence_ops.py), while an algebraic slip shows up as 1e-3 or more.
+    # (tests/ops/test_recurrence_ops.py), while an algebraic slip shows up as 1e-3 or more.
     ("exact", torch.float32): 1e-5,
     # bf16 q, k, v: the path computes in fp32 and rounds o and the gradients of q, k, v to bf16
     # at the end, 2^-8 = 3.9e-3 per element at most (measured 1.7e-3 in norm).

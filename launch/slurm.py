@@ -300,7 +300,7 @@ def memory_per_gpu(job: Job) -> MemoryEstimate:
     Every layer is counted as a transformer layer: against the 1-GPU peaks measured by
     ``benchmarks/throughput.py`` (``benchmarks/results/throughput_h200.json``) the estimate is
     within a few percent for all-softmax models and low for hybrids, whose linear-recurrent
-    layers keep more per token (tests/cpu/test_launch.py checks it against those rows).
+    layers keep more per token (tests/recipes/test_launch.py checks it against those rows).
     """
     from megatron_ext.launch.presets import parameter_count, stage_parameters
 

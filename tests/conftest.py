@@ -1,4 +1,5 @@
-"""Shared pytest setup: the CPU harness on the path, GPU skips, and one-process gloo and NCCL
+"""Shared pytest setup: this folder's helpers (harness, triton_interpreter, flash_emulation) on
+the path for the tests of every component folder, GPU skips, and one-process gloo and NCCL
 worlds."""
 
 import pathlib

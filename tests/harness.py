@@ -8,9 +8,9 @@ RoPE, the CUDA index of RoPE's per-CP-rank slice, CUDA streams in DDP, and the C
 :func:`spawn` runs a function in N gloo processes and returns what each returned. With
 ``MEGATRON_EXT_TEST_DIST=nccl`` in the environment it runs them instead on N GPUs of this host
 over NCCL (one GPU per rank, TF32 off, the CUDA RNG tracker): the multi-process tests of
-tests/dist then check the same equalities on GPUs (``python -m pytest tests/dist`` on a machine
-with several GPUs; a world larger than the GPUs skips). Models built by :func:`build_layout`
-move to the rank's GPU and take their inputs there. ``MEGATRON_EXT_TEST_STACKS_AFTER=S`` makes
+tests/parallel then check the same equalities on GPUs (``python -m pytest -m dist tests/parallel``
+on a machine with several GPUs; a world larger than the GPUs skips). Models built by
+:func:`build_layout` move to the rank's GPU and take their inputs there. ``MEGATRON_EXT_TEST_STACKS_AFTER=S`` makes
 every rank print the stacks of its threads to stderr every S seconds (pytest ``-s`` shows them):
 where a hung rank waits.
 """
@@ -457,7 +457,7 @@ def exported_random_model(tmp_path, settings, **load_options):
 # --------------------------------------------------------------- parallel-layout equivalence
 # One training step of a tiny GPTModel in a given TP/PP/VPP layout, from the weights of a
 # single-process run's dist checkpoint (fresh initialisation cannot be compared across PP: each
-# stage draws only its own layers' weights). Used by the tests in tests/dist.
+# stage draws only its own layers' weights). Used by the tests in tests/parallel.
 SEQ, BATCH, VOCAB, MICRO_BATCHES = 24, 2, 96, 2
 
 

@@ -74,7 +74,7 @@ decayed k (and q) tiles in fp32, which for bf16 and fp16 inputs tl.dot rounds to
 mantissa bits, bf16 has 7). The running state carries the rounding of these tiles into every
 later chunk, and the decay's gradient, a small difference of large sums, magnifies it: rounded to
 bf16 they would make a relative error of 2.3e-2 in the gradient of a constant g (the
-strong-decay bf16 case of tests/gpu/test_triton_decay.py, T = 200, with the GPU's bf16 and TF32
+strong-decay bf16 case of tests/ops/test_triton_decay.py, T = 200, with the GPU's bf16 and TF32
 roundings emulated on the interpreter), against 7.5e-3 in TF32.
 
 Memory: nothing beyond the inputs is saved for the backward (h_c and P are recomputed).

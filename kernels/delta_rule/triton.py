@@ -119,7 +119,7 @@ them), as fla-core keeps its kernels of this shape at 2 or 4 warps on Hopper (it
 by tl.where alone does not keep the compiler from the failing code), so without a decay _bwd_qkg
 runs the per-head form on a zero decay. _bwd_scores at 4 warps and _bwd_state at BV = 64 (8
 warps) also feed tiles loaded transposed (T^T, U^T, P^T) to tl.dot straight from memory, the
-pattern of those failures; both pass tests/gpu/test_triton_delta_rule.py on an H200. With the
+pattern of those failures; both pass tests/ops/test_triton_delta_rule.py on an H200. With the
 group size a compile-time constant, _bwd_qkg's per-channel path returned wrong bf16 results for
 groups of four v heads on an H100 (test_hybrid_preset_heads[kda-bf16]; groups of two passed), and
 with it a runtime value the same code passes, so only a group of one is specialised. Any new

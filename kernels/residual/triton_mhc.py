@@ -125,7 +125,7 @@ LAUNCH = {"pre_forward": dict(BLOCK_T=64, BLOCK_H=128, num_warps=4),
           "update_backward": dict(BLOCK_T=16, BLOCK_H=128, num_warps=8)}
 # From 5 streams on (NP = 8) the tiles at those sizes hold 2 to 4 times as much (MP = 64 or 128
 # mix columns, n-stream tiles of 8); there the smaller sizes below are used, under which the
-# kernels pass tests/gpu/test_triton_mhc.py (at the sizes above, its n = 8 fp32 case runs past
+# kernels pass tests/ops/test_triton_mhc.py (at the sizes above, its n = 8 fp32 case runs past
 # the test's time limit).
 LAUNCH_WIDE = {"pre_forward": dict(BLOCK_T=16, BLOCK_H=16, num_warps=4),
                "pre_backward": dict(BLOCK_T=16, BLOCK_H=16, num_warps=8),

@@ -85,7 +85,7 @@ Launch configuration (fixed): 4 warps, 2 stages for every kernel; BLOCK_K = 64 k
 the gathers would spill 152 bytes in the forward and 484 in dq); at D = 256 they spill 0.1 to 0.75
 KB per thread; the fp32 path (dots on FMA units) spills 0.5 KB and more at D = 128: it is there to
 check the algebra, not for speed. On an H200 (Triton 3.6) they pass
-tests/gpu/test_sparse_triton.py; not tuned. Their loads bound them: each pass gathers
+tests/ops/test_sparse_triton.py; not tuned. Their loads bound them: each pass gathers
 ``B T K Hkv D`` keys (and values), 0.5 TB at B T = 32768, top-2048 and 16 MHA heads of 128 in
 bf16; with fewer key/value heads (GQA, MQA) that shrinks by the group size. So FlexAttention over
 the selection's bitmap is the faster fwd+bwd up to long sequences, and "auto" runs it up to

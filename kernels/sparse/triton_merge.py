@@ -23,7 +23,7 @@ once. Layouts: ``o_0``, dq_0 ``[N, Hq, D]`` (tokens N, read as ``[R, G, D]`` wit
 ``L_0 [Hq, N]``, ``o_p``, ``dq_p [P, G, D]``, ``L_p [G, P]`` (FlashAttention's), made
 contiguous (as the kernels return them); D up to 256. One program per block of BLOCK_R rows
 and one query head; S, G and the padded D are compile-time constants (not tuned). CUDA
-tensors, or CPU tensors under Triton's interpreter (tests/cpu/test_triton_interpret_merge.py).
+tensors, or CPU tensors under Triton's interpreter (tests/ops/test_triton_interpret_merge.py).
 
 The pairs' call reads its queries (and in backward the output gradients, queries and merged
 outputs) as rows gathered from the token-major ones: ``x[rows]`` for ``x [R, G, D]``.

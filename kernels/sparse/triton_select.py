@@ -15,7 +15,7 @@ The chosen set equals torch.topk's wherever a row's scores are distinct (and eve
 chosen while there are at most k of them). Where equal finite scores compete for the last
 places, this takes the lowest column; torch.topk does not say which it takes. Rows of up to
 MAX_BLOCKS blocks (n is padded to a power of two in registers); CUDA tensors, or CPU tensors
-under Triton's interpreter (tests/cpu/test_triton_interpret_select.py).
+under Triton's interpreter (tests/ops/test_triton_interpret_select.py).
 
 :func:`moba_chosen` makes MoBA's gates ``q . mean(K_block)`` in the same program that chooses
 from them, masked as ``layout.moba_chosen`` masks them. The products run on tensor cores as

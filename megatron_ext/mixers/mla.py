@@ -17,7 +17,7 @@ They apply RoPE themselves (to the ``d_r`` dims, with ``mla_rope_type``): the mo
 table, which ``*`` layers use, is not passed to them. The core attention is ours (torch SDPA,
 :class:`~megatron_ext.mixers.attention.SDPACoreAttention`). TP splits heads (Megatron's
 modules, with the latent's gradient fixed as :class:`MLAMixer` says); TP + SP and pipeline
-splits equal one process (tests/dist). Decoding runs through Megatron's static inference
+splits equal one process (tests/parallel). Decoding runs through Megatron's static inference
 context (megatron-core caches the per-head keys and values). Not yet: queries without a latent
 (DeepSeek-V2-Lite: megatron-core wants Transformer Engine's fused norm + linear there), context
 parallelism, Transformer Engine's MLA modules; RoPE on a CPU needs megatron-core's CUDA device
@@ -40,7 +40,7 @@ q_I and k_I, rotated as halves, where MLA's own ``d_r`` dims rotate as pairs, an
 part and the shared RoPE key) and ``v_i`` restricted to those tokens
 (:class:`MLADSACoreAttention`, on DSA's ops). The indexer's KL loss to the attention, its
 dense warm-up, its TP replication and packed (``thd``) sequences are DSA's; TP and TP + SP
-equal one process (tests/dist). Refused with a ConfigError, as for MLA or for DSA: context
+equal one process (tests/parallel). Refused with a ConfigError, as for MLA or for DSA: context
 parallelism, decoding, a sliding window, Megatron's recompute of the core attention,
 Transformer Engine.
 """
