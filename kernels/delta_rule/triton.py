@@ -670,23 +670,22 @@ def _group_put(out_ptr, acc_ptr, start, t, valid, key_heads, hk, K: tl.constexpr
 @triton.jit(do_not_specialize=["num_tokens", "key_heads", "value_heads", "group"])
 def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr,
                     do_ptr, dP_ptr, dA_ptr, dq_ptr, dk_ptr, dq_acc_ptr, dk_acc_ptr, derase_ptr, dbeta_ptr, dg_ptr,
-                    bounds_ptr,
-                    num_tokens, key_heads, value_heads, group, scale, GROUPED: tl.constexpr,
+                    bounds_ptr, num_tokens, key_heads, value_heads, group, scale, GROUPED: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     G_MODE: tl.constexpr, ERASE: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
     """dq and dk of one chunk and q/k head, and for each v head of its group the erase gate's
     gradient (or beta's share) and dg, BK key channels at a time. The program takes the group's v
     heads one after another and sums their shares of dq and dk itself (``_group_put``); a group
     of one (GROUPED off) compiles without that loop (see "Hopper" in the module docstring for why
-    the group size is not a compile-time constant otherwise). G_MODE is
-    1 or 2: without a decay the host passes a zero per-head one (see "Hopper" in the module
-    docstring). With one decay per head (grid [NC, Hk]) the program loops over the key blocks: it
-    masks and decays the [64, 64] tiles of dP and dA (and their transposes) once per v head,
-    before the loop, and sums dg and beta's share over the key blocks itself. With one per key
-    channel those tiles decay per channel: one program per key block (grid [NC, Hk, K/BK]), and
-    beta's share is a partial sum over the key blocks, at [kb, token, head]. dP and dA come whole
-    from _bwd_scores and are masked here, as they are used, so that their tiles reach tl.dot from
-    registers, not straight from memory."""
+    the group size is not a compile-time constant otherwise). G_MODE is 1 or 2: without a decay
+    the host passes a zero per-head one (see "Hopper" in the module docstring). With one decay per
+    head (grid [NC, Hk]) the program loops over the key blocks: it masks and decays the [64, 64]
+    tiles of dP and dA (and their transposes) once per v head, before the loop, and sums dg and
+    beta's share over the key blocks itself. With one per key channel those tiles decay per
+    channel: one program per key block (grid [NC, Hk, K/BK]), and beta's share is a partial sum
+    over the key blocks, at [kb, token, head]. dP and dA come whole from _bwd_scores and are masked
+    here, as they are used, so that their tiles reach tl.dot from registers, not straight from
+    memory."""
     c = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
     start, count, t, valid = _chunk(bounds_ptr, c)
