@@ -48,3 +48,20 @@ def unit_scale(monkeypatch):
     from megatron_ext.mixers.dsa import IndexerLoss
 
     monkeypatch.setattr(IndexerLoss, "scale", None)
+
+
+@pytest.fixture
+def indexer_losses(monkeypatch):
+    """The DSA indexer losses the test computes (``sparse.dsa_indexer_loss``), as floats, in
+    order."""
+    from megatron_ext.kernels import sparse
+
+    losses, indexer_loss = [], sparse.dsa_indexer_loss
+
+    def recording(*args, **kwargs):
+        loss = indexer_loss(*args, **kwargs)
+        losses.append(loss.item())
+        return loss
+
+    monkeypatch.setattr(sparse, "dsa_indexer_loss", recording)
+    return losses

@@ -8,7 +8,6 @@ import torch
 
 import harness
 from megatron_ext.config import ConfigError, ExtConfig
-from megatron_ext.kernels import sparse
 from megatron_ext.mixers.dsa import IndexerLoss, freeze_all_but_indexers
 
 pytestmark = pytest.mark.usefixtures("megatron_single_process")
@@ -43,17 +42,10 @@ def test_sparse_stage_each_loss_trains_its_own_parameters(unit_scale):
             torch.testing.assert_close(grad, without[name], rtol=0, atol=0, msg=name)
 
 
-def test_dense_warmup_trains_only_the_indexer(unit_scale, monkeypatch):
+def test_dense_warmup_trains_only_the_indexer(unit_scale, indexer_losses):
     """Dense warm-up: after freeze_all_but_indexers only the indexer has gradients and moves
     under the optimizer, and its KL loss to the attention falls."""
-    losses, indexer_loss = [], sparse.dsa_indexer_loss
-
-    def recording(*args, **kwargs):
-        loss = indexer_loss(*args, **kwargs)
-        losses.append(loss.item())
-        return loss
-
-    monkeypatch.setattr(sparse, "dsa_indexer_loss", recording)
+    losses = indexer_losses
     model = freeze_all_but_indexers(_model(_ext("D", dsa_stage="dense_warmup")))
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 import harness
 from megatron_ext.config import ConfigError, ExtConfig
-from megatron_ext.kernels import sparse
 from megatron_ext.mixers.dsa import freeze_all_but_indexers
 
 pytestmark = pytest.mark.usefixtures("megatron_single_process")
@@ -224,16 +223,9 @@ def test_dsa_on_mla_indexer_learns_from_its_loss_alone(unit_scale):
             torch.testing.assert_close(grad, without[name], rtol=0, atol=0, msg=name)
 
 
-def test_dsa_on_mla_dense_warmup_trains_only_the_indexer(unit_scale, monkeypatch):
+def test_dsa_on_mla_dense_warmup_trains_only_the_indexer(unit_scale, indexer_losses):
     """Dense warm-up: only the indexer moves, and its KL loss to MLA's attention falls."""
-    losses, indexer_loss = [], sparse.dsa_indexer_loss
-
-    def recording(*args, **kwargs):
-        loss = indexer_loss(*args, **kwargs)
-        losses.append(loss.item())
-        return loss
-
-    monkeypatch.setattr(sparse, "dsa_indexer_loss", recording)
+    losses = indexer_losses
     model, _, _ = mla_layer("D*", **{**DSA_MLA, "dsa_stage": "dense_warmup"})
     freeze_all_but_indexers(model)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
