@@ -27,7 +27,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..common import check_shared_inputs, fail, sequence_start_states, upcast_qkv
+from ..common import check_shared_inputs, fail, sequence_start_states
+from ..decay.reference import expand_inputs as expand_decay_inputs
 
 __all__ = ["dplr_delta_rule_reference", "check_inputs", "expand_inputs"]
 
@@ -52,10 +53,8 @@ def check_inputs(q, k, v, *, a, b, g, initial_state, cu_seqlens) -> None:
 
 
 class ExpandedInputs(NamedTuple):
-    """The inputs in the compute dtype, every tensor with Hv heads: ``[B, T, Hv, *]``.
-
-    A decay that is one scalar per head keeps a trailing axis of size 1, so that it broadcasts
-    over the key channels without being materialised per channel."""
+    """The inputs in the compute dtype, every tensor with Hv heads: ``[B, T, Hv, *]`` (the decay
+    family's, :func:`..decay.reference.expand_inputs`, plus a and b)."""
 
     q: torch.Tensor  # [B, T, Hv, K]
     k: torch.Tensor  # [B, T, Hv, K]
@@ -67,13 +66,10 @@ class ExpandedInputs(NamedTuple):
 
 def expand_inputs(q, k, v, *, a, b, g) -> ExpandedInputs:
     """Upcast (fp32, fp64 for fp64 inputs), give each v head its q/k head, and bring g to
-    ``[B, T, Hv, K or 1]``."""
-    q, k, v = upcast_qkv(q, k, v)
-    if g is None:
-        log_decay = torch.zeros(*v.shape[:3], 1, dtype=v.dtype, device=v.device)
-    else:
-        log_decay = (g.unsqueeze(-1) if g.dim() == 3 else g).to(v.dtype)
-    return ExpandedInputs(q=q, k=k, v=v, a=a.to(v.dtype), b=b.to(v.dtype), log_decay=log_decay)
+    ``[B, T, Hv, K or 1]``, as the decay family does; a and b in the same dtype."""
+    x = expand_decay_inputs(q, k, v, g=g)
+    return ExpandedInputs(q=x.q, k=x.k, v=x.v, a=a.to(x.v.dtype), b=b.to(x.v.dtype),
+                          log_decay=x.log_decay)
 
 
 def dplr_delta_rule_reference(
