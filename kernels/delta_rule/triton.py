@@ -52,9 +52,9 @@ Kernels, in order (grids in brackets; NC chunks over all sequences, N sequences,
               sequence -> chunk states, U, final state;  _fwd_output [NC, Hv, V/BV] -> o
     backward  _bwd_state [N, Hv, V/BV], along each sequence in reverse -> dS_C per chunk, dU,
               the initial state's gradient;  _bwd_scores [NC, Hv] -> dP, dA, dv, dw (or beta's
-              share);  _bwd_qkg [NC, Hk] (one decay per head or none; a loop over blocks of BK
-              key channels) or [NC, Hk, K/BK] (per-channel decay), each over the q/k head's
-              group of v heads -> dq, dk, d erase (or beta's share), dg
+              share);  _bwd_qkg [NC, Hk] (one decay per head or none; over the q/k head's group
+              of v heads, a loop over blocks of BK key channels each) or [NC, Hv, K/BK]
+              (per-channel decay) -> dq, dk, d erase (or beta's share), dg
 Only the two sequential kernels loop over chunks (two dots per chunk each); everything else is
 parallel over chunks. Saved for the backward, per token and v head, in the dot dtype unless said:
 G (fp32; K values, or 1 with one decay per head), U (V; fp32 with the write residual), T and P (64
@@ -65,9 +65,11 @@ per head scales whole rows, so the kernels that need Gamma q and k Gamma_C / Gam
 q, k and G as they load them.) The backward adds, freed on return, dS_C per chunk (as the states),
 dU, dP and dA.
 
-Grouped heads: a program of v head hv reads q/k head hv // (Hv / Hk); a _bwd_qkg program takes
-a q/k head's group of v heads in turn and sums their shares of dq and dk (fp32 partial sums in a
-scratch buffer, the total stored once in q's dtype). Varlen: a host table of the chunks'
+Grouped heads: a program of v head hv reads q/k head hv // (Hv / Hk). With one decay per head (or
+none) a _bwd_qkg program takes a q/k head's group of v heads in turn and sums their shares of dq
+and dk (fp32 partial sums in a scratch buffer, the total stored once in q's dtype); with a
+per-channel decay each v head's program stores its shares in fp32 and group_sum adds each group's
+(see "Hopper"). Varlen: a host table of the chunks'
 token bounds and of each sequence's first chunk; loads past a chunk's end are zero, which is exact
 padding (a zero token with g = 0 reads, writes and decays nothing).
 
@@ -119,11 +121,12 @@ them), as fla-core keeps its kernels of this shape at 2 or 4 warps on Hopper (it
 by tl.where alone does not keep the compiler from the failing code), so without a decay _bwd_qkg
 runs the per-head form on a zero decay. _bwd_scores at 4 warps and _bwd_state at BV = 64 (8
 warps) also feed tiles loaded transposed (T^T, U^T, P^T) to tl.dot straight from memory, the
-pattern of those failures; both pass tests/ops/test_triton_delta_rule.py on an H200. With the
-group size a compile-time constant, _bwd_qkg's per-channel path returned wrong bf16 results for
-groups of four v heads on an H100 (test_hybrid_preset_heads[kda-bf16]; groups of two passed), and
-with it a runtime value the same code passes, so only a group of one is specialised. Any new
-launch configuration must pass that file there before use.
+pattern of those failures; both pass tests/ops/test_triton_delta_rule.py on an H200. The
+per-channel path of _bwd_qkg looping over a group of four v heads (partial sums read back after a
+barrier) faults with an illegal memory access in bf16 on an H100, with the group size a constant or
+a runtime value alike (test_hybrid_preset_heads[kda-bf16]; fp32 and the per-head path's loop pass),
+so that path takes one v head a program. Any new launch configuration must pass that file there
+before use.
 """
 import functools
 import os
@@ -134,6 +137,7 @@ import triton.language as tl
 
 from .. import backends
 from ..common import sequence_bounds
+from ..group_sum import group_sum
 from .reference import check_inputs
 
 __all__ = ["gated_delta_rule_triton", "triton_unavailable_reason"]
@@ -670,32 +674,39 @@ def _group_put(out_ptr, acc_ptr, start, t, valid, key_heads, hk, K: tl.constexpr
 @triton.jit(do_not_specialize=["num_tokens", "key_heads", "value_heads", "group"])
 def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr,
                     do_ptr, dP_ptr, dA_ptr, dq_ptr, dk_ptr, dq_acc_ptr, dk_acc_ptr, derase_ptr, dbeta_ptr, dg_ptr,
-                    bounds_ptr, num_tokens, key_heads, value_heads, group, scale, GROUPED: tl.constexpr,
+                    bounds_ptr, num_tokens, key_heads, value_heads, group, scale, GROUP_LOOP: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     G_MODE: tl.constexpr, ERASE: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
-    """dq and dk of one chunk and q/k head, and for each v head of its group the erase gate's
-    gradient (or beta's share) and dg, BK key channels at a time. The program takes the group's v
-    heads one after another and sums their shares of dq and dk itself (``_group_put``); a group
-    of one (GROUPED off) compiles without that loop (see "Hopper" in the module docstring for why
-    the group size is not a compile-time constant otherwise). G_MODE is 1 or 2: without a decay
-    the host passes a zero per-head one (see "Hopper" in the module docstring). With one decay per
-    head (grid [NC, Hk]) the program loops over the key blocks: it masks and decays the [64, 64]
-    tiles of dP and dA (and their transposes) once per v head, before the loop, and sums dg and
-    beta's share over the key blocks itself. With one per key channel those tiles decay per
-    channel: one program per key block (grid [NC, Hk, K/BK]), and beta's share is a partial sum
-    over the key blocks, at [kb, token, head]. dP and dA come whole from _bwd_scores and are masked
-    here, as they are used, so that their tiles reach tl.dot from registers, not straight from
-    memory."""
+    """dq and dk of one chunk, and for each v head the erase gate's gradient (or beta's share)
+    and dg, BK key channels at a time. With GROUP_LOOP a program takes a q/k head's group of v
+    heads one after another and sums their shares of dq and dk itself (``_group_put``); without,
+    a program takes one v head and stores its shares at [tokens, Hv, K] (dq and dk themselves when
+    Hv = Hk), with no loop, partial sums or barrier. G_MODE is 1 or 2: without a decay the host
+    passes a zero per-head one (see "Hopper" in the module docstring). With one decay per head
+    (grid [NC, Hk] or [NC, Hv]) the program loops over the key blocks: it masks and decays the
+    [64, 64] tiles of dP and dA (and their transposes) once per v head, before the loop, and sums
+    dg and beta's share over the key blocks itself. With one per key channel those tiles decay per
+    channel: one program per v head and key block (grid [NC, Hv, K/BK]), and beta's share is a
+    partial sum over the key blocks, at [kb, token, head]. dP and dA come whole from _bwd_scores
+    and are masked here, as they are used, so that their tiles reach tl.dot from registers, not
+    straight from memory."""
     c = tl.program_id(0).to(tl.int64)
-    hk = tl.program_id(1)
     start, count, t, valid = _chunk(bounds_ptr, c)
     last_row = count - 1
-    if GROUPED:
+    if GROUP_LOOP:  # a program per q/k head, over its group's v heads, summing their shares
+        hk = tl.program_id(1)
+        first = hk * group
         members = group
-    else:  # one v head per q/k head: no loop, no partial sums, no barrier
+        out_heads = key_heads
+        out_head = hk
+    else:  # a program per v head: no loop, no partial sums, no barrier; its shares of dq and dk
+        first = tl.program_id(1)  # land at [tokens, Hv, K] (with Hv = Hk, dq and dk themselves)
+        hk = first // group
         members = 1
+        out_heads = value_heads
+        out_head = first
     for member in range(0, members):
-        hv = hk * members + member
+        hv = first + member
         state_base = (c * value_heads + hv) * K * V
         square = (c * value_heads + hv) * _C * _C
         if G_MODE == 2:
@@ -767,8 +778,8 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
             d_G = q * d_q + a * d_a - k * d_k
             d_G += tl.where((t == last_row)[:, None], d_G_end[None, :], 0.0)
             _put(dg_ptr, start, t, valid, value_heads, hv, K, c0, BK, tl.cumsum(d_G, 0, reverse=True))
-            _group_put(dq_ptr, dq_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_q, member, members)
-            _group_put(dk_ptr, dk_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_k + gate * d_a,
+            _group_put(dq_ptr, dq_acc_ptr, start, t, valid, out_heads, out_head, K, c0, BK, d_q, member, members)
+            _group_put(dk_ptr, dk_acc_ptr, start, t, valid, out_heads, out_head, K, c0, BK, d_k + gate * d_a,
                        member, members)
             if ERASE:
                 _put(derase_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * d_a)
@@ -811,8 +822,8 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
                 d_a = tl.exp(G)[:, None] * d_ga + _mm(d_scores_a, k, DOT, IEEE)
                 d_k += _mm(d_scores_p_t, q, DOT, IEEE) + _mm(d_scores_a_t, a, DOT, IEEE)
                 d_G += tl.sum(q * d_q + a * d_a - k * d_k, 1) + tl.where(t == last_row, d_G_end, 0.0)
-                _group_put(dq_ptr, dq_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_q, member, members)
-                _group_put(dk_ptr, dk_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_k + gate * d_a,
+                _group_put(dq_ptr, dq_acc_ptr, start, t, valid, out_heads, out_head, K, c0, BK, d_q, member, members)
+                _group_put(dk_ptr, dk_acc_ptr, start, t, valid, out_heads, out_head, K, c0, BK, d_k + gate * d_a,
                        member, members)
                 if ERASE:
                     _put(derase_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * d_a)
@@ -822,7 +833,7 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
                      mask=valid)
             if not ERASE:
                 tl.store(_at(dbeta_ptr, start, value_heads, hv, 1) + t * value_heads, d_beta, mask=valid)
-        if GROUPED:
+        if GROUP_LOOP:
             tl.debug_barrier()  # the next member reads the partial sums this one stored
 
 
@@ -991,10 +1002,17 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
         K=K, V=V, BV=cfg.bwd_state_block_v, G_MODE=cfg.g_mode, HAS_DR=d_residual is not None,
         num_warps=8, num_stages=stages, **cfg.flags)
 
-    dq, dk = torch.empty_like(q), torch.empty_like(k)
-    # fp32 partial sums of the q/k gradients over each group's v heads (_group_put)
+    # With grouped heads, one decay per head: a _bwd_qkg program per q/k head sums its group's
+    # shares of dq and dk (fp32 partial sums in dq_acc, dk_acc). A per-channel decay takes a program
+    # per v head instead, which writes its shares in fp32 for group_sum (see "Hopper" above).
+    group_loop = cfg.group > 1 and cfg.g_mode != 2
+    head_shares = cfg.group > 1 and not group_loop
+    if head_shares:
+        dq, dk = (torch.empty(tokens, Hv, K, device=device, dtype=torch.float32) for _ in range(2))
+    else:
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
     dq_acc, dk_acc = ((torch.empty(tokens, Hk, K, device=device, dtype=torch.float32) for _ in range(2))
-                      if cfg.group > 1 else (dummy, dummy))
+                      if group_loop else (dummy, dummy))
     dv = torch.empty_like(v)
     dwrite = torch.empty_like(write) if cfg.write else None
     derase = torch.empty_like(erase) if cfg.erase else None
@@ -1006,7 +1024,7 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
     qkg_mode = max(cfg.g_mode, 1)
     G_qkg = G if cfg.g_mode != 0 else torch.zeros(tokens, Hv, device=device, dtype=torch.float32)
     if cfg.g_mode == 2:
-        qkg_grid = (NC, Hk, K // cfg.qkg_block_k)
+        qkg_grid = (NC, Hv, K // cfg.qkg_block_k)
         dbeta_k_shape = (qkg_grid[2], tokens, Hv)
         dg = torch.empty_like(g)
     else:
@@ -1025,7 +1043,7 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
         _bwd_qkg_kernel[qkg_grid](
             q, k, beta_, erase_, G_qkg, T, h, dh, U, dU, d_o, dP, dA, dq, dk, dq_acc, dk_acc,
             dummy if derase is None else derase, dummy if dbeta_k is None else dbeta_k,
-            dg, cfg.bounds, tokens, Hk, Hv, cfg.group, cfg.scale, GROUPED=cfg.group > 1,
+            dg, cfg.bounds, tokens, Hk, Hv, cfg.group, cfg.scale, GROUP_LOOP=group_loop,
             K=K, V=V, BK=cfg.qkg_block_k, BV=cfg.block_v, G_MODE=qkg_mode, ERASE=cfg.erase,
             num_warps=cfg.qkg_warps, num_stages=stages, **cfg.flags)
     else:  # no tokens at all
@@ -1033,6 +1051,8 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
             if tensor is not None:
                 tensor.zero_()
 
+    if head_shares:
+        dq, dk = group_sum(dq, cfg.group, q.dtype), group_sum(dk, cfg.group, k.dtype)
     d_beta = None
     if beta is not None:
         if dbeta_k is not None and cfg.g_mode == 2:
