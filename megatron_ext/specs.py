@@ -20,6 +20,7 @@ the residual state.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib.util
@@ -134,10 +135,11 @@ class ExtTransformerLayer(TransformerLayer):
     """Megatron's TransformerLayer, with two options:
 
     - cross-layer routing after the whole layer: ``h <- layer(h) + P_l s_l``, where ``s_l`` is
-      the signal the delta-rule mixer left in ``routed_signal`` (CLVR: its value v; CLER-H: its
-      write residual r) and ``P_l`` is a zero-initialised row-parallel projection (so the model
-      starts exactly at the baseline, and under TP/SP the term is summed over heads and
-      scattered like any layer output);
+      the signal the delta-rule mixer returns as its third output (CLVR: its value v; CLER-H:
+      its write residual r), which :meth:`_routed_signals` takes off before Megatron's layer
+      code sees the mixer's output, and ``P_l`` is a zero-initialised row-parallel projection
+      (so the model starts exactly at the baseline, and under TP/SP the term is summed over
+      heads and scattered like any layer output);
     - a residual scheme (``ext.residual`` other than "standard"): the sublayers' bias-dropout
       slots stop adding the residual, and the scheme (:mod:`megatron_ext.residual`) gives each
       sublayer its input and folds its output into the packed state the layer returns. A routed
@@ -159,22 +161,44 @@ class ExtTransformerLayer(TransformerLayer):
         if self.residual is not None:
             self.self_attn_bda = self.mlp_bda = residual.bias_dropout
 
-    def _routed(self, dtype: torch.dtype) -> torch.Tensor:
-        signal = self.self_attention.routed_signal
-        self.self_attention.routed_signal = None
-        routed, _ = self.routing_projection(signal.to(dtype))
-        return routed
+    @contextlib.contextmanager
+    def _routed_signals(self):
+        """Yields a list that, with routing on, receives the signal of each call of the mixer,
+        whose output ``(out, bias, signal)`` goes on to Megatron's layer code as ``(out, bias)``
+        (the form its ``_forward_attention`` takes)."""
+        signals = []
+        if self.routing_projection is None:
+            yield signals
+            return
+
+        def take_signal(module, args, output):
+            out, bias, signal = output
+            signals.append(signal)
+            return out, bias
+
+        handle = self.self_attention.register_forward_hook(take_signal)
+        try:
+            yield signals
+        finally:
+            handle.remove()
+
+    def _route(self, output: torch.Tensor, signals: list) -> torch.Tensor:
+        """``output + P_l s_l`` with routing on (``s_l`` from ``signals``), else output."""
+        if self.routing_projection is None:
+            return output
+        routed, _ = self.routing_projection(signals.pop().to(output.dtype))
+        return output + routed
 
     def forward(self, *args, **kwargs):
-        if self.residual is not None:
-            return self._forward_with_scheme(*args, **kwargs)
-        output, context = super().forward(*args, **kwargs)
-        if self.routing_projection is not None:
-            output = output + self._routed(output.dtype)
-        return output, context
+        with self._routed_signals() as signals:
+            if self.residual is not None:
+                return self._forward_with_scheme(signals, *args, **kwargs)
+            output, context = super().forward(*args, **kwargs)
+            return self._route(output, signals), context
 
-    def _forward_with_scheme(self, *args, **kwargs):
-        """TransformerLayer.forward with the residual connections of ``self.residual``."""
+    def _forward_with_scheme(self, signals: list, *args, **kwargs):
+        """TransformerLayer.forward with the residual connections of ``self.residual``;
+        ``signals``: the mixer's routed signal (:meth:`_routed_signals`)."""
         if "hidden_states" in kwargs:
             hidden_states = kwargs.pop("hidden_states")
         else:
@@ -187,8 +211,7 @@ class ExtTransformerLayer(TransformerLayer):
                                    kwargs.get("inference_context"),
                                    padding_mask=kwargs.get("padding_mask"),
                                    packed_seq_params=kwargs.get("packed_seq_params"))
-        if self.routing_projection is not None:
-            output = output + self._routed(output.dtype)
+        output = self._route(output, signals)
         self.residual.sublayer_output(state, output)
         return self.residual.exit(state), context
 

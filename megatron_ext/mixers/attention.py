@@ -51,7 +51,10 @@ class SoftmaxCoreAttention(HeadShardedModule):
     the kernels' ``[b, s, heads, d]``, the sink, the layer's window and XSA.
 
     Subclasses implement :meth:`attend`. Masks follow Megatron's convention:
-    ``attention_mask`` is boolean with True where a query must NOT attend.
+    ``attention_mask`` is boolean with True where a query must NOT attend. A core that needs
+    inputs besides the query, key and value (a sparse core's indexer outputs, gates or
+    compressed entries) takes them as keyword arguments of :meth:`forward`, which hands them to
+    :meth:`attend`; its layer passes them with :func:`core_inputs`.
     """
 
     # Whether attend() takes an extra attention mask besides the mask type.
@@ -104,8 +107,9 @@ class SoftmaxCoreAttention(HeadShardedModule):
             return torch.full((self.heads,), self.fixed_sink, device=device)
         return getattr(self, "softmax_offset", None)
 
-    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
-        """q ``[b, s, hq, d]``, k/v ``[b, s, hkv, d]`` -> ``[b, s, hq, d]``."""
+    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params, **inputs):
+        """q ``[b, s, hq, d]``, k/v ``[b, s, hkv, d]`` -> ``[b, s, hq, d]``; ``inputs``: the
+        core's own inputs, as given to :meth:`forward`."""
         raise NotImplementedError
 
     def cached_keys(self, sq: int, sk: int, device) -> tuple[int, torch.Tensor]:
@@ -127,8 +131,9 @@ class SoftmaxCoreAttention(HeadShardedModule):
                 attention_mask: torch.Tensor | None,
                 attn_mask_type: AttnMaskType | None = None,
                 attention_bias: torch.Tensor | None = None,
-                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
-        """query ``[sq, b, hq, d]``, key/value ``[sk, b, hkv, d]`` -> ``[sq, b, hq * d]``.
+                packed_seq_params: PackedSeqParams | None = None, **inputs) -> torch.Tensor:
+        """query ``[sq, b, hq, d]``, key/value ``[sk, b, hkv, d]`` -> ``[sq, b, hq * d]``;
+        ``inputs``: the keyword inputs of the subclass's :meth:`attend`.
 
         With ``thd`` packing the batch dimension is absent (``[t, h, d]``) and sequences are
         separated by ``packed_seq_params.cu_seqlens_q``.
@@ -144,13 +149,28 @@ class SoftmaxCoreAttention(HeadShardedModule):
         if packed:
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, h, d]
-        out = self.attend(q, k, v, attention_mask, mask_type, packed_seq_params)
+        out = self.attend(q, k, v, attention_mask, mask_type, packed_seq_params, **inputs)
         if self.ext.attention_xsa:
             out = sparse.exclusive_self_attention(out, v)
         out = out.transpose(0, 1)  # [sq, b, hq, d]
         if packed:
             return out.reshape(out.shape[0], -1)
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+@contextlib.contextmanager
+def core_inputs(core: torch.nn.Module, **inputs):
+    """Megatron's attention calls its core with a fixed set of arguments; within this context,
+    that call also passes ``inputs`` as keyword arguments (a layer's inputs of its core that
+    it computes itself, such as DSA's indexer outputs)."""
+    def add_inputs(module, args, kwargs):
+        return args, {**kwargs, **inputs}
+
+    handle = core.register_forward_pre_hook(add_inputs, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 class HeadSplitCoreAttention(SoftmaxCoreAttention):

@@ -63,7 +63,7 @@ from megatron.core.transformer.attention import SelfAttention
 
 from megatron_ext.config import ConfigError
 from megatron_ext.kernels import sparse
-from megatron_ext.mixers.attention import HeadSplitCoreAttention
+from megatron_ext.mixers.attention import HeadSplitCoreAttention, core_inputs
 from megatron_ext.mixers.common import (HeadShardedModule, LinearMixerSubmodules, cannot_decode,
                                         packed_cu_seqlens)
 from megatron_ext.mixers.dsa import (DSACoreAttention, IndexerLoss, LightningIndexer,
@@ -159,7 +159,7 @@ class CompressedIndexer(LightningIndexer):
 
 class HCACoreAttention(HeadSplitCoreAttention):
     """HCA's core (and the base of CSA's): attention over the window and the compressed
-    entries, which :class:`HCASelfAttention` leaves in ``compressed`` (keys, values)."""
+    entries ``compressed`` (keys, values), which :class:`HCASelfAttention` passes to it."""
 
     rate_setting, window_setting = "hca_compress_rate", "hca_window"
 
@@ -174,15 +174,6 @@ class HCACoreAttention(HeadSplitCoreAttention):
             self.sharded_parameter("softmax_offset", torch.zeros(config.num_attention_heads))
         self.rate = getattr(self.ext, self.rate_setting)
         self.compressed_window = getattr(self.ext, self.window_setting)
-        self.compressed = None
-
-    def _take(self, name: str):
-        value = getattr(self, name)
-        if value is None:
-            raise RuntimeError(f"{type(self).__name__} runs inside its SelfAttention, which "
-                               f"computes its {name} first")
-        setattr(self, name, None)
-        return value
 
     def _options(self, q, packed_seq_params):
         sink = self.sink(q.device)
@@ -191,44 +182,42 @@ class HCACoreAttention(HeadSplitCoreAttention):
                     scale=self.softmax_scale, cu_seqlens=packed_cu_seqlens(packed_seq_params),
                     backend=self.ext.sparse_backend)
 
-    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
+    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params, **inputs):
         """Under context parallelism, all-to-all over heads (as MoBA, NSA and DSA): q, k, v go
         from a sequence split to a head split around the op; the compressor has already
-        produced this rank's head group's entries of the whole sequence."""
+        produced this rank's head group's entries of the whole sequence. ``inputs`` go to
+        :meth:`compressed_attend`."""
         if self.cp is None:
-            return self.compressed_attend(q, k, v, packed_seq_params)
+            return self.compressed_attend(q, k, v, packed_seq_params, **inputs)
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
         packed = None if cu_seqlens is None else packed_layout(self.cp, cu_seqlens)
         q, k, v = (self.cp.sequence_to_heads(x, packed) for x in (q, k, v))
-        return self.cp.heads_to_sequence(self.compressed_attend(q, k, v, packed_seq_params), packed)
+        out = self.compressed_attend(q, k, v, packed_seq_params, **inputs)
+        return self.cp.heads_to_sequence(out, packed)
 
-    def compressed_attend(self, q, k, v, packed_seq_params):
-        keys, values = self._take("compressed")
+    def compressed_attend(self, q, k, v, packed_seq_params, compressed):
+        keys, values = compressed
         return sparse.compressed_attention(q, k, v, keys, values, rate=self.rate,
                                            **self._options(q, packed_seq_params))
 
 
 class CSACoreAttention(HCACoreAttention):
     """CSA's core: top-k (in the dense warm-up: all) compressed entries plus the window, and
-    the indexer loss attached to its output, from the indexer outputs :class:`CSASelfAttention`
-    leaves in ``index``."""
+    the indexer loss attached to its output, from the indexer's outputs ``index`` that
+    :class:`CSASelfAttention` passes to it with the entries."""
 
     rate_setting, window_setting = "csa_compress_rate", "csa_window"
     # The loss target over all TP ranks' heads, and under CP each rank's share of the loss.
     _sum_over_heads = DSACoreAttention._sum_over_heads
     _indexer_loss_options = DSACoreAttention._indexer_loss_options
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.index = None
-
-    def compressed_attend(self, q, k, v, packed_seq_params):
+    def compressed_attend(self, q, k, v, packed_seq_params, compressed, index):
         """As HCA's, plus the selection and the indexer loss; under context parallelism the
         indexer ran on the whole sequence on every rank, and each rank computes the loss of its
         own tokens (their rows of index_q and index_weights), as DSA's do: the ranks' losses
         sum to the whole one."""
-        keys, values = self._take("compressed")
-        index_q, index_k, index_weights = self._take("index")
+        keys, values = compressed
+        index_q, index_k, index_weights = index
         ext, options = self.ext, self._options(q, packed_seq_params)
         selected = lse = None
         if ext.dsa_stage == "sparse":
@@ -281,7 +270,8 @@ def _whole_sequence_tables(cp, rotary):
 
 class HCASelfAttention(SelfAttention):
     """Megatron's SelfAttention plus the :class:`KVCompressor`, run on the layer's normalised
-    input before the attention; the core reads the entries as ``core_attention.compressed``.
+    input before the attention; the entries go to the core as its ``compressed`` argument
+    (:func:`~megatron_ext.mixers.attention.core_inputs`).
 
     RoPE: Megatron's attention rotates this rank's queries and keys as usual. The compressor's
     entries and CSA's indexer cover whole sequences, under context parallelism too, so they read
@@ -318,18 +308,19 @@ class HCASelfAttention(SelfAttention):
             keys = apply_rotary_pos_emb(values.transpose(0, 1), rotary[1][entries.positions],
                                         config=self.config, cp_group=self.pg_collection.cp)
             keys = keys.transpose(0, 1)
-        self.core_attention.compressed = (keys, values)
-        self._before_attention(hidden_states, rotary, cu_seqlens, packed)
-        return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb,
-                               packed_seq_params=packed_seq_params, **kwargs)
+        inputs = self._core_inputs(hidden_states, rotary, cu_seqlens, packed)
+        with core_inputs(self.core_attention, compressed=(keys, values), **inputs):
+            return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb,
+                                   packed_seq_params=packed_seq_params, **kwargs)
 
-    def _before_attention(self, hidden_states, rotary, cu_seqlens, packed):
-        """What the core needs besides the entries (CSA: the indexer's outputs)."""
+    def _core_inputs(self, hidden_states, rotary, cu_seqlens, packed) -> dict:
+        """The core's inputs besides the entries (CSA: the indexer's outputs, ``index``)."""
+        return {}
 
 
 class CSASelfAttention(HCASelfAttention):
-    """HCA's layer plus CSA's :class:`CompressedIndexer`, run on the detached input; the core
-    reads its outputs as ``core_attention.index``."""
+    """HCA's layer plus CSA's :class:`CompressedIndexer`, run on the detached input; its
+    outputs go to the core as its ``index`` argument."""
 
     def __init__(self, config, submodules, layer_number, *args, **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
@@ -337,11 +328,11 @@ class CSASelfAttention(HCASelfAttention):
         self.indexer = CompressedIndexer(config, ext.csa_indexer_heads, ext.csa_indexer_dim,
                                          rate=ext.csa_compress_rate)
 
-    def _before_attention(self, hidden_states, rotary, cu_seqlens, packed):
+    def _core_inputs(self, hidden_states, rotary, cu_seqlens, packed) -> dict:
         x = hidden_states.detach()
         if self.config.sequence_parallel and self.world_size > 1:
             x = gather_from_sequence_parallel_region(x, group=self.pg_collection.tp)
         cp = self.core_attention.cp
         if cp is not None:  # the indexer, replicated, runs on the whole sequence
             x = cp.gather_sequence(x.transpose(0, 1), packed).transpose(0, 1)
-        self.core_attention.index = self.indexer(x, rotary, cu_seqlens, self.pg_collection.cp)
+        return {"index": self.indexer(x, rotary, cu_seqlens, self.pg_collection.cp)}

@@ -70,9 +70,10 @@ def _batch_first(t: torch.Tensor) -> torch.Tensor:  # [s, b, ...] -> [b, s, ...]
 class DeltaRuleMixer(HeadShardedModule):
     """Megatron mixer contract: ``forward(hidden [s, b, h], ...) -> (out [s, b, h], bias)``.
 
-    With cross-layer routing on, each forward also leaves the routed signal (its value v for
-    CLVR, its write residual r for CLER-H; ``[s, b, local value heads * V]``) in
-    ``routed_signal`` for the layer to project into the residual stream.
+    With cross-layer routing on, the forward returns ``(out, bias, signal)``: the routed signal
+    (its value v for CLVR, its write residual r for CLER-H; ``[s, b, local value heads * V]``)
+    for the layer to project into the residual stream
+    (:class:`~megatron_ext.specs.ExtTransformerLayer`).
     """
 
     def __init__(self, config, submodules: LinearMixerSubmodules, layer_number: int,
@@ -104,7 +105,6 @@ class DeltaRuleMixer(HeadShardedModule):
                     value_heads=self.value_heads)
         self.kernel_backend = ext.kernel_backend
         self.routing = ext.cross_layer_routing
-        self.routed_signal: torch.Tensor | None = None
         self.routed_size = value_heads * self.value_dim  # over all TP ranks
         per_channel_decay = variant in ("kda", "gated_deltanet2")
 
@@ -152,7 +152,8 @@ class DeltaRuleMixer(HeadShardedModule):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None,
                 inference_context=None, **_unused):
-        """hidden_states ``[s, b, h]`` -> (``[s, b, h]``, bias or None). With Megatron's
+        """hidden_states ``[s, b, h]`` -> (``[s, b, h]``, bias or None), and with cross-layer
+        routing the routed signal ``[s, b, local value heads * V]``. With Megatron's
         ``inference_context``, the tokens continue the ones before them (see
         :meth:`~megatron_ext.mixers.common.HeadShardedModule.decoding_cache`)."""
         cache = self.decoding_cache(inference_context, packed_seq_params)
@@ -189,9 +190,6 @@ class DeltaRuleMixer(HeadShardedModule):
             **recurrent_state(cache))
         if cache is not None:
             cache["state"] = final
-        if self.routing != "none":
-            signal = residual[0] if self.routing == "cler_h" else v
-            self.routed_signal = signal.reshape(b, s, -1).transpose(0, 1)
 
         def gate_heads(z):  # [s, b, Hv * V] -> [b, s, Hv, V]
             return z.transpose(0, 1).unflatten(-1, (self.value_heads, self.value_dim))
@@ -199,7 +197,11 @@ class DeltaRuleMixer(HeadShardedModule):
         o = gated_rms_norm(o.to(hidden_states.dtype), self.out_norm_weight,
                            gate_heads(projected["gate"]), self.norm_eps, sequence_first=True,
                            gate_grad_into=grad_into("gate", gate_heads))  # [s, b, Hv * V]
-        return self.linear_out(o)
+        out, bias = self.linear_out(o)
+        if self.routing == "none":
+            return out, bias
+        signal = residual[0] if self.routing == "cler_h" else v
+        return out, bias, signal.reshape(b, s, -1).transpose(0, 1)
 
 
 def delta_rule_spec(ext_config, transformer_config, variant: str) -> ModuleSpec:

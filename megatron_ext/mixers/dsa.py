@@ -62,7 +62,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.kernels import sparse
-from megatron_ext.mixers.attention import HeadSplitCoreAttention
+from megatron_ext.mixers.attention import HeadSplitCoreAttention, core_inputs
 from megatron_ext.mixers.common import cannot_decode, packed_cu_seqlens
 from megatron_ext.parallel.context import packed_layout
 
@@ -155,8 +155,9 @@ class LightningIndexer(MegatronModule):
 
 class DSACoreAttention(HeadSplitCoreAttention):
     """DSA's core: top-k (in the dense warm-up: dense) causal attention, and the indexer loss
-    attached to its output, from the indexer outputs :class:`DSASelfAttention` leaves in
-    ``index``. Packed (``thd``) sequences select within their own sequence."""
+    attached to its output, from the indexer's outputs ``index`` (index_q, index_k,
+    index_weights) that :class:`DSASelfAttention` passes to it. Packed (``thd``) sequences
+    select within their own sequence."""
 
     def __init__(self, config, layer_number, attn_mask_type, *args, **kwargs):
         super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
@@ -164,7 +165,6 @@ class DSACoreAttention(HeadSplitCoreAttention):
             raise ConfigError(
                 f"window_size={self.window} applies to '*' and MoBA layers; DSA picks its own "
                 "keys. Use window_attn_skip_freq to leave DSA layers out, or drop window_size")
-        self.index = None
 
     def _sum_over_heads(self, mass: torch.Tensor) -> torch.Tensor:
         """The loss target summed over the heads of every TP rank (under CP, the query shares'
@@ -180,7 +180,7 @@ class DSACoreAttention(HeadSplitCoreAttention):
                     shares=None if self.cp is None else self.cp.query_shares(seq_len, packed,
                                                                              device))
 
-    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
+    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params, index):
         """Under context parallelism (all-to-all, as MoBA and NSA): the indexer's outputs are
         all-gathered (every rank selects for the whole sequence, the same keys), q, k and v go
         from a sequence split to a head split, and each rank computes the indexer loss of its
@@ -188,10 +188,7 @@ class DSACoreAttention(HeadSplitCoreAttention):
         index_weights and the gathered index_k. Only index_k's gather carries a gradient
         (summed over the ranks by its reduce-scatter); index_q and index_weights are gathered
         detached, for the selection alone."""
-        if self.index is None:
-            raise RuntimeError("DSACoreAttention runs inside DSASelfAttention, which computes "
-                               "the indexer's outputs first")
-        (index_q, index_k, index_weights), self.index = self.index, None
+        index_q, index_k, index_weights = index
         loss_q, loss_weights = index_q, index_weights  # the queries of this rank's loss
         ext = self.ext
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
@@ -224,7 +221,7 @@ class DSACoreAttention(HeadSplitCoreAttention):
 
 def refuse_core_recompute(layer: SelfAttention, name: str, inputs: str) -> None:
     """ConfigError for Megatron's selective recompute of the core attention in a layer whose
-    core reads ``inputs`` that the layer computes before it (Megatron's recompute would call
+    core takes ``inputs`` that the layer computes before it (Megatron's recompute would call
     the core without them); the sparse ops recompute their chunks in backward anyway."""
     if layer.checkpoint_core_attention:
         raise ConfigError(
@@ -245,8 +242,8 @@ def rope_cu_seqlens(packed_seq_params):
 
 class DSASelfAttention(SelfAttention):
     """Megatron's SelfAttention plus DSA's :class:`LightningIndexer`, run on the detached
-    input before the attention; its core reads the indexer's outputs as
-    ``core_attention.index``."""
+    input before the attention; the indexer's outputs go to the core as its ``index``
+    argument (:func:`~megatron_ext.mixers.attention.core_inputs`)."""
 
     def __init__(self, config, submodules, layer_number, *args, **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
@@ -264,10 +261,10 @@ class DSASelfAttention(SelfAttention):
         rotary = rotary_pos_emb
         if rotary is not None and not isinstance(rotary, tuple):
             rotary = (rotary, rotary)
-        self.core_attention.index = self.indexer(x, rotary, rope_cu_seqlens(packed_seq_params),
-                                                 self.pg_collection.cp)
-        return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb,
-                               packed_seq_params=packed_seq_params, **kwargs)
+        index = self.indexer(x, rotary, rope_cu_seqlens(packed_seq_params), self.pg_collection.cp)
+        with core_inputs(self.core_attention, index=index):
+            return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb,
+                                   packed_seq_params=packed_seq_params, **kwargs)
 
 
 def freeze_all_but_indexers(model_chunks):

@@ -161,11 +161,16 @@ class MLADSACoreAttention(DSACoreAttention):
     ``thd`` packing Megatron's MLA has already padded v to q's dims and trims the output
     itself."""
 
-    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
+    # megatron-core's MLA then passes the layer input and the query latent (x, qr) to its
+    # _run_core_attention, where MLADSASelfAttention turns them into this core's index.
+    requires_dsa_inputs = True
+
+    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params, index):
         width = v.shape[-1]
         dim = max(q.shape[-1], width)
         q, k, v = (_pad_head_dim(t, dim) for t in (q, k, v))
-        return super().attend(q, k, v, attention_mask, mask_type, packed_seq_params)[..., :width]
+        out = super().attend(q, k, v, attention_mask, mask_type, packed_seq_params, index)
+        return out[..., :width]
 
 
 class MLADSASelfAttention(MLAMixer):
@@ -173,7 +178,7 @@ class MLADSASelfAttention(MLAMixer):
     over TP; its queries from the query latent ``c_q``, width ``mla_q_lora_rank``): the 'D'
     layers under ``dsa_attention_type: mla``. The indexer runs on the whole sequence (gathered
     under SP) of the detached input and latent, between MLA's projections and its core, which
-    reads its outputs as ``core_attention.index``."""
+    takes its outputs as its ``index`` argument."""
 
     def __init__(self, config, submodules, layer_number: int, ext_config: ExtConfig, **kwargs):
         super().__init__(config, submodules, layer_number, ext_config, **kwargs)
@@ -193,12 +198,18 @@ class MLADSASelfAttention(MLAMixer):
             raise ConfigError(cannot_decode("DSA"))
         return super().forward(hidden_states, *args, **kwargs)
 
-    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
-                                    packed_seq_params=None, **kwargs):
-        """Megatron's MLA projections, then the indexer on ``x`` and the normalised query
-        latent that they return."""
-        query, key, value, q_latent, kv_latent = super().get_query_key_value_tensors(
-            hidden_states, key_value_states, position_ids, packed_seq_params, **kwargs)
+    def _run_core_attention(self, query, key, value, attention_mask, packed_seq_params=None,
+                            attn_mask_type=None, *, x, qr):
+        """megatron-core's MLA calls its core through this, with the layer input ``x`` and the
+        normalised query latent ``qr`` (the core's ``requires_dsa_inputs``): the indexer runs
+        on both and the core gets its outputs as ``index``."""
+        index = self._index(x, qr, packed_seq_params)
+        return super()._run_core_attention(query, key, value, attention_mask,
+                                           packed_seq_params=packed_seq_params,
+                                           attn_mask_type=attn_mask_type, index=index)
+
+    def _index(self, hidden_states, q_latent, packed_seq_params):
+        """The indexer's outputs, from the detached layer input and query latent."""
         x = hidden_states.detach()
         c_q = q_latent.detach().view(*x.shape[:-1], -1)  # thd: [t, r] -> [t, 1, r]
         if self.config.sequence_parallel and self.world_size > 1:
@@ -210,9 +221,8 @@ class MLADSASelfAttention(MLAMixer):
         freqs = self.rotary_pos_emb(length, packed_seq=cu_seqlens is not None)
         if self.config.rope_type == "yarn":
             freqs = freqs[0]  # (table, concentration factor): the table alone
-        self.core_attention.index = self.indexer(x, (freqs, freqs), cu_seqlens,
-                                                 self.pg_collection.cp, query_input=c_q)
-        return query, key, value, q_latent, kv_latent
+        return self.indexer(x, (freqs, freqs), cu_seqlens, self.pg_collection.cp,
+                            query_input=c_q)
 
 
 def mla_spec(ext_config: ExtConfig, transformer_config, indexer: bool = False) -> ModuleSpec:

@@ -42,7 +42,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.kernels import sparse
 from megatron_ext.kernels.sparse.reference import masked_attention
-from megatron_ext.mixers.attention import HeadSplitCoreAttention, SoftmaxCoreAttention
+from megatron_ext.mixers.attention import (HeadSplitCoreAttention, SoftmaxCoreAttention,
+                                           core_inputs)
 from megatron_ext.mixers.common import cannot_decode, packed_cu_seqlens
 from megatron_ext.mixers.compressed import (CSACoreAttention, CSASelfAttention,
                                            HCACoreAttention, HCASelfAttention)
@@ -89,9 +90,10 @@ class _SparseCore(HeadSplitCoreAttention):
 
     Context parallelism: all-to-all (Ulysses, see the base class). The selections look at the
     whole sequence (MoBA's block means, NSA's compressed keys) and are per head or per key/value
-    group; ``sparse_attend`` gets this rank's head group of per-head tensors through ``heads``."""
+    group; ``sparse_attend`` gets this rank's head group of per-head tensors through ``heads``,
+    and the core's keyword ``inputs``."""
 
-    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
+    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params, **inputs):
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
         packed = None if self.cp is None or cu_seqlens is None else packed_layout(self.cp, cu_seqlens)
         documents = None if cu_seqlens is None else _DocumentRows(cu_seqlens, q.device)
@@ -110,7 +112,7 @@ class _SparseCore(HeadSplitCoreAttention):
 
         heads = (lambda t: t) if self.cp is None else self.cp_heads
         q, k, v = (to_rows(x) for x in (q, k, v))
-        return from_rows(self.sparse_attend(q, k, v, heads=heads, to_rows=to_rows))
+        return from_rows(self.sparse_attend(q, k, v, heads=heads, to_rows=to_rows, **inputs))
 
 
 class MoBACoreAttention(_SparseCore):
@@ -129,7 +131,8 @@ class MoBACoreAttention(_SparseCore):
 
 
 class NSACoreAttention(_SparseCore):
-    """NSA's core; the branch gates come from :class:`NSASelfAttention` (``gate_logits``)."""
+    """NSA's core; the logits of the branch gates, ``gate_logits`` ``[s, b, heads * 3]``, come
+    from :class:`NSASelfAttention`."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -142,14 +145,13 @@ class NSACoreAttention(_SparseCore):
         mean = torch.full((config.num_query_groups, block), 1.0 / block)
         self.sharded_parameter("compress_k_weights", mean)
         self.sharded_parameter("compress_v_weights", mean.clone())
-        self.gate_logits = None
 
-    def sparse_attend(self, q, k, v, heads, to_rows):
+    def sparse_attend(self, q, k, v, heads, to_rows, gate_logits):
         ext = self.ext
         _check_blocks("nsa_select_top_k", ext.nsa_select_top_k, "nsa_select_block",
                       ext.nsa_select_block, q.shape[1])
         # [s, b, heads * 3] (head-major) -> [b, s, heads, 3], then laid out as q is
-        gates = to_rows(torch.sigmoid(self.gate_logits.float()).transpose(0, 1).unflatten(-1, (-1, 3)))
+        gates = to_rows(torch.sigmoid(gate_logits.float()).transpose(0, 1).unflatten(-1, (-1, 3)))
         return sparse.nsa_attention(
             q, k, v, gates, heads(self.compress_k_weights), heads(self.compress_v_weights),
             compress_block=ext.nsa_compress_block, compress_stride=ext.nsa_compress_stride,
@@ -172,7 +174,8 @@ def _head_gate_projection(attention, config, submodules, per_head: int, name: st
 class NSASelfAttention(SelfAttention):
     """Megatron's SelfAttention plus NSA's gate projection ``X -> [heads, 3]`` logits, built like
     ``linear_qkv`` (column-parallel; under Transformer Engine with the input norm fused), whose
-    output the core reads as ``core_attention.gate_logits``."""
+    output goes to the core as its ``gate_logits`` argument
+    (:func:`~megatron_ext.mixers.attention.core_inputs`)."""
 
     def __init__(self, config, submodules, layer_number, *args, **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
@@ -184,48 +187,49 @@ class NSASelfAttention(SelfAttention):
         self.linear_branch_gate = _head_gate_projection(self, config, submodules, 3, "nsa_gate")
 
     def forward(self, hidden_states, *args, **kwargs):
-        self.core_attention.gate_logits, _ = self.linear_branch_gate(hidden_states)
-        return super().forward(hidden_states, *args, **kwargs)
+        gate_logits, _ = self.linear_branch_gate(hidden_states)
+        with core_inputs(self.core_attention, gate_logits=gate_logits):
+            return super().forward(hidden_states, *args, **kwargs)
 
 
 class FoXCoreAttention(_SparseCore):
     """The Forgetting Transformer's core: causal softmax attention whose logits are biased by the
-    log forget gates between key and query (``sparse.softmax_attention``'s ``log_forget``); the
-    gates' logits come from :class:`FoXSelfAttention` (``forget_logits``), and when decoding
-    with Megatron's KV cache, the running sums ``c`` of the log gates of every cached token
-    (``forget_sums``, ``[b, cached tokens, heads]``)."""
+    log forget gates between key and query (``sparse.softmax_attention``'s ``log_forget``). Its
+    inputs from :class:`FoXSelfAttention`: the gates' logits ``forget_logits`` ``[s, b,
+    heads]``, and when decoding with Megatron's KV cache, the running sums ``c`` of the log
+    gates of every cached token (``forget_sums``, ``[b, cached tokens, heads]``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.window is not None and self.window[1] > 0:
             raise NotImplementedError(f"FoX is causal; window_size={self.window} looks ahead")
-        self.forget_logits = None
-        self.forget_sums = None
 
     def forward(self, query, key, value, *args, **kwargs):
         if query.shape[0] != key.shape[0]:  # Megatron's KV cache: decoding
             return SoftmaxCoreAttention.forward(self, query, key, value, *args, **kwargs)
         return super().forward(query, key, value, *args, **kwargs)
 
-    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params):
+    def attend(self, q, k, v, attention_mask, mask_type, packed_seq_params, forget_logits,
+               forget_sums=None):
         if q.shape[1] != k.shape[1]:
-            return self._attend_cached(q, k, v)
-        return super().attend(q, k, v, attention_mask, mask_type, packed_seq_params)
+            return self._attend_cached(q, k, v, forget_sums)
+        return super().attend(q, k, v, attention_mask, mask_type, packed_seq_params,
+                              forget_logits=forget_logits)
 
-    def _attend_cached(self, q, k, v):
+    def _attend_cached(self, q, k, v, forget_sums):
         """The last ``sq`` of ``sk`` cached tokens attend to the keys before them
         (:meth:`cached_keys`), their logits biased by ``c_i - c_j`` from ``forget_sums`` (the
         dense fp32 reference: a decoding step is one query per sequence)."""
         sq, sk = q.shape[1], k.shape[1]
         first, allowed = self.cached_keys(sq, sk, q.device)
-        c = self.forget_sums.transpose(1, 2)  # [b, heads, sk]
+        c = forget_sums.transpose(1, 2)  # [b, heads, sk]
         return masked_attention(q, k[:, first:], v[:, first:], allowed[None, None],
                                 sink=self.sink(q.device), scale=self.softmax_scale,
                                 bias=c[..., sk - sq:, None] - c[..., None, first:])
 
-    def sparse_attend(self, q, k, v, heads, to_rows):
+    def sparse_attend(self, q, k, v, heads, to_rows, forget_logits):
         # [s, b, heads] -> log f [b, s, heads], laid out as q is
-        log_forget = F.logsigmoid(self.forget_logits.float()).transpose(0, 1)
+        log_forget = F.logsigmoid(forget_logits.float()).transpose(0, 1)
         log_forget = to_rows(log_forget.unsqueeze(-1)).squeeze(-1)
         return sparse.softmax_attention(
             q, k, v, causal=True, window=self.window, sink=heads(self.sink(q.device)),
@@ -235,8 +239,9 @@ class FoXCoreAttention(_SparseCore):
 class FoXSelfAttention(SelfAttention):
     """Megatron's SelfAttention plus FoX's forget gate ``f = sigmoid(X W_f + b_f)``, one per head
     and token: a column-parallel projection to ``heads`` logits with a bias (zero at
-    initialisation, the paper's default), built like ``linear_qkv``, whose output the core reads
-    as ``core_attention.forget_logits``."""
+    initialisation, the paper's default), built like ``linear_qkv``, whose output goes to the
+    core as its ``forget_logits`` argument, with ``forget_sums`` when decoding
+    (:func:`~megatron_ext.mixers.attention.core_inputs`)."""
 
     def __init__(self, config, submodules, layer_number, *args, **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
@@ -244,11 +249,10 @@ class FoXSelfAttention(SelfAttention):
 
     def forward(self, hidden_states, *args, **kwargs):
         logits, _ = self.linear_forget_gate(hidden_states)
-        self.core_attention.forget_logits = logits
         context = kwargs.get("inference_context")
-        self.core_attention.forget_sums = (None if context is None else
-                                           self._forget_sums(logits, context, kwargs))
-        return super().forward(hidden_states, *args, **kwargs)
+        sums = None if context is None else self._forget_sums(logits, context, kwargs)
+        with core_inputs(self.core_attention, forget_logits=logits, forget_sums=sums):
+            return super().forward(hidden_states, *args, **kwargs)
 
     def _forget_sums(self, logits, context, kwargs) -> torch.Tensor:
         """``c`` ``[b, tokens so far, heads]``: the running sums of the log forget gates of every

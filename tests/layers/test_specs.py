@@ -111,7 +111,6 @@ def test_pure_attention_keeps_megatron_stacked_checkpoint_layout():
 @pytest.mark.parametrize("routing", ["clvr", "cler_h"])
 def test_cross_layer_routing_adds_the_projected_signal_and_starts_at_baseline(routing):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from megatron_ext.config import ExtConfig
     from megatron_ext.specs import block_spec
@@ -132,10 +131,10 @@ def test_cross_layer_routing_adds_the_projected_signal_and_starts_at_baseline(ro
     assert routed.decoder.layers[1].routing_projection is None  # attention does not route
 
     layer = routed.decoder.layers[0]
-    torch.nn.init.normal_(layer.routing_projection.weight)
     hidden = torch.randn(17, 2, 64)
+    base, _ = layer(hidden)  # P_l = 0: the layer without the routing term
+    torch.nn.init.normal_(layer.routing_projection.weight)
     out, _ = layer(hidden)
-    base, _ = TransformerLayer.forward(layer, hidden)  # the layer without the routing term
-    signal = layer.self_attention.routed_signal         # left by that forward: [s, b, Hv * V]
+    _, _, signal = layer.self_attention(layer.input_layernorm(hidden))  # [s, b, Hv * V]
     assert signal.shape == (17, 2, 4 * 16)
     torch.testing.assert_close(out, base + signal @ layer.routing_projection.weight.T)
