@@ -171,7 +171,7 @@ def _kernels_fingerprint() -> str:
         version = "not installed"
     here = pathlib.Path(__file__).parent
     digest = hashlib.sha256()
-    for source in ("delta_rule/triton.py", "decay/triton.py", "selfcheck.py", "cases.py"):
+    for source in ("chunks.py", "delta_rule/triton.py", "decay/triton.py", "selfcheck.py", "cases.py"):
         digest.update((here / source).read_bytes())
     return f"{version}, kernels {digest.hexdigest()[:12]}"
 

@@ -36,6 +36,9 @@ Backward, with dO and dS_N (the gradient of the final state):
     _dqk_kernel       [NC, Hv, K/BK]    dQ = scale (dO h_c^T) * exp(G) + (dP o D) K,
                                         dK = (V dh'_c^T) * exp(G_C - G) + (dP o D)^T Q,
                                         D_ts = exp(G_t - G_s), and dg (below)
+The chunks are those of kernels/chunks.py (ChunkLayout, C = CHUNK = 64, BT in the kernels): the
+[NC, ...] kernels find their chunk's tokens in its ``chunks`` table (chunk_rows), the two state
+passes walk a sequence's tokens from ``cu`` and take its first chunk's index from ``seq_chunks``.
 
 The decay's gradient, chunk by chunk. Inside chunk c the loss depends on the chunk-local G
 only through factors exp(G_t) next to q_t (the inter-chunk read), exp(G_t - G_s) between q_t and
@@ -94,8 +97,6 @@ through strides, to stay clear of the wrong results seen with transposed MMA res
 backward kernels on Hopper with Triton 3.4 to 3.7.0 (fla-core issue #640).
 """
 import contextlib
-import functools
-import itertools
 from typing import NamedTuple
 
 import torch
@@ -103,6 +104,7 @@ import triton
 import triton.language as tl
 
 from .. import backends
+from ..chunks import ChunkLayout, chunk_layout, chunk_rows
 from ..common import sequence_bounds
 from ..group_sum import group_sum
 from .reference import OP, check_inputs
@@ -119,14 +121,6 @@ _RUNTIME_INTS = ["H_K", "H_V"]  # not specialised on: one compiled kernel for ev
 # ---------------------------------------------------------------------------------------------
 # Helpers (inlined into the kernels)
 # ---------------------------------------------------------------------------------------------
-
-@triton.jit
-def _chunk(chunk_seq, chunk_start, cu, c, BT: tl.constexpr):
-    """The first token of chunk c and its number of tokens (BT but for a sequence's last)."""
-    start = tl.load(chunk_start + c)
-    length = tl.minimum(tl.load(cu + tl.load(chunk_seq + c) + 1) - start, BT)
-    return start, length
-
 
 @triton.jit
 def _rows(ptr, tok, valid, heads, head, D: tl.constexpr, cols):
@@ -172,7 +166,7 @@ def _state_offsets(index, K: tl.constexpr, V: tl.constexpr, kk, vv):
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["H_V", "step"])
-def _cumsum_kernel(g, G, step, chunk_seq, chunk_start, cu, H_V,
+def _cumsum_kernel(g, G, step, chunks, H_V,
                    K: tl.constexpr, BT: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """G = the cumulative sum of g inside each chunk, fp32: [tokens, Hv] or [tokens, Hv, K].
     g has ``step`` heads a token: Hv, or 0 where one g serves every token. (A per-channel row is
@@ -180,9 +174,7 @@ def _cumsum_kernel(g, G, step, chunk_seq, chunk_start, cu, H_V,
     token stride that it cannot know to be a multiple of 16, it would load one element at a
     time.)"""
     c, hv = tl.program_id(0), tl.program_id(1)
-    start, length = _chunk(chunk_seq, chunk_start, cu, c, BT)
-    rows = tl.arange(0, BT)
-    valid = rows < length
+    start, length, rows, valid = chunk_rows(chunks, c, BT)
     tok = (start + rows).to(tl.int64)
     if PER_CHANNEL:
         kk = tl.arange(0, K)
@@ -195,7 +187,7 @@ def _cumsum_kernel(g, G, step, chunk_seq, chunk_start, cu, H_V,
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
-def _states_kernel(k, v, G, h, h0, ht, cu, chunk_offsets, H_K, H_V,
+def _states_kernel(k, v, G, h, h0, ht, cu, seq_chunks, H_K, H_V,
                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, DECAY: tl.constexpr, PREC: tl.constexpr):
     """One (sequence, head, K block, V block): S = h0; per chunk, store h_c = S, then
@@ -207,7 +199,7 @@ def _states_kernel(k, v, G, h, h0, ht, cu, chunk_offsets, H_K, H_V,
     vv = (block % (V // BV)) * BV + tl.arange(0, BV)
     rows = tl.arange(0, BT)
     bos, eos = tl.load(cu + n), tl.load(cu + n + 1)
-    first_chunk = tl.load(chunk_offsets + n)
+    first_chunk = tl.load(seq_chunks + n)
     state = tl.load(h0 + _state_offsets(nh, K, V, kk, vv))
     for c in range(tl.cdiv(eos - bos, BT)):
         start = bos + c * BT
@@ -234,16 +226,14 @@ def _states_kernel(k, v, G, h, h0, ht, cu, chunk_offsets, H_K, H_V,
 
 
 @triton.jit(do_not_specialize=["H_K", "H_V"])
-def _scores_kernel(q, k, G, P, chunk_seq, chunk_start, cu, H_K, H_V,
+def _scores_kernel(q, k, G, P, chunks, H_K, H_V,
                    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """One (chunk, head) with a per-channel decay: P on and below the diagonal, fp32, into
     [tokens, Hv, BT] (above the diagonal is left unwritten). Query sub-chunk by query sub-chunk:
     keys before it through the reference token r (its first token), keys inside it exactly."""
     c, hv = tl.program_id(0), tl.program_id(1)
     hk = hv // (H_V // H_K)
-    start, length = _chunk(chunk_seq, chunk_start, cu, c, BT)
-    rows = tl.arange(0, BT)
-    valid = rows < length
+    start, length, rows, valid = chunk_rows(chunks, c, BT)
     tok = (start + rows).to(tl.int64)
     sub = tl.arange(0, BC)
     dtype = q.dtype.element_ty
@@ -277,16 +267,14 @@ def _scores_kernel(q, k, G, P, chunk_seq, chunk_start, cu, H_K, H_V,
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
-def _output_kernel(q, k, v, G, h, P, o, chunk_seq, chunk_start, cu, scale, H_K, H_V,
+def _output_kernel(q, k, v, G, h, P, o, chunks, scale, H_K, H_V,
                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, DECAY: tl.constexpr, PREC: tl.constexpr):
     """One (chunk, head, V block): O = scale ((exp(G) q) h_c + P V). P is formed here for a
     scalar decay (or none), read from _scores_kernel's output for a per-channel decay."""
     c, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = hv // (H_V // H_K)
-    start, length = _chunk(chunk_seq, chunk_start, cu, c, BT)
-    rows = tl.arange(0, BT)
-    valid = rows < length
+    start, length, rows, valid = chunk_rows(chunks, c, BT)
     tok = (start + rows).to(tl.int64)
     vv = vb * BV + tl.arange(0, BV)
     state_index = c * H_V + hv
@@ -323,7 +311,7 @@ def _output_kernel(q, k, v, G, h, P, o, chunk_seq, chunk_start, cu, scale, H_K, 
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
-def _dstates_kernel(q, do, G, h, ht, dhn, dht, dh0, terms, cu, chunk_offsets, scale, H_K, H_V,
+def _dstates_kernel(q, do, G, h, ht, dhn, dht, dh0, terms, cu, seq_chunks, scale, H_K, H_V,
                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, DECAY: tl.constexpr, PREC: tl.constexpr):
     """One (sequence, head, K block, V block), last chunk first: dS = dS_N; per chunk, store
@@ -338,7 +326,7 @@ def _dstates_kernel(q, do, G, h, ht, dhn, dht, dh0, terms, cu, chunk_offsets, sc
     vv = (block % (V // BV)) * BV + tl.arange(0, BV)
     rows = tl.arange(0, BT)
     bos, eos = tl.load(cu + n), tl.load(cu + n + 1)
-    first_chunk = tl.load(chunk_offsets + n)
+    first_chunk = tl.load(seq_chunks + n)
     grad = tl.load(dht + _state_offsets(nh, K, V, kk, vv))
     if DECAY != 0:
         state_after = tl.load(ht + _state_offsets(nh, K, V, kk, vv))
@@ -372,7 +360,7 @@ def _dstates_kernel(q, do, G, h, ht, dhn, dht, dh0, terms, cu, chunk_offsets, sc
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
-def _dv_kernel(q, k, do, G, P, dhn, dv, chunk_seq, chunk_start, cu, scale, H_K, H_V,
+def _dv_kernel(q, k, do, G, P, dhn, dv, chunks, scale, H_K, H_V,
                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, DECAY: tl.constexpr, PREC: tl.constexpr):
     """One (chunk, head, V block): dV = scale P^T dO + (exp(G_C - G) k) dh'_c. P^T is formed
@@ -380,9 +368,7 @@ def _dv_kernel(q, k, do, G, P, dhn, dv, chunk_seq, chunk_start, cu, scale, H_K, 
     per-channel decay."""
     c, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = hv // (H_V // H_K)
-    start, length = _chunk(chunk_seq, chunk_start, cu, c, BT)
-    rows = tl.arange(0, BT)
-    valid = rows < length
+    start, length, rows, valid = chunk_rows(chunks, c, BT)
     tok = (start + rows).to(tl.int64)
     vv = vb * BV + tl.arange(0, BV)
     state_index = c * H_V + hv
@@ -416,13 +402,11 @@ def _dv_kernel(q, k, do, G, P, dhn, dv, chunk_seq, chunk_start, cu, scale, H_K, 
 
 
 @triton.jit(do_not_specialize=["H_V"])
-def _dscores_kernel(v, do, dp, chunk_seq, chunk_start, cu, scale, H_V,
+def _dscores_kernel(v, do, dp, chunks, scale, H_V,
                     V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """One (chunk, head): dP = scale dO V^T on and below the diagonal, fp32, [tokens, Hv, BT]."""
     c, hv = tl.program_id(0), tl.program_id(1)
-    start, length = _chunk(chunk_seq, chunk_start, cu, c, BT)
-    rows = tl.arange(0, BT)
-    valid = rows < length
+    start, length, rows, valid = chunk_rows(chunks, c, BT)
     tok = (start + rows).to(tl.int64)
     grad = tl.zeros([BT, BT], dtype=tl.float32)
     for vb in range(V // BV):
@@ -434,7 +418,7 @@ def _dscores_kernel(v, do, dp, chunk_seq, chunk_start, cu, scale, H_V,
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
-def _dqk_kernel(q, k, v, do, G, h, dhn, dp, terms, dq, dk, dg, chunk_seq, chunk_start, cu, scale, H_K, H_V,
+def _dqk_kernel(q, k, v, do, G, h, dhn, dp, terms, dq, dk, dg, chunks, scale, H_K, H_V,
                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr, PREC: tl.constexpr):
     """One (chunk, head, K block): dQ, dK of this v head and, with a decay, dg: the reverse
@@ -442,9 +426,7 @@ def _dqk_kernel(q, k, v, do, G, h, dhn, dp, terms, dq, dk, dg, chunk_seq, chunk_
     this K block's part of the sum over channels for a scalar decay)."""
     c, hv, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = hv // (H_V // H_K)
-    start, length = _chunk(chunk_seq, chunk_start, cu, c, BT)
-    rows = tl.arange(0, BT)
-    valid = rows < length
+    start, length, rows, valid = chunk_rows(chunks, c, BT)
     tok = (start + rows).to(tl.int64)
     kk = kb * BK + tl.arange(0, BK)
     state_index = c * H_V + hv
@@ -564,38 +546,6 @@ def _dqk_kernel(q, k, v, do, G, h, dhn, dp, terms, dq, dk, dg, chunk_seq, chunk_
 # Host side
 # ---------------------------------------------------------------------------------------------
 
-class _Layout(NamedTuple):
-    """Where the sequences and their chunks lie along the flattened token axis (B * T)."""
-
-    cu: torch.Tensor  # [N + 1] int32: sequence n spans tokens cu[n] .. cu[n + 1] - 1
-    chunk_offsets: torch.Tensor  # [N] int32: the index of sequence n's first chunk
-    chunk_seq: torch.Tensor  # [NC] int32: the sequence of each chunk
-    chunk_start: torch.Tensor  # [NC] int32: the first token of each chunk
-    num_seqs: int
-    num_chunks: int
-
-
-@functools.lru_cache(maxsize=32)
-def _layout(bounds: tuple[int, ...], device: torch.device) -> _Layout:
-    """Chunks of CHUNK tokens from each sequence's start (a sequence's last chunk may be short;
-    an empty sequence has none) for the sequences of ``bounds`` (B rows of T tokens or packed
-    sequences, :func:`..common.sequence_bounds`). Built once per layout and device and then
-    shared by every call (read-only): no host-to-device copy per call."""
-    bounds = list(bounds)
-    counts = [-(-(end - start) // CHUNK) for start, end in zip(bounds, bounds[1:])]
-    offsets = list(itertools.accumulate(counts, initial=0))[:-1]
-    chunk_seq = [n for n, count in enumerate(counts) for _ in range(count)]
-    chunk_start = [start + index * CHUNK for start, count in zip(bounds, counts) for index in range(count)]
-    # One host-to-device copy; each part padded to 16 entries, so that every part is as aligned
-    # as the whole and Triton compiles one kernel whatever the number of sequences and chunks.
-    parts = [bounds, offsets, chunk_seq, chunk_start]
-    padded = [part + [0] * (-len(part) % 16) for part in parts]
-    table = torch.tensor(list(itertools.chain(*padded)), dtype=torch.int32).to(device)
-    cu, chunk_offsets, chunk_seq_t, chunk_start_t = (
-        part[:len(values)] for part, values in zip(table.split([len(part) for part in padded]), parts))
-    return _Layout(cu, chunk_offsets, chunk_seq_t, chunk_start_t, len(counts), len(chunk_seq))
-
-
 class _Problem(NamedTuple):
     """The sizes and compile-time choices of one call."""
 
@@ -607,7 +557,7 @@ class _Problem(NamedTuple):
     value_dim: int
     dtype: torch.dtype  # q, k, v, h_c and dh'_c in the kernels
     decay: int  # _NO_DECAY, _SCALAR_DECAY (g [Hv] or [B, T, Hv]) or _CHANNEL_DECAY
-    layout: _Layout
+    layout: ChunkLayout
 
     @property
     def tokens(self) -> int:
@@ -678,8 +628,8 @@ def _cumulative_decay(g, problem: _Problem) -> torch.Tensor | None:
     decay = torch.empty(problem.tokens, heads, *([problem.key_dim] if per_channel else []),
                         dtype=torch.float32, device=g.device)
     _cumsum_kernel[problem.chunk_grid()](
-        g.contiguous(), decay, step, layout.chunk_seq, layout.chunk_start, layout.cu, heads,
-        K=problem.key_dim, BT=CHUNK, PER_CHANNEL=per_channel, **LAUNCH)
+        g.contiguous(), decay, step, layout.chunks, heads, K=problem.key_dim, BT=CHUNK,
+        PER_CHANNEL=per_channel, **LAUNCH)
     return decay
 
 
@@ -691,7 +641,7 @@ def _states(k, v, decay, initial_state, problem: _Problem):
     final_state = torch.empty(layout.num_seqs, *shape, dtype=torch.float32, device=k.device)
     _states_kernel[problem.sequence_grid()](
         k, v, k if decay is None else decay, states, initial_state, final_state, layout.cu,
-        layout.chunk_offsets, problem.key_heads, problem.value_heads, **problem.options(state_pass=True))
+        layout.seq_chunks, problem.key_heads, problem.value_heads, **problem.options(state_pass=True))
     return states, final_state
 
 
@@ -703,9 +653,8 @@ def _scores(q, k, decay, problem: _Problem) -> torch.Tensor | None:
     layout = problem.layout
     scores = torch.empty(problem.tokens, problem.value_heads, CHUNK, dtype=torch.float32, device=q.device)
     _scores_kernel[problem.chunk_grid()](
-        q, k, decay, scores, layout.chunk_seq, layout.chunk_start, layout.cu, problem.key_heads,
-        problem.value_heads, K=problem.key_dim, BT=CHUNK, BC=SUB_CHUNK, BK=problem.key_block,
-        PREC=problem.precision, **LAUNCH)
+        q, k, decay, scores, layout.chunks, problem.key_heads, problem.value_heads,
+        K=problem.key_dim, BT=CHUNK, BC=SUB_CHUNK, BK=problem.key_block, PREC=problem.precision, **LAUNCH)
     return scores
 
 
@@ -726,8 +675,8 @@ class _DecayLinearAttention(torch.autograd.Function):
         o = torch.empty_like(v_flat)
         _output_kernel[problem.chunk_grid(problem.num_value_blocks)](
             q_flat, k_flat, v_flat, k_flat if decay is None else decay, states,
-            k_flat if scores is None else scores, o, layout.chunk_seq, layout.chunk_start, layout.cu,
-            scale, problem.key_heads, problem.value_heads, **problem.options())
+            k_flat if scores is None else scores, o, layout.chunks, scale, problem.key_heads,
+            problem.value_heads, **problem.options())
         ctx.save_for_backward(q_flat, k_flat, v_flat, g, state0)
         ctx.scale, ctx.problem = scale, problem
         ctx.input_dtypes = (q.dtype, k.dtype, v.dtype, None if initial_state is None else initial_state.dtype)
@@ -754,7 +703,7 @@ class _DecayLinearAttention(torch.autograd.Function):
             layout.num_chunks, heads, problem.num_state_value_blocks, key_dim, dtype=torch.float32, device=q.device)
         _dstates_kernel[problem.sequence_grid()](
             q, grad_o, decay_or_any, states, final_state, grad_states, grad_final_state, grad_state0, terms,
-            layout.cu, layout.chunk_offsets, scale, problem.key_heads, heads, **problem.options(state_pass=True))
+            layout.cu, layout.seq_chunks, scale, problem.key_heads, heads, **problem.options(state_pass=True))
 
         grad_v = torch.empty_like(v)
         grouped = problem.key_heads != heads  # dq, dk per v head in fp32, then summed over the group
@@ -770,16 +719,15 @@ class _DecayLinearAttention(torch.autograd.Function):
         scores = _scores(q, k, decay, problem)
         scores_or_any = k if scores is None else scores
         _dv_kernel[problem.chunk_grid(problem.num_value_blocks)](
-            q, k, grad_o, decay_or_any, scores_or_any, grad_states, grad_v, layout.chunk_seq,
-            layout.chunk_start, layout.cu, scale, problem.key_heads, heads, **problem.options())
+            q, k, grad_o, decay_or_any, scores_or_any, grad_states, grad_v, layout.chunks, scale,
+            problem.key_heads, heads, **problem.options())
         if per_channel:  # dP overwrites P, which is no longer needed
             _dscores_kernel[problem.chunk_grid()](
-                v, grad_o, scores, layout.chunk_seq, layout.chunk_start, layout.cu, scale, heads,
+                v, grad_o, scores, layout.chunks, scale, heads,
                 V=problem.value_dim, BT=CHUNK, BV=problem.value_block, PREC=problem.precision, **LAUNCH)
         _dqk_kernel[problem.chunk_grid(problem.num_key_blocks)](
             q, k, v, grad_o, decay_or_any, states, grad_states, scores_or_any, terms, grad_q, grad_k, grad_g,
-            layout.chunk_seq, layout.chunk_start, layout.cu, scale, problem.key_heads, heads,
-            BC=SUB_CHUNK, **problem.options())
+            layout.chunks, scale, problem.key_heads, heads, BC=SUB_CHUNK, **problem.options())
 
         shape = (problem.batch, problem.seq_len, problem.key_heads, heads // problem.key_heads, key_dim)
         q_dtype, k_dtype, v_dtype, state_dtype = ctx.input_dtypes
@@ -843,7 +791,7 @@ def decay_linear_attention_triton(
         decay = _CHANNEL_DECAY if g.dim() == 4 else _SCALAR_DECAY
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     problem = _Problem(batch, seq_len, key_heads, value_heads, key_dim, value_dim, dtype, decay,
-                       _layout(sequence_bounds(cu_seqlens, batch, seq_len), q.device))
+                       chunk_layout(sequence_bounds(cu_seqlens, batch, seq_len), CHUNK, q.device))
     scale = key_dim**-0.5 if scale is None else float(scale)
     # Triton launches on the current CUDA device; the backward runs on the inputs' device anyway.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():

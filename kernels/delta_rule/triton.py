@@ -69,9 +69,10 @@ Grouped heads: a program of v head hv reads q/k head hv // (Hv / Hk). With one d
 none) a _bwd_qkg program takes a q/k head's group of v heads in turn and sums their shares of dq
 and dk (fp32 partial sums in a scratch buffer, the total stored once in q's dtype); with a
 per-channel decay each v head's program stores its shares in fp32 and group_sum adds each group's
-(see "Hopper"). Varlen: a host table of the chunks'
-token bounds and of each sequence's first chunk; loads past a chunk's end are zero, which is exact
-padding (a zero token with g = 0 reads, writes and decays nothing).
+(see "Hopper"). Varlen: the chunks are those of kernels/chunks.py (ChunkLayout, C = 64): the
+chunk-parallel kernels find their chunk's tokens in its ``chunks`` table (chunk_rows), the two
+sequential ones a sequence's chunks in ``seq_chunks``; loads past a chunk's end are zero, which is
+exact padding (a zero token with g = 0 reads, writes and decays nothing).
 
 Launch configurations (fixed, no autotuning, so that the configuration the tests run is the one
 that runs): num_stages 2 everywhere; num_warps 4 (one warpgroup) for _chunk_cumsum, _invert,
@@ -128,7 +129,6 @@ a runtime value alike (test_hybrid_preset_heads[kda-bf16]; fp32 and the per-head
 so that path takes one v head a program. Any new launch configuration must pass that file there
 before use.
 """
-import functools
 import os
 
 import torch
@@ -136,6 +136,7 @@ import triton
 import triton.language as tl
 
 from .. import backends
+from ..chunks import chunk_layout, chunk_rows
 from ..common import sequence_bounds
 from ..group_sum import group_sum
 from .reference import check_inputs
@@ -209,16 +210,6 @@ def _put(ptr, start, t, valid, heads, head, DIM: tl.constexpr, col0, COLS: tl.co
 
 
 @triton.jit
-def _chunk(bounds_ptr, c):
-    """The chunk's first token (int64), its number of tokens, its rows 0..63 and which of them are
-    tokens."""
-    start = tl.load(bounds_ptr + 2 * c)
-    count = tl.load(bounds_ptr + 2 * c + 1) - start
-    t = tl.arange(0, _C)
-    return start.to(tl.int64), count, t, t < count
-
-
-@triton.jit
 def _square(ptr, base, TRANSPOSED: tl.constexpr):
     """The [64, 64] tile at ``base`` of a [..., 64, 64] tensor, or its transpose."""
     r = tl.arange(0, _C)
@@ -273,12 +264,12 @@ def _head_decays(G_ptr, start, count, t, valid, value_heads, hv):
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["value_heads"])
-def _chunk_cumsum_kernel(g_ptr, out_ptr, bounds_ptr, value_heads, K: tl.constexpr, BK: tl.constexpr,
+def _chunk_cumsum_kernel(g_ptr, out_ptr, chunks_ptr, value_heads, K: tl.constexpr, BK: tl.constexpr,
                          PER_CHANNEL: tl.constexpr):
     """G = the cumulative sum of g inside each chunk, in fp32."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
-    start, count, t, valid = _chunk(bounds_ptr, c)
+    start, count, t, valid = chunk_rows(chunks_ptr, c, _C)
     if PER_CHANNEL:
         for kb in range(0, K // BK):
             g = _rows(g_ptr, start, t, valid, value_heads, hv, K, kb * BK, BK)
@@ -289,7 +280,7 @@ def _chunk_cumsum_kernel(g_ptr, out_ptr, bounds_ptr, value_heads, K: tl.constexp
 
 
 @triton.jit(do_not_specialize=["key_heads", "value_heads", "group"])
-def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, bounds_ptr,
+def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, chunks_ptr,
                        key_heads, value_heads, group,
                        K: tl.constexpr, BK: tl.constexpr, G_MODE: tl.constexpr, ERASE: tl.constexpr,
                        DOT: tl.constexpr, IEEE: tl.constexpr):
@@ -298,7 +289,7 @@ def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, b
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     hk = hv // group
-    start, count, t, valid = _chunk(bounds_ptr, c)
+    start, count, t, valid = chunk_rows(chunks_ptr, c, _C)
     blk = t // _SUB
     within = t % _SUB
     scores_p = tl.zeros([_C, _C], dtype=tl.float32)
@@ -436,7 +427,7 @@ def _invert_kernel(A_ptr, T_ptr):
 
 @triton.jit(do_not_specialize=["key_heads", "value_heads", "group"])
 def _fwd_prepare_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, erase_ptr, write_ptr, G_ptr, T_ptr,
-                        W_ptr, Y_ptr, KD_ptr, QG_ptr, bounds_ptr, key_heads, value_heads, group,
+                        W_ptr, Y_ptr, KD_ptr, QG_ptr, chunks_ptr, key_heads, value_heads, group,
                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         G_MODE: tl.constexpr, ERASE: tl.constexpr, WRITE: tl.constexpr,
                         DOT: tl.constexpr, IEEE: tl.constexpr):
@@ -446,7 +437,7 @@ def _fwd_prepare_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, erase_ptr, write_ptr, G_p
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     hk = hv // group
-    start, count, t, valid = _chunk(bounds_ptr, c)
+    start, count, t, valid = chunk_rows(chunks_ptr, c, _C)
     inverse = _square(T_ptr, (c * value_heads + hv) * _C * _C, False)
     if not (ERASE and WRITE):
         beta = _vec(beta_ptr, start, t, valid, value_heads, hv)
@@ -484,7 +475,7 @@ def _fwd_prepare_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, erase_ptr, write_ptr, G_p
 
 @triton.jit(do_not_specialize=["key_heads", "value_heads", "group", "has_initial"])
 def _fwd_state_kernel(k_ptr, G_ptr, W_ptr, Y_ptr, KD_ptr, h_ptr, U_ptr, h0_ptr, final_ptr,
-                      bounds_ptr, seq_chunks_ptr, key_heads, value_heads, group, has_initial,
+                      chunks_ptr, seq_chunks_ptr, key_heads, value_heads, group, has_initial,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G_MODE: tl.constexpr,
                       DOT: tl.constexpr, IEEE: tl.constexpr):
     """One sequence, v head and block of V columns, chunk after chunk: U = Y - W S and
@@ -503,7 +494,7 @@ def _fwd_state_kernel(k_ptr, G_ptr, W_ptr, Y_ptr, KD_ptr, h_ptr, U_ptr, h0_ptr, 
     last = tl.load(seq_chunks_ptr + n + 1)
     for chunk in range(first, last):
         c = first.to(tl.int64) + (chunk - first)
-        start, count, t, valid = _chunk(bounds_ptr, c)
+        start, count, t, valid = chunk_rows(chunks_ptr, c, _C)
         tl.store(h_ptr + (c * value_heads + hv) * K * V + in_state, state.to(h_ptr.dtype.element_ty))
         w = _tile(W_ptr, start, t, valid, value_heads, hv, K, 0, K, False)
         U = _tile(Y_ptr, start, t, valid, value_heads, hv, V, v0, BV, False) - _mm(w, state, DOT, IEEE)
@@ -522,7 +513,7 @@ def _fwd_state_kernel(k_ptr, G_ptr, W_ptr, Y_ptr, KD_ptr, h_ptr, U_ptr, h0_ptr, 
 
 
 @triton.jit(do_not_specialize=["key_heads", "value_heads", "group"])
-def _fwd_output_kernel(q_ptr, G_ptr, QG_ptr, P_ptr, h_ptr, U_ptr, o_ptr, bounds_ptr,
+def _fwd_output_kernel(q_ptr, G_ptr, QG_ptr, P_ptr, h_ptr, U_ptr, o_ptr, chunks_ptr,
                        key_heads, value_heads, group, scale,
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        G_MODE: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
@@ -531,7 +522,7 @@ def _fwd_output_kernel(q_ptr, G_ptr, QG_ptr, P_ptr, h_ptr, U_ptr, o_ptr, bounds_
     hv = tl.program_id(1)
     v0 = tl.program_id(2) * BV
     hk = hv // group
-    start, count, t, valid = _chunk(bounds_ptr, c)
+    start, count, t, valid = chunk_rows(chunks_ptr, c, _C)
     out = _mm(_square(P_ptr, (c * value_heads + hv) * _C * _C, False),
               _tile(U_ptr, start, t, valid, value_heads, hv, V, v0, BV, False), DOT, IEEE)
     state_base = (c * value_heads + hv) * K * V
@@ -554,7 +545,7 @@ def _fwd_output_kernel(q_ptr, G_ptr, QG_ptr, P_ptr, h_ptr, U_ptr, o_ptr, bounds_
 
 @triton.jit(do_not_specialize=["key_heads", "value_heads", "group"])
 def _bwd_state_kernel(q_ptr, k_ptr, G_ptr, W_ptr, KD_ptr, QG_ptr, P_ptr, do_ptr, dr_ptr, dfinal_ptr,
-                      dh_ptr, dU_ptr, dh0_ptr, bounds_ptr, seq_chunks_ptr,
+                      dh_ptr, dU_ptr, dh0_ptr, chunks_ptr, seq_chunks_ptr,
                       key_heads, value_heads, group, scale,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G_MODE: tl.constexpr,
                       HAS_DR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
@@ -571,7 +562,7 @@ def _bwd_state_kernel(q_ptr, k_ptr, G_ptr, W_ptr, KD_ptr, QG_ptr, P_ptr, do_ptr,
     last = tl.load(seq_chunks_ptr + n + 1)
     for step in range(first, last):
         c = last.to(tl.int64) - 1 - (step - first)
-        start, count, t, valid = _chunk(bounds_ptr, c)
+        start, count, t, valid = chunk_rows(chunks_ptr, c, _C)
         tl.store(dh_ptr + (c * value_heads + hv) * K * V + in_state, d_state.to(dh_ptr.dtype.element_ty))
         d_out = _rows(do_ptr, start, t, valid, value_heads, hv, V, v0, BV) * scale
         if G_MODE == 2:
@@ -598,7 +589,7 @@ def _bwd_state_kernel(q_ptr, k_ptr, G_ptr, W_ptr, KD_ptr, QG_ptr, P_ptr, do_ptr,
 
 @triton.jit(do_not_specialize=["value_heads"])
 def _bwd_scores_kernel(v_ptr, beta_ptr, write_ptr, T_ptr, U_ptr, do_ptr, dU_ptr, dP_ptr, dA_ptr,
-                       dv_ptr, dwrite_ptr, dbeta_ptr, bounds_ptr, value_heads, scale,
+                       dv_ptr, dwrite_ptr, dbeta_ptr, chunks_ptr, value_heads, scale,
                        V: tl.constexpr, BV: tl.constexpr, WRITE: tl.constexpr,
                        DOT: tl.constexpr, IEEE: tl.constexpr):
     """dX = T^T dU, dO' U^T and -dX U^T (whole: _bwd_qkg takes dP and dA from them by masking),
@@ -606,7 +597,7 @@ def _bwd_scores_kernel(v_ptr, beta_ptr, write_ptr, T_ptr, U_ptr, do_ptr, dU_ptr,
     and v head."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
-    start, count, t, valid = _chunk(bounds_ptr, c)
+    start, count, t, valid = chunk_rows(chunks_ptr, c, _C)
     base = (c * value_heads + hv) * _C * _C
     inverse_t = _square(T_ptr, base, True)
     d_scores_p = tl.zeros([_C, _C], dtype=tl.float32)
@@ -674,7 +665,7 @@ def _group_put(out_ptr, acc_ptr, start, t, valid, key_heads, hk, K: tl.constexpr
 @triton.jit(do_not_specialize=["num_tokens", "key_heads", "value_heads", "group"])
 def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr,
                     do_ptr, dP_ptr, dA_ptr, dq_ptr, dk_ptr, dq_acc_ptr, dk_acc_ptr, derase_ptr, dbeta_ptr, dg_ptr,
-                    bounds_ptr, num_tokens, key_heads, value_heads, group, scale, GROUP_LOOP: tl.constexpr,
+                    chunks_ptr, num_tokens, key_heads, value_heads, group, scale, GROUP_LOOP: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     G_MODE: tl.constexpr, ERASE: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
     """dq and dk of one chunk, and for each v head the erase gate's gradient (or beta's share)
@@ -691,7 +682,7 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
     and are masked here, as they are used, so that their tiles reach tl.dot from registers, not
     straight from memory."""
     c = tl.program_id(0).to(tl.int64)
-    start, count, t, valid = _chunk(bounds_ptr, c)
+    start, count, t, valid = chunk_rows(chunks_ptr, c, _C)
     last_row = count - 1
     if GROUP_LOOP:  # a program per q/k head, over its group's v heads, summing their shares
         hk = tl.program_id(1)
@@ -857,23 +848,6 @@ def triton_unavailable_reason(device, dtype: torch.dtype) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=32)
-def _chunk_tables(bounds: tuple[int, ...], device: torch.device):
-    """(chunk bounds int32 [NC, 2] = (first token, one past the last), each sequence's first chunk
-    int32 [N + 1]) for the sequences of ``bounds`` (:func:`..common.sequence_bounds`), over the
-    tokens flattened to [B * T]. Built once per layout and device and then shared by every call
-    (read-only): no host-to-device copy, and no wait for the GPU, per call."""
-    bounds = torch.tensor(bounds, dtype=torch.int64)
-    counts = (bounds[1:] - bounds[:-1] + _C.value - 1) // _C.value
-    seq_chunks = torch.zeros(len(counts) + 1, dtype=torch.int64)
-    seq_chunks[1:] = counts.cumsum(0)
-    sequence = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    starts = bounds[sequence] + _C.value * (torch.arange(len(sequence)) - seq_chunks[sequence])
-    ends = torch.minimum(starts + _C.value, bounds[sequence + 1])
-    chunk_bounds = torch.stack([starts, ends], dim=1).to(torch.int32)
-    return chunk_bounds.to(device), seq_chunks.to(device=device, dtype=torch.int32)
-
-
 class _Config:
     """What the autograd function needs besides the tensors: sizes, the form of the gates, the
     dot dtype, the chunk tables and the tile sizes."""
@@ -889,10 +863,9 @@ class _Config:
         self.want_residual = want_residual
         self.store_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         self.flags = dict(DOT=_DOT_DTYPES[self.store_dtype], IEEE=self.store_dtype == torch.float32)
-        self.bounds, self.seq_chunks = _chunk_tables(
-            sequence_bounds(cu_seqlens, self.batch, self.seq_len), q.device)
-        self.num_chunks = self.bounds.shape[0]
-        self.num_states = self.seq_chunks.shape[0] - 1
+        layout = chunk_layout(sequence_bounds(cu_seqlens, self.batch, self.seq_len), _C.value, q.device)
+        self.chunks, self.seq_chunks = layout.chunks, layout.seq_chunks
+        self.num_chunks, self.num_states = layout.num_chunks, layout.num_seqs
         key_dim, value_dim = self.key_dim, self.value_dim
         self.block_k = min(key_dim, 64)
         self.block_v = min(value_dim, 64)
@@ -915,7 +888,7 @@ class _Config:
     def empty(self, *shape, dtype=None):
         """A new tensor on the device, [tokens, Hv, *shape] (no shape: one value per token), in the
         dot dtype unless given."""
-        return torch.empty(self.tokens, self.value_heads, *shape, device=self.bounds.device,
+        return torch.empty(self.tokens, self.value_heads, *shape, device=self.chunks.device,
                            dtype=dtype or self.store_dtype)
 
 
@@ -937,7 +910,7 @@ def _flat(tensor):
 def _forward(cfg: _Config, q, k, v, beta, g, erase, write, initial_state):
     K, V, Hv, Hk, NC = cfg.key_dim, cfg.value_dim, cfg.value_heads, cfg.key_heads, cfg.num_chunks
     device, stages = q.device, _NUM_STAGES
-    dummy = cfg.bounds  # stands for an absent tensor, which the kernel's flags keep it from reading
+    dummy = cfg.chunks  # stands for an absent tensor, which the kernel's flags keep it from reading
     beta_, erase_, write_ = (dummy if t is None else t for t in (beta, erase, write))
     square = (NC, Hv, _C.value, _C.value)
     G = dummy if cfg.g_mode == 0 else cfg.empty(*([K] if cfg.g_mode == 2 else []), dtype=torch.float32)
@@ -951,31 +924,31 @@ def _forward(cfg: _Config, q, k, v, beta, g, erase, write, initial_state):
     o = cfg.empty(V, dtype=v.dtype)
     if NC > 0:
         if cfg.g_mode != 0:
-            _chunk_cumsum_kernel[(NC, Hv)](g, G, cfg.bounds, Hv, K=K, BK=cfg.block_k,
+            _chunk_cumsum_kernel[(NC, Hv)](g, G, cfg.chunks, Hv, K=K, BK=cfg.block_k,
                                            PER_CHANNEL=cfg.g_mode == 2, num_warps=4, num_stages=stages)
         A = torch.empty(square, device=device, dtype=torch.float32)
         _fwd_scores_kernel[(NC, Hv)](
-            q, k, beta_, erase_, G, A, P, cfg.bounds, Hk, Hv, cfg.group,
+            q, k, beta_, erase_, G, A, P, cfg.chunks, Hk, Hv, cfg.group,
             K=K, BK=cfg.score_block_k, G_MODE=cfg.g_mode, ERASE=cfg.erase,
             num_warps=8, num_stages=stages, **cfg.flags)
         _invert_kernel[(NC * Hv,)](A, T, num_warps=4, num_stages=stages)
         del A
         Y = cfg.empty(V)
         _fwd_prepare_kernel[(NC, Hv)](
-            q, k, v, beta_, erase_, write_, G, T, W, Y, KD, QG, cfg.bounds, Hk, Hv, cfg.group,
+            q, k, v, beta_, erase_, write_, G, T, W, Y, KD, QG, cfg.chunks, Hk, Hv, cfg.group,
             K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, G_MODE=cfg.g_mode, ERASE=cfg.erase,
             WRITE=cfg.write, num_warps=8, num_stages=stages, **cfg.flags)
     else:
         Y = dummy
     _fwd_state_kernel[(cfg.num_states, Hv, V // cfg.state_block_v)](
         k, G, W, Y, KD, h, U, final if initial_state is None else initial_state, final,
-        cfg.bounds, cfg.seq_chunks, Hk, Hv, cfg.group, int(initial_state is not None),
+        cfg.chunks, cfg.seq_chunks, Hk, Hv, cfg.group, int(initial_state is not None),
         K=K, V=V, BV=cfg.state_block_v, G_MODE=cfg.g_mode,
         num_warps=8, num_stages=stages, **cfg.flags)
     del Y
     if NC > 0:
         _fwd_output_kernel[(NC, Hv, V // cfg.block_v)](
-            q, G, QG, P, h, U, o, cfg.bounds, Hk, Hv, cfg.group, cfg.scale,
+            q, G, QG, P, h, U, o, cfg.chunks, Hk, Hv, cfg.group, cfg.scale,
             K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, G_MODE=cfg.g_mode,
             num_warps=4, num_stages=stages, **cfg.flags)
     return o, final, U, (G, T, P, W, KD, QG, h, U)
@@ -985,7 +958,7 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
     q, k, v, beta, g, erase, write, initial_state, G, T, P, W, KD, QG, h, U = saved
     K, V, Hv, Hk, NC = cfg.key_dim, cfg.value_dim, cfg.value_heads, cfg.key_heads, cfg.num_chunks
     device, stages, tokens = q.device, _NUM_STAGES, cfg.tokens
-    dummy = cfg.bounds
+    dummy = cfg.chunks
     beta_, erase_, write_ = (dummy if t is None else t for t in (beta, erase, write))
     if d_final is None:
         d_final = torch.zeros(cfg.num_states, Hv, K, V, device=device, dtype=torch.float32)
@@ -998,7 +971,7 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
     dh0 = torch.empty(cfg.num_states, Hv, K, V, device=device, dtype=torch.float32)
     _bwd_state_kernel[(cfg.num_states, Hv, V // cfg.bwd_state_block_v)](
         q, k, G, W, KD, QG, P, d_o, dummy if d_residual is None else d_residual, d_final, dh, dU, dh0,
-        cfg.bounds, cfg.seq_chunks, Hk, Hv, cfg.group, cfg.scale,
+        cfg.chunks, cfg.seq_chunks, Hk, Hv, cfg.group, cfg.scale,
         K=K, V=V, BV=cfg.bwd_state_block_v, G_MODE=cfg.g_mode, HAS_DR=d_residual is not None,
         num_warps=8, num_stages=stages, **cfg.flags)
 
@@ -1037,13 +1010,13 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
         dA = torch.empty_like(dP)
         _bwd_scores_kernel[(NC, Hv)](
             v, beta_, write_, T, U, d_o, dU, dP, dA, dv, dummy if dwrite is None else dwrite,
-            dummy if dbeta_v is None else dbeta_v, cfg.bounds, Hv, cfg.scale,
+            dummy if dbeta_v is None else dbeta_v, cfg.chunks, Hv, cfg.scale,
             V=V, BV=cfg.score_block_v, WRITE=cfg.write, num_warps=cfg.score_warps, num_stages=stages,
             **cfg.flags)
         _bwd_qkg_kernel[qkg_grid](
             q, k, beta_, erase_, G_qkg, T, h, dh, U, dU, d_o, dP, dA, dq, dk, dq_acc, dk_acc,
             dummy if derase is None else derase, dummy if dbeta_k is None else dbeta_k,
-            dg, cfg.bounds, tokens, Hk, Hv, cfg.group, cfg.scale, GROUP_LOOP=group_loop,
+            dg, cfg.chunks, tokens, Hk, Hv, cfg.group, cfg.scale, GROUP_LOOP=group_loop,
             K=K, V=V, BK=cfg.qkg_block_k, BV=cfg.block_v, G_MODE=qkg_mode, ERASE=cfg.erase,
             num_warps=cfg.qkg_warps, num_stages=stages, **cfg.flags)
     else:  # no tokens at all
