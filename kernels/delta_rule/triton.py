@@ -53,8 +53,8 @@ Kernels, in order (grids in brackets; NC chunks over all sequences, N sequences,
     backward  _bwd_state [N, Hv, V/BV], along each sequence in reverse -> dS_C per chunk, dU,
               the initial state's gradient;  _bwd_scores [NC, Hv] -> dP, dA, dv, dw (or beta's
               share);  _bwd_qkg [NC, Hk] (one decay per head or none; over the q/k head's group
-              of v heads, a loop over blocks of BK key channels each) or [NC, Hv, K/BK]
-              (per-channel decay) -> dq, dk, d erase (or beta's share), dg
+              of v heads, a loop over blocks of BK key channels each) or [NC, Hk, K/BK]
+              (per-channel decay, Hk = Hv) -> dq, dk, d erase (or beta's share), dg
 Only the two sequential kernels loop over chunks (two dots per chunk each); everything else is
 parallel over chunks. Saved for the backward, per token and v head, in the dot dtype unless said:
 G (fp32; K values, or 1 with one decay per head), U (V; fp32 with the write residual), T and P (64
@@ -65,11 +65,11 @@ per head scales whole rows, so the kernels that need Gamma q and k Gamma_C / Gam
 q, k and G as they load them.) The backward adds, freed on return, dS_C per chunk (as the states),
 dU, dP and dA.
 
-Grouped heads: a program of v head hv reads q/k head hv // (Hv / Hk). With one decay per head (or
-none) a _bwd_qkg program takes a q/k head's group of v heads in turn and sums their shares of dq
-and dk (fp32 partial sums in a scratch buffer, the total stored once in q's dtype); with a
-per-channel decay each v head's program stores its shares in fp32 and group_sum adds each group's
-(see "Hopper"). Varlen: the chunks are those of kernels/chunks.py (ChunkLayout, C = 64): the
+Grouped heads: a program of v head hv reads q/k head hv // (Hv / Hk); a _bwd_qkg program takes
+a q/k head's group of v heads in turn and sums their shares of dq and dk (fp32 partial sums in a
+scratch buffer, the total stored once in q's dtype). With a per-channel decay the kernels run one
+v head per q/k head: gated_delta_rule_triton repeats q and k over each group first, and autograd
+sums their gradients back (see "Hopper"). Varlen: the chunks are those of kernels/chunks.py (ChunkLayout, C = 64): the
 chunk-parallel kernels find their chunk's tokens in its ``chunks`` table (chunk_rows), the two
 sequential ones a sequence's chunks in ``seq_chunks``; loads past a chunk's end are zero, which is
 exact padding (a zero token with g = 0 reads, writes and decays nothing).
@@ -122,12 +122,12 @@ them), as fla-core keeps its kernels of this shape at 2 or 4 warps on Hopper (it
 by tl.where alone does not keep the compiler from the failing code), so without a decay _bwd_qkg
 runs the per-head form on a zero decay. _bwd_scores at 4 warps and _bwd_state at BV = 64 (8
 warps) also feed tiles loaded transposed (T^T, U^T, P^T) to tl.dot straight from memory, the
-pattern of those failures; both pass tests/ops/test_triton_delta_rule.py on an H200. The
-per-channel path of _bwd_qkg looping over a group of four v heads (partial sums read back after a
-barrier) faults with an illegal memory access in bf16 on an H100, with the group size a constant or
-a runtime value alike (test_hybrid_preset_heads[kda-bf16]; fp32 and the per-head path's loop pass),
-so that path takes one v head a program. Any new launch configuration must pass that file there
-before use.
+pattern of those failures; both pass tests/ops/test_triton_delta_rule.py on an H200. With a
+per-channel decay and four v heads per q/k head in bf16, _bwd_qkg fails on an H100 both as a loop
+over the group (illegal memory access) and as one program per v head storing fp32 shares for a
+group sum (NaN gradients), while the same path passes with Hk = Hv, in fp32, and with one decay per
+head (test_hybrid_preset_heads, test_matches_reference); so a per-channel decay runs on q and k
+repeated over the group. Any new launch configuration must pass that file there before use.
 """
 import os
 
@@ -138,7 +138,6 @@ import triton.language as tl
 from .. import backends
 from ..chunks import chunk_layout, chunk_rows
 from ..common import sequence_bounds
-from ..group_sum import group_sum
 from .reference import check_inputs
 
 __all__ = ["gated_delta_rule_triton", "triton_unavailable_reason"]
@@ -668,36 +667,29 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
                     chunks_ptr, num_tokens, key_heads, value_heads, group, scale, GROUP_LOOP: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     G_MODE: tl.constexpr, ERASE: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
-    """dq and dk of one chunk, and for each v head the erase gate's gradient (or beta's share)
-    and dg, BK key channels at a time. With GROUP_LOOP a program takes a q/k head's group of v
-    heads one after another and sums their shares of dq and dk itself (``_group_put``); without,
-    a program takes one v head and stores its shares at [tokens, Hv, K] (dq and dk themselves when
-    Hv = Hk), with no loop, partial sums or barrier. G_MODE is 1 or 2: without a decay the host
+    """dq and dk of one chunk and q/k head, and for each v head of its group the erase gate's
+    gradient (or beta's share) and dg, BK key channels at a time. With GROUP_LOOP the program takes
+    the group's v heads one after another and sums their shares of dq and dk itself
+    (``_group_put``); without, the group is one v head (no loop, partial sums or barrier), as it
+    always is with a per-channel decay (see "Hopper"). G_MODE is 1 or 2: without a decay the host
     passes a zero per-head one (see "Hopper" in the module docstring). With one decay per head
-    (grid [NC, Hk] or [NC, Hv]) the program loops over the key blocks: it masks and decays the
+    (grid [NC, Hk]) the program loops over the key blocks: it masks and decays the
     [64, 64] tiles of dP and dA (and their transposes) once per v head, before the loop, and sums
     dg and beta's share over the key blocks itself. With one per key channel those tiles decay per
-    channel: one program per v head and key block (grid [NC, Hv, K/BK]), and beta's share is a
+    channel: one program per head and key block (grid [NC, Hk, K/BK]), and beta's share is a
     partial sum over the key blocks, at [kb, token, head]. dP and dA come whole from _bwd_scores
     and are masked here, as they are used, so that their tiles reach tl.dot from registers, not
     straight from memory."""
     c = tl.program_id(0).to(tl.int64)
     start, count, t, valid = chunk_rows(chunks_ptr, c, _C)
     last_row = count - 1
-    if GROUP_LOOP:  # a program per q/k head, over its group's v heads, summing their shares
-        hk = tl.program_id(1)
-        first = hk * group
+    hk = tl.program_id(1)
+    if GROUP_LOOP:  # over the q/k head's group of v heads, summing their shares
         members = group
-        out_heads = key_heads
-        out_head = hk
-    else:  # a program per v head: no loop, no partial sums, no barrier; its shares of dq and dk
-        first = tl.program_id(1)  # land at [tokens, Hv, K] (with Hv = Hk, dq and dk themselves)
-        hk = first // group
+    else:  # one v head per q/k head: no loop, no partial sums, no barrier
         members = 1
-        out_heads = value_heads
-        out_head = first
     for member in range(0, members):
-        hv = first + member
+        hv = hk * members + member
         state_base = (c * value_heads + hv) * K * V
         square = (c * value_heads + hv) * _C * _C
         if G_MODE == 2:
@@ -769,8 +761,8 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
             d_G = q * d_q + a * d_a - k * d_k
             d_G += tl.where((t == last_row)[:, None], d_G_end[None, :], 0.0)
             _put(dg_ptr, start, t, valid, value_heads, hv, K, c0, BK, tl.cumsum(d_G, 0, reverse=True))
-            _group_put(dq_ptr, dq_acc_ptr, start, t, valid, out_heads, out_head, K, c0, BK, d_q, member, members)
-            _group_put(dk_ptr, dk_acc_ptr, start, t, valid, out_heads, out_head, K, c0, BK, d_k + gate * d_a,
+            _group_put(dq_ptr, dq_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_q, member, members)
+            _group_put(dk_ptr, dk_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_k + gate * d_a,
                        member, members)
             if ERASE:
                 _put(derase_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * d_a)
@@ -813,8 +805,8 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
                 d_a = tl.exp(G)[:, None] * d_ga + _mm(d_scores_a, k, DOT, IEEE)
                 d_k += _mm(d_scores_p_t, q, DOT, IEEE) + _mm(d_scores_a_t, a, DOT, IEEE)
                 d_G += tl.sum(q * d_q + a * d_a - k * d_k, 1) + tl.where(t == last_row, d_G_end, 0.0)
-                _group_put(dq_ptr, dq_acc_ptr, start, t, valid, out_heads, out_head, K, c0, BK, d_q, member, members)
-                _group_put(dk_ptr, dk_acc_ptr, start, t, valid, out_heads, out_head, K, c0, BK, d_k + gate * d_a,
+                _group_put(dq_ptr, dq_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_q, member, members)
+                _group_put(dk_ptr, dk_acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, d_k + gate * d_a,
                        member, members)
                 if ERASE:
                     _put(derase_ptr, start, t, valid, value_heads, hv, K, c0, BK, k * d_a)
@@ -975,15 +967,11 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
         K=K, V=V, BV=cfg.bwd_state_block_v, G_MODE=cfg.g_mode, HAS_DR=d_residual is not None,
         num_warps=8, num_stages=stages, **cfg.flags)
 
-    # With grouped heads, one decay per head: a _bwd_qkg program per q/k head sums its group's
-    # shares of dq and dk (fp32 partial sums in dq_acc, dk_acc). A per-channel decay takes a program
-    # per v head instead, which writes its shares in fp32 for group_sum (see "Hopper" above).
-    group_loop = cfg.group > 1 and cfg.g_mode != 2
-    head_shares = cfg.group > 1 and not group_loop
-    if head_shares:
-        dq, dk = (torch.empty(tokens, Hv, K, device=device, dtype=torch.float32) for _ in range(2))
-    else:
-        dq, dk = torch.empty_like(q), torch.empty_like(k)
+    # With grouped heads (one decay per head or none; gated_delta_rule_triton gives a per-channel
+    # decay one v head per q/k head) a _bwd_qkg program sums its group's shares of dq and dk, with
+    # fp32 partial sums in dq_acc, dk_acc.
+    group_loop = cfg.group > 1
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
     dq_acc, dk_acc = ((torch.empty(tokens, Hk, K, device=device, dtype=torch.float32) for _ in range(2))
                       if group_loop else (dummy, dummy))
     dv = torch.empty_like(v)
@@ -997,7 +985,7 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
     qkg_mode = max(cfg.g_mode, 1)
     G_qkg = G if cfg.g_mode != 0 else torch.zeros(tokens, Hv, device=device, dtype=torch.float32)
     if cfg.g_mode == 2:
-        qkg_grid = (NC, Hv, K // cfg.qkg_block_k)
+        qkg_grid = (NC, Hk, K // cfg.qkg_block_k)
         dbeta_k_shape = (qkg_grid[2], tokens, Hv)
         dg = torch.empty_like(g)
     else:
@@ -1024,8 +1012,6 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
             if tensor is not None:
                 tensor.zero_()
 
-    if head_shares:
-        dq, dk = group_sum(dq, cfg.group, q.dtype), group_sum(dk, cfg.group, k.dtype)
     d_beta = None
     if beta is not None:
         if dbeta_k is not None and cfg.g_mode == 2:
@@ -1085,6 +1071,9 @@ def gated_delta_rule_triton(
     if reason is not None:
         raise RuntimeError(f"gated_delta_rule: backend 'triton' cannot run {reason}")
     scale = key_dim**-0.5 if scale is None else float(scale)
+    group = v.shape[2] // q.shape[2]
+    if g is not None and g.dim() == 4 and group > 1:  # one v head per q/k head (see "Hopper")
+        q, k = (t.unsqueeze(3).expand(*t.shape[:3], group, key_dim).flatten(2, 3) for t in (q, k))
     cfg = _Config(q, k, v, g, erase, write, scale, cu_seqlens, return_write_residual)
     o, final, residual = _GatedDeltaRule.apply(q, k, v, beta, g, erase, write, initial_state, cfg)
     final = final if output_final_state else None
