@@ -1,9 +1,12 @@
-"""Which backend an op runs: the policy behind ``backend="auto"``, and the rules for fla-core.
+"""The rules of the linear-recurrence ops' fast backends, which their declarations in the
+backend registry (``registry.py``; ``delta_rule/__init__.py`` and ``decay/__init__.py``) use:
+what our Triton kernels take (:func:`triton_unsupported`, :func:`decay_triton_unsupported`), the
+self-check that verifies them (:func:`triton_verified`, :func:`triton_verdict`), and when
+fla-core may run (:func:`fla_unavailable_reason`, :func:`fla_unsupported`).
 
-``auto_backend(op, device)``:
-    CUDA     our Triton kernels ("triton"), once they have passed the self-check on this GPU;
-             otherwise the chunked PyTorch form, with the reason logged once.
-    else     the chunked PyTorch form.
+"auto" (``registry.choose``) runs our Triton kernels ("triton") on CUDA for the calls they take,
+once they have passed the self-check on this GPU for the call's form and dtype; otherwise the
+chunked PyTorch form, with the reason logged once.
 
 fla-core is never chosen by "auto": on Hopper with Triton 3.4-3.7.0 (torch 2.8-2.11's Triton) it
 refuses the backward of its gated kernels, and where it runs, our Triton kernels cover the same
@@ -46,7 +49,9 @@ import torch
 from .cases import CASES, DTYPES
 
 __all__ = [
-    "FLA_KINDS", "auto_backend", "fla_unavailable_reason", "selfcheck_cache_path", "triton_verdict",
+    "FLA_KINDS", "decay_triton_declined_reason", "decay_triton_unsupported", "fla_unavailable_reason",
+    "fla_unsupported", "selfcheck_cache_path", "triton_dims_reason", "triton_unavailable_reason",
+    "triton_unsupported", "triton_verdict", "triton_verified",
 ]
 
 logger = logging.getLogger("megatron_ext.kernels")
@@ -123,22 +128,61 @@ def fla_unavailable_reason(kind: str, device, requires_grad: bool) -> str | None
     return None
 
 
-# ---------------------------------------------------------------------------- self-check + auto
-# (device key, "op/case/dtype") -> {"passed": bool, "reason": str}
-_VERDICTS: dict[tuple[str, str], dict] = {}
+def fla_unsupported(kind_of_form: dict[str, str]):
+    """The registry's ``unsupported`` rule of an op's fla backend: :func:`fla_unavailable_reason`
+    for the fla-core kind of the call's input form (``kind_of_form``). An unknown form is left to
+    the backend, which names what is wrong with its inputs."""
 
+    def unsupported(facts) -> str | None:
+        kind = kind_of_form.get(facts.form)
+        return None if kind is None else fla_unavailable_reason(kind, facts.device, facts.requires_grad)
+
+    return unsupported
+
+
+# ------------------------------------------------------------------- our Triton kernels' rules
 # The head dims (K and V) our Triton kernels take: tl.dot wants power-of-two tiles of 16 or more.
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+# The dtypes of q, k and v they take (their tl.dot operands).
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def triton_dims_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why our Triton kernels do not take these head dims (K = q's last, V = v's), or None.
-    ``backend="auto"`` then runs chunked; ``backend="triton"`` raises ValueError."""
-    key_dim, value_dim = q.shape[-1], v.shape[-1]
+def _dims_reason(key_dim: int, value_dim: int) -> str | None:
     if key_dim in TRITON_HEAD_DIMS and value_dim in TRITON_HEAD_DIMS:
         return None
     return (f"K = {key_dim}, V = {value_dim}: the Triton kernels take head dims "
             f"{', '.join(map(str, TRITON_HEAD_DIMS))}")
+
+
+def triton_dims_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why our Triton kernels do not take these head dims (K = q's last, V = v's), or None.
+    ``backend="auto"`` then runs chunked; ``backend="triton"`` raises."""
+    return _dims_reason(q.shape[-1], v.shape[-1])
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_unavailable_reason(device, dtype: torch.dtype | None) -> str | None:
+    """Why our Triton kernels cannot run on ``device`` for q/k/v in ``dtype`` (None: any), or
+    None if they can: they need a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1, with
+    CPU tensors) and fp32, bf16 or fp16 inputs."""
+    device = torch.device(device)
+    if device.type != "cuda" and not (device.type == "cpu" and _interpreted()):
+        return (f"tensors on {device.type}: its Triton kernels need a CUDA device, not "
+                f"{device.type!r} (or Triton's CPU interpreter, TRITON_INTERPRET=1)")
+    if dtype is not None and dtype not in TRITON_DTYPES:
+        return f"inputs in {dtype} (float32, bfloat16 and float16 only)"
+    return None
+
+
+def _decay_declined(device: torch.device, dtype, key_dim: int, form: str | None) -> str | None:
+    if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and key_dim < 64
+            and form != "per_channel"):
+        return (f"K = {key_dim} in {dtype} with {'no' if form == 'none' else 'a scalar'} decay on a "
+                f"GPU (K >= 64 there: at K = 32 the backward was wrong on an H200)")
+    return None
 
 
 def decay_triton_declined_reason(q: torch.Tensor, g: torch.Tensor | None) -> str | None:
@@ -147,11 +191,32 @@ def decay_triton_declined_reason(q: torch.Tensor, g: torch.Tensor | None) -> str
     backward gave dk 0.7 to 0.9 off (relative) at K = 32 in these forms, while K = 64 and 128 and
     the per-channel form at K = 32 passed (tests/ops/test_triton_decay.py). ``backend="auto"``
     then runs chunked; ``backend="triton"`` refuses."""
-    per_channel = g is not None and g.dim() == 4
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] < 64 and not per_channel:
-        return (f"K = {q.shape[-1]} in {q.dtype} with {'no' if g is None else 'a scalar'} decay on a GPU "
-                f"(K >= 64 there: at K = 32 the backward was wrong on an H200)")
-    return None
+    form = "none" if g is None else "per_channel" if g.dim() == 4 else "scalar"
+    return _decay_declined(q.device, q.dtype, q.shape[-1], form)
+
+
+def triton_unsupported(facts) -> str | None:
+    """The registry's ``unsupported`` rule of our Triton kernels of the gated delta rule: head
+    dims, then device and dtype (the promoted dtype of q, k and v)."""
+    if facts.key_dim is not None and facts.value_dim is not None:
+        reason = _dims_reason(facts.key_dim, facts.value_dim)
+        if reason is not None:
+            return reason
+    return triton_unavailable_reason(facts.device, facts.compute_dtype or facts.dtype)
+
+
+def decay_triton_unsupported(facts) -> str | None:
+    """:func:`triton_unsupported`, and then what the decay kernels decline
+    (:func:`decay_triton_declined_reason`)."""
+    reason = triton_unsupported(facts)
+    if reason is None and facts.key_dim is not None and facts.dtype is not None:
+        reason = _decay_declined(facts.device, facts.dtype, facts.key_dim, facts.form)
+    return reason
+
+
+# ---------------------------------------------------------------------------- the self-check
+# (device key, "op/case/dtype") -> {"passed": bool, "reason": str}
+_VERDICTS: dict[tuple[str, str], dict] = {}
 
 
 def selfcheck_cache_path() -> pathlib.Path:
@@ -179,7 +244,7 @@ def _kernels_fingerprint() -> str:
 @functools.lru_cache(maxsize=None)
 def _device_key(device: torch.device) -> str:
     """What a verdict depends on: the GPU, its compute capability and the software versions
-    (computed once per device: auto_backend runs in every layer's forward)."""
+    (computed once per device: the registry's choice asks in every layer's forward)."""
     import triton
 
     major, minor = torch.cuda.get_device_capability(device)
@@ -353,12 +418,16 @@ def _cached(path: pathlib.Path, key: str, op: str, jobs) -> dict:
             if _job_key(op, job) in on_disk}
 
 
-def auto_backend(op: str, device, declined: str | None = None, jobs=None) -> str:
-    """The backend ``backend="auto"`` runs for ``op`` (an op name of selfcheck.OPS) on ``device``.
-    ``declined``: why our Triton kernels would not take this call anyway (its head dims, its
-    inputs' form); then chunked, without running the self-check for a backend it cannot use.
-    ``jobs``: the self-check jobs the call relies on (:func:`selfcheck_jobs`; None: all)."""
-    device = torch.device(device)
-    if device.type == "cuda" and declined is None and triton_verdict(op, device, jobs)["passed"]:
-        return "triton"
-    return "chunked"
+def triton_verified(op: str):
+    """The registry's verifier of the Triton backend of ``op``: the self-check's verdict on a
+    CUDA device for the jobs the call relies on (its input form and dtype, and the packed case
+    if it packs sequences; :func:`selfcheck_jobs`), None once they passed, else why not."""
+
+    def verify(facts) -> str | None:
+        if facts.device.type != "cuda":
+            return f"its self-check runs on CUDA devices, not {facts.device.type!r}"
+        jobs = selfcheck_jobs(op, facts.form, facts.dtype, packed=facts.packed)
+        verdict = triton_verdict(op, facts.device, jobs)
+        return None if verdict["passed"] else f"failed its self-check: {verdict['reason']}"
+
+    return verify

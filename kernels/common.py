@@ -16,8 +16,12 @@ import importlib
 import torch
 import torch.nn.functional as F
 
+from . import backends, registry
+from .registry import Facts
+
 __all__ = ["fail", "check_shared_inputs", "sequence_bounds", "upcast_qkv", "sequence_spans",
-           "sequence_start_states", "to_chunks", "from_chunks", "lazy_triton_backend"]
+           "sequence_start_states", "to_chunks", "from_chunks", "lazy_triton_backend",
+           "recurrence_facts", "declare_recurrence"]
 
 _BOUNDS_CACHE_SIZE = 8
 _bounds_read: collections.OrderedDict = collections.OrderedDict()  # id -> (tensor, version, bounds)
@@ -59,6 +63,43 @@ def lazy_triton_backend(op: str, package: str, name: str):
     run.__name__ = run.__qualname__ = name
     run.__doc__ = f"``{op}`` in our Triton kernels ({package}.triton, imported on first use)."
     return run
+
+
+def recurrence_facts(q, k, v, *others, form: str | None, cu_seqlens) -> Facts:
+    """What the backend registry knows of a call of a linear-recurrence op: q's device and
+    dtype, the dtype of q, k and v promoted, K and V, the input form (cases.py's), whether it
+    packs sequences, and whether a backward will run (autograd on and an input, ``others``
+    included, that requires grad)."""
+    tensors = (q, k, v, *others)
+    return Facts(
+        device=q.device, dtype=q.dtype,
+        compute_dtype=torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype),
+        key_dim=q.shape[-1], value_dim=v.shape[-1], form=form, packed=cu_seqlens is not None,
+        requires_grad=torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors),
+    )
+
+
+def declare_recurrence(op: str, facts, *, reference, chunked, triton, fla, triton_unsupported,
+                       fla_unsupported, kind_of_form: dict[str, str]) -> registry.Op:
+    """Declare a linear-recurrence op with the four backends of the gated delta rule and decay
+    families in the backend registry: "auto" prefers our Triton kernels on CUDA (the calls
+    ``triton_unsupported`` lets through, once the self-check passed there for the call's form
+    and dtype: ``backends.triton_verified``), then chunked; fla-core serves calls asked for by
+    name, where ``fla_unsupported`` allows, its refusals naming the fla-core kind of the call's
+    form (``kind_of_form``)."""
+    return registry.declare(registry.Op(
+        op,
+        backends={
+            "reference": registry.Backend("reference", reference),
+            "chunked": registry.Backend("chunked", chunked),
+            "triton": registry.Backend("triton", triton, unsupported=triton_unsupported,
+                                       verify=backends.triton_verified(op), auto_devices=("cuda",)),
+            "fla": registry.Backend("fla", fla, unsupported=fla_unsupported,
+                                    subject=lambda facts: kind_of_form.get(facts.form)),
+        },
+        auto=("triton", "chunked"),
+        facts=facts,
+    ))
 
 
 def fail(op: str, name: str, tensor: torch.Tensor, expected: str) -> None:

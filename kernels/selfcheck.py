@@ -28,24 +28,24 @@ selected-attention kernels (``sparse.triton.check``), MoBA's selection kernel
 (``sparse.triton_select.check_importance``) and the fused layer kernels around the linear
 mixers (``fused.ops.check_errors``).
 
-A backend that cannot run a case here is skipped with its reason and not run: by the backend's
-own rule (``fla_unavailable_reason``), or because it refuses the call with a RuntimeError saying
-``"<op>: backend '<name>' cannot run ..."`` (e.g. fla-core's DeltaNet in fp32). Where only the
-backward is refused, the forward is checked and the note says why the backward was not.
+The ops' backends, and what each takes, come from the backend registry (``registry.py``, where
+each op package declares its op). A backend that cannot run a case here is skipped with its
+reason and not run: by its rule in the registry (the devices "auto" runs it on, and what it
+takes: e.g. ``backends.fla_unavailable_reason``), or because it refuses the call with a
+RuntimeError saying ``"<op>: backend '<name>' cannot run ..."`` (e.g. fla-core's DeltaNet in
+fp32). Where only the backward is refused, the forward is checked and the note says why the
+backward was not.
 """
 import dataclasses
 import functools
 import time
 from collections.abc import Callable
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from . import backends, decay, delta_rule
+from . import decay, delta_rule, registry
 from .cases import CASES, DECAY_CASES, DELTA_RULE_CASES, DTYPES, Case
-from .decay.fla import decay_fla_kind
-from .delta_rule.fla import fla_kind
 from .first_use import relative_error
 
 __all__ = [
@@ -149,7 +149,7 @@ def run_with_grads(function, inputs, *, weights_dtype=None, **options):
 # ---------------------------------------------------------------------------------------------
 
 # K = 64 (not smaller): the decay Triton kernels decline K < 64 in 16-bit for its scalar forms
-# (kernels.backends.decay_triton_declined_reason), and a declined case fails the self-check.
+# (kernels.backends.decay_triton_unsupported), and a declined case fails the self-check.
 BATCH, SEQ_LEN, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM = 2, 97, 2, 4, 64, 128
 PACKED_LENGTHS = (5, 70, 22)  # shorter than a chunk, across a chunk boundary, a rest: T = 97
 
@@ -157,38 +157,22 @@ PACKED_LENGTHS = (5, 70, 22)  # shorter than a chunk, across a chunk boundary, a
 LOW_PRECISION_INPUTS = ("q", "k", "v")
 
 
-def _fla_delta_rule_reason(inputs, device, requires_grad: bool) -> str | None:
-    kind = fla_kind(beta=inputs.get("beta"), g=inputs.get("g"), erase=inputs.get("erase"),
-                    write=inputs.get("write"))
-    return backends.fla_unavailable_reason(kind, device, requires_grad)
-
-
-def _fla_decay_reason(inputs, device, requires_grad: bool) -> str | None:
-    return backends.fla_unavailable_reason(decay_fla_kind(inputs.get("g")), device, requires_grad)
-
-
-def _triton_reason(inputs, device, requires_grad: bool) -> str | None:
-    del inputs, requires_grad
-    if torch.device(device).type != "cuda":
-        return "our Triton kernels run on CUDA devices (their tests also run them in Triton's CPU interpreter)"
-    return None
-
-
 @dataclasses.dataclass(frozen=True)
 class Op:
-    name: str
+    name: str                      # as declared in the backend registry
     function: Callable             # the public op; picks the backend by its ``backend=`` argument
-    reference: Callable            # the oracle, called directly (not through the backend table)
-    module: ModuleType             # the op's package; its ``_BACKENDS`` table names the backends
+    reference: Callable            # the oracle, called directly (not through the registry)
     make_inputs: Callable
     cases: tuple[Case, ...]
-    # backend -> (inputs, device, requires_grad) -> why it cannot run, or None
-    unavailable: dict[str, Callable] = dataclasses.field(default_factory=dict)
+
+    @property
+    def declared(self) -> registry.Op:
+        return registry.get(self.name)
 
     def backends(self) -> list[str]:
-        """The backends of the op's table, read at call time (so that a backend added or
-        replaced there is what gets checked), then "auto"."""
-        return [*self.module._BACKENDS, "auto"]
+        """The op's backends as the registry declares them, read at call time (so that a
+        backend added or replaced there is what gets checked), then "auto"."""
+        return [*self.declared.backends, "auto"]
 
     def case(self, name: str) -> Case:
         for case in self.cases:
@@ -201,22 +185,21 @@ class Op:
 OPS = {
     op.name: op for op in (
         Op("gated_delta_rule", delta_rule.gated_delta_rule, delta_rule.gated_delta_rule_reference,
-           delta_rule, delta_rule_inputs,
-           cases=CASES["gated_delta_rule"],
-           unavailable={"fla": _fla_delta_rule_reason, "triton": _triton_reason}),
+           delta_rule_inputs, cases=CASES["gated_delta_rule"]),
         Op("decay_linear_attention", decay.decay_linear_attention,
-           decay.decay_linear_attention_reference, decay, decay_inputs,
-           cases=CASES["decay_linear_attention"],
-           unavailable={"fla": _fla_decay_reason, "triton": _triton_reason}),
+           decay.decay_linear_attention_reference, decay_inputs,
+           cases=CASES["decay_linear_attention"]),
     )
 }
 
 
 def auto_backend(op: str, device) -> str:
-    """The backend that ``backend="auto"`` runs for ``op`` on ``device`` (kernels/backends.py's
-    policy). Should the op's own "auto" ever run another, the "auto" row is checked with the
-    wrong tolerance and fails loudly rather than passing silently."""
-    return backends.auto_backend(op, device)
+    """The backend that ``backend="auto"`` runs for ``op`` on ``device`` for inputs of any form
+    and dtype the self-check covers (``registry.choose`` with the device alone: the Triton
+    backend's verdict over every case). Should the op's own "auto" ever run another for a case,
+    the "auto" row is checked with the wrong tolerance and fails loudly rather than passing
+    silently."""
+    return registry.choose(op, "auto", device=torch.device(device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,17 +319,23 @@ def _refusal(op: Op, backend: str, error: Exception) -> str | None:
 
 
 def _availability(op: Op, case: Case, backend: str, device: torch.device, dtype: torch.dtype):
-    """(why the backend is not run at all, why its backward is not run), each None if it is."""
+    """(why the backend is not run at all, why its backward is not run), each None if it is: the
+    backend's rule in the registry for the case's inputs on ``device``, with and without a
+    backward."""
     if backend == "reference" and device.type == "cpu":
         return "the oracle itself (the reference in fp32 on the CPU)", None
-    rule = op.unavailable.get(backend)
-    if rule is None:
+    if backend == "auto":  # what it runs, it runs
         return None, None
-    inputs, _ = _rounded_inputs(op, case, dtype)
-    full = rule(inputs, device, True)
+    declared = op.declared.backend(backend)
+    inputs, options = _rounded_inputs(op, case, dtype)
+    with torch.enable_grad():  # as the check runs it: every input requires grad
+        facts = op.declared.facts(**{name: tensor.requires_grad_() for name, tensor in inputs.items()},
+                                  **options)
+    facts = dataclasses.replace(facts, device=device)
+    full = declared.declines(dataclasses.replace(facts, requires_grad=True))
     if full is None:
         return None, None
-    forward = rule(inputs, device, False)
+    forward = declared.declines(dataclasses.replace(facts, requires_grad=False))
     return (forward, None) if forward is not None else (None, full)
 
 
@@ -543,8 +532,9 @@ def _fused_layer_checks(device: torch.device):
     RMSNorm, RMSNorm, RoPE, cross-entropy; ``fused.ops.check_errors``), one row per dtype."""
     from .fused import ops as fused
 
-    reason = None if device.type == "cuda" else f"our Triton kernels run on CUDA, not {device.type}"
+    triton = registry.get("rms_norm").backends["triton"]  # every fused op's: one first-use check
     for dtype in (torch.float32, torch.bfloat16):
+        reason = triton.off_device(registry.Facts(device=device, dtype=dtype))
         yield (CheckResult("fused_layer_ops", "first-use check", "triton", str(device),
                            str(dtype).removeprefix("torch."), tolerance=fused.CHECK_TOLERANCE[dtype],
                            skipped_reason=reason),

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 
-from megatron_ext.kernels.fused import cross_entropy, first_use_check
+from megatron_ext.kernels import registry
+from megatron_ext.kernels.fused import cross_entropy
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group):
     """Megatron's ``fused_vocab_parallel_cross_entropy``, computed by our kernels on CUDA."""
     logits = vocab_parallel_logits
-    if not (logits.is_cuda and first_use_check(logits.device, logits.dtype)):
+    if registry.choose("cross_entropy", "auto", device=logits.device, dtype=logits.dtype) != "triton":
         return fused_vocab_parallel_cross_entropy(logits, target, tp_group)
     width = logits.shape[-1]
     return cross_entropy(logits, target, tp_group.rank() * width, tp_group, backend="triton")

@@ -38,9 +38,10 @@ class FusedRMSNorm(torch.nn.RMSNorm):
     summing the weight gradient as computing the input gradient."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from megatron_ext.kernels import fused
+        from megatron_ext.kernels import fused, registry
 
-        if x.is_cuda and self.weight is not None and fused.first_use_check(x.device, x.dtype):
+        if (self.weight is not None
+                and registry.choose("rms_norm", "auto", device=x.device, dtype=x.dtype) == "triton"):
             eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
             return fused.rms_norm(x, self.weight, eps, backend="triton")
         return super().forward(x)

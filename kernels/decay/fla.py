@@ -21,17 +21,20 @@ fla-core takes g_gamma as a constant and would leave it without a gradient.
 """
 import torch
 
-from ..backends import FLA_KINDS, fla_unavailable_reason
-from .reference import OP, check_inputs
+from .. import registry
+from ..backends import FLA_KINDS
+from .reference import OP, check_inputs, input_form
 
-__all__ = ["decay_fla_kind", "decay_linear_attention_fla"]
+__all__ = ["KIND_OF_FORM", "decay_fla_kind", "decay_linear_attention_fla"]
+
+# The FLA_KINDS key (and so the fla-core function) that serves each decay form.
+KIND_OF_FORM = {"none": "linear", "constant": "simple_gla_gamma", "per_head": "simple_gla",
+                "per_channel": "gla"}
 
 
 def decay_fla_kind(g) -> str:
     """The FLA_KINDS key (and so the fla-core function) that serves a decay of g's form."""
-    if g is None:
-        return "linear"
-    return {1: "simple_gla_gamma", 3: "simple_gla", 4: "gla"}[g.dim()]
+    return KIND_OF_FORM[input_form(g)]
 
 
 def decay_linear_attention_fla(
@@ -39,19 +42,11 @@ def decay_linear_attention_fla(
 ):
     """``decay_linear_attention`` on fla-core: same arguments, shapes and results as
     ``decay_linear_attention_reference``. Raises RuntimeError, saying why, where fla-core cannot
-    serve the call (``fla_unavailable_reason``, and fp64 inputs, which no fla kernel takes)."""
+    serve the call (its rule in the backend registry: ``kernels.backends.fla_unavailable_reason``,
+    and a constant decay that requires grad; and fp64 inputs, which no fla kernel takes)."""
     check_inputs(q, k, v, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    registry.require(OP, "fla", q, k, v, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens)
     kind = decay_fla_kind(g)
-    requires_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, initial_state))
-    if kind == "simple_gla_gamma" and torch.is_grad_enabled() and g.requires_grad:
-        raise RuntimeError(f"{OP}: backend 'fla' cannot run {kind} with a decay that requires grad: "
-                           f"{FLA_KINDS[kind]} takes it as a constant and gives it no gradient "
-                           "(RetNet's and Lightning's decays are fixed: pass g without requires_grad, "
-                           "or use backend 'triton' or 'chunked')")
-    reason = fla_unavailable_reason(kind, q.device, requires_grad)
-    if reason is not None:
-        raise RuntimeError(f"{OP}: backend 'fla' cannot run {kind}: {reason}")
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     if dtype == torch.float64:
         raise RuntimeError(f"{OP}: backend 'fla' cannot run {kind} in float64 ({FLA_KINDS[kind]} "

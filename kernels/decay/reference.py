@@ -24,9 +24,16 @@ import torch
 
 from ..common import check_shared_inputs, fail, sequence_start_states, upcast_qkv
 
-__all__ = ["decay_linear_attention_reference", "check_inputs", "expand_inputs"]
+__all__ = ["decay_linear_attention_reference", "check_inputs", "expand_inputs", "input_form"]
 
 OP = "decay_linear_attention"
+FORM_OF_DIM = {1: "constant", 3: "per_head", 4: "per_channel"}
+
+
+def input_form(g) -> str | None:
+    """The call's decay form, as cases.DECAY_CASES names it ("none", "constant", "per_head",
+    "per_channel"), or None for a g of another shape (which check_inputs refuses)."""
+    return "none" if g is None else FORM_OF_DIM.get(g.dim())
 
 
 def check_inputs(q, k, v, *, g, initial_state, cu_seqlens) -> None:

@@ -8,6 +8,9 @@ The transition is diagonal, so it is kept as a column ``[K or 1, 1]`` that broad
 
 import torch
 
+from .. import registry
+from .reference import OP
+
 __all__ = ["decay_linear_attention_summary"]
 
 
@@ -19,11 +22,10 @@ def decay_linear_attention_summary(k, v, *, g=None, cu_seqlens=None, backend: st
     v ``[B, T, Hv, V]``, g None, ``[Hv]``, ``[B, T, Hv]`` or ``[B, T, Hv, K]``, cu_seqlens). The
     state after the sequence's tokens, entered with S_0, is ``transition * S_0 + state``.
     """
-    from . import decay_linear_attention  # the package entry point picks the backend
 
     batch, seq_len, value_heads = v.shape[:3]
-    _, state = decay_linear_attention(k, k, v, g=g, output_final_state=True, cu_seqlens=cu_seqlens,
-                                      backend=backend)
+    _, state = registry.call(OP, backend, k, k, v, g=g, output_final_state=True,
+                             cu_seqlens=cu_seqlens)
     if cu_seqlens is None:
         lengths = torch.full((batch,), seq_len, device=v.device)
     else:

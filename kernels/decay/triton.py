@@ -90,8 +90,10 @@ Launch configuration: every kernel runs with num_warps = 4 and num_stages = 2 (`
 only configuration tested, on blocks of BK = min(K, 64) key channels and BV = min(V, 64) value
 channels (min(V, 32) in the two state passes, for more programs when there are few sequences).
 Supported: K and V powers of two from 16 to 256 (on a GPU in bf16/fp16, K >= 64 unless the
-decay is per channel: kernels.backends.decay_triton_declined_reason), q, k, v in fp32,
-bf16 or fp16, CUDA tensors (or any device with TRITON_INTERPRET=1, Triton's CPU interpreter).
+decay is per channel), q, k, v in fp32, bf16 or fp16, CUDA tensors (or CPU tensors with
+TRITON_INTERPRET=1, Triton's CPU interpreter): the rule of this backend in the backend registry
+(kernels.backends.decay_triton_unsupported), which refuses the rest with
+kernels.registry.BackendUnavailable ("<op>: backend 'triton' cannot run ...").
 Hopper note: no kernel transposes a tl.dot result (tl.trans); transposed operands are loaded
 through strides, to stay clear of the wrong results seen with transposed MMA results in gated
 backward kernels on Hopper with Triton 3.4 to 3.7.0 (fla-core issue #640).
@@ -103,7 +105,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import backends
+from .. import registry
 from ..chunks import ChunkLayout, chunk_layout, chunk_rows
 from ..common import sequence_bounds
 from ..group_sum import group_sum
@@ -746,28 +748,6 @@ class _DecayLinearAttention(torch.autograd.Function):
                 None if state_dtype is None else grad_state0.to(state_dtype), None, None)
 
 
-def _refuse(reason: str):
-    raise RuntimeError(f"{OP}: backend 'triton' cannot run {reason}; use backend='chunked'")
-
-
-def _check_supported(q, k, v, g) -> None:
-    """Raise ValueError for a K or V the kernels do not take; refuse (RuntimeError "<op>: backend
-    'triton' cannot run ...", which the self-check reports as a skip) fp64 inputs, tensors off
-    CUDA outside Triton's interpreter and what kernels.backends.decay_triton_declined_reason
-    names."""
-    unsupported = backends.triton_dims_reason(q, v)
-    if unsupported:
-        raise ValueError(f"{OP}: backend 'triton' cannot run {unsupported}")
-    for name, tensor in (("q", q), ("k", k), ("v", v)):
-        if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            _refuse(f"{name} in {tensor.dtype} (float32, bfloat16 and float16 only)")
-    if q.device.type != "cuda" and not triton.knobs.runtime.interpret:
-        _refuse(f"tensors on {q.device.type} (CUDA only, or Triton's CPU interpreter with TRITON_INTERPRET=1)")
-    declined = backends.decay_triton_declined_reason(q, g)
-    if declined:
-        _refuse(declined)
-
-
 def decay_linear_attention_triton(
     q, k, v, *, g=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
 ):
@@ -782,7 +762,7 @@ def decay_linear_attention_triton(
     every accumulation in fp32. K and V must be powers of two from 16 to 256.
     """
     check_inputs(q, k, v, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    _check_supported(q, k, v, g)
+    registry.require(OP, "triton", q, k, v, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens)
     batch, seq_len, key_heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     if g is None:

@@ -1,23 +1,22 @@
 """The gated delta rule family (DeltaNet, Gated DeltaNet, KDA, Gated DeltaNet-2) behind one op.
 
-Backends, with one signature and one layout:
+Backends, with one signature and one layout (declared in the backend registry below):
     reference   token by token, fp32: the oracle (reference.py)
     chunked     chunkwise WY / UT-transform form in PyTorch, any device (chunked.py)
     triton      our own Triton kernels, forward and backward, CUDA only (triton.py; imported on
-                first use, so that this package imports where Triton does not)
+                first use, so that this package imports where Triton does not); K and V in
+                kernels.backends.TRITON_HEAD_DIMS, fp32/bf16/fp16 (kernels.backends.triton_unsupported)
     fla         fla-core's Triton kernels, CUDA only, where
                 kernels.backends.fla_unavailable_reason allows (fla.py)
-"auto" is kernels.backends.auto_backend: triton on CUDA once it has passed its self-check on
-this GPU, for the head dims it takes (kernels.backends.triton_dims_reason), chunked otherwise.
+"auto" (kernels.registry.choose): triton on CUDA for the calls it takes, once it has passed its
+self-check on this GPU for the call's form and dtype; chunked otherwise.
 """
-from .. import backends
-from ..common import lazy_triton_backend
+from .. import backends, registry
+from ..common import declare_recurrence, lazy_triton_backend, recurrence_facts
 from .chunked import gated_delta_rule_chunked
-from .fla import gated_delta_rule_fla
-from .reference import gated_delta_rule_reference
+from .fla import KIND_OF_FORM, gated_delta_rule_fla
+from .reference import OP, gated_delta_rule_reference, input_form
 from .summary import gated_delta_rule_summary
-
-OP = "gated_delta_rule"
 
 __all__ = [
     "gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_fla",
@@ -26,12 +25,17 @@ __all__ = [
 
 gated_delta_rule_triton = lazy_triton_backend(OP, __name__, "gated_delta_rule_triton")
 
-_BACKENDS = {
-    "reference": gated_delta_rule_reference,
-    "chunked": gated_delta_rule_chunked,
-    "triton": gated_delta_rule_triton,
-    "fla": gated_delta_rule_fla,
-}
+
+def _facts(q, k, v, *, beta=None, g=None, erase=None, write=None, initial_state=None,
+           cu_seqlens=None, **_options) -> registry.Facts:
+    return recurrence_facts(q, k, v, beta, g, erase, write, initial_state,
+                            form=input_form(g=g, erase=erase, write=write), cu_seqlens=cu_seqlens)
+
+
+declare_recurrence(OP, _facts, reference=gated_delta_rule_reference, chunked=gated_delta_rule_chunked,
+                   triton=gated_delta_rule_triton, fla=gated_delta_rule_fla,
+                   triton_unsupported=backends.triton_unsupported,
+                   fla_unsupported=backends.fla_unsupported(KIND_OF_FORM), kind_of_form=KIND_OF_FORM)
 
 
 def gated_delta_rule(
@@ -62,8 +66,9 @@ def gated_delta_rule(
             ``r_t = w_t * v_t - (Diag(exp g_t) S_{t-1})^T (b_t * k_t)`` ``[B, T, Hv, V]`` (fp32),
             so that S_t = Diag(exp g_t) S_{t-1} + k_t r_t^T (reference, chunked and triton backends).
         backend: "auto" (see above), "reference", "chunked", "triton" (ours, on CUDA; K and V
-            in 16, 32, 64, 128, 256) or "fla" (fla-core on CUDA; raises RuntimeError with the
-            reason where kernels.backends.fla_unavailable_reason refuses the call).
+            in 16, 32, 64, 128, 256) or "fla" (fla-core on CUDA). A backend named here that
+            cannot take the call raises kernels.registry.BackendUnavailable (a RuntimeError and
+            a ValueError) with the reason.
 
     The special cases: DeltaNet (g None, beta), Gated DeltaNet (g ``[B, T, Hv]``, beta), KDA
     (g ``[B, T, Hv, K]``, beta) and GDN-2 (g ``[B, T, Hv, K]``, erase, write).
@@ -72,21 +77,12 @@ def gated_delta_rule(
         o ``[B, T, Hv, V]`` in v's dtype, and the final state ``[N, Hv, K, V]`` in fp32 (fp64 for
         fp64 inputs), or None when output_final_state is False; then the write residual if asked.
     """
-    if backend == "auto":
-        form = ("gdn2" if erase is not None or write is not None else "deltanet" if g is None
-                else "gated_deltanet" if g.dim() == 3 else "kda")  # cases.DELTA_RULE_CASES
-        jobs = backends.selfcheck_jobs(OP, form, q.dtype, packed=cu_seqlens is not None)
-        name = backends.auto_backend(OP, q.device, backends.triton_dims_reason(q, v), jobs)
-    else:
-        name = backend
-    if name not in _BACKENDS:
-        known = ", ".join(repr(known_name) for known_name in ["auto", *_BACKENDS])
-        raise ValueError(f"gated_delta_rule: unknown backend {backend!r}; known backends: {known}")
     options = {"return_write_residual": True} if return_write_residual else {}
-    if options and name == "fla":
+    if options and backend == "fla":
         raise ValueError("gated_delta_rule: the fla backend cannot return the write residual; "
                          "use backend='chunked'")
-    return _BACKENDS[name](
-        q, k, v, beta=beta, g=g, erase=erase, write=write, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens, **options,
+    return registry.call(
+        OP, backend, q, k, v, beta=beta, g=g, erase=erase, write=write, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        **options,
     )

@@ -32,19 +32,20 @@ caller never gets another backend silently.
 """
 import torch
 
-from ..backends import FLA_KINDS, fla_unavailable_reason
-from .reference import check_inputs
+from .. import registry
+from ..backends import FLA_KINDS
+from .reference import OP, check_inputs, input_form
 
-__all__ = ["fla_kind", "gated_delta_rule_fla"]
+__all__ = ["KIND_OF_FORM", "fla_kind", "gated_delta_rule_fla"]
+
+# The FLA_KINDS key (and so the fla-core function) that serves each input form.
+KIND_OF_FORM = {"deltanet": "deltanet", "gated_deltanet": "gdn", "kda": "kda", "gdn2": "gdn2"}
 
 
 def fla_kind(*, beta, g, erase, write) -> str:
     """The FLA_KINDS key (and so the fla-core function) that serves these gated_delta_rule gates."""
-    if erase is not None or write is not None:
-        return "gdn2"
-    if g is None:
-        return "deltanet"
-    return "gdn" if g.dim() == 3 else "kda"
+    del beta  # every form has it (or erase and write instead)
+    return KIND_OF_FORM[input_form(g=g, erase=erase, write=write)]
 
 
 def gated_delta_rule_fla(
@@ -57,17 +58,15 @@ def gated_delta_rule_fla(
     ``[B, T, Hv, V]``; initial_state ``[N, Hv, K, V]``), returning o ``[B, T, Hv, V]`` in v's
     dtype and the fp32 final state ``[N, Hv, K, V]`` (or None).
 
-    Raises RuntimeError, saying why, where fla-core cannot serve the call: see
-    ``fla_unavailable_reason``, plus fp32 DeltaNet and fp64 inputs.
+    Raises RuntimeError, saying why, where fla-core cannot serve the call: see its rule in the
+    backend registry (``kernels.backends.fla_unavailable_reason``), plus fp32 DeltaNet and fp64
+    inputs.
     """
     check_inputs(q, k, v, beta=beta, g=g, erase=erase, write=write, initial_state=initial_state,
                  cu_seqlens=cu_seqlens)
+    registry.require(OP, "fla", q, k, v, beta=beta, g=g, erase=erase, write=write,
+                     initial_state=initial_state, cu_seqlens=cu_seqlens)
     kind = fla_kind(beta=beta, g=g, erase=erase, write=write)
-    inputs = (q, k, v, beta, g, erase, write, initial_state)
-    requires_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    reason = fla_unavailable_reason(kind, q.device, requires_grad)
-    if reason is not None:
-        raise RuntimeError(f"gated_delta_rule: backend 'fla' cannot run {kind}: {reason}")
 
     out_dtype = v.dtype
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)

@@ -24,7 +24,19 @@ import torch
 
 from ..common import check_shared_inputs, fail, sequence_spans, sequence_start_states
 
-__all__ = ["gated_delta_rule_reference", "check_inputs", "expand_inputs", "sequence_spans"]
+__all__ = ["gated_delta_rule_reference", "check_inputs", "expand_inputs", "input_form", "sequence_spans"]
+
+OP = "gated_delta_rule"
+
+
+def input_form(*, g, erase, write) -> str:
+    """The call's input form, as cases.DELTA_RULE_CASES names it: "gdn2" (erase or write
+    gates), "deltanet" (no decay), "gated_deltanet" (g per head) or "kda" (g per key channel)."""
+    if erase is not None or write is not None:
+        return "gdn2"
+    if g is None:
+        return "deltanet"
+    return "gated_deltanet" if g.dim() == 3 else "kda"
 
 
 def _fail(name: str, tensor: torch.Tensor, expected: str) -> None:

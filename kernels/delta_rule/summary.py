@@ -15,7 +15,8 @@ Triton kernels take but V and K are (e.g. K = 64, V = 128), the same columns run
 """
 import torch
 
-from .. import backends
+from .. import backends, registry
+from .reference import OP
 
 __all__ = ["gated_delta_rule_summary"]
 
@@ -30,7 +31,6 @@ def gated_delta_rule_summary(k, v, *, beta=None, g=None, erase=None, write=None,
     Then for any entering state S_0, the state after the sequence's tokens is
     ``transition @ S_0 + state``.
     """
-    from . import gated_delta_rule  # the package entry point picks the backend
 
     batch, seq_len, _, key_dim = k.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
@@ -38,9 +38,9 @@ def gated_delta_rule_summary(k, v, *, beta=None, g=None, erase=None, write=None,
     dtype = torch.promote_types(torch.float32, v.dtype)
 
     def final_state(values, write, entering):
-        return gated_delta_rule(k, k, values, beta=beta, g=g, erase=erase, write=write,
-                                initial_state=entering, output_final_state=True,
-                                cu_seqlens=cu_seqlens, backend=backend)[1]
+        return registry.call(OP, backend, k, k, values, beta=beta, g=g, erase=erase, write=write,
+                             initial_state=entering, output_final_state=True,
+                             cu_seqlens=cu_seqlens)[1]
 
     zeros = v.new_zeros(batch, seq_len, value_heads, key_dim)
     ones = None if write is None else write.new_ones(batch, seq_len, value_heads, key_dim)  # any gate

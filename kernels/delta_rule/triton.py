@@ -129,16 +129,16 @@ group sum (NaN gradients), while the same path passes with Hk = Hv, in fp32, and
 head (test_hybrid_preset_heads, test_matches_reference); so a per-channel decay runs on q and k
 repeated over the group. Any new launch configuration must pass that file there before use.
 """
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import backends
+from .. import registry
+from ..backends import triton_unavailable_reason
 from ..chunks import chunk_layout, chunk_rows
 from ..common import sequence_bounds
-from .reference import check_inputs
+from .reference import OP, check_inputs
 
 __all__ = ["gated_delta_rule_triton", "triton_unavailable_reason"]
 
@@ -824,22 +824,6 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
 # Host side
 # ---------------------------------------------------------------------------------------------
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def triton_unavailable_reason(device, dtype: torch.dtype) -> str | None:
-    """Why these kernels cannot run on ``device`` for q/k/v in ``dtype``, or None if they can: they
-    need a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1, with CPU tensors) and fp32,
-    bf16 or fp16 inputs."""
-    device = torch.device(device)
-    if device.type != "cuda" and not (device.type == "cpu" and _interpreted()):
-        return f"its Triton kernels need a CUDA device, not {device.type!r}"
-    if dtype not in _DOT_DTYPES:
-        return f"inputs in {dtype} (it takes torch.float32, torch.bfloat16 and torch.float16)"
-    return None
-
-
 class _Config:
     """What the autograd function needs besides the tensors: sizes, the form of the gates, the
     dot dtype, the chunk tables and the tile sizes."""
@@ -1056,20 +1040,17 @@ def gated_delta_rule_triton(
     dtype, the fp32 final state ``[N, Hv, K, V]`` (or None), and with ``return_write_residual``
     the write residual ``[B, T, Hv, V]`` in fp32, all with gradients.
 
-    Raises ValueError for K or V outside kernels.backends.TRITON_HEAD_DIMS (tl.dot wants
-    power-of-two tiles of at least 16), and RuntimeError ("gated_delta_rule: backend 'triton' cannot run ...") off CUDA
-    (unless Triton's interpreter is on, TRITON_INTERPRET=1) or for fp64 inputs.
+    Raises kernels.registry.BackendUnavailable (a ValueError and a RuntimeError: "gated_delta_rule:
+    backend 'triton' cannot run ...") for what the registry's rule of this backend refuses
+    (kernels.backends.triton_unsupported): K or V outside kernels.backends.TRITON_HEAD_DIMS
+    (tl.dot wants power-of-two tiles of at least 16), tensors off CUDA (unless Triton's
+    interpreter is on, TRITON_INTERPRET=1) and fp64 inputs.
     """
     check_inputs(q, k, v, beta=beta, g=g, erase=erase, write=write, initial_state=initial_state,
                  cu_seqlens=cu_seqlens)
-    unsupported = backends.triton_dims_reason(q, v)
-    if unsupported:
-        raise ValueError(f"gated_delta_rule: backend 'triton' cannot run {unsupported}")
+    registry.require(OP, "triton", q, k, v, beta=beta, g=g, erase=erase, write=write,
+                     initial_state=initial_state, cu_seqlens=cu_seqlens)
     key_dim = q.shape[-1]
-    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    reason = triton_unavailable_reason(q.device, dtype)
-    if reason is not None:
-        raise RuntimeError(f"gated_delta_rule: backend 'triton' cannot run {reason}")
     scale = key_dim**-0.5 if scale is None else float(scale)
     group = v.shape[2] // q.shape[2]
     if g is not None and g.dim() == 4 and group > 1:  # one v head per q/k head (see "Hopper")

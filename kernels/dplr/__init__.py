@@ -6,6 +6,8 @@ Backends, with one signature and one layout:
     chunked     chunkwise WY / UT-transform form in PyTorch, any device (chunked.py)
 "auto" is chunked: there are no Triton kernels for this op yet.
 """
+from .. import registry
+from ..common import recurrence_facts
 from .chunked import dplr_delta_rule_chunked
 from .reference import OP, dplr_delta_rule_reference
 from .summary import dplr_delta_rule_summary
@@ -13,10 +15,19 @@ from .summary import dplr_delta_rule_summary
 __all__ = ["dplr_delta_rule", "dplr_delta_rule_chunked", "dplr_delta_rule_reference",
            "dplr_delta_rule_summary"]
 
-_BACKENDS = {
-    "reference": dplr_delta_rule_reference,
-    "chunked": dplr_delta_rule_chunked,
-}
+
+def _facts(q, k, v, *, a=None, b=None, g=None, initial_state=None, cu_seqlens=None,
+           **_options) -> registry.Facts:
+    return recurrence_facts(q, k, v, a, b, g, initial_state, form=None, cu_seqlens=cu_seqlens)
+
+
+registry.declare(registry.Op(
+    OP,
+    backends={"reference": registry.Backend("reference", dplr_delta_rule_reference),
+              "chunked": registry.Backend("chunked", dplr_delta_rule_chunked)},
+    auto=("chunked",),
+    facts=_facts,
+))
 
 
 def dplr_delta_rule(
@@ -53,11 +64,6 @@ def dplr_delta_rule(
         o ``[B, T, Hv, V]`` in v's dtype, and the final state ``[N, Hv, K, V]`` in fp32 (fp64 for
         fp64 inputs), or None when output_final_state is False.
     """
-    name = "chunked" if backend == "auto" else backend
-    if name not in _BACKENDS:
-        known = ", ".join(repr(known_name) for known_name in ["auto", *_BACKENDS])
-        raise ValueError(f"{OP}: unknown backend {backend!r}; known backends: {known}")
-    return _BACKENDS[name](
-        q, k, v, a=a, b=b, g=g, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-    )
+    return registry.call(OP, backend, q, k, v, a=a, b=b, g=g, scale=scale,
+                         initial_state=initial_state, output_final_state=output_final_state,
+                         cu_seqlens=cu_seqlens)

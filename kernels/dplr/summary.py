@@ -12,6 +12,9 @@ its own value column, so entering with ``[0 | I_K]`` while writing the values ``
 """
 import torch
 
+from .. import registry
+from .reference import OP
+
 __all__ = ["dplr_delta_rule_summary"]
 
 
@@ -23,7 +26,6 @@ def dplr_delta_rule_summary(k, v, *, a, b, g=None, cu_seqlens=None, backend: str
     ``[B, T, Hv, V]``, a, b, g, cu_seqlens); q plays no part in the state. Then for any entering
     state S_0, the state after the sequence's tokens is ``transition @ S_0 + state``.
     """
-    from . import dplr_delta_rule  # the package entry point picks the backend
 
     batch, seq_len, _, key_dim = k.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
@@ -33,7 +35,7 @@ def dplr_delta_rule_summary(k, v, *, a, b, g=None, cu_seqlens=None, backend: str
     identity = torch.eye(key_dim, dtype=dtype, device=v.device).expand(sequences, value_heads,
                                                                       key_dim, key_dim)
     values = torch.cat([v, v.new_zeros(batch, seq_len, value_heads, key_dim)], dim=-1)
-    _, final = dplr_delta_rule(k, k, values, a=a, b=b, g=g,
-                               initial_state=torch.cat([zero_start, identity], dim=-1),
-                               output_final_state=True, cu_seqlens=cu_seqlens, backend=backend)
+    _, final = registry.call(OP, backend, k, k, values, a=a, b=b, g=g,
+                             initial_state=torch.cat([zero_start, identity], dim=-1),
+                             output_final_state=True, cu_seqlens=cu_seqlens)
     return final[..., value_dim:], final[..., :value_dim]

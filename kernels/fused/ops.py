@@ -1,11 +1,14 @@
 """Autograd entry points of the fused layer pieces (short conv, gates, gated RMSNorm, RMSNorm,
 RoPE, vocab-parallel cross-entropy), with ``backend="auto"|"reference"|"triton"``.
 
-"auto" runs the Triton kernels on CUDA tensors whose head dim (the L2-normalised group, the
-normalised head) is a power of two, once they have passed a first-use check on that GPU
-(:func:`first_use_check`: forward and backward against the fp32 reference on small shapes with
-packed sequences, odd lengths and the L2 norm, in the call's dtype; once per process, device and
-dtype), and the PyTorch reference otherwise; a failed check is logged once.
+Each op is declared in the backend registry (``kernels.registry``): "auto" runs the Triton
+kernels on CUDA tensors they take (whose head dim, the L2-normalised group or the normalised
+head, is a power of two; filters of up to four taps; ...), once they have passed a first-use
+check on that GPU (:func:`first_use_check`: forward and backward against the fp32 reference on
+small shapes with packed sequences, odd lengths and the L2 norm, in the call's dtype; once per
+process, device and dtype), and the PyTorch reference otherwise; a failed check is logged once,
+and so is each choice. "triton" named by the caller refuses inputs the kernels do not take
+(``registry.BackendUnavailable``).
 """
 from __future__ import annotations
 
@@ -14,12 +17,12 @@ import logging
 
 import torch
 
+from .. import registry
 from ..first_use import passes_first_use_check, relative_error
 from . import reference
 
 logger = logging.getLogger("megatron_ext.kernels")
 
-BACKENDS = ("auto", "reference", "triton")
 # Relative errors (Frobenius) the first-use check allows, per dtype of the inputs: the kernels
 # compute in fp32, so the fp32 bound is rounding; bf16 outputs round once more.
 CHECK_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
@@ -208,9 +211,54 @@ def _dense_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r} is not one of {list(BACKENDS)}")
+def _facts(x: torch.Tensor, **extra) -> registry.Facts:
+    return registry.Facts(device=x.device, dtype=x.dtype, extra=extra)
+
+
+def _triton_verified(facts: registry.Facts) -> str | None:
+    """The verifier of every fused op's Triton backend: the kernels' one first-use check on the
+    device in the call's dtype (:func:`first_use_check`)."""
+    if facts.dtype not in CHECK_TOLERANCE:
+        return f"the first-use check covers {', '.join(map(str, CHECK_TOLERANCE))}, not {facts.dtype}"
+    return None if first_use_check(facts.device, facts.dtype) else "failed its first-use check"
+
+
+def _declare(name: str, facts, reference_function, triton_function, unsupported=None) -> None:
+    """Declare a fused op: the Triton kernels on CUDA once they passed their first-use check
+    there, for the calls they take (``unsupported``), else the reference."""
+    registry.declare(registry.Op(
+        name,
+        backends={"reference": registry.Backend("reference", reference_function),
+                  "triton": registry.Backend("triton", triton_function, unsupported=unsupported,
+                                             verify=_triton_verified, auto_devices=("cuda",))},
+        auto=("triton", "reference"),
+        facts=facts,
+    ))
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _short_conv_unsupported(facts: registry.Facts) -> str | None:
+    l2_norm_dim, taps = facts.extra["l2_norm_dim"], facts.extra["taps"]
+    if l2_norm_dim is not None and not _power_of_two(l2_norm_dim):  # one head is one kernel tile
+        return (f"an L2-normalised group of {l2_norm_dim} channels (the Triton kernels take "
+                "powers of two)")
+    if taps > _triton().CONV_MAX_TAPS:
+        return (f"filters of {taps} taps (linear_conv_kernel; the Triton kernels take at most "
+                f"{_triton().CONV_MAX_TAPS} taps)")
+    return None
+
+
+_declare("short_conv",
+         lambda x, weight, positions=None, l2_norm_dim=None, grad_into=None: _facts(
+             x, l2_norm_dim=l2_norm_dim, taps=weight.shape[1]),
+         lambda x, weight, positions=None, l2_norm_dim=None, grad_into=None: reference.short_conv(
+             x, weight, positions, l2_norm_dim),
+         lambda x, weight, positions=None, l2_norm_dim=None, grad_into=None: _ShortConv.apply(
+             x, weight, positions, l2_norm_dim, grad_into),
+         _short_conv_unsupported)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | None = None,
@@ -221,25 +269,23 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | 
     contiguous in ``x.dtype``; the gradient of ``x`` comes back in ``x``'s strides, or, where the
     Triton kernel runs and ``grad_into`` is given, in the tensor of ``x``'s shape that
     ``grad_into()`` returns when the backward runs (see :class:`ProjectionGradient`). The Triton
-    kernels take filters of up to ``CONV_MAX_TAPS`` (4) taps; "auto" runs the reference for
-    wider ones (and says so once)."""
-    _check_backend(backend)
-    tiled = l2_norm_dim is None or _power_of_two(l2_norm_dim)  # one head is one kernel tile
-    if backend == "triton" or (backend == "auto" and tiled and _use_triton(x)
-                               and _conv_taps_fit(weight.shape[1])):
-        return _ShortConv.apply(x, weight, positions, l2_norm_dim, grad_into)
-    return reference.short_conv(x, weight, positions, l2_norm_dim)
+    kernels take filters of up to ``CONV_MAX_TAPS`` (4) taps and L2-normalised groups of a power
+    of two channels; "auto" runs the reference for others (and says so once)."""
+    return registry.call("short_conv", backend, x, weight, positions, l2_norm_dim,
+                         grad_into=grad_into)
 
 
-@functools.cache
-def _conv_taps_fit(taps: int) -> bool:
-    """Whether the Triton short conv takes filters of ``taps`` taps; a refusal is logged once."""
-    fits = taps <= _triton().CONV_MAX_TAPS
-    if not fits:
-        logger.warning("megatron-ext: the fused short-convolution kernels take filters of up to "
-                       "%d taps, not %d (linear_conv_kernel); the PyTorch reference runs "
-                       "instead, slower", _triton().CONV_MAX_TAPS, taps)
-    return fits
+def _gate_unsupported(facts: registry.Facts) -> str | None:
+    if facts.extra["channel_stride"] != 1:
+        return f"a channel dim of stride {facts.extra['channel_stride']} (the Triton kernels read it dense)"
+    return None
+
+
+_declare("gate",
+         lambda x, A_log=None, dt_bias=None, grad_into=None: _facts(x, channel_stride=x.stride(-1)),
+         lambda x, A_log=None, dt_bias=None, grad_into=None: reference.gate(x, A_log, dt_bias),
+         lambda x, A_log=None, dt_bias=None, grad_into=None: _Gate.apply(x, A_log, dt_bias, grad_into),
+         _gate_unsupported)
 
 
 def gate(x: torch.Tensor, A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
@@ -249,10 +295,31 @@ def gate(x: torch.Tensor, A_log: torch.Tensor | None = None, dt_bias: torch.Tens
     T, N]`` with a dense last dim, any batch and token strides (a transposed slice of a fused
     projection's ``[s, b, W]`` output is read in place); returns ``[B, T, N]`` (contiguous from
     the Triton kernel). ``grad_into``: as :func:`short_conv`'s."""
-    _check_backend(backend)
-    if backend == "triton" or (backend == "auto" and x.stride(-1) == 1 and _use_triton(x)):
-        return _Gate.apply(x, A_log, dt_bias, grad_into)
-    return reference.gate(x, A_log, dt_bias)
+    return registry.call("gate", backend, x, A_log, dt_bias, grad_into=grad_into)
+
+
+def _gated_rms_norm_unsupported(facts: registry.Facts) -> str | None:
+    if not _power_of_two(facts.extra["head_dim"]):
+        return f"a head dim of {facts.extra['head_dim']} (the Triton kernels take powers of two)"
+    if facts.extra["channel_strides"] != (1, 1):
+        return (f"o and gate with channel strides {facts.extra['channel_strides']} (the Triton "
+                "kernels read them dense)")
+    return None
+
+
+def _gated_rms_norm_reference(o, weight, gate, eps, sequence_first=False, gate_grad_into=None,
+                              gate_first=False):
+    out = reference.gated_rms_norm(o, weight, gate, eps, gate_first)
+    return out.transpose(0, 1).flatten(2).contiguous() if sequence_first else out
+
+
+_declare("gated_rms_norm",
+         lambda o, weight, gate, eps, sequence_first=False, gate_grad_into=None, gate_first=False:
+         _facts(o, head_dim=o.shape[-1], channel_strides=(o.stride(-1), gate.stride(-1))),
+         _gated_rms_norm_reference,
+         lambda o, weight, gate, eps, sequence_first=False, gate_grad_into=None, gate_first=False:
+         _GatedRMSNorm.apply(o, weight, gate, eps, sequence_first, gate_grad_into, gate_first),
+         _gated_rms_norm_unsupported)
 
 
 def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float,
@@ -264,13 +331,13 @@ def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
     or ``[D]``. Returns ``[B, T, H, D]``, or with ``sequence_first`` Megatron's ``[T, B, H*D]``
     (contiguous, ready for the output projection), in ``o.dtype``. ``gate_grad_into``: as
     :func:`short_conv`'s ``grad_into``, for the gate's gradient."""
-    _check_backend(backend)
-    tiled = _power_of_two(o.shape[-1]) and o.stride(-1) == gate.stride(-1) == 1
-    if backend == "triton" or (backend == "auto" and tiled and _use_triton(o)):
-        return _GatedRMSNorm.apply(o, weight, gate, eps, sequence_first, gate_grad_into,
-                                   gate_first)
-    out = reference.gated_rms_norm(o, weight, gate, eps, gate_first)
-    return out.transpose(0, 1).flatten(2).contiguous() if sequence_first else out
+    return registry.call("gated_rms_norm", backend, o, weight, gate, eps, sequence_first,
+                         gate_grad_into=gate_grad_into, gate_first=gate_first)
+
+
+_declare("rms_norm", lambda x, weight, eps: _facts(x),
+         lambda x, weight, eps: reference.rms_norm(x, weight, eps),
+         lambda x, weight, eps: _RMSNorm.apply(x, weight, eps))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -278,10 +345,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """RMSNorm over the last dim, see :func:`reference.rms_norm`: ``x [..., N]``, ``weight
     [N]`` -> ``x``'s shape and dtype; "auto" runs the Triton kernels on CUDA after the
     first-use check."""
-    _check_backend(backend)
-    if backend == "triton" or (backend == "auto" and _use_triton(x)):
-        return _RMSNorm.apply(x, weight, eps)
-    return reference.rms_norm(x, weight, eps)
+    return registry.call("rms_norm", backend, x, weight, eps)
+
+
+_declare("cross_entropy", lambda logits, target, vocab_start=0, group=None: _facts(logits),
+         lambda logits, target, vocab_start=0, group=None: _CrossEntropy.apply(
+             logits, target, vocab_start, group, "reference"),
+         lambda logits, target, vocab_start=0, group=None: _CrossEntropy.apply(
+             logits, target, vocab_start, group, "triton"))
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0, group=None,
@@ -291,10 +362,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int =
     vocab-parallel output layer; ``group``: the ranks holding the rest, or None) against
     ``target [...]``, see :func:`reference.cross_entropy`; the gradient comes back in
     ``logits.dtype``. "auto" runs the Triton kernels on CUDA after the first-use check."""
-    _check_backend(backend)
-    if backend == "auto":
-        backend = "triton" if _use_triton(logits) else "reference"
-    return _CrossEntropy.apply(logits, target, vocab_start, group, backend)
+    return registry.call("cross_entropy", backend, logits, target, vocab_start, group)
 
 
 def rope_fits(t: torch.Tensor, freqs: torch.Tensor) -> bool:
@@ -305,22 +373,26 @@ def rope_fits(t: torch.Tensor, freqs: torch.Tensor) -> bool:
             and t.shape[-1] % 2 == 0 and _power_of_two(t.shape[-1] // 2))
 
 
+def _rope_unsupported(facts: registry.Facts) -> str | None:
+    if not facts.extra["fits"]:
+        return (f"t {facts.extra['shapes'][0]} with freqs {facts.extra['shapes'][1]} (the Triton "
+                "kernel takes t [s, b, H, D] and freqs [s, 1, 1, D] with D/2 a power of two)")
+    return None
+
+
+_declare("rope",
+         lambda t, freqs: _facts(t, fits=rope_fits(t, freqs),
+                                 shapes=(list(t.shape), list(freqs.shape))),
+         lambda t, freqs: reference.rope(t, freqs),
+         lambda t, freqs: _Rope.apply(t, freqs),
+         _rope_unsupported)
+
+
 def rope(t: torch.Tensor, freqs: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """Rotary position embedding, see :func:`reference.rope`: ``t [s, b, H, D]`` (any strides),
     ``freqs [s, 1, 1, D]`` -> ``[s, b, H, D]`` contiguous in ``t.dtype``. The Triton kernel takes
     what :func:`rope_fits`; "auto" runs it on CUDA after the first-use check."""
-    _check_backend(backend)
-    if backend == "triton" or (backend == "auto" and rope_fits(t, freqs) and _use_triton(t)):
-        return _Rope.apply(t, freqs)
-    return reference.rope(t, freqs)
-
-
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and first_use_check(x.device, x.dtype)
+    return registry.call("rope", backend, t, freqs)
 
 
 @functools.cache

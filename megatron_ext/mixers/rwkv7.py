@@ -50,7 +50,7 @@ from megatron.core.tensor_parallel import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.config import ConfigError
-from megatron_ext.kernels import dplr_delta_rule
+from megatron_ext.kernels import dplr_delta_rule, registry
 from megatron_ext.kernels.fused import sequence_positions
 from megatron_ext.mixers.common import HeadShardedModule, LinearMixerSubmodules, packed_cu_seqlens, recurrent_state
 from megatron_ext.parallel import ContextParallel
@@ -88,8 +88,10 @@ class Rwkv7Mixer(HeadShardedModule):
         self.heads = heads // self.tp_size
         self.key_dim = ext.linear_key_head_dim or config.kv_channels
         self.value_dim = ext.linear_value_head_dim or config.kv_channels
-        # The op has no Triton kernels yet: "triton" and "fla" run its chunked form ("auto").
-        self.kernel_backend = ext.kernel_backend if ext.kernel_backend in ("reference", "chunked") else "auto"
+        # The op has no Triton kernels yet: a backend it does not declare ("triton", "fla") runs
+        # its chunked form ("auto").
+        declared = registry.get("dplr_delta_rule").backends
+        self.kernel_backend = ext.kernel_backend if ext.kernel_backend in declared else "auto"
         h = config.hidden_size
         k_size, v_size = heads * self.key_dim, heads * self.value_dim
         ranks = lora_ranks(h) if ext.rwkv7_lora_rank is None else dict.fromkeys("wag", ext.rwkv7_lora_rank)

@@ -1,12 +1,13 @@
 """kernels/backends.py: the Triton self-check runs in a child process, its verdict is cached per
-machine key in memory and on disk, a failing verdict keeps auto on the chunked path, and auto
-is the chunked path off CUDA."""
+machine key in memory and on disk, a failing verdict keeps auto (kernels/registry.py) on the
+chunked path, and auto is the chunked path off CUDA."""
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from megatron_ext.kernels import backends
+from megatron_ext.kernels import backends, registry
 
 
 def test_selfcheck_child_reports_failures_off_cuda():
@@ -71,19 +72,22 @@ def test_verdict_is_cached_in_memory_and_on_disk(tmp_path, monkeypatch, fresh_ma
 
 
 def test_auto_follows_the_verdict(monkeypatch):
+    """The registry's "auto" runs triton on CUDA where its self-check passed, chunked where it
+    failed and off CUDA, and asks no self-check for a call the kernels do not take."""
     verdicts = {"gated_delta_rule": True, "decay_linear_attention": False}
     asked = []
 
     def verdict(op, device, jobs=None):
         asked.append(op)
-        return {"passed": verdicts[op]}
+        return {"passed": verdicts[op], "reason": "measured"}
 
     monkeypatch.setattr(backends, "triton_verdict", verdict)
-    assert backends.auto_backend("gated_delta_rule", "cuda:0") == "triton"
-    assert backends.auto_backend("decay_linear_attention", "cuda:0") == "chunked"
-    assert backends.auto_backend("gated_delta_rule", "cpu") == "chunked"
+    assert registry.choose("gated_delta_rule", "auto", device="cuda:0") == "triton"
+    assert registry.choose("decay_linear_attention", "auto", device="cuda:0") == "chunked"
+    assert registry.choose("gated_delta_rule", "auto", device="cpu") == "chunked"
     # a call the kernels decline never runs (or waits for) the self-check
-    assert backends.auto_backend("gated_delta_rule", "cuda:0", declined="K = 8") == "chunked"
+    assert registry.choose("gated_delta_rule", "auto", device="cuda:0", key_dim=8,
+                           value_dim=64) == "chunked"
     assert asked == ["gated_delta_rule", "decay_linear_attention"]
 
 
@@ -118,25 +122,24 @@ def test_one_process_at_a_time_runs_the_selfcheck(monkeypatch, fresh_machine):
 def test_auto_runs_chunked_for_head_dims_the_triton_kernels_do_not_take(monkeypatch):
     """Where "auto" would pick triton (a GPU whose self-check passed), head dims outside
     TRITON_HEAD_DIMS (Mamba-2's state dim 8, a summary's V + K = 384) run the chunked form
-    instead of raising. Simulated on the CPU by making auto answer triton."""
-    from megatron_ext.kernels import decay_linear_attention, gated_delta_rule
-    from megatron_ext.kernels.decay import decay_linear_attention_reference
-    from megatron_ext.kernels.delta_rule import gated_delta_rule_reference
-
-    # auto as on such a GPU: triton unless the op says why the kernels would not take the call
-    monkeypatch.setattr(backends, "auto_backend",
-                        lambda op, device, declined=None, jobs=None: "chunked" if declined else "triton")
+    instead of raising: the choice for these inputs' facts on a CUDA device (nothing runs there)."""
+    monkeypatch.setattr(backends, "triton_verdict", lambda op, device, jobs=None: {"passed": True})
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 9, 2, 8, generator=g) for _ in range(2))
     v = torch.randn(1, 9, 2, 24, generator=g)
     beta = torch.rand(1, 9, 2, generator=g)
     decay = -torch.rand(1, 9, 2, generator=g)
-    torch.testing.assert_close(decay_linear_attention(q, k, v, g=decay, backend="auto")[0],
-                               decay_linear_attention_reference(q, k, v, g=decay)[0])
-    torch.testing.assert_close(gated_delta_rule(q, k / k.norm(dim=-1, keepdim=True), v, beta=beta,
-                                                backend="auto")[0],
-                               gated_delta_rule_reference(q, k / k.norm(dim=-1, keepdim=True), v,
-                                                          beta=beta)[0])
+    cuda = torch.device("cuda", 0)
+
+    def on_cuda(op, *args, **kwargs):
+        return registry.choose(op, "auto", dataclasses.replace(registry.get(op).facts(*args, **kwargs),
+                                                               device=cuda))
+
+    assert on_cuda("decay_linear_attention", q, k, v, g=decay) == "chunked"
+    assert on_cuda("gated_delta_rule", q, k, v, beta=beta) == "chunked"
+    wide = torch.zeros(1, 9, 2, 64), torch.zeros(1, 9, 2, 128)
+    assert on_cuda("decay_linear_attention", wide[0], wide[0], wide[1], g=decay) == "triton"
+    assert on_cuda("gated_delta_rule", wide[0], wide[0], wide[1], beta=beta) == "triton"
     assert backends.triton_dims_reason(q, v) == ("K = 8, V = 24: the Triton kernels take head dims "
                                                  "16, 32, 64, 128, 256")
     assert backends.triton_dims_reason(torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 1, 128)) is None

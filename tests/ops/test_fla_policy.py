@@ -113,7 +113,7 @@ def test_fla_refuses_a_constant_decay_that_requires_grad():
     q = k = torch.randn(1, 5, 2, 4)
     v = torch.randn(1, 5, 2, 3)
     decay = torch.log(1 - 2.0 ** (-5 - torch.arange(2.0)))
-    with pytest.raises(RuntimeError, match=r"cannot run simple_gla_gamma with a decay that requires grad"):
+    with pytest.raises(RuntimeError, match=r"cannot run simple_gla_gamma: a decay that requires grad"):
         decay_linear_attention(q, k, v, g=decay.clone().requires_grad_(), backend="fla")
     with pytest.raises(RuntimeError, match=r"cannot run simple_gla_gamma: .*(not installed|CUDA device)"):
         decay_linear_attention(q, k, v, g=decay, backend="fla")

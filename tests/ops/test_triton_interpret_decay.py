@@ -75,13 +75,13 @@ def test_unsupported_dims_are_named(key_dim, value_dim):
 def test_refusals_name_the_reason():
     """What the backend cannot run it refuses with "<op>: backend 'triton' cannot run ...", which
     the self-check (``megatron-ext doctor``) reports as a skip, not a failure."""
-    from megatron_ext.kernels import decay_linear_attention
+    from megatron_ext.kernels import decay_linear_attention, registry
 
     q = k = torch.zeros(1, 3, 1, 16)
     with pytest.raises(RuntimeError, match=r"decay_linear_attention: backend 'triton' cannot run tensors on cpu"):
         decay_linear_attention(q, k, torch.zeros(1, 3, 1, 16), backend="triton")
-    with pytest.raises(RuntimeError, match=r"backend 'triton' cannot run q in torch.float64"):
-        decay_linear_attention(q.double(), k, torch.zeros(1, 3, 1, 16), backend="triton")
+    with pytest.raises(RuntimeError, match=r"backend 'triton' cannot run inputs in torch.float64"):
+        registry.choose("decay_linear_attention", "triton", device="cuda", dtype=torch.float64)
 
 
 if __name__ == "__main__":

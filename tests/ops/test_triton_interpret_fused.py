@@ -41,23 +41,24 @@ def test_kernels_on_the_interpreter():
 def test_wide_filters_take_the_reference(caplog):
     """Filters wider than the kernels' CONV_MAX_TAPS: backend="triton" refuses them by name,
     "auto" runs the reference (here on the CPU, as anywhere) and, where it would have run the
-    kernels, says so once."""
+    kernels (the choice for a CUDA tensor, nothing run there), says so once."""
     import pytest
 
+    from megatron_ext.kernels import registry
     from megatron_ext.kernels.fused import ops, reference, triton
 
     x, w = torch.randn(2, 9, 8), torch.randn(8, triton.CONV_MAX_TAPS + 1)
     with pytest.raises(ValueError, match="at most 4 taps"):
         ops.short_conv(x, w, backend="triton")
     torch.testing.assert_close(ops.short_conv(x, w), reference.short_conv(x, w))
-    ops._conv_taps_fit.cache_clear()
+    cuda = torch.device("cuda", 7)  # a device no other test's choice is logged for
     with caplog.at_level("WARNING", logger="megatron_ext.kernels"):
-        assert ops._conv_taps_fit(triton.CONV_MAX_TAPS)
-        assert not ops._conv_taps_fit(triton.CONV_MAX_TAPS + 1)
-        assert not ops._conv_taps_fit(triton.CONV_MAX_TAPS + 1)
+        for taps in (triton.CONV_MAX_TAPS + 1,) * 2:
+            facts = registry.Facts(device=cuda, dtype=torch.float32, extra=dict(l2_norm_dim=None, taps=taps))
+            assert registry.choose("short_conv", "auto", facts) == "reference"
     assert [r.getMessage() for r in caplog.records] == [
-        "megatron-ext: the fused short-convolution kernels take filters of up to 4 taps, not 5 "
-        "(linear_conv_kernel); the PyTorch reference runs instead, slower"]
+        "megatron-ext: backend='auto' runs short_conv as 'reference' on cuda:7 in float32 (not "
+        "'triton': filters of 5 taps (linear_conv_kernel; the Triton kernels take at most 4 taps))"]
 
 
 def test_reference_conv_is_torch_conv1d_per_sequence():

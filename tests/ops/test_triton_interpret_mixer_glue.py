@@ -7,6 +7,7 @@ B = 2, T = 70 (odd, across the kernels' token tiles), and GDN, KDA and Mamba-2 o
 sequences. The recurrence itself runs the chunked PyTorch op in both, so only the glue differs;
 the fused run must launch Triton kernels, the reference run none. Skipped where Triton is not
 installed; ~30 s on two cores."""
+import dataclasses
 import pathlib
 import sys
 import time
@@ -20,6 +21,7 @@ from triton_interpreter import needs_triton
 # up to 5.3e-6, in the decay parameters' gradients, sums over every token).
 TOLERANCE = 2e-5
 LAUNCHED: list[str] = []  # the kernels launched, by name (see main)
+FUSED_OPS = ("short_conv", "gate", "gated_rms_norm", "rms_norm", "cross_entropy", "rope")
 
 
 def _relative(a, b) -> float:
@@ -37,7 +39,7 @@ def check(kind: str, packed: bool) -> float:
     """The worst relative difference between the fused and the reference glue."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_ext.kernels.fused import ops
+    from megatron_ext.kernels import registry
     from test_linear_mixers import _mixer
 
     if packed:
@@ -49,14 +51,20 @@ def check(kind: str, packed: bool) -> float:
         params, shape = None, (70, 2, 64)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0), requires_grad=True)
     results, launched = [], []
-    use_triton = ops._use_triton
+    # "auto" of the fused ops as on a GPU whose first-use check passed (or failed): their Triton
+    # backends on any device, verified (or not)
+    declared = {op: registry.get(op).backends for op in FUSED_OPS}
+    saved = {op: backends["triton"] for op, backends in declared.items()}
     for fused in (True, False):
-        ops._use_triton = lambda tensor, fused=fused: fused
+        for op, backends in declared.items():
+            backends["triton"] = dataclasses.replace(
+                saved[op], auto_devices=None, verify=lambda facts, fused=fused: None if fused else "off")
         LAUNCHED.clear()
         try:
             results.append(_run(_mixer(kind, "chunked"), x, params))
         finally:
-            ops._use_triton = use_triton
+            for op, backends in declared.items():
+                backends["triton"] = saved[op]
         launched.append(sorted(set(LAUNCHED)))
     assert launched[0] and not launched[1], (kind, launched)
     (out, grads), (out_ref, grads_ref) = results

@@ -1,5 +1,6 @@
 """``megatron-ext doctor`` on the CPU: every check passes, a broken backend fails it, and a
 backend that cannot run here is listed with its reason. (A CPU run takes ~4 s.)"""
+import dataclasses
 import json
 import sys
 import types
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from megatron_ext import cli
-from megatron_ext.kernels import delta_rule, selfcheck
+from megatron_ext.kernels import registry, selfcheck
 from megatron_ext.kernels.backends import fla_unavailable_reason
 
 
@@ -27,6 +28,12 @@ def rows(output, *cells):
 def statuses(report, op, case, backend):
     """The statuses of the results in the ``--json`` report with this op, case and backend."""
     return [r["status"] for r in report["results"] if (r["op"], r["case"], r["backend"]) == (op, case, backend)]
+
+
+def replace_backend(monkeypatch, op, name, **changes):
+    """Replace fields of a backend of ``op`` in the registry for this test."""
+    declared = registry.get(op).backends
+    monkeypatch.setitem(declared, name, dataclasses.replace(declared[name], **changes))
 
 
 def test_every_cpu_check_passes(tmp_path, capsys):
@@ -70,13 +77,13 @@ def test_every_cpu_check_passes(tmp_path, capsys):
 
 
 def test_a_broken_backend_fails_the_doctor(tmp_path, capsys, monkeypatch):
-    chunked = delta_rule._BACKENDS["chunked"]
+    chunked = registry.get("gated_delta_rule").backends["chunked"].function
 
     def ten_percent_off(*args, **kwargs):
         o, final_state = chunked(*args, **kwargs)
         return o * 1.1, final_state
 
-    monkeypatch.setitem(delta_rule._BACKENDS, "chunked", ten_percent_off)
+    replace_backend(monkeypatch, "gated_delta_rule", "chunked", function=ten_percent_off)
     exit_code, output, report = run_doctor(tmp_path, capsys)
     assert exit_code == 1 and report["exit_code"] == 1
 
@@ -92,20 +99,17 @@ def test_a_broken_backend_fails_the_doctor(tmp_path, capsys, monkeypatch):
 def test_refusals_are_skips_and_exceptions_are_failures(monkeypatch):
     """A backend that refuses the call ("<op>: backend '<name>' cannot run ...") is skipped with
     that reason; one that raises anything else fails, with the exception in the note."""
-    op = selfcheck.OPS["gated_delta_rule"]
-    monkeypatch.setitem(op.unavailable, "fla", lambda inputs, device, requires_grad: None)
-
     def refuses(*args, **kwargs):
         raise RuntimeError("gated_delta_rule: backend 'fla' cannot run deltanet in torch.float32")
 
-    monkeypatch.setitem(delta_rule._BACKENDS, "fla", refuses)
+    replace_backend(monkeypatch, "gated_delta_rule", "fla", unsupported=None, function=refuses)
     result = selfcheck.check_backend("gated_delta_rule", "deltanet", "fla", "cpu", torch.float32)
     assert result.status == "skip" and "cannot run deltanet in torch.float32" in result.skipped_reason
 
     def crashes(*args, **kwargs):
         raise IndexError("out of range")
 
-    monkeypatch.setitem(delta_rule._BACKENDS, "fla", crashes)
+    replace_backend(monkeypatch, "gated_delta_rule", "fla", unsupported=None, function=crashes)
     result = selfcheck.check_backend("gated_delta_rule", "deltanet", "fla", "cpu", torch.float32)
     assert result.status == "FAIL" and result.note == "IndexError: out of range"
 
