@@ -2,9 +2,10 @@
 Triton backend.
 
 With grouped heads a q/k head serves ``Hv / Hk`` value heads, and the decay backward kernels write
-the gradients of q and k per value head, in fp32 (the delta rule's sum theirs in-kernel). :func:`group_sum` adds each group's ``Hv / Hk``
-rows and rounds once to the input's dtype, in one pass over the fp32 gradient (torch's sum over
-that middle dim, then a cast, take two passes and a slow reduction layout).
+the gradients of q and k per value head, in fp32 (the delta rule sums its own).
+:func:`group_sum` adds each group's ``Hv / Hk`` rows and rounds once to the input's dtype, in one
+pass over the fp32 gradient (torch's sum over that middle dim, then a cast, take two passes and a
+slow reduction layout).
 """
 import torch
 import triton
