@@ -13,9 +13,9 @@ entry point (:func:`call`, :func:`choose`), the backends' own refusals when call
 The choice (:func:`choose`) is deterministic: a backend named by the caller (from a config:
 ``ExtConfig.kernel_backend``) runs if it can take the call and raises :class:`BackendUnavailable`
 with the reason otherwise; ``"auto"`` runs the first backend of the op's preference that runs on
-the device, takes the call and has passed its verifier there, and logs what it chose once per
-(op, device, dtype, choice). The verdicts are cached by the verifiers (per process, and the
-Triton self-check's on disk), so a call asks again for free.
+the device, takes the call, is not past its ``auto_limit`` and has passed its verifier there,
+and logs what it chose once per (op, device, dtype, choice). The verdicts are cached by the
+verifiers (per process, and the Triton self-check's on disk), so a call asks again for free.
 
 This module imports no op package: the op packages import it (it is a leaf, like first_use.py
 and cases.py).
@@ -71,6 +71,9 @@ class Backend:
     # The device types "auto" and the self-check run it on (None: any). Named by the caller it
     # runs wherever ``unsupported`` allows (Triton's CPU interpreter, in the tests).
     auto_devices: tuple[str, ...] | None = None
+    # Auto only: why "auto" does not prefer it for a call it takes (a size from which another
+    # backend is the faster), or None; read before the verifier, which then does not run.
+    auto_limit: Callable[[Facts], str | None] | None = None
     # What the refusal says it cannot run, before the reason (fla: the fla-core kind).
     subject: Callable[[Facts], str | None] | None = None
 
@@ -153,6 +156,8 @@ def choose(op: str, requested: str = AUTO, facts: Facts | None = None, **fields)
         if reason is None:
             reason = backend.refusal(facts)
             inputs = reason is not None
+        if reason is None and backend.auto_limit is not None:
+            reason = backend.auto_limit(facts)
         if reason is None and backend.verify is not None:
             reason = backend.verify(facts)
         if reason is None or name == spec.auto[-1]:

@@ -26,7 +26,9 @@ residual Triton kernels (``residual.efficient.first_use_checks``), DSA's and CSA
 selected-attention kernels (``sparse.triton.check``), MoBA's selection kernel
 (``sparse.triton_select.check_moba``), NSA's block-importance kernel
 (``sparse.triton_select.check_importance``) and the fused layer kernels around the linear
-mixers (``fused.ops.check_errors``).
+mixers (``fused.ops.check_errors``). Where a row is skipped, and why, is the registry's
+declaration of the backend the check verifies (softmax_attention's and dsa_attention's flash,
+dsa_attention's triton, moba_selection's triton, the fused ops' triton).
 
 The ops' backends, and what each takes, come from the backend registry (``registry.py``, where
 each op package declares its op). A backend that cannot run a case here is skipped with its
@@ -506,13 +508,12 @@ def _first_use_rows(device: torch.device, backends: list[str] | None):
     from .sparse import flash
 
     if backends is None or "flash" in backends:
-        for check, case, cudnn in ((flash.check, "first-use check", False),
-                                   (flash.check_cudnn, "cuDNN first-use", True)):
+        # the rules of softmax_attention's flash backend and of dsa_attention's (cuDNN's too)
+        for check, case, op in ((flash.check, "first-use check", "softmax_attention"),
+                                (flash.check_cudnn, "cuDNN first-use", "dsa_attention")):
             for dtype in (torch.bfloat16, torch.float16):
-                probe = torch.empty(1, 1, 1, 64, device=device, dtype=dtype)
-                reason = flash.unavailable_reason(probe, probe, probe)
-                if cudnn:
-                    reason = reason or flash.cudnn_unavailable_reason(probe)
+                facts = registry.Facts(device=device, dtype=dtype, key_dim=64, extra={"causal": True})
+                reason = registry.get(op).backends["flash"].refusal(facts)
                 yield (CheckResult("sparse_attention", case, "flash", str(device),
                                    str(dtype).removeprefix("torch."),
                                    tolerance=flash.CHECK_TOLERANCE, skipped_reason=reason),
@@ -543,15 +544,14 @@ def _fused_layer_checks(device: torch.device):
 
 def _selected_attention_checks(device: torch.device):
     """The first-use check of DSA's and CSA's selected-attention Triton kernels
-    (``sparse.triton.check``), one row per dtype; a skip where they do not import or run."""
-    try:
-        from .sparse import triton as selected
-    except ImportError as error:
-        selected, reason = None, f"the Triton kernels do not import here ({error})"
+    (``sparse.triton.check``), one row per dtype; a skip where dsa_attention's triton backend
+    does not run (its rule in the registry: where Triton does not import, off CUDA, ...)."""
+    triton = registry.get("dsa_attention").backends["triton"]
+    selected = None
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        if selected is not None:
-            probe = torch.empty(1, 1, 1, 64, device=device, dtype=dtype)
-            reason = selected.unavailable_reason(probe, probe, probe)
+        reason = triton.refusal(registry.Facts(device=device, dtype=dtype, key_dim=64))
+        if reason is None:
+            from .sparse import triton as selected
         tolerance = None if selected is None else selected.CHECK_TOLERANCE[dtype]
         yield (CheckResult("selected_attention", "first-use check", "triton", str(device),
                            str(dtype).removeprefix("torch."), tolerance=tolerance,
@@ -562,17 +562,14 @@ def _selected_attention_checks(device: torch.device):
 def _selection_checks(device: torch.device):
     """The first-use checks of MoBA's selection kernel (``sparse.triton_select.check_moba``) and
     NSA's block-importance kernel (``check_importance``), one row per kernel and dtype; skips
-    where the selections do not run in Triton."""
-    from .sparse import layout
+    where their ops' triton backends (``moba_selection``, ``nsa_selection`` in the registry) do
+    not run on the device or Triton does not import."""
+    from .sparse import layout  # noqa: F401 - declares the selection ops
 
-    reason = None
-    if device.type not in layout.SELECT_DEVICE_TYPES:
-        reason = f"the Triton selection kernels run on CUDA, not on {device.type}"
-    else:
-        try:
-            from .sparse import triton_select
-        except ImportError as error:
-            reason = f"the Triton kernels do not import here ({error})"
+    kernel = registry.get("moba_selection").backends["triton"]
+    reason = kernel.declines(registry.Facts(device=device))
+    if reason is None:
+        from .sparse import triton_select
     for op, check, tolerance in (("moba_selection", "check_moba", "MOBA_CHECK_TOLERANCE"),
                                  ("nsa_selection", "check_importance", "IMPORTANCE_TOLERANCE")):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -9,9 +9,28 @@ selection (``[N, H, L, D]`` batches, log-sum-exp ``[N, H, L]``: the own blocks c
 earlier blocks' chunks not) and makes every selection whose blocks are all full take them, and
 cuDNN's call with a bias (DSA's causal selection: dense scores plus the bias), whose bias it
 makes in PyTorch (the Triton kernel's own test is tests/ops/test_sparse_select.py's)."""
+import dataclasses
+
 import torch
 
-from megatron_ext.kernels.sparse import flash, reference
+from megatron_ext.kernels import registry
+from megatron_ext.kernels.sparse import flash, reference, routing
+
+# The sparse ops with a flash backend (flash.py) in the backend registry.
+FLASH_OPS = ("softmax_attention", "moba_attention", "nsa_attention", "dsa_attention", "csa_attention")
+
+
+def allow_flash(monkeypatch, cudnn=False):
+    """Let the sparse ops' flash backends take calls on the CPU (with the kernels emulated):
+    FlashAttention-2's rule in the registry (``routing.flash_refusal``), and with ``cudnn``
+    cuDNN's (``routing.cudnn_refusal``), allow every call, and "auto" considers flash on any
+    device (the ops' own rules, such as MoBA's window, still apply)."""
+    monkeypatch.setattr(routing, "flash_refusal", lambda facts: None)
+    if cudnn:
+        monkeypatch.setattr(routing, "cudnn_refusal", lambda facts: None)
+    for op in FLASH_OPS:
+        backends = registry.get(op).backends
+        monkeypatch.setitem(backends, "flash", dataclasses.replace(backends["flash"], auto_devices=None))
 
 
 def emulate(monkeypatch):

@@ -8,6 +8,8 @@ script calls :func:`setup` (one CPU thread, the numpy fix, the bounds checker) a
 checks of its GPU test module, loaded by :func:`gpu_checks`, with :func:`run_cases` and
 :func:`run_ops`.
 """
+import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -74,8 +76,8 @@ def run_ops(checks, what: str) -> None:
     from megatron_ext.kernels.residual import efficient
 
     start = time.perf_counter()
-    efficient._TRITON_DEVICE_TYPES.add("cpu")
-    launches = checks.check_ops("cpu")
+    with auto_on_cpu(*efficient.OPS):
+        launches = checks.check_ops("cpu")
     print(f"{what}: ok, {launches} kernel launches ({time.perf_counter() - start:.1f} s)", flush=True)
 
 
@@ -167,3 +169,32 @@ def _check_bounds() -> None:
     interpreter.InterpreterBuilder.create_masked_load = checked_load
     interpreter.InterpreterBuilder.create_masked_store = checked_store
     interpreter.InterpreterBuilder.create_atomic_rmw = checked_atomic
+
+
+@contextlib.contextmanager
+def auto_on_cpu(*ops: str):
+    """While open, "auto" considers the triton backends of these ops of the backend registry
+    (kernels.registry) on the CPU too (their kernels under Triton's interpreter)."""
+    from megatron_ext.kernels import registry
+
+    declared = [registry.get(op).backends for op in ops]
+    kept = [backends["triton"] for backends in declared]
+    for backends, backend in zip(declared, kept):
+        backends["triton"] = dataclasses.replace(backend, auto_devices=(*backend.auto_devices, "cpu"))
+    try:
+        yield
+    finally:
+        for backends, backend in zip(declared, kept):
+            backends["triton"] = backend
+
+
+def triton_on_cpu(monkeypatch, *ops: str) -> None:
+    """For the rest of the test, "auto" considers the triton backends of these ops of the
+    backend registry on the CPU (:func:`auto_on_cpu` through ``monkeypatch``)."""
+    from megatron_ext.kernels import registry
+
+    for op in ops:
+        backends = registry.get(op).backends
+        backend = backends["triton"]
+        monkeypatch.setitem(backends, "triton",
+                            dataclasses.replace(backend, auto_devices=(*backend.auto_devices, "cpu")))

@@ -7,7 +7,8 @@
     triton_mhc  mHC's pre op and stream update fused in Triton kernels, forward and backward
     triton_depth  Attention Residuals' depth attention in one Triton kernel each way for all
                 source groups of a call; ``efficient`` runs the three Triton modules on CUDA
-                after a first-use check (imported there on first use)
+                after a first-use check (imported there on first use), as its ops'
+                declarations in the backend registry (kernels.registry) say
     triton_common  the helpers those three share (division, token blocks, launch device)
 
 The model code (megatron_ext.residual) uses ``efficient``; tests compare it with ``reference``.

@@ -28,7 +28,11 @@ unless ``Backend.triton_mhc`` is off (in the 350M-class model's training step th
 compiled bodies: benchmarks/residual_step.py).
 Kernels are used on a device only after passing a first-use check there (small random inputs
 against the PyTorch bodies); where they cannot run (the CPU, no Triton, a failed check, sizes or
-dtypes they do not take) the PyTorch bodies do.
+dtypes they do not take) the PyTorch bodies do. Each op with kernels (``sinkhorn``, ``mhc`` for
+mhc_pre and stream_update, ``depth_attention``, ``add_into_last_slot``) is declared in the
+backend registry (kernels.registry; the end of this module) with what its kernels take and
+their first-use check; a call asks the registry, "auto" where its Backend has the kernels on,
+else "pytorch", so the choice is logged once per op, device, dtype and choice.
 Those bodies, and the ops without kernels (rms_project, stream_mix), can be compiled with
 ``torch.compile`` on CUDA (``Backend.compiled``): they are small elementwise and reduction
 chains whose cost in eager mode is mostly kernel launches. A body whose compiled form fails
@@ -46,6 +50,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .. import registry
 from . import reference
 from .reference import EPS
 
@@ -114,13 +119,28 @@ def _body(fn: Callable, dynamic: bool | None = None) -> Callable:
 # for backward, recompute_input, the glue between kernels) is the same on every device. The
 # kernels are launched from the autograd Functions between compiled bodies, never inside one
 # (see the Sinkhorn section for why).
-_TRITON_DEVICE_TYPES = {"cuda"}  # tests add "cpu" under Triton's interpreter
+# The ops with kernels are declared in the backend registry (kernels.registry; at the end of
+# this module): "pytorch" (the bodies) and "triton", which "auto" runs on CUDA (tests add the CPU
+# under Triton's interpreter) where the kernels import and take the call and have passed their
+# first-use check at the call's key. A Backend with the kernels off asks for "pytorch".
+OPS = ("sinkhorn", "mhc", "depth_attention", "add_into_last_slot")
 
 
-def _triton_runs(backend: Backend, tensor: torch.Tensor) -> bool:
-    """Whether ``backend`` has the Triton kernels on and they run tensors on ``tensor``'s
-    device type."""
-    return backend.triton and tensor.device.type in _TRITON_DEVICE_TYPES
+def _runs_triton(op: str, enabled: bool, *args, **kwargs) -> bool:
+    """Whether ``op`` runs its Triton kernels for this call: the registry's choice, "auto"
+    where the Backend has them on (``enabled``), else "pytorch"."""
+    facts = registry.get(op).facts(*args, **kwargs)
+    return registry.choose(op, registry.AUTO if enabled else "pytorch", facts) == "triton"
+
+
+@functools.cache
+def _kernel_constants(module: str):
+    """Our Triton kernel module ``module`` for its limits (MAX_N, H_MULTIPLE, ...), or None where
+    it does not import."""
+    try:
+        return importlib.import_module(f".{module}", __package__)
+    except Exception:  # noqa: BLE001 - the rule then says the kernels do not import
+        return None
 
 
 def _import_kernels(module: str, label: str):
@@ -171,7 +191,9 @@ def first_use_checks(device: torch.device) -> list:
     autocast and autograd, as on first use), or a string saying why it cannot run here. The
     configurations are the defaults': n = 4 streams; depth attention over 2 groups of 4
     sources (as a block AttnRes layer passes its completed blocks and its partial block); the
-    in-place addition into the packed state's last slot over 3 slots."""
+    in-place addition into the packed state's last slot over 3 slots. A row is skipped where
+    its op's triton backend in the registry does not run on the device or the kernels do not
+    import."""
     checks = [
         ("sinkhorn", "n=4, 20 iters", torch.float32, _triton_kernels, _check_triton_sinkhorn,
          (4,)),
@@ -190,13 +212,10 @@ def first_use_checks(device: torch.device) -> list:
 
     rows = []
     for kernels, configuration, dtype, module, check, args in checks:
-        if device.type not in _TRITON_DEVICE_TYPES:
-            what = f"our Triton kernels run on CUDA, not {device.type}"
-        elif module() is None:
+        what = registry.get(kernels).backends["triton"].off_device(registry.Facts(device=device))
+        if what is None and module() is None:
             what = "the Triton kernels do not import here (the log says why)"
-        else:
-            what = functools.partial(run, check, *args)
-        rows.append((kernels, configuration, dtype, what))
+        rows.append((kernels, configuration, dtype, what or functools.partial(run, check, *args)))
     return rows
 
 
@@ -239,15 +258,25 @@ _sinkhorn_backward = _body(_sinkhorn_vjp)
 # failure would send the bodies holding the kernels to eager mode (_body's fallback). It also
 # keeps one code path on every device: only the steps that run in kernels differ.
 def _triton_sinkhorn_for(backend: Backend, logits: torch.Tensor):
-    """The Triton kernels' module if they run ``logits [..., n, n]`` with ``backend``, else
-    None."""
-    if not _triton_runs(backend, logits):
-        return None
+    """The Triton kernels' module if they run ``logits [..., n, n]`` with ``backend`` (the
+    registry's choice for ``sinkhorn``), else None."""
+    return _triton_kernels() if _runs_triton("sinkhorn", backend.triton, logits) else None
+
+
+def _sinkhorn_refusal(facts: registry.Facts) -> str | None:
+    """Why the Triton Sinkhorn kernels cannot take logits ``[..., n, n]``, or None."""
     kernels = _triton_kernels()
-    n = logits.shape[-1]
-    if kernels is None or not kernels.MIN_N <= n <= kernels.MAX_N:
-        return None
-    return kernels if _triton_sinkhorn_checked(logits.device, n) else None
+    if kernels is None:
+        return "the Triton Sinkhorn kernels do not import here (the log says why)"
+    n = facts.extra.get("n")
+    if n is not None and not kernels.MIN_N <= n <= kernels.MAX_N:
+        return f"n = {n} streams (the Sinkhorn kernels take {kernels.MIN_N} to {kernels.MAX_N})"
+    return None
+
+
+def _sinkhorn_verified(facts: registry.Facts) -> str | None:
+    passed = _triton_sinkhorn_checked(facts.device, facts.extra["n"])
+    return None if passed else "failed its first-use check"
 
 
 def _check_triton_sinkhorn(device: torch.device, n: int) -> None:
@@ -419,24 +448,53 @@ _stream_update_backward = _body(_stream_update_vjp)
 # Not where the kernels do not take the sizes (n outside 2..8, h not a multiple of 16, streams
 # not fp32/bf16/fp16, coefficients broadcast over tokens) or failed their first-use check at
 # (device, n, streams' dtype).
-def _triton_mhc_for(backend: Backend, streams: torch.Tensor):
-    """The Triton mHC kernels' module if they run ``streams [..., n, h]`` with ``backend``,
-    else None."""
-    if not (backend.triton_mhc and _triton_runs(backend, streams)):
-        return None
-    kernels = _triton_mhc_kernels()
-    if kernels is None or kernels.unsupported_reason(streams) is not None:
-        return None
-    n = streams.shape[-2]
-    return kernels if _triton_mhc_checked(streams.device, n, streams.dtype) else None
+def _triton_mhc_for(backend: Backend, streams: torch.Tensor, *update):
+    """The Triton mHC kernels' module if they run ``streams [..., n, h]`` (and stream_update's
+    ``y, post, res``) with ``backend`` (the registry's choice for ``mhc``), else None."""
+    enabled = backend.triton and backend.triton_mhc
+    return _triton_mhc_kernels() if _runs_triton("mhc", enabled, streams, *update) else None
 
 
 def _triton_update_for(backend: Backend, streams, y, post, res):
     """:func:`_triton_mhc_for` for stream_update, whose kernels do not broadcast."""
-    lead, (n, h) = streams.shape[:-2], streams.shape[-2:]
-    if (y.shape, post.shape, res.shape) != (lead + (h,), lead + (n,), lead + (n, n)):
-        return None
-    return _triton_mhc_for(backend, streams)
+    return _triton_mhc_for(backend, streams, y, post, res)
+
+
+def _mhc_facts(streams, y=None, post=None, res=None, *_args, **_options) -> registry.Facts:
+    extra = {"shape": tuple(streams.shape)}
+    if y is not None:
+        lead, (n, h) = streams.shape[:-2], streams.shape[-2:]
+        extra["broadcast"] = (y.shape, post.shape, res.shape) != (lead + (h,), lead + (n,), lead + (n, n))
+    return registry.Facts(device=streams.device, dtype=streams.dtype, extra=extra)
+
+
+def _mhc_refusal(facts: registry.Facts) -> str | None:
+    """Why the Triton mHC kernels cannot run streams ``[..., n, h]`` (and stream_update's
+    operands), or None: n in MIN_N..MAX_N, h a multiple of H_MULTIPLE, fp32/bf16/fp16 streams,
+    no broadcasting of stream_update's operands."""
+    kernels = _kernel_constants("triton_mhc")
+    if kernels is None or _triton_mhc_kernels() is None:
+        return "the Triton mHC kernels do not import here (the log says why)"
+    shape = facts.extra.get("shape")
+    if shape is not None:
+        if len(shape) < 2:
+            return f"triton mhc: needs streams [..., n, h], got shape {shape}"
+        n, h = shape[-2:]
+        if not kernels.MIN_N <= n <= kernels.MAX_N:
+            return f"triton mhc: needs {kernels.MIN_N} <= n <= {kernels.MAX_N} streams, got n = {n}"
+        if h == 0 or h % kernels.H_MULTIPLE:
+            return (f"triton mhc: needs a hidden size h that is a multiple of {kernels.H_MULTIPLE}, "
+                    f"got h = {h}")
+    if facts.dtype is not None and facts.dtype not in kernels._DOT_DTYPES:
+        return f"triton mhc: needs fp32, bf16 or fp16 streams, got {facts.dtype}"
+    if facts.extra.get("broadcast"):
+        return "triton mhc: stream_update's kernels take y, post and res of the streams' tokens (no broadcasting)"
+    return None
+
+
+def _mhc_verified(facts: registry.Facts) -> str | None:
+    passed = _triton_mhc_checked(facts.device, facts.extra["shape"][-2], facts.dtype)
+    return None if passed else "failed its first-use check"
 
 
 # Tolerances of the first-use checks of the mHC and depth-attention kernels, as rtol and as
@@ -720,17 +778,63 @@ def _triton_depth_kernels():
 
 
 def _triton_depth_for(backend: Backend, query, groups, last_plus):
-    """The Triton depth-attention kernels' module if they run this call with ``backend``, else
-    None."""
+    """The Triton depth-attention kernels' module if they run this call with ``backend`` (the
+    registry's choice for ``depth_attention``), else None."""
+    if not _runs_triton("depth_attention", backend.triton, query, groups, last_plus=last_plus):
+        return None
+    return _triton_depth_kernels()
+
+
+def _depth_facts(query, groups, *_args, last_plus=None, **_options) -> registry.Facts:
     first = groups[0]
-    if not _triton_runs(backend, first):
+    return registry.Facts(device=first.device, dtype=first.dtype, extra={
+        "query_shape": tuple(query.shape), "group_shapes": tuple(tuple(g.shape) for g in groups),
+        "group_dtypes": tuple(g.dtype for g in groups),
+        "last_plus": None if last_plus is None else (last_plus.dtype, tuple(last_plus.shape))})
+
+
+def _depth_refusal(facts: registry.Facts) -> str | None:
+    """Why the Triton depth-attention kernels cannot run the groups ``[..., k_i, h]`` with the
+    query ``[h]`` (and ``last_plus [..., h]`` added to the first group's last source), or None."""
+    kernels = _kernel_constants("triton_depth")
+    if kernels is None or _triton_depth_kernels() is None:
+        return "the Triton depth-attention kernels do not import here (the log says why)"
+    if "group_shapes" not in facts.extra:
         return None
-    kernels = _triton_depth_kernels()
-    if kernels is None or kernels.unsupported_reason(query, groups, last_plus) is not None:
-        return None
-    padded = kernels.padded_sources(sum(group.shape[-2] for group in groups))
-    return kernels if _triton_depth_checked(first.device, first.dtype, len(groups),
-                                            padded) else None
+    shapes, dtypes = facts.extra["group_shapes"], facts.extra["group_dtypes"]
+    if not 1 <= len(shapes) <= kernels.MAX_GROUPS:
+        return f"triton depth: needs 1 to {kernels.MAX_GROUPS} source groups, got {len(shapes)}"
+    first = shapes[0]
+    if len(first) < 2:
+        return f"triton depth: needs source groups [..., k, h], got shape {first}"
+    lead, h = first[:-2], first[-1]
+    if h == 0 or h % kernels.H_MULTIPLE:
+        return f"triton depth: needs a hidden size h that is a multiple of {kernels.H_MULTIPLE}, got h = {h}"
+    if facts.extra["query_shape"] != (h,):
+        return f"triton depth: needs a query [h] = [{h}], got shape {facts.extra['query_shape']}"
+    for shape, dtype in zip(shapes, dtypes):
+        if len(shape) < 2 or shape[:-2] != lead or shape[-1] != h:
+            return (f"triton depth: needs source groups of one shape [..., k, h] = "
+                    f"{(*lead, 'k', h)} (no broadcasting), got {shape}")
+        if dtype != dtypes[0]:
+            return f"triton depth: needs the groups in one dtype, got {dtypes[0]} and {dtype}"
+    if dtypes[0] not in kernels._DTYPES:
+        return f"triton depth: needs fp32, bf16 or fp16 sources, got {dtypes[0]}"
+    plus = facts.extra["last_plus"]
+    if plus is not None and (plus[1] != (*lead, h) or plus[0] != dtypes[0] or first[-2] == 0):
+        return (f"triton depth: last_plus must be {dtypes[0]} {(*lead, h)} with a first group "
+                f"of at least one source, got {plus[0]} {plus[1]}")
+    total = sum(shape[-2] for shape in shapes)
+    if not 1 <= total <= kernels.MAX_SOURCES:
+        return f"triton depth: needs 1 to {kernels.MAX_SOURCES} sources in all, got {total}"
+    return None
+
+
+def _depth_verified(facts: registry.Facts) -> str | None:
+    shapes = facts.extra["group_shapes"]
+    padded = _triton_depth_kernels().padded_sources(sum(shape[-2] for shape in shapes))
+    passed = _triton_depth_checked(facts.device, facts.dtype, len(shapes), padded)
+    return None if passed else "failed its first-use check"
 
 
 def _with_last_plus(groups, last_plus) -> list:
@@ -875,11 +979,8 @@ class _AddIntoLastSlot(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, slots, addend, backend):
-        kernels = _triton_depth_kernels() if _triton_runs(backend, slots) else None
-        if (kernels is not None and kernels.add_unsupported_reason(slots, addend) is None
-                and _triton_checked("packed-state", _check_triton_add_into_last_slot,
-                                    slots.device, slots.dtype)):
-            kernels.add_into_last_slot(slots, addend)
+        if _runs_triton("add_into_last_slot", backend.triton, slots, addend):
+            _triton_depth_kernels().add_into_last_slot(slots, addend)
         else:
             _add_into_last_slot_pytorch(slots, addend)
         ctx.mark_dirty(slots)
@@ -896,3 +997,56 @@ def add_into_last_slot(slots: torch.Tensor, addend: torch.Tensor, *,
     rounded to the dtype); returns ``slots`` (block AttnRes's exit). ``slots`` must be a tensor
     no other op saved for backward (depth_attention's passed-on state with ``last_plus`` is)."""
     return _AddIntoLastSlot.apply(slots, addend, backend)
+
+
+def _add_facts(slots, addend, **_options) -> registry.Facts:
+    return registry.Facts(device=slots.device, dtype=slots.dtype, extra={
+        "shape": tuple(slots.shape), "contiguous": slots.is_contiguous(),
+        "addend": (addend.dtype, tuple(addend.shape))})
+
+
+def _add_refusal(facts: registry.Facts) -> str | None:
+    """Why triton_depth.add_into_last_slot cannot run these slots ``[..., S, h]`` and addend
+    ``[..., h]``, or None: contiguous slots, an addend of their dtype (fp32, bf16 or fp16), h a
+    multiple of H_MULTIPLE."""
+    kernels = _kernel_constants("triton_depth")
+    if kernels is None or _triton_depth_kernels() is None:
+        return "the Triton depth-attention kernels do not import here (the log says why)"
+    if "shape" not in facts.extra:
+        return None
+    shape, contiguous, (dtype, addend) = (facts.extra[key] for key in ("shape", "contiguous", "addend"))
+    if (len(shape) < 2 or facts.dtype not in kernels._DTYPES or dtype != facts.dtype
+            or shape[-1] % kernels.H_MULTIPLE or not contiguous or addend != (*shape[:-2], shape[-1])):
+        return (f"triton depth: add_into_last_slot needs contiguous slots [..., S, h] and an "
+                f"addend [..., h] of its dtype (fp32, bf16 or fp16), h a multiple of "
+                f"{kernels.H_MULTIPLE}; got {facts.dtype} {shape} "
+                f"{'' if contiguous else '(strided) '}and {dtype} {addend}")
+    return None
+
+
+def _add_verified(facts: registry.Facts) -> str | None:
+    passed = _triton_checked("packed-state", _check_triton_add_into_last_slot, facts.device, facts.dtype)
+    return None if passed else "failed its first-use check"
+
+
+def _declare(op: str, function, facts, unsupported, verify) -> None:
+    """Declare a residual op with kernels: its PyTorch bodies ("pytorch": ``function`` with the
+    kernels off) and our Triton kernels ("triton": with them on; "auto" on CUDA where
+    ``unsupported`` allows, once ``verify``, its first-use check at the call's key, passed)."""
+    registry.declare(registry.Op(
+        op,
+        backends={"pytorch": registry.Backend("pytorch", functools.partial(function, backend=_BODIES)),
+                  "triton": registry.Backend("triton", function, unsupported=unsupported, verify=verify,
+                                             auto_devices=("cuda",))},
+        auto=("triton", "pytorch"),
+        facts=facts,
+    ))
+
+
+_BODIES = Backend(triton=False, triton_mhc=False)
+_declare("sinkhorn", sinkhorn, lambda logits, *args, **options: registry.Facts(
+    device=logits.device, dtype=logits.dtype, extra={"n": logits.shape[-1]}), _sinkhorn_refusal,
+    _sinkhorn_verified)
+_declare("mhc", stream_update, _mhc_facts, _mhc_refusal, _mhc_verified)
+_declare("depth_attention", depth_attention, _depth_facts, _depth_refusal, _depth_verified)
+_declare("add_into_last_slot", add_into_last_slot, _add_facts, _add_refusal, _add_verified)

@@ -96,10 +96,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import registry
 from .triton_common import block_tokens, divide, launch_device
 
-__all__ = ["forward", "backward", "add_into_last_slot", "unsupported_reason",
-           "add_unsupported_reason", "MAX_GROUPS", "MAX_SOURCES", "H_MULTIPLE", "padded_sources"]
+__all__ = ["forward", "backward", "add_into_last_slot", "MAX_GROUPS", "MAX_SOURCES", "H_MULTIPLE",
+           "padded_sources"]
 
 MAX_GROUPS = 4
 MAX_SOURCES = 64
@@ -371,38 +372,6 @@ def padded_sources(count: int) -> int:
     return triton.next_power_of_2(max(1, count))
 
 
-def unsupported_reason(query: torch.Tensor, groups: Sequence[torch.Tensor],
-                       last_plus: torch.Tensor | None = None) -> str | None:
-    """Why the kernels cannot run ``groups`` (tensors ``[..., k_i, h]``) with ``query [h]`` (and
-    ``last_plus [..., h]`` added to the first group's last source), or None if they can."""
-    if not 1 <= len(groups) <= MAX_GROUPS:
-        return f"triton depth: needs 1 to {MAX_GROUPS} source groups, got {len(groups)}"
-    first = groups[0]
-    if first.dim() < 2:
-        return f"triton depth: needs source groups [..., k, h], got shape {tuple(first.shape)}"
-    lead, h = first.shape[:-2], first.shape[-1]
-    if h == 0 or h % H_MULTIPLE:
-        return f"triton depth: needs a hidden size h that is a multiple of {H_MULTIPLE}, got h = {h}"
-    if tuple(query.shape) != (h,):
-        return f"triton depth: needs a query [h] = [{h}], got shape {tuple(query.shape)}"
-    for tensor in groups:
-        if tensor.dim() < 2 or tensor.shape[:-2] != lead or tensor.shape[-1] != h:
-            return (f"triton depth: needs source groups of one shape [..., k, h] = "
-                    f"{(*lead, 'k', h)} (no broadcasting), got {tuple(tensor.shape)}")
-        if tensor.dtype != first.dtype:
-            return f"triton depth: needs the groups in one dtype, got {first.dtype} and {tensor.dtype}"
-    if first.dtype not in _DTYPES:
-        return f"triton depth: needs fp32, bf16 or fp16 sources, got {first.dtype}"
-    if last_plus is not None and (tuple(last_plus.shape) != (*lead, h)
-                                  or last_plus.dtype != first.dtype or first.shape[-2] == 0):
-        return (f"triton depth: last_plus must be {first.dtype} {(*lead, h)} with a first group "
-                f"of at least one source, got {last_plus.dtype} {tuple(last_plus.shape)}")
-    total = sum(tensor.shape[-2] for tensor in groups)
-    if not 1 <= total <= MAX_SOURCES:
-        return f"triton depth: needs 1 to {MAX_SOURCES} sources in all, got {total}"
-    return None
-
-
 def _tokens_view(tensor: torch.Tensor, *inner: int) -> torch.Tensor:
     """``tensor [..., *inner]`` as ``[T, *inner]`` with unit column stride and the other strides
     multiples of 16 (:func:`_stride`'s): a view where the leading dimensions merge into one and
@@ -428,9 +397,7 @@ def _stride(tensor: torch.Tensor, dim: int) -> int:
 
 
 def _prepare(query, groups, last_plus):
-    reason = unsupported_reason(query, groups, last_plus)
-    if reason is not None:
-        raise ValueError(reason)
+    registry.require("depth_attention", "triton", query, groups, last_plus=last_plus)
     h = groups[0].shape[-1]
     views = [_tokens_view(tensor, tensor.shape[-2], h) for tensor in groups]
     plus = None if last_plus is None else _tokens_view(last_plus, h)
@@ -527,26 +494,11 @@ def backward(query: torch.Tensor, groups: Sequence[torch.Tensor], grad: torch.Te
 _ADD_LAUNCH = dict(BLOCK_T=16, BLOCK_H=256, num_warps=4)
 
 
-def add_unsupported_reason(slots: torch.Tensor, addend: torch.Tensor) -> str | None:
-    """Why :func:`add_into_last_slot` cannot run these tensors, or None if it can."""
-    if (slots.dim() < 2 or slots.dtype not in _DTYPES or addend.dtype != slots.dtype
-            or slots.shape[-1] % H_MULTIPLE or not slots.is_contiguous()
-            or tuple(addend.shape) != (*slots.shape[:-2], slots.shape[-1])):
-        return (f"triton depth: add_into_last_slot needs contiguous slots [..., S, h] and an "
-                f"addend [..., h] of its dtype (fp32, bf16 or fp16), h a multiple of "
-                f"{H_MULTIPLE}; got {slots.dtype} {tuple(slots.shape)} "
-                f"{'' if slots.is_contiguous() else '(strided) '}and {addend.dtype} "
-                f"{tuple(addend.shape)}")
-    return None
-
-
 def add_into_last_slot(slots: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
     """``slots [..., S, h]``'s last slot plus ``addend [..., h]``, in place (the sum rounded to
     the dtype, as PyTorch's in-place addition): block AttnRes's exit, the partial sum plus the
     FFN's output. Returns ``slots``."""
-    reason = add_unsupported_reason(slots, addend)
-    if reason is not None:
-        raise ValueError(reason)
+    registry.require("add_into_last_slot", "triton", slots, addend)
     h = slots.shape[-1]
     tokens = slots.numel() // (slots.shape[-2] * h) if slots.numel() else 0
     if tokens:

@@ -98,7 +98,8 @@ Launch configuration (fixed, no autotuning; each choice comes from sweeps made w
 Constraints: 2 <= n <= 8, h a multiple of 16, streams in fp32, bf16 or fp16, every tensor of
 the op with the streams' leading (token) dimensions, no broadcasting; inputs ``[..., n, h]`` are
 read as ``[T, n, h]`` (copied where not contiguous). Anything else raises a ValueError naming
-the constraint (:func:`unsupported_reason`); efficient.py then runs the PyTorch bodies. CUDA
+the constraint (the rule of the ``mhc`` op's triton backend, declared in the backend registry
+by efficient.py: ``registry.BackendUnavailable``); efficient.py then runs the PyTorch bodies. CUDA
 tensors, or CPU tensors under Triton's interpreter (TRITON_INTERPRET=1).
 """
 from __future__ import annotations
@@ -107,10 +108,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import registry
 from .triton_common import block_tokens, divide, launch_device
 
 __all__ = ["pre_forward", "pre_backward", "update_forward", "update_backward",
-           "unsupported_reason", "MIN_N", "MAX_N", "H_MULTIPLE"]
+           "MIN_N", "MAX_N", "H_MULTIPLE"]
 
 MIN_N, MAX_N = 2, 8
 H_MULTIPLE = 16
@@ -420,25 +422,10 @@ def _update_backward_kernel(x_ptr, y_ptr, post_ptr, res_ptr, g_ptr, dx_ptr, dy_p
 # Launchers
 # ---------------------------------------------------------------------------------------------
 
-def unsupported_reason(streams: torch.Tensor) -> str | None:
-    """Why the kernels cannot run ``streams [..., n, h]``, or None if they can."""
-    if streams.dim() < 2:
-        return f"triton mhc: needs streams [..., n, h], got shape {tuple(streams.shape)}"
-    n, h = streams.shape[-2:]
-    if not MIN_N <= n <= MAX_N:
-        return f"triton mhc: needs {MIN_N} <= n <= {MAX_N} streams, got n = {n}"
-    if h == 0 or h % H_MULTIPLE:
-        return f"triton mhc: needs a hidden size h that is a multiple of {H_MULTIPLE}, got h = {h}"
-    if streams.dtype not in _DOT_DTYPES:
-        return f"triton mhc: needs fp32, bf16 or fp16 streams, got {streams.dtype}"
-    return None
-
-
 def _streams(streams: torch.Tensor):
-    """``(x [T, n, h] contiguous, n, h, the leading shape)``, or a ValueError."""
-    reason = unsupported_reason(streams)
-    if reason is not None:
-        raise ValueError(reason)
+    """``(x [T, n, h] contiguous, n, h, the leading shape)``, or a ValueError (the rule of the
+    ``mhc`` op's triton backend in the backend registry: ``registry.BackendUnavailable``)."""
+    registry.require("mhc", "triton", streams)
     n, h = streams.shape[-2:]
     return streams.reshape(-1, n, h).contiguous(), n, h, streams.shape[:-2]
 

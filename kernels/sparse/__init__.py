@@ -23,6 +23,10 @@ Backends, with one signature per op:
                 forward and backward; CUDA, fp32/bf16/fp16, head dims up to 256 (triton.py and
                 triton_indexer.py; imported on first use, so that this package imports where
                 Triton does not)
+Each op declares its backends in the backend registry (``kernels.registry``; the rules of what
+each takes, over the call's facts, and the first-use verifiers are routing.py's): a backend
+named that cannot take the call raises ``registry.BackendUnavailable`` (a ValueError) with the
+reason, an unknown name ValueError, and "auto"'s choice is logged once.
 "auto" is flex on CUDA (head dims of 16 or more) and gathered elsewhere; for softmax_attention
 and moba_attention it is flash where flash.py covers the call and has passed its first-use check
 on the device, and so it is for nsa_attention's selected and window branches from
@@ -54,7 +58,7 @@ is a block layout, run like ``softmax_attention``; CSA's ``csa_select``, ``csa_a
 ``exclusive_self_attention`` (XSA) post-processes any attention output.
 
 Modules: one per op family (softmax.py, moba.py, nsa.py, dsa.py with the per-token selected
-attention CSA shares, csa_hca.py), the backend choice they share (routing.py), the references
+attention CSA shares, csa_hca.py), the backends' rules they share (routing.py), the references
 (reference.py), the layouts and their executors (layout.py, compressed.py, gathered.py,
 flex.py), and the fast paths (flash.py, selected.py, the triton*.py kernels).
 """
@@ -65,12 +69,11 @@ from .dsa import dsa_attention, dsa_indexer_loss, dsa_select
 from .moba import moba_attention
 from .nsa import nsa_attention
 from .reference import exclusive_self_attention
-from .routing import BACKENDS
 from .selected import QueryShares
 from .softmax import softmax_attention
 
 __all__ = [
-    "BACKENDS", "softmax_attention", "moba_attention", "nsa_attention", "dsa_select",
+    "softmax_attention", "moba_attention", "nsa_attention", "dsa_select",
     "dsa_attention", "dsa_indexer_loss", "compressed_entries", "compress_kv",
     "compressed_attention", "csa_select", "csa_attention", "csa_indexer_loss", "QueryShares",
     "exclusive_self_attention",

@@ -2,17 +2,46 @@
 ``csa_select``, ``csa_attention``, ``csa_indexer_loss``."""
 import torch
 
+from .. import registry
 from . import flash
 from .compressed import (compress_blocks, compressed_entries, compressed_layout, first_tokens,
                          tiled_compressed_layout, window_and_selected, with_entries)
-from .dsa import (_check_index, _check_selected, _check_shares, _dsa_reference, _loss_kernels,
-                  _reference_share, _selected_attention)
+from .dsa import (SELECTED_AUTO, _check_index, _check_selected, _check_shares, _loss_kernels,
+                  _reference_share, _runs_reference, _selected_attention, declare_indexer_loss,
+                  declare_per_token, selected_backends)
 from .reference import (OP, check_qkv, compress_kv_reference, compressed_attention_reference,
                         compressed_visibility, csa_attention_reference,
                         csa_indexer_loss_reference, csa_select_reference, selected_mask)
-from .routing import _EXECUTORS, _backend, _blocks, _check_sink
+from .routing import (_EXECUTORS, _blocks, _check_sink, attention_facts, flash_and_cudnn_verified,
+                      layout_backends)
 from .selected import indexer_loss, select_keys
 from .softmax import softmax_attention
+
+
+def _csa_facts(q, k, v, compressed_k, *_args, rate=None, **_options) -> registry.Facts:
+    """csa_attention's facts: its flash path's over the raw keys, its selected attention's over
+    the raw keys followed by the entries (``selected_keys``, ``selected_key_elements``)."""
+    keys = k.shape[1] + compressed_k.shape[1]
+    return attention_facts(q, k, v, rate=rate, selected_keys=keys,
+                           selected_key_elements=keys * k.shape[2] * k.shape[3])
+
+
+registry.declare(registry.Op(
+    "compressed_attention", backends=layout_backends(compressed_attention_reference),
+    auto=("flex", "gathered"), facts=lambda q, k, v, *args, **options: attention_facts(q, k, v)))
+registry.declare(registry.Op(
+    "csa_attention",
+    backends=selected_backends(
+        csa_attention_reference, flash.compressed_selection_attention,
+        lambda facts: ("it needs the entries' compression rate (rate=)"
+                       if facts.extra.get("rate", 0) is None else None),
+        flash_and_cudnn_verified),
+    auto=SELECTED_AUTO,
+    facts=_csa_facts,
+))
+declare_indexer_loss("csa_indexer_loss", csa_indexer_loss_reference)
+declare_per_token("csa_select", csa_select_reference, select_keys)
+declare_per_token("compress_kv", compress_kv_reference, compress_blocks)
 
 
 def _check_rate(rate, window=None):
@@ -58,7 +87,7 @@ def compress_kv(kv, gate, position_bias, *, rate, overlap, cu_seqlens=None, back
         raise ValueError(f"{OP}: position_bias has shape {tuple(position_bias.shape)}, expected "
                          f"[H, rate, C] = {[heads, rate, channels]}")
     _check_packed(cu_seqlens, batch)
-    if _dsa_reference(backend):
+    if _runs_reference("compress_kv", backend):
         return compress_kv_reference(kv, gate, position_bias, rate=rate, overlap=overlap,
                                      cu_seqlens=cu_seqlens)
     entries = compressed_entries(seq_len, rate, cu_seqlens, kv.device)
@@ -82,7 +111,7 @@ def compressed_attention(q, k, v, compressed_k, compressed_v, *, rate, window, s
                          f"tokens, q {seq_len}")
     entries = compressed_entries(seq_len, rate, cu_seqlens, q.device)
     _check_entries(compressed_k, compressed_v, k, len(entries), rate)
-    name = _backend(backend, q)
+    name = registry.choose("compressed_attention", backend, attention_facts(q, k, v))
     if name == "reference":
         return compressed_attention_reference(q, k, v, compressed_k, compressed_v, rate=rate,
                                               window=window, sink=sink, scale=scale,
@@ -116,7 +145,7 @@ def csa_select(index_q, index_k, index_weights, *, rate, top_k, cu_seqlens=None,
     _check_index(index_q, index_k, index_weights, seq_len, ("N", len(entries)))
     if top_k < 1:
         raise ValueError(f"{OP}: CSA's top_k={top_k} must be >= 1")
-    if _dsa_reference(backend):
+    if _runs_reference("csa_select", backend):
         return csa_select_reference(index_q, index_k, index_weights, rate=rate, top_k=top_k,
                                     cu_seqlens=cu_seqlens)
     return select_keys(index_q, index_k, index_weights, top_k=top_k, keys=entries.keys())
@@ -158,38 +187,21 @@ def csa_attention(q, k, v, compressed_k, compressed_v, selected, *, window, sink
         else:
             selected = torch.full_like(selected, -1)
     lse = None
-    if _runs_compressed_selection(backend, q, k, v, rate):
+    name = registry.choose("csa_attention", backend, _csa_facts(q, k, v, compressed_k, rate=rate))
+    if name == "flash":
         out, lse = flash.compressed_selection_attention(
             q, k, v, compressed_k, compressed_v, selected, window=window, rate=rate, sink=sink,
             scale=scale, cu_seqlens=cu_seqlens, return_lse=True)
-    elif _dsa_reference(backend):
+    elif name == "reference":
         out = csa_attention_reference(q, k, v, compressed_k, compressed_v, selected,
                                       window=window, sink=sink, scale=scale,
                                       cu_seqlens=cu_seqlens)
     else:
         chosen = window_and_selected(selected, first_tokens(q.shape[1], cu_seqlens, q.device),
                                      window)
-        out = _selected_attention(backend, q, *with_entries(k, v, compressed_k, compressed_v),
+        out = _selected_attention(name, q, *with_entries(k, v, compressed_k, compressed_v),
                                   chosen, sink, scale)
     return (out, lse) if return_lse else out
-
-
-def _runs_compressed_selection(backend: str, q, k, v, rate) -> bool:
-    """Whether csa_attention runs on flash.py's ``compressed_selection_attention``: asked for
-    ("flash", which raises ValueError with the reason where it cannot), or under "auto" where
-    it can and FlashAttention-2 and cuDNN have passed their first-use checks on this device
-    and dtype."""
-    if backend not in ("flash", "auto"):
-        return False
-    reason = flash.causal_selection_unavailable_reason(q, k, v)
-    if reason is None and rate is None:
-        reason = "it needs the entries' compression rate (rate=)"
-    if backend == "flash":
-        if reason is not None:
-            raise ValueError(f"{OP}: backend='flash' cannot run this csa_attention: {reason}")
-        return True
-    return (reason is None and flash.checked(q.device, q.dtype)
-            and flash.cudnn_checked(q.device, q.dtype))
 
 
 def csa_indexer_loss(q, compressed_k, index_q, index_k, index_weights, *, rate, selected=None,
@@ -213,7 +225,7 @@ def csa_indexer_loss(q, compressed_k, index_q, index_k, index_weights, *, rate, 
         raise ValueError(f"{OP}: compressed_k has {compressed_k.shape[1]} entries, expected "
                          f"N = {len(entries)} (one per complete block of rate={rate} tokens)")
     options = dict(selected=selected, sink=sink, scale=scale, reduce_heads=reduce_heads)
-    if _dsa_reference(backend):
+    if _runs_reference("csa_indexer_loss", backend):
         if shares is not None:
             if selected is None:
                 allowed = compressed_visibility(seq_len, rate, cu_seqlens, q.device)[None]
@@ -226,6 +238,6 @@ def csa_indexer_loss(q, compressed_k, index_q, index_k, index_weights, *, rate, 
     if len(entries) == 0:  # no entry for any query
         return q.new_zeros((), dtype=torch.float32)
     return indexer_loss(q, compressed_k, index_q, index_k, index_weights, keys=entries.keys(),
-                        shares=shares, kernels=_loss_kernels(backend, q, compressed_k, selected,
-                                                             index_q, index_k),
+                        shares=shares, kernels=_loss_kernels("csa_indexer_loss", backend, q,
+                                                             compressed_k, selected, index_q, index_k),
                         lse=lse, **options)

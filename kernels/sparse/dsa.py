@@ -2,13 +2,16 @@
 the per-token selected attention and indexer loss that CSA shares."""
 import torch
 
+from .. import registry
 from . import flash
 from .flex import flex_attention_layout
 from .layout import key_selection_layout
 from .reference import (OP, _masked_probs, causal_mask, check_qkv, dsa_attention_reference,
                         dsa_indexer_loss_reference, dsa_select_reference, indexer_kl,
                         lightning_index_scores, selected_mask)
-from .routing import BACKENDS, FLEX_MIN_HEAD_DIM, _backend, _blocks, _check_sink
+from .routing import (_blocks, _check_sink, attention_facts, cudnn_verified, either, flash_backend,
+                      flex_refusal, indexer_facts, indexer_kernels_refusal, selected_kernels_refusal,
+                      selected_kernels_verified, unless)
 from .selected import QueryShares, indexer_loss, select_keys, selected_attention
 
 
@@ -20,73 +23,158 @@ def _check_selected(selected, q):
                          f"{q.shape[0]}, {q.shape[1]}")
 
 
-def _selected_kernels(backend: str, q, k, v):
-    """triton.py's module where the per-token selected ops (the attention of dsa_attention and
-    csa_attention, the sparse stage of their indexer losses) run on its kernels, else None:
-    where asked for ("triton", which raises ValueError with the reason where they cannot run
-    the call) or, under "auto" on CUDA, where they can and have passed their first-use check
-    on this device in q's dtype. Elsewhere the gathered form of selected.py runs."""
-    if backend != "triton" and not (backend == "auto" and q.device.type == "cuda"):
-        return None
-    try:
-        from . import triton as kernels
-    except ImportError as error:
-        kernels, reason = None, f"Triton does not import here ({error})"
-    else:
-        reason = kernels.unavailable_reason(q, k, v)
-    if backend == "triton" and reason is not None:
-        raise ValueError(f"{OP}: backend='triton' cannot run this call: {reason}")
-    if reason is None and (backend == "triton" or kernels.checked(q.device, q.dtype)):
-        return kernels
-    return None
-
-
 # The most keys for which "auto" runs dsa_attention and csa_attention on FlexAttention over the
 # selection's bitmap. Its dense tiles cost B Hq T S / 2 (query, key) products and its bitmap
 # B T S / 8 bytes, against B T K rows for the gathered kernels (triton.py), which leaves flex the
 # faster up to long sequences (benchmarks/dsa_stages.py); beyond this limit, triton.
 SELECTED_FLEX_MAX_KEYS = 65536
 
+# The largest bias (2 B T^2 bytes, made in the forward and again in the backward) for which
+# "auto" runs dsa_attention on cuDNN; beyond it FlexAttention's bitmap (B T^2 / 8 bytes). At 4 GiB:
+# B = 2 at T = 32768, B = 8 at T = 16384 (the peaks of both: ``benchmarks/sparse_attention.py
+# --ops dsa/flash,dsa/flex``).
+CAUSAL_SELECTION_MAX_BIAS = 4 << 30
 
-def _selected_attention(backend: str, q, k, v, selected, sink, scale):
-    """dsa_attention's and csa_attention's per-token attention (backend not "reference")."""
-    flex_fits = (q.device.type == "cuda" and q.shape[-1] >= FLEX_MIN_HEAD_DIM
-                 and k.shape[1] <= SELECTED_FLEX_MAX_KEYS)
-    if backend == "flex" or (backend == "auto" and flex_fits):
-        _backend(backend, q)  # raises where FlexAttention's kernels cannot take the call
+
+def _many_keys(facts: registry.Facts) -> str | None:
+    keys = facts.extra.get("selected_keys", facts.extra.get("key_len"))
+    if keys is not None and keys > SELECTED_FLEX_MAX_KEYS:
+        return f"{keys} keys, over SELECTED_FLEX_MAX_KEYS = {SELECTED_FLEX_MAX_KEYS}"
+    return None
+
+
+def _large_bias(facts: registry.Facts) -> str | None:
+    size = facts.extra.get("bias_bytes")
+    if size is not None and size > CAUSAL_SELECTION_MAX_BIAS:
+        return f"a bias of {size} bytes, over CAUSAL_SELECTION_MAX_BIAS = {CAUSAL_SELECTION_MAX_BIAS}"
+    return None
+
+
+def _triton_selected_attention(*args, **kwargs):
+    """triton.py's ``selected_attention`` (imported on first use)."""
+    from . import triton as kernels
+
+    return kernels.selected_attention(*args, **kwargs)
+
+
+def selected_backends(reference, flash_function, flash_unsupported, flash_verify,
+                      flash_limit=None) -> dict[str, registry.Backend]:
+    """The backends of DSA's and CSA's per-token selected attention: the reference; the
+    gathered form of selected.py (any device); FlexAttention over the selection's bitmap (flex:
+    "auto" on CUDA up to ``SELECTED_FLEX_MAX_KEYS`` keys); triton.py's kernels (triton: "auto"
+    on CUDA once their first-use check passed); and the op's path on flash.py (flash: cuDNN,
+    where FlashAttention-2's and cuDNN's rules and ``flash_unsupported`` allow, "auto" once
+    ``flash_verify`` passed)."""
+    return {
+        "reference": registry.Backend("reference", reference),
+        "gathered": registry.Backend("gathered", selected_attention),
+        "flex": registry.Backend("flex", flex_attention_layout, unsupported=flex_refusal,
+                                 auto_devices=("cuda",), auto_limit=_many_keys),
+        "triton": registry.Backend("triton", _triton_selected_attention,
+                                   unsupported=selected_kernels_refusal,
+                                   verify=selected_kernels_verified, auto_devices=("cuda",)),
+        "flash": flash_backend(flash_function, flash_unsupported, flash_verify, flash_limit,
+                               cudnn=True),
+    }
+
+
+SELECTED_AUTO = ("flash", "flex", "triton", "gathered")
+
+
+def _attention_facts(q, k, v, selected=None, *, causal=False, **_options) -> registry.Facts:
+    return attention_facts(q, k, v, causal=causal,
+                           bias_bytes=q.shape[0] * q.shape[1] * k.shape[1] * q.element_size())
+
+
+registry.declare(registry.Op(
+    "dsa_attention",
+    backends=selected_backends(
+        dsa_attention_reference, flash.causal_selection_attention,
+        unless("causal", "it takes causal selections only (causal=True)", expected=True),
+        cudnn_verified, flash_limit=_large_bias),
+    auto=SELECTED_AUTO,
+    facts=_attention_facts,
+))
+
+
+def _selected_attention(name: str, q, k, v, selected, sink, scale):
+    """dsa_attention's and csa_attention's per-token attention on the backend ``name`` (flex,
+    triton or gathered)."""
+    if name == "flex":
         layout = key_selection_layout(selected, k.shape[1], *_blocks("flex", None))
         # Its main kernel always: under 128 queries with grouped heads Inductor picks its
         # decoding kernel, which finds no valid configuration for this layout at T = 70 with 4
         # query heads per key/value head in fp32 on an H200 (torch 2.11).
         return flex_attention_layout(q, k, v, layout, sink=sink, scale=scale,
                                      kernel_options={"BACKEND": "TRITON"})
-    kernels = _selected_kernels(backend, q, k, v)
-    run = selected_attention if kernels is None else kernels.selected_attention
+    run = _triton_selected_attention if name == "triton" else selected_attention
     return run(q, k, v, selected, sink=sink, scale=scale)
 
 
-def _loss_kernels(backend: str, q, k, selected, index_q, index_k):
+def _loss_facts(q, k, index_q, index_k, *_args, **_options) -> registry.Facts:
+    return attention_facts(q, k, k, **indexer_facts(index_q, index_k))
+
+
+def declare_indexer_loss(name: str, reference) -> None:
+    """Declare an indexer loss (DSA's, CSA's): its reference, and the chunked PyTorch form
+    (gathered) whose sparse stage (its target and its KL, given a selection) runs on triton.py's
+    and triton_indexer.py's kernels with "triton", and under "auto" on CUDA where they take the
+    call and have passed their first-use check. The loss has no FlexAttention form: under
+    "flex" (which runs the attention over the selection's bitmap) its sparse stage runs as
+    under "auto"."""
+    registry.declare(registry.Op(
+        name,
+        backends={
+            "reference": registry.Backend("reference", reference),
+            "gathered": registry.Backend("gathered", indexer_loss),
+            "flex": registry.Backend("flex", indexer_loss),
+            "triton": registry.Backend(
+                "triton", indexer_loss, unsupported=either(selected_kernels_refusal, indexer_kernels_refusal),
+                verify=selected_kernels_verified, auto_devices=("cuda",)),
+        },
+        auto=("triton", "gathered"),
+        facts=_loss_facts,
+    ))
+
+
+def declare_per_token(name: str, reference, function) -> None:
+    """Declare a per-token op without kernels of its own (a selection, the KV compression):
+    its reference, and for every other backend its gathered PyTorch form."""
+    registry.declare(registry.Op(
+        name,
+        backends={"reference": registry.Backend("reference", reference),
+                  **{each: registry.Backend(each, function) for each in ("gathered", "flex", "triton")}},
+        auto=("gathered",),
+        facts=lambda x, *args, **options: registry.Facts(device=x.device, dtype=x.dtype),
+    ))
+
+
+declare_indexer_loss("dsa_indexer_loss", dsa_indexer_loss_reference)
+declare_per_token("dsa_select", dsa_select_reference, select_keys)
+
+
+def _runs_reference(op: str, backend: str) -> bool:
+    """Whether a per-token op or an indexer loss runs its reference (else its gathered form,
+    whose kernels, if any, are chosen apart); a name ``op`` does not declare raises
+    ValueError."""
+    if backend != registry.AUTO:
+        registry.get(op).backend(backend)
+    return backend == "reference"
+
+
+def _loss_kernels(op: str, backend: str, q, k, selected, index_q, index_k):
     """triton.py's module for an indexer loss's sparse stage (its target and its KL) where the
-    kernels run (:func:`_selected_kernels`, and triton_indexer.py takes the indexer's tensors),
-    else None (the chunked PyTorch form)."""
+    registry runs it on the kernels (``op``'s "triton"), else None (the chunked PyTorch form);
+    None for the dense warm-up (no selection)."""
     if selected is None:
         return None
-    # The loss has no FlexAttention form: under "flex" (which runs the attention over the
-    # selection's bitmap) its sparse stage runs as under "auto".
-    kernels = _selected_kernels("auto" if backend == "flex" else backend, q, k, k)
-    if kernels is None:
+    name = registry.choose(op, "auto" if backend == "flex" else backend,
+                           _loss_facts(q, k, index_q, index_k))
+    if name != "triton":
         return None
-    reason = kernels.indexer_unavailable_reason(index_q, index_k)
-    if backend == "triton" and reason is not None:
-        raise ValueError(f"{OP}: backend='triton' cannot run this call: {reason}")
-    return kernels if reason is None else None
+    from . import triton as kernels
 
-
-def _dsa_reference(backend: str) -> bool:
-    """Whether a DSA op runs its reference (else the per-token gathered form)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"{OP}: backend={backend!r} is not one of {list(BACKENDS)}")
-    return backend == "reference"
+    return kernels
 
 
 def _check_index(index_q, index_k, index_weights, seq_len: int, keys: tuple | None = None,
@@ -145,7 +233,7 @@ def dsa_select(index_q, index_k, index_weights, *, top_k, cu_seqlens=None, backe
     _check_index(index_q, index_k, index_weights, index_q.shape[1])
     if top_k < 1:
         raise ValueError(f"{OP}: DSA's top_k={top_k} must be >= 1")
-    if _dsa_reference(backend):
+    if _runs_reference("dsa_select", backend):
         return dsa_select_reference(index_q, index_k, index_weights, top_k=top_k,
                                     cu_seqlens=cu_seqlens)
     return select_keys(index_q, index_k, index_weights, top_k=top_k, cu_seqlens=cu_seqlens)
@@ -176,40 +264,15 @@ def dsa_attention(q, k, v, selected, *, sink=None, scale=None, causal=False, bac
         after = torch.arange(q.shape[1], device=selected.device)[None, :, None] < selected
         selected = selected.masked_fill(after, -1)
     lse = None
-    if _runs_causal_selection(backend, q, k, v, causal):
+    name = registry.choose("dsa_attention", backend, _attention_facts(q, k, v, causal=causal))
+    if name == "flash":
         out, lse = flash.causal_selection_attention(q, k, v, selected, sink=sink, scale=scale,
                                                     return_lse=True)
-    elif _dsa_reference(backend):
+    elif name == "reference":
         out = dsa_attention_reference(q, k, v, selected, sink=sink, scale=scale)
     else:
-        out = _selected_attention(backend, q, k, v, selected, sink, scale)
+        out = _selected_attention(name, q, k, v, selected, sink, scale)
     return (out, lse) if return_lse else out
-
-
-# The largest bias (2 B T^2 bytes, made in the forward and again in the backward) for which
-# "auto" runs dsa_attention on cuDNN; beyond it FlexAttention's bitmap (B T^2 / 8 bytes). At 4 GiB:
-# B = 2 at T = 32768, B = 8 at T = 16384 (the peaks of both: ``benchmarks/sparse_attention.py
-# --ops dsa/flash,dsa/flex``).
-CAUSAL_SELECTION_MAX_BIAS = 4 << 30
-
-
-def _runs_causal_selection(backend: str, q, k, v, causal: bool) -> bool:
-    """Whether dsa_attention runs on flash.py's cuDNN form: asked for ("flash", which raises
-    ValueError with the reason where it cannot), or under "auto" on a causal selection where
-    it can, with a bias of at most ``CAUSAL_SELECTION_MAX_BIAS`` bytes, and cuDNN has passed
-    its first-use check on this device and dtype."""
-    if backend not in ("flash", "auto"):
-        return False
-    reason = flash.causal_selection_unavailable_reason(q, k, v)
-    if reason is None and not causal:
-        reason = "it takes causal selections only (causal=True)"
-    if backend == "flash":
-        if reason is not None:
-            raise ValueError(f"{OP}: backend='flash' cannot run this dsa_attention: {reason}")
-        return True
-    bias_bytes = q.shape[0] * q.shape[1] * k.shape[1] * q.element_size()
-    return (reason is None and bias_bytes <= CAUSAL_SELECTION_MAX_BIAS
-            and flash.cudnn_checked(q.device, q.dtype))
 
 
 def dsa_indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu_seqlens=None,
@@ -236,7 +299,7 @@ def dsa_indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu
     _check_sink(sink, q)
     _check_shares(shares, q.shape[1])
     _check_index(index_q, index_k, index_weights, q.shape[1], shares=shares)
-    if _dsa_reference(backend):
+    if _runs_reference("dsa_indexer_loss", backend):
         if shares is not None:
             if selected is None:
                 allowed = causal_mask(q.shape[1], cu_seqlens, q.device)[None]
@@ -250,4 +313,5 @@ def dsa_indexer_loss(q, k, index_q, index_k, index_weights, *, selected=None, cu
     return indexer_loss(q, k, index_q, index_k, index_weights, selected=selected,
                         cu_seqlens=cu_seqlens, sink=sink, scale=scale, reduce_heads=reduce_heads,
                         shares=shares,
-                        kernels=_loss_kernels(backend, q, k, selected, index_q, index_k), lse=lse)
+                        kernels=_loss_kernels("dsa_indexer_loss", backend, q, k, selected, index_q,
+                                              index_k), lse=lse)

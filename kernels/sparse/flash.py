@@ -8,7 +8,8 @@ window ``(left, right)`` (FlashAttention's ``window_size``, the same convention 
 sequences (``cu_seqlens``; a batch is packed as B sequences of T tokens), grouped heads, on CUDA
 GPUs of compute capability 8.0 or more, with fp16 or bf16 q, k, v of one head dim (a multiple
 of 8, at most 256) and keys as long as the queries. No extra mask: calls with ``allowed`` go
-to FlexAttention (``kernels.sparse``'s "auto" decides; :func:`unavailable_reason` says why).
+to FlexAttention (the ops' declarations in the backend registry decide; their rule,
+``routing.flash_refusal``, says why).
 
 The sink. The kernels return each query's log-sum-exp ``L`` of its scaled scores (natural
 log). A sink ``s_h`` adds ``exp(s_h)`` to the softmax denominator, so with
@@ -44,7 +45,8 @@ chunks' key and value gradients run in Triton kernels (triton_merge.py), each re
 inputs once; elsewhere in PyTorch.
 
 The kernels run only after a first-use check per device and dtype (:func:`check`, run once by
-:func:`checked`; ``megatron-ext doctor`` shows its errors): small calls (a window, a sink,
+:func:`checked`, the verifier of the sparse ops' flash backends in the backend registry;
+``megatron-ext doctor`` shows its errors): small calls (a window, a sink,
 grouped heads, packed sequences; MoBA with a partial last block; blocks chosen per key/value
 head), forward and backward, against the fp32 reference; a failure is logged once and "auto"
 keeps FlexAttention. cuDNN's calls have a check of their own (:func:`check_cudnn`, MoBA with
@@ -79,9 +81,8 @@ from .reference import (OP, csa_attention_reference, dsa_attention_reference,
                         moba_attention_reference, softmax_attention_reference)
 
 __all__ = ["flash_attention", "block_selection_attention", "moba_attention",
-           "causal_selection_attention", "compressed_selection_attention", "unavailable_reason",
-           "causal_selection_unavailable_reason", "check", "checked", "check_cudnn",
-           "cudnn_checked", "cudnn_unavailable_reason"]
+           "causal_selection_attention", "compressed_selection_attention", "check", "checked",
+           "check_cudnn", "cudnn_checked"]
 
 _log = logging.getLogger(__name__)
 
@@ -91,23 +92,6 @@ MAX_HEAD_DIM = 256
 # measured with the reference: a window one token off gives 0.15 to 0.19, a scale 10% off 0.08
 # to 0.14 (output and gradients).
 CHECK_TOLERANCE = 2e-2
-
-
-def unavailable_reason(q, k, v, *, allowed=None) -> str | None:
-    """Why the FlashAttention kernels cannot run this call, or None."""
-    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
-        return f"FlashAttention takes fp16 or bf16 q, k and v of one dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
-    if q.shape[-1] % 8 or q.shape[-1] > MAX_HEAD_DIM:
-        return f"FlashAttention takes head dims that are multiples of 8 up to {MAX_HEAD_DIM}; got {q.shape[-1]}"
-    if k.shape[1] != q.shape[1]:
-        return f"the keys ({k.shape[1]}) are not as long as the queries ({q.shape[1]})"
-    if allowed is not None:
-        return "FlashAttention takes no extra mask ('allowed')"
-    if q.device.type != "cuda":
-        return "FlashAttention runs on CUDA only"
-    if torch.cuda.get_device_capability(q.device) < (8, 0):
-        return "FlashAttention needs a GPU of compute capability 8.0 or more"
-    return None
 
 
 def _kernel_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
@@ -147,20 +131,13 @@ CUDNN_CHUNK = 512
 CUDNN_MIN_EARLIER_BLOCK = 128
 
 
-def cudnn_unavailable_reason(q: torch.Tensor) -> str | None:
-    """Why cuDNN's fused attention cannot take a block selection's blocks of q here, or None."""
-    if q.device.type != "cuda":
-        return "cuDNN's fused attention runs on CUDA only"
-    if q.shape[-1] > CUDNN_MAX_HEAD_DIM:
-        return f"cuDNN's fused attention takes head dims up to {CUDNN_MAX_HEAD_DIM} here"
-    if not (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()):
-        return "cuDNN (or torch's cuDNN SDPA backend) is not available or not enabled"
-    return None
-
-
 def _on_cudnn(q: torch.Tensor) -> bool:
-    """Whether cuDNN's fused attention can take q's device and head dim."""
-    return cudnn_unavailable_reason(q) is None
+    """Whether cuDNN's fused attention can take q's device and head dim (its rule in the
+    backend registry, ``routing.cudnn_refusal``)."""
+    from ..registry import Facts
+    from .routing import cudnn_refusal
+
+    return cudnn_refusal(Facts(device=q.device, dtype=q.dtype, key_dim=q.shape[-1])) is None
 
 
 def _own_blocks_on_cudnn(q: torch.Tensor, block_len: int) -> bool:
@@ -301,7 +278,7 @@ class _FlashAttention(torch.autograd.Function):
 def flash_attention(q, k, v, *, causal=True, window=None, sink=None, scale=None,
                     cu_seqlens=None):
     """``softmax_attention`` (same arguments, no ``allowed``) on the FlashAttention kernels.
-    Call only where :func:`unavailable_reason` is None."""
+    Call only where ``routing.flash_refusal`` allows."""
     batch, seq_len, heads, dim = q.shape
     if cu_seqlens is None:
         cu_seqlens = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32,
@@ -578,7 +555,7 @@ def block_selection_attention(q, k, v, chosen, block_size, top_k, *, sink=None, 
     multiple of Hkv) must include each query's own block and at most ``top_k`` blocks a query.
     ``cudnn``: whether blocks may run on cuDNN where it takes them (None: where it passed its
     first-use check, :func:`cudnn_checked`, on this device in q's dtype). Call only where
-    :func:`unavailable_reason` is None."""
+    ``routing.flash_refusal`` allows."""
     block_len = min(block_size, q.shape[1])
     if cudnn is None:
         cudnn = _on_cudnn(q) and cudnn_checked(q.device, q.dtype)
@@ -593,7 +570,7 @@ def block_selection_attention(q, k, v, chosen, block_size, top_k, *, sink=None, 
 def moba_attention(q, k, v, *, block_size, top_k, sink=None, scale=None, cudnn=None):
     """``moba_attention`` (same arguments, no window or ``allowed``) on the FlashAttention
     kernels (``cudnn`` as in :func:`block_selection_attention`). Call only where
-    :func:`unavailable_reason` is None."""
+    ``routing.flash_refusal`` allows."""
     with torch.no_grad():
         chosen = moba_chosen(q, k, block_size, top_k)
     return block_selection_attention(q, k, v, chosen, block_size, top_k, sink=sink, scale=scale,
@@ -609,11 +586,6 @@ def moba_attention(q, k, v, *, block_size, top_k, sink=None, scale=None, cudnn=N
 # (``benchmarks/dsa_stages.py --attention flash,flex``, ``benchmarks/sparse_attention.py --ops
 # dsa/flash,dsa/flex`` measure both).
 _BIAS_ALIGN = 8
-
-
-def causal_selection_unavailable_reason(q, k, v) -> str | None:
-    """Why :func:`causal_selection_attention` cannot run this call, or None."""
-    return unavailable_reason(q, k, v) or cudnn_unavailable_reason(q)
 
 
 def _selection_bias(selected: torch.Tensor, key_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -676,7 +648,7 @@ def causal_selection_attention(q, k, v, selected, *, sink=None, scale=None, retu
     above): o ``[B, T, Hq, D]``; with ``return_lse``, ``(o, lse)``, lse ``[B, T, Hq]`` fp32 the
     log-sum-exp of each query head's scaled scores over its keys and the sink (+inf for a
     query with neither), without gradient. Call only where
-    :func:`causal_selection_unavailable_reason` is None."""
+    ``routing.flash_refusal`` and ``routing.cudnn_refusal`` allow."""
     out, lse = _CausalSelection.apply(q, k, v, sink, selected, scale)
     return (out, lse) if return_lse else out
 
@@ -782,7 +754,7 @@ def compressed_selection_attention(q, k, v, compressed_k, compressed_v, selected
     one per complete block of ``rate`` tokens. With ``return_lse``, ``(o, lse)``: lse ``[B, T,
     Hq]`` fp32 the log-sum-exp of each query head's scaled scores over its selected entries and
     the sink (not the window: what CSA's indexer loss targets; +inf for a query with neither),
-    without gradient. Call only where :func:`causal_selection_unavailable_reason` is None."""
+    without gradient. Call only where ``routing.flash_refusal`` and ``routing.cudnn_refusal`` allow."""
     batch, seq_len = q.shape[:2]
     num_entries = compressed_k.shape[1]
     if cu_seqlens is None:

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .. import registry
 from . import reference
 
 __all__ = [
@@ -32,19 +33,80 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 # Queries per step when a selection scores them (a [B, H, chunk, blocks] matrix at a time).
 SELECTION_CHUNK = 4096
 
-# The device types whose selections pick their top-k blocks in Triton (triton_select.py); tests
-# add "cpu" under Triton's interpreter.
-SELECT_DEVICE_TYPES = {"cuda"}
+def _select_kernels():
+    """triton_select.py (imported on first use, so that this module imports without Triton)."""
+    from . import triton_select
+
+    return triton_select
+
+
+def _kernel(name: str):
+    def run(*args, **kwargs):
+        return getattr(_select_kernels(), name)(*args, **kwargs)
+
+    run.__name__ = run.__qualname__ = name
+    return run
+
+
+def _select_refusal(facts: registry.Facts) -> str | None:
+    """Why triton_select.py's kernels cannot take the call, or None: Triton imports, at most
+    MAX_BLOCKS blocks (``extra["blocks"]``), fp32 scores (``extra["scores"]``), dense rows of
+    q (``extra["dense_rows"]``)."""
+    try:
+        kernels = _select_kernels()
+    except ImportError as error:
+        return f"Triton does not import here ({error})"
+    extra = facts.extra
+    if extra.get("scores") and facts.dtype != torch.float32:
+        return f"scores in {facts.dtype} (the kernel takes fp32)"
+    if extra.get("blocks", 0) > kernels.MAX_BLOCKS:
+        return f"{extra['blocks']} blocks (the kernel takes at most {kernels.MAX_BLOCKS})"
+    if extra.get("dense_rows") is False:
+        return "q whose rows are not dense (the kernel reads q's [H, D] rows as one block)"
+    return None
+
+
+def _selection_verified(check: str):
+    def verify(facts: registry.Facts) -> str | None:
+        passed = getattr(_select_kernels(), check)(facts.device, facts.dtype)
+        return None if passed else "failed its first-use check on this device in this dtype"
+    return verify
+
+
+def _declare_selection(name: str, pytorch, kernel: str, check: str | None = None) -> None:
+    """Declare a selection kernel of triton_select.py beside its PyTorch form: "auto" runs the
+    kernel on CUDA (tests add the CPU under Triton's interpreter) where it takes the call and,
+    with ``check``, has passed that first-use check; the PyTorch form elsewhere."""
+    registry.declare(registry.Op(
+        name,
+        backends={"pytorch": registry.Backend("pytorch", pytorch),
+                  "triton": registry.Backend("triton", _kernel(kernel), unsupported=_select_refusal,
+                                             verify=None if check is None else _selection_verified(check),
+                                             auto_devices=("cuda",))},
+        auto=("triton", "pytorch"),
+        facts=lambda x, *args, **options: registry.Facts(device=x.device, dtype=x.dtype),
+    ))
+
+
+# The ops of the selection kernels (declared below, next to their PyTorch forms).
+SELECTION_OPS = ("block_choice", "selection_words", "moba_selection", "nsa_selection")
+
+
+def _runs_kernel(op: str, x: torch.Tensor, **extra) -> bool:
+    """Whether "auto" runs the selection kernel of ``op`` on x's device and dtype."""
+    facts = registry.Facts(device=x.device, dtype=x.dtype, extra=extra)
+    return registry.choose(op, registry.AUTO, facts) == "triton"
 
 
 def chosen_blocks(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    """:func:`reference.chosen_blocks`, in Triton (triton_select.py) where it runs and the
-    scores are fp32 of at most its MAX_BLOCKS blocks."""
-    if scores.device.type in SELECT_DEVICE_TYPES and scores.dtype == torch.float32:
-        from . import triton_select
-        if scores.shape[-1] <= triton_select.MAX_BLOCKS:
-            return triton_select.chosen_blocks(scores, top_k)
+    """:func:`reference.chosen_blocks`, in Triton (triton_select.py) where "auto" runs it (CUDA;
+    fp32 scores of at most its MAX_BLOCKS blocks)."""
+    if _runs_kernel("block_choice", scores, scores=True, blocks=scores.shape[-1]):
+        return _select_kernels().chosen_blocks(scores, top_k)
     return reference.chosen_blocks(scores, top_k)
+
+
+_declare_selection("block_choice", reference.chosen_blocks, "chosen_blocks")
 
 
 @dataclass
@@ -180,7 +242,7 @@ def key_selection_layout(selected: torch.Tensor, key_len: int, q_block: int,
     from a bitmap made of int32 words ``[B, T', S' / 32]`` (T and S rounded up to the blocks, and
     ``kv_block`` a multiple of 32), and a key block is visited when a query of the block listed
     one of its keys. A key listed twice counts once, as in the reference's mask. The bitmap is
-    made by triton_select.py's kernel where it runs (``SELECT_DEVICE_TYPES``), else in PyTorch.
+    made by triton_select.py's kernel where "auto" runs it (``selection_words``), else in PyTorch.
 
     The bitmap is the one part of this attention's memory that grows as T S: an eighth of a
     byte per pair (256 MB at B T = 32768 and S = 65536), against the gathered kernels' O(T K)."""
@@ -190,9 +252,8 @@ def key_selection_layout(selected: torch.Tensor, key_len: int, q_block: int,
     batch, seq_len, _ = selected.shape
     num_q, num_kv = math.ceil(seq_len / q_block), math.ceil(key_len / kv_block)
     shape = (num_q * q_block, num_kv * kv_block // 32)
-    if selected.device.type in SELECT_DEVICE_TYPES:
-        from . import triton_select
-        words = triton_select.selection_words(selected, *shape)
+    if _runs_kernel("selection_words", selected):
+        words = _select_kernels().selection_words(selected, *shape)
     else:
         words = selection_words_reference(selected, *shape)
     active = (words.view(batch, num_q, q_block, num_kv, kv_block // 32) != 0).any(-1).any(2)
@@ -238,15 +299,13 @@ def block_means(k: torch.Tensor, block_size: int) -> torch.Tensor:
 def moba_chosen(q: torch.Tensor, k: torch.Tensor, block_size: int, top_k: int) -> torch.Tensor:
     """MoBA's selection ``[B, Hq, T, n]``: per query and head, its own block and the
     ``top_k - 1`` finished blocks of highest ``q . mean(K_block)``, in one Triton kernel
-    (triton_select.moba_chosen) where the selections run in Triton and it passed its first-use
-    check, else in PyTorch (:func:`moba_chosen_pytorch`)."""
+    (triton_select.moba_chosen) where "auto" runs it (``moba_selection``: CUDA, dense rows of q,
+    at most MAX_BLOCKS blocks, its first-use check passed), else in PyTorch
+    (:func:`moba_chosen_pytorch`)."""
     means = block_means(k, block_size)  # [B, Hkv, n, D]
-    if (q.device.type in SELECT_DEVICE_TYPES and q.stride(-1) == 1
-            and q.stride(-2) == q.shape[-1]):
-        from . import triton_select
-        if means.shape[2] <= triton_select.MAX_BLOCKS and triton_select.moba_checked(q.device,
-                                                                                    q.dtype):
-            return triton_select.moba_chosen(q, means, block_size, top_k)
+    if _runs_kernel("moba_selection", q, blocks=means.shape[2],
+                    dense_rows=q.stride(-1) == 1 and q.stride(-2) == q.shape[-1]):
+        return _select_kernels().moba_chosen(q, means, block_size, top_k)
     return moba_chosen_pytorch(q, means, block_size, top_k)
 
 
@@ -288,18 +347,17 @@ def nsa_chosen(q: torch.Tensor, compressed_k: torch.Tensor, *, compress_block: i
                scale: float) -> torch.Tensor:
     """NSA's selection ``[B, Hkv, T, n]`` (see ``nsa_attention_reference``), from the
     compressed branch's probabilities, by chunks of queries: the importance of each selection
-    block in one Triton kernel (triton_select.nsa_importance) where the selections run in
-    Triton and it passed its first-use check, else in PyTorch (:func:`nsa_importance`)."""
+    block in one Triton kernel (triton_select.nsa_importance) where "auto" runs it
+    (``nsa_selection``: CUDA, its first-use check passed), else in PyTorch
+    (:func:`nsa_importance`)."""
     batch, seq_len = q.shape[:2]
     kv_heads = compressed_k.shape[2]
     num_select = math.ceil(seq_len / select_block)
     sizes = dict(compress_block=compress_block, compress_stride=compress_stride,
                  select_block=select_block, num_select=num_select, scale=scale)
     importance_of = nsa_importance
-    if q.device.type in SELECT_DEVICE_TYPES:
-        from . import triton_select
-        if triton_select.importance_checked(q.device, q.dtype):
-            importance_of = triton_select.nsa_importance
+    if _runs_kernel("nsa_selection", q):
+        importance_of = _select_kernels().nsa_importance
     chosen = torch.empty(batch, kv_heads, seq_len, num_select, dtype=torch.bool, device=q.device)
     for start in range(0, seq_len, SELECTION_CHUNK):
         count = min(SELECTION_CHUNK, seq_len - start)
@@ -336,3 +394,8 @@ def nsa_importance(q: torch.Tensor, compressed_k: torch.Tensor, first: int, coun
     must = (blocks == 0) | (blocks == own) | (blocks == own - 1)
     importance = importance.masked_fill(blocks > own, float("-inf"))
     return importance.masked_fill(must & (blocks <= own), float("inf"))
+
+
+_declare_selection("selection_words", selection_words_reference, "selection_words")
+_declare_selection("moba_selection", moba_chosen_pytorch, "moba_chosen", check="moba_checked")
+_declare_selection("nsa_selection", nsa_importance, "nsa_importance", check="importance_checked")

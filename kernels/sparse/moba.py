@@ -1,11 +1,29 @@
-"""MoBA (``moba_attention``): each query's own key block and its top-k earlier blocks."""
+"""MoBA (``moba_attention``): each query's own key block and its top-k earlier blocks; declared
+in the backend registry: "auto" prefers flash (on CUDA, without a window, where flash.py takes
+the call and has passed its first-use check), then flex (on CUDA), then gathered."""
 import math
 
+from .. import registry
 from . import flash
 from .layout import (allowed_rule, both, interval_layout, moba_chosen, selection_layout,
                      window_rule, window_span)
 from .reference import OP, check_qkv, moba_attention_reference
-from .routing import _EXECUTORS, _backend, _blocks, _check_sink, _check_top_k, _runs_flash
+from .routing import _EXECUTORS, _blocks, _check_sink, _check_top_k, attention_facts, layout_backends, unless
+
+NAME = "moba_attention"
+
+
+def _facts(q, k, v, *, window=None, allowed=None, **_options):
+    return attention_facts(q, k, v, window=window is not None, allowed=allowed is not None)
+
+
+registry.declare(registry.Op(
+    NAME,
+    backends=layout_backends(moba_attention_reference, flash.moba_attention,
+                             flash_unsupported=unless("window", "a sliding window (flash.py does not take it)")),
+    auto=("flash", "flex", "gathered"),
+    facts=_facts,
+))
 
 
 def moba_attention(q, k, v, *, block_size, top_k, window=None, sink=None, scale=None,
@@ -21,10 +39,10 @@ def moba_attention(q, k, v, *, block_size, top_k, window=None, sink=None, scale=
     if k.shape[1] != seq_len:
         raise ValueError(f"{OP}: MoBA is self-attention; k has {k.shape[1]} tokens, q {seq_len}")
     _check_top_k(top_k, math.ceil(seq_len / block_size), f"MoBA with block_size={block_size}")
-    if _runs_flash(backend, q, k, v, allowed, window is None or "a sliding window"):
+    name = registry.choose(NAME, backend, _facts(q, k, v, window=window, allowed=allowed))
+    if name == "flash":
         return flash.moba_attention(q, k, v, block_size=block_size, top_k=top_k, sink=sink,
                                     scale=scale)
-    name = _backend(backend, q)
     if name == "reference":
         return moba_attention_reference(q, k, v, block_size=block_size, top_k=top_k,
                                         window=window, sink=sink, scale=scale, allowed=allowed)

@@ -1,17 +1,39 @@
-"""NSA (``nsa_attention``): compressed, selected and sliding-window branches mixed by gates."""
+"""NSA (``nsa_attention``): compressed, selected and sliding-window branches mixed by gates;
+declared in the backend registry: "auto" prefers flash for the selected and window branches (on
+CUDA, from ``NSA_FLASH_MIN_LEN`` tokens a sequence, where flash.py takes the call and has passed
+its first-use check; the compressed branch then runs on "auto"'s block layout,
+``routing``'s ``block_layout``), then flex (on CUDA), then gathered."""
 import math
 
 import torch
 
+from .. import registry
 from . import flash
 from .flex import compiled_on_cuda
 from .layout import (compress, interval_layout, nsa_chosen, selection_layout, window_rule,
                      window_span)
 from .reference import OP, check_qkv, nsa_attention_reference
-from .routing import _EXECUTORS, _backend, _blocks, _check_sink, _check_top_k, _runs_flash
+from .routing import _EXECUTORS, _blocks, _check_sink, _check_top_k, attention_facts, layout_backends
 
 
 NSA_FLASH_MIN_LEN = 8192
+NAME = "nsa_attention"
+
+
+def _short(facts: registry.Facts) -> str | None:
+    seq_len = facts.extra.get("seq_len")
+    if seq_len is not None and seq_len < NSA_FLASH_MIN_LEN:
+        return f"{seq_len} tokens, under NSA_FLASH_MIN_LEN = {NSA_FLASH_MIN_LEN}"
+    return None
+
+
+registry.declare(registry.Op(
+    NAME,
+    backends=layout_backends(nsa_attention_reference, flash.block_selection_attention,
+                             flash_limit=_short),
+    auto=("flash", "flex", "gathered"),
+    facts=lambda q, k, v, *args, **options: attention_facts(q, k, v),
+))
 
 
 def nsa_attention(q, k, v, gates, k_weights, v_weights, *, compress_block, compress_stride,
@@ -44,11 +66,12 @@ def nsa_attention(q, k, v, gates, k_weights, v_weights, *, compress_block, compr
     sizes = dict(compress_block=compress_block, compress_stride=compress_stride,
                  select_block=select_block, select_top_k=select_top_k)
     # With flash, the selected and window branches run on flash.py and the compressed one
-    # (few keys, no FlashAttention form) on "auto"'s block layout. "auto" takes flash from
-    # NSA_FLASH_MIN_LEN tokens on.
-    asks_flash = backend == "flash" or (backend == "auto" and seq_len >= NSA_FLASH_MIN_LEN)
-    use_flash = asks_flash and _runs_flash(backend, q, k, v, None)
-    name = _backend("auto" if use_flash else backend, q)
+    # (few keys, no FlashAttention form) on "auto"'s block layout.
+    facts = attention_facts(q, k, v)
+    name = registry.choose(NAME, backend, facts)
+    use_flash = name == "flash"
+    if use_flash:
+        name = registry.choose("block_layout", "auto", facts)
     if name == "reference":
         return nsa_attention_reference(q, k, v, gates, k_weights, v_weights, window=window,
                                        sink=sink, scale=scale, **sizes)

@@ -26,9 +26,11 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .. import registry
 from . import gathered
 from .gathered import _softmax_with_sink
 from .layout import MaskMod, both, document_rule, window_rule
+from .routing import indexer_facts, indexer_kernels_refusal
 from .reference import indexer_kl, lightning_index_scores, top_k_keys
 
 __all__ = ["Keys", "QueryShares", "causal_keys", "select_keys", "selected_attention",
@@ -96,22 +98,41 @@ def _maybe_checkpoint(fn, *args):
     return fn(*args)
 
 
-# The device types whose indexer scores run in Triton (triton_indexer.index_scores); tests add
-# "cpu" under Triton's interpreter.
-SCORE_DEVICE_TYPES = {"cuda"}
 # The fp32 values a query's chunk holds per key with the fused scores: the scores (masked in
 # place) and what top_k_keys makes of them, at most a copy and the int64 keys of every row where
 # a tie crosses its threshold (in PyTorch, the [B, c, HI, S] products bound the chunk).
 _FUSED_VALUES = 8
 
 
+def _triton_index_scores(*args, **kwargs):
+    """triton_indexer.py's ``index_scores`` (imported on first use)."""
+    from . import triton_indexer
+
+    return triton_indexer.index_scores(*args, **kwargs)
+
+
+# The indexer's scores: triton_indexer.py's kernel, "auto" on CUDA (tests add the CPU under
+# Triton's interpreter) where it takes the indexer's tensors; else lightning_index_scores.
+registry.declare(registry.Op(
+    "index_scores",
+    backends={"pytorch": registry.Backend("pytorch", lightning_index_scores),
+              "triton": registry.Backend("triton", _triton_index_scores,
+                                         unsupported=indexer_kernels_refusal, auto_devices=("cuda",))},
+    auto=("triton", "pytorch"),
+    facts=lambda index_q, index_k, *args: registry.Facts(
+        device=index_q.device, dtype=index_q.dtype, extra=indexer_facts(index_q, index_k)),
+))
+
+
 def _scores_function(index_q, index_k):
-    """``triton_indexer.index_scores`` where it runs these tensors, else
-    ``lightning_index_scores`` (the same scores, with ``[B, c, HI, S]`` products in PyTorch)."""
-    if index_q.device.type in SCORE_DEVICE_TYPES:
+    """The function of the indexer scores' backend that "auto" runs these tensors on
+    (``index_scores``): ``triton_indexer.index_scores``, or ``lightning_index_scores`` (the
+    same scores, with ``[B, c, HI, S]`` products in PyTorch)."""
+    facts = registry.get("index_scores").facts(index_q, index_k)
+    if registry.choose("index_scores", registry.AUTO, facts) == "triton":
         from . import triton_indexer
-        if triton_indexer.unavailable_reason(index_q, index_k) is None:
-            return triton_indexer.index_scores
+
+        return triton_indexer.index_scores
     return lightning_index_scores
 
 

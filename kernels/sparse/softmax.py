@@ -1,8 +1,29 @@
-"""Softmax attention with a sliding window and a sink (``softmax_attention``)."""
+"""Softmax attention with a sliding window and a sink (``softmax_attention``), and its
+declaration in the backend registry: "auto" prefers flash (on CUDA, where flash.py takes the
+call and has passed its first-use check), then flex (on CUDA), then gathered, then the reference
+(forget gates, which neither flash nor gathered takes, off CUDA)."""
+from .. import registry
 from . import flash
 from .layout import allowed_rule, both, document_rule, interval_layout, window_rule, window_span
 from .reference import OP, check_qkv, softmax_attention_reference
-from .routing import _EXECUTORS, _backend, _blocks, _check_sink, _runs_flash
+from .routing import _EXECUTORS, _blocks, _check_sink, attention_facts, layout_backends, unless
+
+NAME = "softmax_attention"
+
+
+def _facts(q, k, v, *, allowed=None, log_forget=None, **_options):
+    return attention_facts(q, k, v, allowed=allowed is not None, log_forget=log_forget is not None)
+
+
+registry.declare(registry.Op(
+    NAME,
+    backends=layout_backends(
+        softmax_attention_reference, flash.flash_attention,
+        flash_unsupported=unless("log_forget", "forget gates (flash.py does not take them)"),
+        gathered_unsupported=unless("log_forget", "forget gates: use 'flex' (CUDA) or 'reference'")),
+    auto=("flash", "flex", "gathered", "reference"),
+    facts=_facts,
+))
 
 
 def softmax_attention(q, k, v, *, causal=True, window=None, sink=None, scale=None,
@@ -13,7 +34,8 @@ def softmax_attention(q, k, v, *, causal=True, window=None, sink=None, scale=Non
     sink ``[Hq]`` (``exp(sink_h)`` added to the softmax denominator), packed sequences
     (``cu_seqlens [N + 1]``, B == 1) and extra bool mask ``allowed`` ``[B | 1, Hq | 1, T, S]``
     (True = may attend). q ``[B, T, Hq, D]``, k, v ``[B, S, Hkv, D]`` -> ``[B, T, Hq, D]``.
-    Backends as the package's (``__init__``), plus "flash" (flash.py).
+    Backends as the package's (``__init__``), plus "flash" (flash.py); a backend named that
+    cannot take the call raises ``registry.BackendUnavailable`` (a ValueError) with the reason.
 
     ``log_forget [B, T, Hq]`` (<= 0, causal self-attention): the Forgetting Transformer (Lin et
     al. 2025), each logit biased by the log forget gates between key and query
@@ -24,16 +46,10 @@ def softmax_attention(q, k, v, *, causal=True, window=None, sink=None, scale=Non
     _check_sink(sink, q)
     if log_forget is not None:
         _check_forget(log_forget, q, k, causal)
-    if _runs_flash(backend, q, k, v, allowed,
-                   supported=True if log_forget is None else "forget gates"):
+    name = registry.choose(NAME, backend, _facts(q, k, v, allowed=allowed, log_forget=log_forget))
+    if name == "flash":
         return flash.flash_attention(q, k, v, causal=causal, window=window, sink=sink,
                                      scale=scale, cu_seqlens=cu_seqlens)
-    name = _backend(backend, q)
-    if log_forget is not None and name == "gathered":
-        if backend != "auto":
-            raise ValueError(f"{OP}: backend='gathered' does not take forget gates; use 'flex' "
-                             "(CUDA) or 'reference'")
-        name = "reference"
     if name == "reference":
         return softmax_attention_reference(q, k, v, causal=causal, window=window, sink=sink,
                                            scale=scale, cu_seqlens=cu_seqlens, allowed=allowed,

@@ -103,11 +103,10 @@ import triton.language as tl
 from ..first_use import passes_first_use_check, relative_error
 from .reference import OP, _heads, _masked_probs, dsa_attention_reference, selected_mask
 from .triton_indexer import reference_indexer_kl, selected_indexer_kl
-from .triton_indexer import unavailable_reason as indexer_unavailable_reason
 from .triton_select import selection_words
 
-__all__ = ["selected_attention", "selected_mass", "selected_indexer_kl", "unavailable_reason",
-           "indexer_unavailable_reason", "check", "checked", "CHECK_TOLERANCE", "MAX_HEAD_DIM"]
+__all__ = ["selected_attention", "selected_mass", "selected_indexer_kl", "check", "checked",
+           "CHECK_TOLERANCE", "MAX_HEAD_DIM"]
 
 _log = logging.getLogger(__name__)
 
@@ -407,24 +406,6 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def unavailable_reason(q, k, v) -> str | None:
-    """Why these kernels cannot run this call, or None: they take q, k, v of one dtype (fp32,
-    bf16 or fp16) with head dims up to 256 and fewer than 2^31 elements in a batch row of k, on
-    a CUDA device (or CPU tensors under Triton's interpreter, TRITON_INTERPRET=1)."""
-    if q.dtype not in _DTYPES or not q.dtype == k.dtype == v.dtype:
-        return (f"the selected-attention kernels take q, k and v of one dtype among fp32, bf16 "
-                f"and fp16; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[-1] > MAX_HEAD_DIM:
-        return (f"the selected-attention kernels take head dims up to {MAX_HEAD_DIM}; got "
-                f"{q.shape[-1]}")
-    if k[0].numel() >= 2**31:
-        return (f"the selected-attention kernels address a batch row's keys with 32-bit offsets; "
-                f"S Hkv D = {k[0].numel()} is too many")
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreted()):
-        return f"the selected-attention kernels need a CUDA device, not {q.device.type!r}"
-    return None
-
-
 def _queries_by_key(selected: torch.Tensor, key_len: int):
     """The selection transposed, as a CSR over the B S keys: ``offsets [B S + 1]`` (int64) and
     ``queries`` (int32), where ``queries[offsets[j]:offsets[j + 1]]`` are the flat queries
@@ -491,8 +472,8 @@ class _SelectedAttention(torch.autograd.Function):
 
 def selected_attention(q, k, v, selected, *, sink=None, scale=None) -> torch.Tensor:
     """Same contract as ``dsa_attention_reference`` (and selected.py's gathered
-    ``selected_attention``), on the kernels. Call only where :func:`unavailable_reason` is
-    None."""
+    ``selected_attention``), on the kernels. Call only where
+    ``routing.selected_kernels_refusal`` allows."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     q, k, v, selected = (x.contiguous() for x in (q, k, v, selected))
     wide_sink = None if sink is None else sink.float().contiguous()
@@ -508,7 +489,7 @@ def selected_mass(q, k, selected, *, sink=None, scale=None, lse=None) -> torch.T
     query with neither a key nor a sink), where the attention has computed it; the kernel then
     skips its first phase, which computes it (``benchmarks/dsa_stages.py`` times both:
     ``loss_given_lse`` and ``loss``).
-    Call only where :func:`unavailable_reason` is None (k for v).
+    Call only where ``routing.selected_kernels_refusal`` allows (k for v).
 
     On tiles of the selection's bitmap (``_mass_kernel``); besides the result it holds the
     bitmap (``B T S / 8`` bytes), each row's slots in ascending key order (int32, as

@@ -49,8 +49,8 @@ import triton.language as tl
 
 from .reference import indexer_kl, lightning_index_scores
 
-__all__ = ["selected_indexer_kl", "reference_indexer_kl", "index_scores", "unavailable_reason",
-           "MAX_HEADS", "MAX_DIM"]
+__all__ = ["selected_indexer_kl", "reference_indexer_kl", "index_scores", "MAX_HEADS",
+           "MAX_DIM"]
 
 MAX_HEADS = 128
 MAX_DIM = 256
@@ -193,7 +193,7 @@ def index_scores(index_q, index_k, index_weights) -> torch.Tensor:
     that neither the ``[B, T, HI, S]`` products nor their ReLU is ever stored. Precision as the
     loss's kernels (16-bit inputs on tensor cores with exact products and fp32 sums; fp32
     inputs in full fp32); the sum's order differs from PyTorch's, by fp32 rounding. All three
-    in index_q's dtype; call only where :func:`unavailable_reason` is None."""
+    in index_q's dtype; call only where ``routing.indexer_kernels_refusal`` allows."""
     index_k, index_weights = index_k.to(index_q.dtype), index_weights.to(index_q.dtype)
     batch, queries, heads, dim = index_q.shape
     key_len = index_k.shape[1]
@@ -256,31 +256,14 @@ class _SelectedIndexerKL(torch.autograd.Function):
         return None, dq, dk.to(index_k.dtype), dw, None
 
 
-def unavailable_reason(index_q, index_k) -> str | None:
-    """Why :func:`selected_indexer_kl` cannot take these indexer tensors, or None (the device is
-    triton.py's ``unavailable_reason``'s concern): index_q in fp32, bf16 or fp16, at most
-    MAX_HEADS heads of at most MAX_DIM, fewer than 2^31 elements in a batch row of index_k."""
-    if index_q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return ("the indexer-loss kernels take index_q in fp32, bf16 or fp16; got "
-                f"{index_q.dtype}")
-    heads, dim = index_q.shape[2:]
-    if heads > MAX_HEADS or dim > MAX_DIM:
-        return (f"the indexer-loss kernels take up to {MAX_HEADS} indexer heads of dims up to "
-                f"{MAX_DIM}; got {heads} of {dim}")
-    if index_k[0].numel() >= 2**31:
-        return (f"the indexer-loss kernels address a batch row's keys with 32-bit offsets; "
-                f"S DI = {index_k[0].numel()} is too many")
-    return None
-
-
 def selected_indexer_kl(target, index_q, index_k, index_weights, selected) -> torch.Tensor:
     """``sum_t KL(p_t || softmax(I_t))`` over each query's selected keys, fp32 scalar, with
     gradients to index_q, index_k and index_weights: :func:`reference_indexer_kl`'s value, on
     the kernels. ``target [B, n, K]``: the main attention's mass at each slot of
     ``selected [B, n, K]`` (no gradient; normalised here); index_q ``[B, n, HI, DI]``,
     index_weights ``[B, n, HI]``: the n queries'; index_k ``[B, S, DI]``: every key (both cast
-    to index_q's dtype). Call only where this module's and triton.py's ``unavailable_reason``
-    are None."""
+    to index_q's dtype). Call only where ``routing.indexer_kernels_refusal`` and
+    ``routing.selected_kernels_refusal`` allow."""
     index_k, index_weights = index_k.to(index_q.dtype), index_weights.to(index_q.dtype)
     tensors = (target.detach().float(), index_q, index_k, index_weights, selected)
     return _SelectedIndexerKL.apply(*(x.contiguous() for x in tensors))

@@ -64,7 +64,8 @@ def build(config, ext: ExtConfig, layer_number: int) -> ResidualScheme | None:
 def ops_backend(ext: ExtConfig) -> Backend:
     """How the residual-stream ops run for ``ext.residual_backend``
     (:class:`megatron_ext.kernels.residual.efficient.Backend`): "auto" runs our Triton kernels
-    (each where it runs and passes its first-use check) and, when CUDA and Triton are
+    (each where its op's declaration in the backend registry, kernels.registry, lets "auto" run
+    it: on CUDA, for what it takes, once its first-use check passed) and, when CUDA and Triton are
     available, the compiled PyTorch bodies for the rest; "compile" the compiled bodies only;
     "eager" the eager bodies only."""
     from megatron_ext.kernels.residual.efficient import Backend

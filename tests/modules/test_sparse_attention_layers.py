@@ -88,12 +88,12 @@ def test_sink_of_minus_infinity_is_the_plain_core():
 def _emulated_flash(monkeypatch) -> list:
     """FlashAttention's kernels emulated (flash_emulation.py) and let run on the CPU, so that
     "auto" takes kernels/sparse/flash.py; returns the names of the flash.py functions called."""
-    from flash_emulation import emulate
+    from flash_emulation import allow_flash, emulate
 
     from megatron_ext.kernels.sparse import flash
 
     emulate(monkeypatch)
-    monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
+    allow_flash(monkeypatch)
     monkeypatch.setattr(flash, "checked", lambda device, dtype: True)
     calls = []
     for name in ("flash_attention", "block_selection_attention"):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import harness
+import triton_interpreter
 from megatron_ext.kernels.residual import efficient, reference
 
 N, H = 4, 16
@@ -241,7 +242,7 @@ def test_triton_sinkhorn_that_fails_its_check_is_not_used(monkeypatch, caplog):
         sinkhorn_backward=lambda logits, grad, iters, eps: efficient._sinkhorn_vjp(
             logits.float(), grad.float(), iters, eps))
     monkeypatch.setattr(efficient, "_triton_kernels", lambda: wrong)
-    monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
+    triton_interpreter.triton_on_cpu(monkeypatch, *efficient.OPS)
     efficient._triton_checked.cache_clear()
     logits = torch.randn(7, 4, 4, requires_grad=True)
     with caplog.at_level("WARNING"):

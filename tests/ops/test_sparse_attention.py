@@ -273,7 +273,7 @@ def test_forget_gates_refuse_what_they_cannot_run():
         sparse.softmax_attention(q, k, v, causal=False, log_forget=log_forget)
     with pytest.raises(ValueError, match=r"expected \[B, T, Hq\] = \[2, 23, 4\]"):
         sparse.softmax_attention(q, k, v, log_forget=log_forget[..., :2])
-    with pytest.raises(ValueError, match="'gathered' does not take forget gates"):
+    with pytest.raises(ValueError, match="backend 'gathered' cannot run forget gates"):
         sparse.softmax_attention(q, k, v, log_forget=log_forget, backend="gathered")
     # "auto" on the CPU runs the reference, with gradients
     q.requires_grad_()

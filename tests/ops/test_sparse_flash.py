@@ -20,9 +20,9 @@ each); a window one token off or a scale 10% off gives 0.08 to 0.19 (flash.py).
 import pytest
 import torch
 
-from megatron_ext.kernels import sparse
+from megatron_ext.kernels import registry, sparse
 from megatron_ext.kernels.first_use import relative_error
-from megatron_ext.kernels.sparse import flash, triton
+from megatron_ext.kernels.sparse import flash, routing, triton
 
 pytestmark = pytest.mark.gpu
 
@@ -150,7 +150,7 @@ def test_first_use_check_passes(dtype):
     flash.checked.cache_clear()
     assert flash.checked(device, dtype)
     flash.cudnn_checked.cache_clear()  # cuDNN's own check (on this GPU: it runs here)
-    assert flash.cudnn_unavailable_reason(torch.empty(1, 1, 1, 64, device=device)) is None
+    assert routing.cudnn_refusal(registry.Facts(device=device, dtype=dtype, key_dim=64)) is None
     assert flash.cudnn_checked(device, dtype)
 
 

@@ -8,10 +8,10 @@ import functools
 import pytest
 import torch
 import flash_emulation
-from flash_emulation import emulate, emulate_cudnn, emulated_forward
+from flash_emulation import allow_flash, emulate, emulate_cudnn, emulated_forward
 
 from megatron_ext.kernels import sparse
-from megatron_ext.kernels.sparse import flash, triton
+from megatron_ext.kernels.sparse import flash, routing, triton
 from megatron_ext.kernels.first_use import relative_error
 from megatron_ext.kernels.sparse.reference import moba_attention_reference, softmax_attention_reference
 
@@ -116,7 +116,7 @@ def test_block_selection_equals_the_reference(emulated, selection_heads):
 
 
 def test_nsa_on_flash_equals_the_reference(emulated, monkeypatch):
-    monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
+    allow_flash(monkeypatch)
     leaves, grad = _leaves(5, 2, 150, kv_heads=2)
     generator = torch.Generator().manual_seed(6)
     gates = torch.rand(2, 150, 4, 3, generator=generator, dtype=torch.float64)
@@ -134,7 +134,7 @@ def test_nsa_on_flash_equals_the_reference(emulated, monkeypatch):
 def test_auto_runs_nsa_on_flash_from_its_minimum_length(emulated, monkeypatch):
     """Under "auto", NSA's selected and window branches go to flash.py from
     ``NSA_FLASH_MIN_LEN`` tokens (where it runs and passed its check), and equal the reference."""
-    monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
+    allow_flash(monkeypatch)
     monkeypatch.setattr(flash, "checked", lambda device, dtype: True)
     monkeypatch.setattr(sparse.nsa, "NSA_FLASH_MIN_LEN", 100)
     calls, run = [], flash.block_selection_attention
@@ -198,12 +198,16 @@ def test_flash_refuses_what_it_does_not_cover():
         return (torch.zeros(1, 10, 2, dim, dtype=dtype), torch.zeros(1, keys, 2, dim, dtype=dtype),
                 torch.zeros(1, keys, 2, dim, dtype=dtype))
 
-    assert "fp16 or bf16" in flash.unavailable_reason(*qkv(torch.float32))
-    assert "multiples of 8" in flash.unavailable_reason(*qkv(dim=12))
-    assert "not as long" in flash.unavailable_reason(*qkv(keys=11))
-    assert "extra mask" in flash.unavailable_reason(*qkv(), allowed=torch.ones(1, 1, 10, 10, dtype=torch.bool))
-    assert flash.unavailable_reason(*qkv()) == "FlashAttention runs on CUDA only"
-    with pytest.raises(ValueError, match="backend='flash' cannot run this call: FlashAttention runs on CUDA only"):
+    def refusal(*tensors, **options):
+        return routing.flash_refusal(routing.attention_facts(*tensors, **options))
+
+    assert "fp16 or bf16" in refusal(*qkv(torch.float32))
+    assert "multiples of 8" in refusal(*qkv(dim=12))
+    assert "not as long" in refusal(*qkv(keys=11))
+    assert "extra mask" in refusal(*qkv(), allowed=True)
+    assert refusal(*qkv()) == "FlashAttention runs on CUDA only"
+    with pytest.raises(ValueError, match="softmax_attention: backend 'flash' cannot run FlashAttention runs on "
+                                         "CUDA only"):
         sparse.softmax_attention(*qkv(), backend="flash")
 
 
@@ -302,7 +306,7 @@ def test_dsa_attention_takes_cudnn_for_causal_selections(monkeypatch):
     then "flash" (and "auto", once cuDNN passed its check) runs the cuDNN form; without it
     "flash" refuses and "auto" keeps its other backends."""
     emulate_cudnn(monkeypatch)
-    monkeypatch.setattr(flash, "causal_selection_unavailable_reason", lambda q, k, v: None)
+    allow_flash(monkeypatch, cudnn=True)
     calls, forward = [], flash._cudnn_forward
     monkeypatch.setattr(flash, "_cudnn_forward",
                         lambda *a, **kw: calls.append(1) or forward(*a, **kw))
@@ -403,7 +407,7 @@ def test_csa_attention_drops_early_entries_and_takes_flash(monkeypatch):
     "flash" (and "auto", both kernels checked) runs the FlashAttention-2 + cuDNN form, equal to
     the others; without ``rate`` "flash" refuses and "auto" runs another backend."""
     emulate_cudnn(monkeypatch)
-    monkeypatch.setattr(flash, "causal_selection_unavailable_reason", lambda q, k, v: None)
+    allow_flash(monkeypatch, cudnn=True)
     monkeypatch.setattr(flash, "checked", lambda device, dtype: True)
     calls, forward = [], flash._cudnn_forward
     monkeypatch.setattr(flash, "_cudnn_forward",
@@ -453,6 +457,6 @@ def test_csa_on_flash_and_cudnn_with_packed_sequences_equals_the_reference(monke
                                         cu_seqlens=cu_seqlens, backend=backend, rate=RATE)
         return call
 
-    monkeypatch.setattr(flash, "causal_selection_unavailable_reason", lambda q, k, v: None)
+    allow_flash(monkeypatch, cudnn=True)
     monkeypatch.setattr(flash, "CSA_QUERY_CHUNK", 16)
     _assert_equal(run("flash"), run("reference"), leaves, grad)

@@ -72,7 +72,7 @@ def test_unsupported_calls_are_named_and_run_in_pytorch(monkeypatch):
     with pytest.raises(ValueError, match=r"last_plus must be torch.float32 \(3, 16\)"):
         triton_depth.forward(query, [torch.zeros(3, 2, 16)], 1e-6, torch.zeros(3, 1, 16))
     # efficient runs such calls in the PyTorch path without checking the kernels.
-    monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
+    triton_interpreter.triton_on_cpu(monkeypatch, *efficient.OPS)
     monkeypatch.setattr(efficient, "_triton_depth_checked",
                         lambda *key: pytest.fail(f"the kernels were checked at {key}"))
     query = torch.randn(24, requires_grad=True)
@@ -120,10 +120,10 @@ def test_depth_kernels_that_fail_their_check_are_not_used(monkeypatch, caplog):
                                                  first_grad)
 
     wrong = types.SimpleNamespace(
-        unsupported_reason=lambda query, groups, last_plus: None, padded_sources=lambda k: 4,
+        padded_sources=lambda k: 4,
         forward=off, backward=backward)
     monkeypatch.setattr(efficient, "_triton_depth_kernels", lambda: wrong)
-    monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
+    triton_interpreter.triton_on_cpu(monkeypatch, *efficient.OPS)
     efficient._triton_checked.cache_clear()
     query, sources = torch.randn(16), [torch.randn(7, 3, 16), torch.randn(7, 1, 16)]
     try:

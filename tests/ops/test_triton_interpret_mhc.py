@@ -72,7 +72,7 @@ def test_unsupported_sizes_are_named_and_run_in_pytorch(monkeypatch):
         with pytest.raises(ValueError, match=reason):
             triton_mhc.update_forward(streams, streams, streams, streams)  # streams checked first
     # efficient runs such streams in the PyTorch bodies without asking the kernels.
-    monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
+    triton_interpreter.triton_on_cpu(monkeypatch, *efficient.OPS)
     monkeypatch.setattr(efficient, "_triton_kernels", lambda: None)  # the Sinkhorn: PyTorch too
     monkeypatch.setattr(efficient, "_triton_mhc_checked",
                         lambda *key: pytest.fail(f"the kernels were checked at {key}"))
@@ -97,12 +97,11 @@ def test_mhc_kernels_that_fail_their_check_are_not_used(monkeypatch, caplog):
         return 1.01 * efficient._stream_update_forward_body(*args)
 
     wrong = types.SimpleNamespace(
-        unsupported_reason=lambda streams: None,
         pre_forward=efficient._mhc_pre_forward_body, pre_backward=efficient._mhc_pre_vjp,
         update_forward=off, update_backward=efficient._stream_update_vjp)
     monkeypatch.setattr(efficient, "_triton_mhc_kernels", lambda: wrong)
     monkeypatch.setattr(efficient, "_triton_kernels", lambda: None)
-    monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
+    triton_interpreter.triton_on_cpu(monkeypatch, *efficient.OPS)
     efficient._triton_checked.cache_clear()
     streams, y = torch.randn(7, 4, 16), torch.randn(7, 16)
     post, res = torch.randn(7, 4), torch.randn(7, 4, 4)
@@ -128,13 +127,14 @@ def test_fused_mhc_kernels_are_on_unless_turned_off(monkeypatch):
     residual kernels on."""
     from megatron_ext.kernels.residual import efficient
 
-    monkeypatch.setattr(efficient, "_TRITON_DEVICE_TYPES", {"cpu"})
+    triton_interpreter.triton_on_cpu(monkeypatch, *efficient.OPS)
     monkeypatch.setattr(efficient, "_triton_mhc_checked", lambda *key: True)
+    monkeypatch.setattr(efficient, "_triton_sinkhorn_checked", lambda *key: True)
     streams = torch.zeros(5, 4, 16)
     default = efficient.Backend()
     assert default.triton and default.triton_mhc and not default.compiled
     assert efficient._triton_mhc_for(default, streams) is efficient._triton_mhc_kernels()
     bodies = efficient.Backend(triton_mhc=False)
-    assert efficient._triton_runs(bodies, streams)
+    assert efficient._triton_sinkhorn_for(bodies, torch.zeros(5, 4, 4)) is not None
     assert efficient._triton_mhc_for(bodies, streams) is None
     assert efficient._triton_mhc_for(efficient.Backend(triton=False), streams) is None

@@ -34,11 +34,8 @@ def main() -> None:
     }
     for name, select in selections.items():
         want = select()
-        layout.SELECT_DEVICE_TYPES.add("cpu")
-        try:
+        with triton_interpreter.auto_on_cpu(*layout.SELECTION_OPS):
             got = select()
-        finally:
-            layout.SELECT_DEVICE_TYPES.discard("cpu")
         assert torch.equal(got, want), name
         print(f"{name} selection: ok", flush=True)
     from megatron_ext.kernels.sparse import triton_select
@@ -52,11 +49,8 @@ def main() -> None:
         errors = triton_select.check_moba("cpu", torch.float16)
         assert errors["chosen_rows"] > triton_select.MOBA_CHECK_TOLERANCE, errors
         assert not triton_select.moba_checked(torch.device("cpu"), torch.float16)
-        layout.SELECT_DEVICE_TYPES.add("cpu")
-        try:
+        with triton_interpreter.auto_on_cpu(*layout.SELECTION_OPS):
             got = layout.moba_chosen(q.half(), k.half(), 32, 3)
-        finally:
-            layout.SELECT_DEVICE_TYPES.discard("cpu")
         assert torch.equal(got, layout.moba_chosen(q.half(), k.half(), 32, 3))
     finally:
         triton_select.moba_chosen = kernel

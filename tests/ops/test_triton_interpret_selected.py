@@ -34,14 +34,9 @@ def main() -> None:
     checks = triton_interpreter.gpu_checks("test_sparse_triton")
     triton_interpreter.run_cases(checks.CASES, checks.check_case)
     triton_interpreter.run_cases(checks.KL_CASES, checks.check_kl_case)
-    from megatron_ext.kernels.sparse import selected
-
     start = time.perf_counter()
-    selected.SCORE_DEVICE_TYPES.add("cpu")
-    try:
+    with triton_interpreter.auto_on_cpu("index_scores"):
         count = checks.check_index_scores("cpu")
-    finally:
-        selected.SCORE_DEVICE_TYPES.discard("cpu")
     print(f"index scores and selections: {count} cases ok ({time.perf_counter() - start:.1f} s)",
           flush=True)
     from megatron_ext.kernels.sparse import triton
@@ -71,14 +66,13 @@ def test_triton_backend_refusals_are_named():
     q, k, v = torch.randn(1, 5, 2, 16), torch.randn(1, 5, 1, 16), torch.randn(1, 5, 1, 16)
     selected = torch.tensor([[[0, -1], [0, 1], [1, 2], [3, -1], [4, 2]]])
     if os.environ.get("TRITON_INTERPRET") != "1":
-        with pytest.raises(ValueError, match="backend='triton' cannot run this call: .*need a "
+        with pytest.raises(ValueError, match="dsa_attention: backend 'triton' cannot run .*need a "
                                              "CUDA device, not 'cpu'"):
             sparse.dsa_attention(q, k, v, selected, backend="triton")
-    with pytest.raises(ValueError, match=r"backend='triton' cannot run this call: .*one dtype "
+    with pytest.raises(ValueError, match=r"dsa_attention: backend 'triton' cannot run .*one dtype "
                                          r"among fp32, bf16 and fp16; got torch.float64"):
         sparse.dsa_attention(q.double(), k.double(), v.double(), selected, backend="triton")
-    with pytest.raises(ValueError, match="backend='triton' runs dsa_attention and csa_attention "
-                                         "only"):
+    with pytest.raises(ValueError, match="softmax_attention: unknown backend 'triton'"):
         sparse.softmax_attention(q, k, v, backend="triton")
     torch.testing.assert_close(sparse.dsa_attention(q, k, v, selected, backend="auto"),
                                sparse.dsa_attention(q, k, v, selected, backend="gathered"),

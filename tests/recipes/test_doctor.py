@@ -145,9 +145,11 @@ def test_ops_option_runs_only_those(tmp_path, capsys, monkeypatch):
     """--ops keeps the rows of the named ops (first-use ones too) and runs no other check."""
     from megatron_ext.kernels.sparse import flash
 
+    from megatron_ext.kernels.sparse import routing
+
     ran = []
     monkeypatch.setattr(flash, "check", lambda device, dtype: ran.append(dtype) or {})
-    monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
+    monkeypatch.setattr(routing, "flash_refusal", lambda facts: None)
     # (the cuDNN rows stay skipped on the CPU)
     path = tmp_path / "doctor.json"
     assert cli.main(["doctor", "--device", "cpu", "--ops", "decay_linear_attention,sparse_attention",
@@ -169,12 +171,12 @@ def test_first_use_rows_show_the_flash_check(tmp_path, capsys, monkeypatch):
     """With FlashAttention's kernels emulated (flash_emulation.py) and allowed on the CPU, the
     doctor shows the flash path's errors; a wrong kernel fails its rows, which is a warning
     (auto then keeps FlexAttention), not a failed doctor."""
-    from flash_emulation import emulate, emulated_forward
+    from flash_emulation import allow_flash, emulate, emulated_forward
 
     from megatron_ext.kernels.sparse import flash
 
     emulate(monkeypatch)
-    monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
+    allow_flash(monkeypatch)
     path = tmp_path / "doctor.json"
     doctor = ["doctor", "--device", "cpu", "--backends", "flash", "--json", str(path)]
     exit_code = cli.main(doctor)
@@ -199,13 +201,10 @@ def test_first_use_rows_show_the_flash_check(tmp_path, capsys, monkeypatch):
 def test_cudnn_rows_show_their_own_check(tmp_path, capsys, monkeypatch):
     """The flash path's cuDNN calls have rows of their own (``flash.check_cudnn``), here with
     those calls emulated and allowed on the CPU."""
-    from flash_emulation import emulate_cudnn
-
-    from megatron_ext.kernels.sparse import flash
+    from flash_emulation import allow_flash, emulate_cudnn
 
     emulate_cudnn(monkeypatch)
-    monkeypatch.setattr(flash, "unavailable_reason", lambda *args, **kwargs: None)
-    monkeypatch.setattr(flash, "cudnn_unavailable_reason", lambda q: None)
+    allow_flash(monkeypatch, cudnn=True)
     path = tmp_path / "doctor.json"
     exit_code = cli.main(["doctor", "--device", "cpu", "--backends", "flash", "--json", str(path)])
     output = capsys.readouterr().out
