@@ -12,9 +12,11 @@ entry point (:func:`call`, :func:`choose`), the backends' own refusals when call
 
 The choice (:func:`choose`) is deterministic: a backend named by the caller (from a config:
 ``ExtConfig.kernel_backend``) runs if it can take the call and raises :class:`BackendUnavailable`
-with the reason otherwise; ``"auto"`` runs the first backend of the op's preference that runs on
-the device, takes the call, is not past its ``auto_limit`` and has passed its verifier there,
-and logs what it chose once per (op, device, dtype, choice). The verdicts are cached by the
+with the reason otherwise; so does one named for the op in the override table (:func:`override`,
+from ``ExtConfig.kernel_overrides``) where the call asks for ``"auto"``; ``"auto"`` otherwise
+runs the first backend of the op's preference that runs on the device, takes the call, is not
+past its ``auto_limit`` and has passed its verifier there, and logs what it chose once per (op,
+device, dtype, choice). The verdicts are cached by the
 verifiers (per process, and the Triton self-check's on disk), so a call asks again for free.
 
 This module imports no op package: the op packages import it (it is a leaf, like first_use.py
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 
 __all__ = ["AUTO", "Backend", "BackendUnavailable", "Facts", "Op", "call", "choose", "declare",
-           "get", "ops", "require"]
+           "get", "named", "ops", "override", "require"]
 
 logger = logging.getLogger("megatron_ext.kernels")
 
@@ -115,6 +117,7 @@ class Op:
 
 _OPS: dict[str, Op] = {}
 _LOGGED: set[tuple] = set()
+_OVERRIDES: dict[str, str] = {}  # op -> the backend its "auto" calls run on
 
 
 def declare(op: Op) -> Op:
@@ -134,12 +137,34 @@ def ops() -> dict[str, Op]:
     return dict(_OPS)
 
 
+def override(backends: dict[str, str]) -> None:
+    """Run each op named in ``backends`` on the backend named for it wherever a call asks for
+    "auto" (calls that name a backend keep theirs); replaces the previous table, ``{}`` clears
+    it. ValueError, before anything changes, for an op not declared or a backend it lacks."""
+    for op, backend in backends.items():
+        get(op).backend(backend)
+    _OVERRIDES.clear()
+    _OVERRIDES.update(backends)
+
+
+def named(op: str, requested: str = AUTO) -> str:
+    """What a call of ``op`` asking for ``requested`` names: the op's backend in the override
+    table for "auto" (:func:`override`), else ``requested`` ("auto" included). ValueError if
+    the op has no backend of that name."""
+    if requested == AUTO:
+        return _OVERRIDES.get(op, AUTO)
+    get(op).backend(requested)
+    return requested
+
+
 def choose(op: str, requested: str = AUTO, facts: Facts | None = None, **fields) -> str:
     """The backend that runs ``op`` for a call with these facts (a :class:`Facts`, or its
     fields as keywords). ``requested``: a backend's name (ValueError if the op has none of that
-    name, :class:`BackendUnavailable` if it cannot take the call) or "auto" (see the module
-    docstring)."""
+    name, :class:`BackendUnavailable` if it cannot take the call) or "auto": the op's backend in
+    the override table (:func:`override`) if it has one, taken as if named, else the module
+    docstring's choice."""
     spec = get(op)
+    requested = named(op, requested)
     facts = Facts(**fields) if facts is None else facts
     if not isinstance(facts.device, torch.device):
         facts = dataclasses.replace(facts, device=torch.device(facts.device))

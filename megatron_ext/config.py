@@ -83,6 +83,13 @@ class ExtConfig:
     # Which implementation the linear-recurrence ops use (see megatron_ext.kernels). RWKV-7's op
     # has only its PyTorch backends: "triton" and "fla" run its chunked form.
     kernel_backend: str = "auto"
+    # Single ops on a backend of one's choice where their calls ask for "auto": {op: backend},
+    # e.g. {"short_conv": "reference", "index_scores": "pytorch"}. The ops and their backends
+    # are the backend registry's (megatron_ext.kernels.registry; `megatron-ext doctor` lists
+    # them); a call that names its backend (a family's setting here other than "auto") keeps it.
+    # A backend that cannot take a call raises, with the reason. Set for the process when a
+    # model is built from this config. Flag: --ext-kernel-overrides short_conv=reference,...
+    kernel_overrides: dict[str, str] = dataclasses.field(default_factory=dict)
     # Context parallelism (context_parallel_size > 1) of the linear recurrences
     # (megatron_ext.parallel): "state_passing" exchanges each rank's recurrent-state summary
     # (volume independent of the sequence length); "all_to_all" (Ulysses) moves the op's inputs
@@ -255,6 +262,7 @@ class ExtConfig:
         if self.attention_kv_share > 1 and self.attention_backend in ("te", "local"):
             raise ConfigError("attention_kv_share needs attention_backend='sdpa' or 'auto' "
                               "(our attention core; the others are not tested with it)")
+        self._validate_kernel_overrides()
         if self.linear_conv_kernel < 1:
             raise ConfigError(f"linear_conv_kernel={self.linear_conv_kernel} must be >= 1")
         self._validate_sparse_attention()
@@ -270,6 +278,20 @@ class ExtConfig:
                     f"attnres_block_layers={self.attnres_block_layers} exceeds num_layers="
                     f"{num_layers}; a single block is attnres_block_layers={num_layers}")
         return self
+
+    def _validate_kernel_overrides(self) -> None:
+        if not self.kernel_overrides:
+            return
+        from megatron_ext.kernels import declared_ops
+
+        ops = declared_ops()
+        for op, backend in self.kernel_overrides.items():
+            if op not in ops:
+                raise ConfigError(f"kernel_overrides names op {op!r}, which the backend registry "
+                                  f"does not have; its ops: {sorted(ops)}")
+            if backend not in ops[op].backends:
+                raise ConfigError(f"kernel_overrides[{op!r}]={backend!r} is not a backend of "
+                                  f"{op}; its backends: {list(ops[op].backends)}")
 
     def _validate_sparse_attention(self) -> None:
         if not isinstance(self.attention_xsa, bool):
@@ -384,6 +406,10 @@ def typed_values(section: str, cls, values: dict[str, Any]) -> dict[str, Any]:
                     isinstance(item, typing.get_args(option)[0]) for item in value):
                 checked[name] = value
                 break
+            if base is dict and isinstance(value, dict) and all(
+                    isinstance(key, str) and isinstance(item, str) for key, item in value.items()):
+                checked[name] = dict(value)
+                break
         else:
             expected = " or ".join(getattr(o, "__name__", str(o)) for o in options)
             fix = ""
@@ -394,6 +420,19 @@ def typed_values(section: str, cls, values: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{section}.{name}={value!r} is a {type(value).__name__}, "
                               f"expected {expected}{fix}")
     return checked
+
+
+def format_overrides(overrides: dict[str, str]) -> str:
+    """``kernel_overrides`` as its flag's text: ``op=backend,op=backend``."""
+    return ",".join(f"{op}={backend}" for op, backend in overrides.items())
+
+
+def _parse_overrides(text: str) -> dict[str, str]:
+    pairs = [item.partition("=") for item in text.split(",") if item.strip()]
+    if any(not op.strip() or not sep or not backend.strip() for op, sep, backend in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of op=backend pairs, such as "
+                                         "short_conv=reference,index_scores=pytorch")
+    return {op.strip(): backend.strip() for op, _, backend in pairs}
 
 
 def _parse_bool(text: str) -> bool:
@@ -410,7 +449,7 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     defaults = ExtConfig()
     for f in _cli_fields():
         flag = "--ext-" + f.name.replace("_", "-")
-        arg_type = {"bool": _parse_bool, "float": float}.get(
+        arg_type = {"bool": _parse_bool, "float": float, "dict[str, str]": _parse_overrides}.get(
             f.type, int if "int" in str(f.type) else str)
         help_text = f"megatron-ext {f.name} (default: {getattr(defaults, f.name)!r})"
         if f.name == "pattern":

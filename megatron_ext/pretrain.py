@@ -32,7 +32,7 @@ import sys
 import torch
 import yaml
 
-from megatron_ext.config import ConfigError, ExtConfig
+from megatron_ext.config import ConfigError, ExtConfig, format_overrides
 from megatron_ext.train import PREEMPTED_EXIT_CODE, RunSettings, prepared_data
 
 def _ext_flags(ext: ExtConfig) -> list[str]:
@@ -42,6 +42,10 @@ def _ext_flags(ext: ExtConfig) -> list[str]:
             continue
         if name == "pattern" and not isinstance(value, str):
             value = ",".join(value)
+        if name == "kernel_overrides":
+            if not value:
+                continue
+            value = format_overrides(value)
         flags += ["--ext-" + name.replace("_", "-"), str(value)]
     return flags
 

@@ -40,6 +40,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from megatron_ext import residual
 from megatron_ext.config import ConfigError, ExtConfig, resolve
+from megatron_ext.kernels import registry
 from megatron_ext.norm import TorchNorm
 from megatron_ext.mixers.kv_share import share_groups
 from megatron_ext.pattern import check_pipeline_split, expand_pattern, stage_layer_indices
@@ -238,6 +239,7 @@ def final_norm(ext: ExtConfig):
 def _prepare(config, ext: ExtConfig) -> list[Mixer]:
     """Validate once and set what Megatron needs for this pattern; returns all layers' mixers."""
     ext.validate(config.num_layers)
+    registry.override(ext.kernel_overrides)
     check_pipeline_split(config)
     residual.prepare(config, ext)
     mixers = expand_pattern(ext.pattern, config.num_layers)

@@ -155,11 +155,9 @@ declare_per_token("dsa_select", dsa_select_reference, select_keys)
 
 def _runs_reference(op: str, backend: str) -> bool:
     """Whether a per-token op or an indexer loss runs its reference (else its gathered form,
-    whose kernels, if any, are chosen apart); a name ``op`` does not declare raises
-    ValueError."""
-    if backend != registry.AUTO:
-        registry.get(op).backend(backend)
-    return backend == "reference"
+    whose kernels, if any, are chosen apart), asked for by name or through the override table;
+    a name ``op`` does not declare raises ValueError."""
+    return registry.named(op, backend) == "reference"
 
 
 def _loss_kernels(op: str, backend: str, q, k, selected, index_q, index_k):

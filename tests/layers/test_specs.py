@@ -138,3 +138,43 @@ def test_cross_layer_routing_adds_the_projected_signal_and_starts_at_baseline(ro
     _, _, signal = layer.self_attention(layer.input_layernorm(hidden))  # [s, b, Hv * V]
     assert signal.shape == (17, 2, 4 * 16)
     torch.testing.assert_close(out, base + signal @ layer.routing_projection.weight.T)
+
+
+def test_kernel_overrides_from_each_source_reach_the_registry():
+    """ExtConfig.kernel_overrides, from Python, YAML's dict or the flag's text (and back to the
+    flag `megatron-ext pretrain` passes), is checked against the registry and set when a model's
+    specs are built."""
+    import argparse
+
+    from megatron_ext.config import ConfigError, ExtConfig, add_megatron_args
+    from megatron_ext.kernels import registry
+    from megatron_ext.pretrain import _ext_flags
+    from megatron_ext.specs import block_spec
+
+    table = {"short_conv": "reference", "index_scores": "pytorch"}
+    args = add_megatron_args(argparse.ArgumentParser()).parse_args(
+        ["--ext-kernel-overrides", "short_conv=reference, index_scores=pytorch"])
+    assert ExtConfig.from_megatron_args(args).kernel_overrides == table
+    assert ExtConfig.from_dict({"kernel_overrides": table}).kernel_overrides == table
+    flags = _ext_flags(ExtConfig(kernel_overrides=table))
+    assert flags[flags.index("--ext-kernel-overrides") + 1] == "short_conv=reference,index_scores=pytorch"
+    assert "--ext-kernel-overrides" not in _ext_flags(ExtConfig())
+    with pytest.raises(SystemExit):
+        add_megatron_args(argparse.ArgumentParser()).parse_args(["--ext-kernel-overrides", "short_conv"])
+    with pytest.raises(ConfigError, match="ext.kernel_overrides=.* expected dict"):
+        ExtConfig.from_dict({"kernel_overrides": {"short_conv": 1}})
+    for bad, message in (({"conv": "reference"}, "names op 'conv', which the backend registry does "
+                                                 "not have; its ops: .*'short_conv'"),
+                         ({"short_conv": "flex"}, r"kernel_overrides\['short_conv'\]='flex' is not a "
+                                                  r"backend of short_conv; its backends: \['reference', 'triton'\]")):
+        with pytest.raises(ConfigError, match=message):
+            ExtConfig(kernel_overrides=bad).validate()
+
+    config = harness.tiny_config()
+    try:
+        block_spec(config, ext=ExtConfig(pattern=PATTERN, kernel_overrides=table))
+        assert [registry.named(op) for op in table] == ["reference", "pytorch"]
+        block_spec(config, ext=ExtConfig(pattern=PATTERN))
+        assert registry.named("short_conv") == "auto"
+    finally:
+        registry.override({})

@@ -532,3 +532,52 @@ def test_residual_ops_run_their_bodies_on_the_cpu(monkeypatch):
     assert dict(chosen) == {op: "pytorch" for op in efficient.OPS}
     with pytest.raises(ValueError, match="mhc: backend 'triton' cannot run triton mhc: needs 2 <= n <= 8"):
         registry.require("mhc", "triton", torch.zeros(3, 9, 16))
+
+
+@pytest.fixture
+def overrides():
+    """registry.override, cleared afterwards."""
+    yield registry.override
+    registry.override({})
+
+
+def test_overrides_name_the_backend_of_auto_calls(monkeypatch, overrides):
+    """An op in the override table runs its backend where the call asks for "auto", as if
+    named (refusing a call it cannot take, with the reason); calls naming a backend keep it;
+    a table with an unknown op or backend is refused whole; {} clears it."""
+    x = torch.randn(2, 8, 3, 16, requires_grad=True)
+    ran, choose = [], registry.choose
+    monkeypatch.setattr(registry, "choose", lambda *args, **kw: ran.append(choose(*args, **kw)) or ran[-1])
+    sparse.softmax_attention(x, x, x, window=(4, 0))
+    overrides({"softmax_attention": "reference"})
+    sparse.softmax_attention(x, x, x, window=(4, 0))
+    sparse.softmax_attention(x, x, x, window=(4, 0), backend="gathered")
+    assert ran == ["gathered", "reference", "gathered"]
+    assert registry.named("softmax_attention") == "reference"
+    assert registry.named("softmax_attention", "gathered") == "gathered"
+
+    overrides({"rope": "triton"})  # on the CPU a call it cannot take says why
+    with pytest.raises(registry.BackendUnavailable, match="rope: backend 'triton' cannot run t "):
+        fused.rope(torch.randn(9, 2, 3, 12), torch.randn(9, 1, 1, 12))
+    for table, message in (({"short_conv": "reference", "nope": "reference"}, "no op 'nope'"),
+                           ({"short_conv": "flex"}, "short_conv: unknown backend 'flex'")):
+        with pytest.raises(ValueError, match=message):
+            overrides(table)
+        assert registry.named("rope") == "triton"  # the table before stands
+    overrides({})
+    assert registry.named("rope") == "auto"
+
+
+def test_overrides_reach_the_per_token_ops(monkeypatch, overrides):
+    """dsa_select picks its reference or its gathered form before the registry runs anything:
+    the override table decides that too."""
+    from megatron_ext.kernels.sparse import dsa
+
+    calls = []
+    monkeypatch.setattr(dsa, "dsa_select_reference", lambda *args, **kw: calls.append("reference"))
+    monkeypatch.setattr(dsa, "select_keys", lambda *args, **kw: calls.append("gathered"))
+    index = (torch.randn(1, 6, 2, 8), torch.randn(1, 6, 8), torch.randn(1, 6, 2))
+    sparse.dsa_select(*index, top_k=2)
+    overrides({"dsa_select": "reference"})
+    sparse.dsa_select(*index, top_k=2)
+    assert calls == ["gathered", "reference"]
