@@ -10,8 +10,9 @@ Ops (``--ops`` takes families, e.g. ``kda``, backends, e.g. ``triton``, or singl
                                       scalar decay (Mamba-2 SSD) and a per-channel decay (GLA):
                                       backends chunked, triton and fla (chunk_simple_gla/chunk_gla)
     dplr                              dplr_delta_rule (RWKV-7's recurrence: a = -kappa_hat,
-                                      b = kappa_hat * alpha, a per-channel decay): backend chunked
-                                      (it has no Triton kernels)
+                                      b = kappa_hat * alpha, a per-channel decay): backends
+                                      chunked and triton (its decayed scores in Triton kernels,
+                                      the rest of the chunked form in PyTorch)
     sdpa                              torch SDPA, causal softmax attention
 
 Shapes: B = batch_tokens / T sequences of T tokens, H heads for q, k and v alike, head dim D
@@ -148,8 +149,10 @@ def build_ops(device: torch.device) -> list[Op]:
                 skip = "our Triton kernels need CUDA"
             run = lambda backend=backend, function=function, **x: function(**x, backend=backend)[0]  # noqa: E731
             ops.append(Op(family, backend, make, run, skip))
-    ops.append(Op("dplr", "chunked", lambda *shape: linear_inputs("dplr", *shape, device),
-                  lambda **x: dplr_delta_rule(**x, backend="chunked")[0]))
+    for backend in ("chunked", "triton"):
+        ops.append(Op("dplr", backend, lambda *shape: linear_inputs("dplr", *shape, device),
+                      lambda backend=backend, **x: dplr_delta_rule(**x, backend=backend)[0],
+                      "our Triton kernels need CUDA" if backend == "triton" and device.type != "cuda" else None))
     ops.append(Op("sdpa", "torch", lambda *shape: sdpa_inputs(*shape, device),
                   lambda **x: F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True)))
     return ops

@@ -1,8 +1,9 @@
 """The rules of the linear-recurrence ops' fast backends, which their declarations in the
-backend registry (``registry.py``; ``delta_rule/__init__.py`` and ``decay/__init__.py``) use:
-what our Triton kernels take (:func:`triton_unsupported`, :func:`decay_triton_unsupported`), the
-self-check that verifies them (:func:`triton_verified`, :func:`triton_verdict`), and when
-fla-core may run (:func:`fla_unavailable_reason`, :func:`fla_unsupported`).
+backend registry (``registry.py``; ``delta_rule/__init__.py``, ``decay/__init__.py`` and
+``dplr/__init__.py``) use: what our Triton kernels take (:func:`triton_unsupported`,
+:func:`decay_triton_unsupported`), the self-check that verifies them (:func:`triton_verified`,
+:func:`triton_verdict`), and when fla-core may run (:func:`fla_unavailable_reason`,
+:func:`fla_unsupported`).
 
 "auto" (``registry.choose``) runs our Triton kernels ("triton") on CUDA for the calls they take,
 once they have passed the self-check on this GPU for the call's form and dtype; otherwise the
@@ -236,7 +237,8 @@ def _kernels_fingerprint() -> str:
         version = "not installed"
     here = pathlib.Path(__file__).parent
     digest = hashlib.sha256()
-    for source in ("chunks.py", "delta_rule/triton.py", "decay/triton.py", "selfcheck.py", "cases.py"):
+    for source in ("chunks.py", "delta_rule/triton.py", "decay/triton.py", "dplr/triton.py",
+                   "dplr/chunked.py", "selfcheck.py", "cases.py"):
         digest.update((here / source).read_bytes())
     return f"{version}, kernels {digest.hexdigest()[:12]}"
 

@@ -7,17 +7,19 @@ import dataclasses
 
 import torch
 
-__all__ = ["CASES", "DECAY_CASES", "DELTA_RULE_CASES", "DTYPES", "Case"]
+__all__ = ["CASES", "DECAY_CASES", "DELTA_RULE_CASES", "DPLR_CASES", "DTYPES", "Case"]
 
 DELTA_RULE_CASES = ("deltanet", "gated_deltanet", "kda", "gdn2")
 DECAY_CASES = ("none", "constant", "per_head", "per_channel")
+DPLR_CASES = ("rwkv7", "per_head", "none")  # g per key channel (RWKV-7's), per head, none
 DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str                      # as shown in the table
-    form: str                      # the op's input form (delta_rule_inputs' case, decay_inputs' decay)
+    form: str                      # the op's input form (delta_rule_inputs' case, decay_inputs'
+                                   # decay, dplr_inputs' form)
     packed: bool = False           # sequences of PACKED_LENGTHS packed along T (cu_seqlens)
 
 
@@ -26,4 +28,5 @@ CASES = {
                          Case("kda_packed", "kda", True)),
     "decay_linear_attention": (*(Case(form, form) for form in DECAY_CASES),
                                Case("per_channel_packed", "per_channel", True)),
+    "dplr_delta_rule": (*(Case(form, form) for form in DPLR_CASES), Case("rwkv7_packed", "rwkv7", True)),
 }

@@ -79,27 +79,24 @@ def recurrence_facts(q, k, v, *others, form: str | None, cu_seqlens) -> Facts:
     )
 
 
-def declare_recurrence(op: str, facts, *, reference, chunked, triton, fla, triton_unsupported,
-                       fla_unsupported, kind_of_form: dict[str, str]) -> registry.Op:
-    """Declare a linear-recurrence op with the four backends of the gated delta rule and decay
-    families in the backend registry: "auto" prefers our Triton kernels on CUDA (the calls
+def declare_recurrence(op: str, facts, *, reference, chunked, triton, triton_unsupported, fla=None,
+                       fla_unsupported=None, kind_of_form: dict[str, str] | None = None) -> registry.Op:
+    """Declare a linear-recurrence op in the backend registry with the backends of the gated
+    delta rule and decay families: "auto" prefers our Triton kernels on CUDA (the calls
     ``triton_unsupported`` lets through, once the self-check passed there for the call's form
-    and dtype: ``backends.triton_verified``), then chunked; fla-core serves calls asked for by
-    name, where ``fla_unsupported`` allows, its refusals naming the fla-core kind of the call's
-    form (``kind_of_form``)."""
-    return registry.declare(registry.Op(
-        op,
-        backends={
-            "reference": registry.Backend("reference", reference),
-            "chunked": registry.Backend("chunked", chunked),
-            "triton": registry.Backend("triton", triton, unsupported=triton_unsupported,
-                                       verify=backends.triton_verified(op), auto_devices=("cuda",)),
-            "fla": registry.Backend("fla", fla, unsupported=fla_unsupported,
-                                    subject=lambda facts: kind_of_form.get(facts.form)),
-        },
-        auto=("triton", "chunked"),
-        facts=facts,
-    ))
+    and dtype: ``backends.triton_verified``), then chunked; fla-core, where the op has an
+    adapter (``fla``), serves calls asked for by name, where ``fla_unsupported`` allows, its
+    refusals naming the fla-core kind of the call's form (``kind_of_form``)."""
+    declared = {
+        "reference": registry.Backend("reference", reference),
+        "chunked": registry.Backend("chunked", chunked),
+        "triton": registry.Backend("triton", triton, unsupported=triton_unsupported,
+                                   verify=backends.triton_verified(op), auto_devices=("cuda",)),
+    }
+    if fla is not None:
+        declared["fla"] = registry.Backend("fla", fla, unsupported=fla_unsupported,
+                                           subject=lambda facts: kind_of_form.get(facts.form))
+    return registry.declare(registry.Op(op, backends=declared, auto=("triton", "chunked"), facts=facts))
 
 
 def fail(op: str, name: str, tensor: torch.Tensor, expected: str) -> None:

@@ -6,6 +6,8 @@ What is checked, per op (``OPS``; the cases are named in ``cases.py``):
     gated_delta_rule        deltanet, gated_deltanet, kda, gdn2, and kda on packed sequences
     decay_linear_attention  none, constant (per head: RetNet, Lightning), per_head (Mamba-2 SSD),
                             per_channel (GLA), and per_channel on packed sequences
+    dplr_delta_rule         rwkv7 (RWKV-7's a, b and decay per key channel), per_head, none, and
+                            rwkv7 on packed sequences
 each with grouped heads (2 q/k heads serve 4 v heads), an initial state, and T = 97 = 64 + 33
 tokens, odd and across a 64-token chunk boundary (packed: sequences of 5, 70 and 22 tokens).
 K = 32 and V = 64 differ, so that a swapped layout cannot pass, and are powers of two at least 16
@@ -46,34 +48,42 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import decay, delta_rule, registry
-from .cases import CASES, DECAY_CASES, DELTA_RULE_CASES, DTYPES, Case
+from . import decay, delta_rule, dplr, registry
+from .cases import CASES, DECAY_CASES, DELTA_RULE_CASES, DPLR_CASES, DTYPES, Case
 from .first_use import relative_error
 
 __all__ = [
     "OPS", "CheckResult", "auto_backend", "check_backend", "decay_inputs", "delta_rule_inputs",
-    "run_all", "run_with_grads", "tolerance_for",
+    "dplr_inputs", "run_all", "run_with_grads", "tolerance_for",
 ]
 
 # ---------------------------------------------------------------------------------------------
-# Inputs (shared with tests/ops/test_recurrence_ops.py, test_delta_rule.py and test_decay.py)
+# Inputs (shared with tests/ops/test_recurrence_ops.py, test_delta_rule.py, test_decay.py and
+# test_dplr.py)
 # ---------------------------------------------------------------------------------------------
 
 
 
-def _random_qkv(seed, batch, seq_len, key_heads, value_heads, key_dim, value_dim):
-    """A seeded fp64 normal sampler and q, k (L2-normalised), v drawn from it, in that order;
-    the caller draws its gates and state from the same sampler next."""
+def _leaf_inputs(draw_gates, *, batch, seq_len, key_heads, value_heads, key_dim, value_dim, dtype,
+                 with_initial_state, num_states, seed):
+    """Inputs of a recurrence op, every tensor a leaf in ``dtype`` that requires grad, drawn in
+    this order from one seeded fp64 normal sampler ``randn(*shape)``: q, k (L2-normalised), v,
+    then the family's gates (``draw_gates(randn)`` returns them by name), then the initial state
+    ``[N, Hv, K, V]`` (N = num_states or B)."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=generator, dtype=torch.float64)
 
-    return randn, {
+    tensors = {
         "q": randn(batch, seq_len, key_heads, key_dim),
         "k": F.normalize(randn(batch, seq_len, key_heads, key_dim), dim=-1),
         "v": randn(batch, seq_len, value_heads, value_dim),
     }
+    tensors.update(draw_gates(randn))
+    if with_initial_state:
+        tensors["initial_state"] = randn(num_states or batch, value_heads, key_dim, value_dim)
+    return {name: tensor.to(dtype).requires_grad_() for name, tensor in tensors.items()}
 
 
 def delta_rule_inputs(case, *, batch=2, seq_len=37, key_heads=2, value_heads=4, key_dim=8,
@@ -89,20 +99,23 @@ def delta_rule_inputs(case, *, batch=2, seq_len=37, key_heads=2, value_heads=4, 
     contractive and the fp32 comparisons measure rounding, not an exploding state."""
     if case not in DELTA_RULE_CASES:
         raise ValueError(f"delta_rule_inputs: unknown case {case!r}; known cases: {DELTA_RULE_CASES}")
-    randn, tensors = _random_qkv(seed, batch, seq_len, key_heads, value_heads, key_dim, value_dim)
     per_head = (batch, seq_len, value_heads)
-    if case == "gdn2":
-        tensors["erase"] = torch.sigmoid(randn(*per_head, key_dim))
-        tensors["write"] = torch.sigmoid(randn(*per_head, value_dim))
-    else:
-        tensors["beta"] = torch.sigmoid(randn(*per_head))
-    if case == "gated_deltanet":
-        tensors["g"] = F.logsigmoid(randn(*per_head) + 2.0)
-    elif case in ("kda", "gdn2"):
-        tensors["g"] = F.logsigmoid(randn(*per_head, key_dim) + 2.0)
-    if with_initial_state:
-        tensors["initial_state"] = randn(num_states or batch, value_heads, key_dim, value_dim)
-    return {name: tensor.to(dtype).requires_grad_() for name, tensor in tensors.items()}
+
+    def gates(randn):
+        if case == "gdn2":
+            drawn = {"erase": torch.sigmoid(randn(*per_head, key_dim)),
+                     "write": torch.sigmoid(randn(*per_head, value_dim))}
+        else:
+            drawn = {"beta": torch.sigmoid(randn(*per_head))}
+        if case == "gated_deltanet":
+            drawn["g"] = F.logsigmoid(randn(*per_head) + 2.0)
+        elif case in ("kda", "gdn2"):
+            drawn["g"] = F.logsigmoid(randn(*per_head, key_dim) + 2.0)
+        return drawn
+
+    return _leaf_inputs(gates, batch=batch, seq_len=seq_len, key_heads=key_heads,
+                        value_heads=value_heads, key_dim=key_dim, value_dim=value_dim, dtype=dtype,
+                        with_initial_state=with_initial_state, num_states=num_states, seed=seed)
 
 
 def decay_inputs(decay_form, *, batch=2, seq_len=37, key_heads=2, value_heads=4, key_dim=8,
@@ -115,17 +128,46 @@ def decay_inputs(decay_form, *, batch=2, seq_len=37, key_heads=2, value_heads=4,
     comparisons measure rounding, not a growing state."""
     if decay_form not in DECAY_CASES:
         raise ValueError(f"decay_inputs: unknown decay {decay_form!r}; known decays: {DECAY_CASES}")
-    randn, tensors = _random_qkv(seed, batch, seq_len, key_heads, value_heads, key_dim, value_dim)
     per_head = (batch, seq_len, value_heads)
-    if decay_form == "constant":  # RetNet's per-head decays
-        tensors["g"] = torch.log(1 - 2.0 ** (-5 - torch.arange(value_heads, dtype=torch.float64)))
-    elif decay_form == "per_head":
-        tensors["g"] = F.logsigmoid(randn(*per_head) + 2.0)
-    elif decay_form == "per_channel":
-        tensors["g"] = F.logsigmoid(randn(*per_head, key_dim) + 2.0)
-    if with_initial_state:
-        tensors["initial_state"] = randn(num_states or batch, value_heads, key_dim, value_dim)
-    return {name: tensor.to(dtype).requires_grad_() for name, tensor in tensors.items()}
+
+    def gates(randn):
+        if decay_form == "constant":  # RetNet's per-head decays
+            return {"g": torch.log(1 - 2.0 ** (-5 - torch.arange(value_heads, dtype=torch.float64)))}
+        if decay_form == "per_head":
+            return {"g": F.logsigmoid(randn(*per_head) + 2.0)}
+        if decay_form == "per_channel":
+            return {"g": F.logsigmoid(randn(*per_head, key_dim) + 2.0)}
+        return {}
+
+    return _leaf_inputs(gates, batch=batch, seq_len=seq_len, key_heads=key_heads,
+                        value_heads=value_heads, key_dim=key_dim, value_dim=value_dim, dtype=dtype,
+                        with_initial_state=with_initial_state, num_states=num_states, seed=seed)
+
+
+def dplr_inputs(form, *, batch=2, seq_len=37, key_heads=2, value_heads=4, key_dim=8,
+                value_dim=12, dtype=torch.float64, with_initial_state=True, num_states=None, seed=0):
+    """Keyword arguments for dplr_delta_rule with a decay of ``form`` (one of DPLR_CASES), every
+    tensor a leaf in ``dtype`` that requires grad; shapes as in ``delta_rule_inputs``, a and b
+    ``[B, T, Hv, K]``. a and b are RWKV-7's: ``a = -kappa_hat`` and ``b = kappa_hat * alpha``,
+    kappa_hat an L2-normalised removal key apart from k and alpha in (0, 1); the decay ``g`` is
+    RWKV-7's ``-exp(-0.5) * sigmoid(d)`` per key channel ("rwkv7"), a log-sigmoid per head
+    ("per_head") or absent ("none")."""
+    if form not in DPLR_CASES:
+        raise ValueError(f"dplr_inputs: unknown form {form!r}; known forms: {DPLR_CASES}")
+    per_channel = (batch, seq_len, value_heads, key_dim)
+
+    def gates(randn):
+        removal_key = F.normalize(randn(*per_channel), dim=-1)
+        drawn = {"a": -removal_key, "b": removal_key * torch.sigmoid(randn(*per_channel))}
+        if form == "rwkv7":
+            drawn["g"] = -torch.exp(torch.tensor(-0.5)) * torch.sigmoid(randn(*per_channel))
+        elif form == "per_head":
+            drawn["g"] = F.logsigmoid(randn(batch, seq_len, value_heads) + 2.0)
+        return drawn
+
+    return _leaf_inputs(gates, batch=batch, seq_len=seq_len, key_heads=key_heads,
+                        value_heads=value_heads, key_dim=key_dim, value_dim=value_dim, dtype=dtype,
+                        with_initial_state=with_initial_state, num_states=num_states, seed=seed)
 
 
 def run_with_grads(function, inputs, *, weights_dtype=None, **options):
@@ -191,6 +233,8 @@ OPS = {
         Op("decay_linear_attention", decay.decay_linear_attention,
            decay.decay_linear_attention_reference, decay_inputs,
            cases=CASES["decay_linear_attention"]),
+        Op("dplr_delta_rule", dplr.dplr_delta_rule, dplr.dplr_delta_rule_reference, dplr_inputs,
+           cases=CASES["dplr_delta_rule"]),
     )
 }
 

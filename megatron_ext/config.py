@@ -81,7 +81,8 @@ class ExtConfig:
     rwkv7_lora_rank: int | None = None
 
     # Which implementation the linear-recurrence ops use (see megatron_ext.kernels). RWKV-7's op
-    # has only its PyTorch backends: "triton" and "fla" run its chunked form.
+    # has no "fla" backend: there "fla" runs "auto"; its "triton" computes the decayed scores in
+    # Triton kernels and the rest of its chunked form in PyTorch.
     kernel_backend: str = "auto"
     # Single ops on a backend of one's choice where their calls ask for "auto": {op: backend},
     # e.g. {"short_conv": "reference", "index_scores": "pytorch"}. The ops and their backends

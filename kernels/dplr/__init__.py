@@ -1,33 +1,47 @@
 """The DPLR delta rule (RWKV-7's generalised delta rule) behind one op: a state transition that is
 diagonal plus rank one, with read and write vectors of its own.
 
-Backends, with one signature and one layout:
+Backends, with one signature and one layout (declared in the backend registry below):
     reference   token by token, fp32: the oracle (reference.py)
-    chunked     chunkwise WY / UT-transform form in PyTorch, any device (chunked.py)
-"auto" is chunked: there are no Triton kernels for this op yet.
+    chunked     chunkwise WY / UT-transform form in PyTorch, any device, chunks of 32 tokens
+                (chunked.py)
+    triton      the same chunkwise form by chunks of 64 tokens, with the four decayed score
+                matrices of a decay per key channel (A, B, P^b, P^k), forward and backward, in
+                our Triton kernels (no [C, C, K] pairwise decays); the triangular solves, the
+                chunk matmuls and the state pass stay in PyTorch, and so do the scores of a
+                decay per head or none (triton.py). CUDA (or Triton's CPU interpreter), K a
+                power of two from 16 to 256, q, k, v in fp32, bf16 or fp16
+"auto" (kernels.registry.choose): triton on CUDA for the calls it takes, once it has passed its
+self-check on this GPU for the call's form and dtype; chunked otherwise.
 """
-from .. import registry
-from ..common import recurrence_facts
+from .. import backends, registry
+from ..common import declare_recurrence, lazy_triton_backend, recurrence_facts
 from .chunked import dplr_delta_rule_chunked
-from .reference import OP, dplr_delta_rule_reference
+from .reference import OP, dplr_delta_rule_reference, input_form
 from .summary import dplr_delta_rule_summary
 
 __all__ = ["dplr_delta_rule", "dplr_delta_rule_chunked", "dplr_delta_rule_reference",
-           "dplr_delta_rule_summary"]
+           "dplr_delta_rule_summary", "dplr_delta_rule_triton"]
+
+dplr_delta_rule_triton = lazy_triton_backend(OP, __name__, "dplr_delta_rule_triton")
 
 
 def _facts(q, k, v, *, a=None, b=None, g=None, initial_state=None, cu_seqlens=None,
            **_options) -> registry.Facts:
-    return recurrence_facts(q, k, v, a, b, g, initial_state, form=None, cu_seqlens=cu_seqlens)
+    return recurrence_facts(q, k, v, a, b, g, initial_state, form=input_form(g), cu_seqlens=cu_seqlens)
 
 
-registry.declare(registry.Op(
-    OP,
-    backends={"reference": registry.Backend("reference", dplr_delta_rule_reference),
-              "chunked": registry.Backend("chunked", dplr_delta_rule_chunked)},
-    auto=("chunked",),
-    facts=_facts,
-))
+def _triton_unsupported(facts: registry.Facts) -> str | None:
+    """What the triton backend cannot run: a key dim its kernels do not tile (V never enters
+    them), then the device and dtype rule of every Triton backend."""
+    if facts.key_dim is not None and facts.key_dim not in backends.TRITON_HEAD_DIMS:
+        return (f"K = {facts.key_dim}: the Triton kernels take key dims "
+                f"{', '.join(map(str, backends.TRITON_HEAD_DIMS))}")
+    return backends.triton_unavailable_reason(facts.device, facts.compute_dtype or facts.dtype)
+
+
+declare_recurrence(OP, _facts, reference=dplr_delta_rule_reference, chunked=dplr_delta_rule_chunked,
+                   triton=dplr_delta_rule_triton, triton_unsupported=_triton_unsupported)
 
 
 def dplr_delta_rule(
@@ -58,7 +72,9 @@ def dplr_delta_rule(
         output_final_state: return the state after the last token of each sequence.
         cu_seqlens: integer ``[N + 1]`` boundaries of sequences packed along T (needs B == 1);
             the state restarts at each boundary, from ``initial_state[n]`` for sequence n.
-        backend: "auto" (chunked), "reference" or "chunked".
+        backend: "auto" (see above), "reference", "chunked" or "triton" (each raises
+            kernels.registry.BackendUnavailable, a RuntimeError and a ValueError, "... backend
+            '<name>' cannot run ...", for a call it does not take, e.g. fp64 inputs to triton).
 
     Returns:
         o ``[B, T, Hv, V]`` in v's dtype, and the final state ``[N, Hv, K, V]`` in fp32 (fp64 for

@@ -35,8 +35,22 @@ O for all chunks at once from the chunks' entering states. Numerics: the only ex
 G'_t - G_s with s < t, g_t, G_t and G_C - G_s, all <= 0 when g <= 0, so nothing overflows however
 strong the decay; E is formed only under the strict causal mask (the masked entries would be
 exp of a large positive number). Everything inside is fp32 (fp64 for fp64 inputs).
+
+The four decayed score matrices. A, B and the strictly lower parts of P^b and P^k are the only
+place where the decay couples the key channels: each is, per chunk and head,
+
+    S[t, s] = sum_c rows[t, c] * cols[s, c] * exp(Grow[t, c] - Gcol[s, c])   for s < t, else 0,
+
+with (rows, Grow, cols, Gcol) = (a, G', b, G), (a, G', k, G), (q, G, b, G) and (q, G, k, G)
+(exp(g_t) E_ts = exp(G_t - G_s)). :func:`chunkwise` is the whole algorithm above with these four
+matrices left to a ``scores`` function (:data:`ScoresFunction`), which is all that differs between
+the backends: :func:`pytorch_scores` (the "chunked" backend) forms E, ``[C, C, K]`` per chunk and
+head for a decay per key channel (kept for the backward: ``T * C * K`` values per head, twice);
+``triton.py`` (the "triton" backend) computes them in Triton kernels without E. For a decay per
+head (or none) E is one ``[C, C]`` matrix and the scores are a plain matmul times it, in both.
 """
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +58,13 @@ import torch.nn.functional as F
 from ..common import from_chunks, sequence_spans, to_chunks
 from .reference import OP, check_inputs, expand_inputs
 
-__all__ = ["dplr_delta_rule_chunked"]
+__all__ = ["ScoresFunction", "chunkwise", "dplr_delta_rule_chunked", "pytorch_scores"]
+
+# (reads a, writes b, keys k, queries q, log-decay g, G, G') -> (A, B, P^b, P^k). Every input
+# ``[..., C, D]`` (chunks of C tokens; D = K, or 1 for g, G and G' with a decay per head or none),
+# every output ``[..., C, C]``, zero on and above the diagonal (P's diagonal is added by the
+# caller).
+ScoresFunction = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def _decayed_scores(rows: torch.Tensor, cols: list[torch.Tensor], decay: torch.Tensor) -> list[torch.Tensor]:
@@ -57,6 +77,20 @@ def _decayed_scores(rows: torch.Tensor, cols: list[torch.Tensor], decay: torch.T
         return [(rows @ col.transpose(-1, -2)) * decay.squeeze(-1) for col in cols]
     weighted_rows = rows.unsqueeze(-2) * decay  # [..., C, C, D], shared by the cols
     return [torch.einsum("...tsc,...sc->...ts", weighted_rows, col) for col in cols]
+
+
+def pytorch_scores(reads, writes, keys, queries, log_decay, cumulative_decay, decay_before):
+    """A, B, P^b and P^k below the diagonal (:data:`ScoresFunction`) through the pairwise decays
+    E_ts = exp(G'_t - G_s), ``[..., C, C, K or 1]``, shared by all four (P's rows are
+    q' = exp(g) * q)."""
+    chunk_size = reads.shape[-2]
+    strictly_causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=reads.device).tril(-1)
+    # masked before exp, where the exponent may be large and positive
+    pairwise = (decay_before.unsqueeze(-2) - cumulative_decay.unsqueeze(-3)).masked_fill(
+        ~strictly_causal.unsqueeze(-1), -math.inf).exp()
+    read_on_writes, read_on_keys = _decayed_scores(reads, [writes, keys], pairwise)
+    query_on_writes, query_on_keys = _decayed_scores(log_decay.exp() * queries, [writes, keys], pairwise)
+    return read_on_writes, read_on_keys, query_on_writes, query_on_keys
 
 
 def dplr_delta_rule_chunked(
@@ -76,6 +110,15 @@ def dplr_delta_rule_chunked(
     ``T * chunk_size * K`` values per head each (kept for the backward); the default chunk of 32
     halves that against the delta rule's 64.
     """
+    return chunkwise(q, k, v, a=a, b=b, g=g, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     chunk_size=chunk_size, scores=pytorch_scores)
+
+
+def chunkwise(q, k, v, *, a, b, g, scale, initial_state, output_final_state, cu_seqlens,
+              chunk_size: int, scores: ScoresFunction):
+    """The algorithm of the module docstring, with the decayed scores A, B, P^b and P^k below the
+    diagonal from ``scores``; arguments and results as :func:`dplr_delta_rule_chunked`'s."""
     check_inputs(q, k, v, a=a, b=b, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens)
     if chunk_size < 1:
         raise ValueError(f"{OP}: chunk_size = {chunk_size}, expected a positive integer")
@@ -96,15 +139,9 @@ def dplr_delta_rule_chunked(
     # G': the cumulative decay before each token, G shifted (not G - g, which would round G's
     # magnitude into every exponent built from it)
     decay_before = F.pad(cumulative_decay[..., :-1, :], (0, 0, 1, 0))
-    strictly_causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=v.device).tril(-1)
-    # E: exp(G'_t - G_s) at [t, s] for s < t; masked before exp, where the exponent may be large
-    # and positive. [N, Hv, num_chunks, C, C, K or 1]
-    pairwise = (decay_before.unsqueeze(-2) - cumulative_decay.unsqueeze(-3)).masked_fill(
-        ~strictly_causal.unsqueeze(-1), -math.inf).exp()
 
-    read_on_writes, read_on_keys = _decayed_scores(reads, [writes, keys], pairwise)  # A, B
-    step_queries = log_decay.exp() * queries  # q'
-    query_on_writes, query_on_keys = _decayed_scores(step_queries, [writes, keys], pairwise)
+    read_on_writes, read_on_keys, query_on_writes, query_on_keys = scores(
+        reads, writes, keys, queries, log_decay, cumulative_decay, decay_before)  # A, B, P^b, P^k
     query_on_writes = query_on_writes + torch.diag_embed((queries * writes).sum(-1))  # P^b
     query_on_keys = query_on_keys + torch.diag_embed((queries * keys).sum(-1))  # P^k
 

@@ -30,9 +30,17 @@ import torch
 from ..common import check_shared_inputs, fail, sequence_start_states
 from ..decay.reference import expand_inputs as expand_decay_inputs
 
-__all__ = ["dplr_delta_rule_reference", "check_inputs", "expand_inputs"]
+__all__ = ["dplr_delta_rule_reference", "check_inputs", "expand_inputs", "input_form"]
 
 OP = "dplr_delta_rule"
+FORM_OF_DIM = {3: "per_head", 4: "rwkv7"}
+
+
+def input_form(g) -> str | None:
+    """The call's decay form, as cases.DPLR_CASES names it: "none", "per_head" (g ``[B, T, Hv]``)
+    or "rwkv7" (g ``[B, T, Hv, K]``, per key channel as RWKV-7's); None for a g of another shape
+    (which check_inputs refuses)."""
+    return "none" if g is None else FORM_OF_DIM.get(g.dim())
 
 
 def check_inputs(q, k, v, *, a, b, g, initial_state, cu_seqlens) -> None:

@@ -88,8 +88,7 @@ class Rwkv7Mixer(HeadShardedModule):
         self.heads = heads // self.tp_size
         self.key_dim = ext.linear_key_head_dim or config.kv_channels
         self.value_dim = ext.linear_value_head_dim or config.kv_channels
-        # The op has no Triton kernels yet: a backend it does not declare ("triton", "fla") runs
-        # its chunked form ("auto").
+        # A backend the op does not declare ("fla") runs "auto".
         declared = registry.get("dplr_delta_rule").backends
         self.kernel_backend = ext.kernel_backend if ext.kernel_backend in declared else "auto"
         h = config.hidden_size

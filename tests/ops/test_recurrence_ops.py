@@ -28,47 +28,17 @@ from typing import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron_ext.kernels import decay_linear_attention, dplr_delta_rule, gated_delta_rule
+from megatron_ext.kernels.cases import DPLR_CASES
 from megatron_ext.kernels.decay import decay_linear_attention_chunked, decay_linear_attention_reference
 from megatron_ext.kernels.delta_rule import gated_delta_rule_chunked, gated_delta_rule_reference
 from megatron_ext.kernels.dplr import dplr_delta_rule_chunked, dplr_delta_rule_reference
 from megatron_ext.kernels.first_use import relative_error
-from megatron_ext.kernels.selfcheck import decay_inputs, delta_rule_inputs, run_with_grads
+from megatron_ext.kernels.selfcheck import decay_inputs, delta_rule_inputs, dplr_inputs, run_with_grads
 
 VALUE_DIM = 12  # the selfcheck inputs' (K = 8)
-DPLR_FORMS = ("rwkv7", "per_head", "none")
-
-
-def dplr_inputs(form, *, batch=2, seq_len=37, key_heads=2, value_heads=4, key_dim=8,
-                value_dim=12, dtype=torch.float64, with_initial_state=True, num_states=None, seed=0):
-    """Keyword arguments for dplr_delta_rule, shapes as in ``delta_rule_inputs``, every tensor a
-    leaf in ``dtype`` that requires grad. a and b are RWKV-7's: ``a = -kappa_hat`` and
-    ``b = kappa_hat * alpha``, kappa_hat an L2-normalised removal key apart from k and alpha in
-    (0, 1); the decay ``g`` is RWKV-7's ``-exp(-0.5) * sigmoid(d)`` per key channel ("rwkv7"), a
-    log-sigmoid per head ("per_head") or absent ("none")."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator, dtype=torch.float64)
-
-    per_channel = (batch, seq_len, value_heads, key_dim)
-    removal_key = F.normalize(randn(*per_channel), dim=-1)
-    tensors = {
-        "q": randn(batch, seq_len, key_heads, key_dim),
-        "k": F.normalize(randn(batch, seq_len, key_heads, key_dim), dim=-1),
-        "v": randn(batch, seq_len, value_heads, value_dim),
-        "a": -removal_key,
-        "b": removal_key * torch.sigmoid(randn(*per_channel)),
-    }
-    if form == "rwkv7":
-        tensors["g"] = -torch.exp(torch.tensor(-0.5)) * torch.sigmoid(randn(*per_channel))
-    elif form == "per_head":
-        tensors["g"] = F.logsigmoid(randn(batch, seq_len, value_heads) + 2.0)
-    if with_initial_state:
-        tensors["initial_state"] = randn(num_states or batch, value_heads, key_dim, value_dim)
-    return {name: tensor.to(dtype).requires_grad_() for name, tensor in tensors.items()}
+DPLR_FORMS = DPLR_CASES
 
 
 @dataclass(frozen=True)
@@ -95,7 +65,8 @@ OPS = {
                                  ("none", "constant", "per_head", "per_channel"), "per_channel",
                                  extra_shapes=((50, 24, 1, 1, True),)),
     "dplr_delta_rule": Op(dplr_delta_rule, dplr_delta_rule_reference, dplr_delta_rule_chunked,
-                          dplr_inputs, DPLR_FORMS, "rwkv7", backends="'auto', 'reference', 'chunked'"),
+                          dplr_inputs, DPLR_FORMS, "rwkv7",
+                          backends="'auto', 'reference', 'chunked', 'triton'"),
 }
 FORMS = [pytest.param(name, form, id=f"{name}-{form}") for name, op in OPS.items()
          for form in op.forms]

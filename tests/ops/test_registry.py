@@ -27,7 +27,7 @@ def test_every_op_is_declared_with_its_backends():
     recurrence = (["reference", "chunked", "triton", "fla"], ("triton", "chunked"))
     assert declared == {
         "gated_delta_rule": recurrence, "decay_linear_attention": recurrence,
-        "dplr_delta_rule": (["reference", "chunked"], ("chunked",)),
+        "dplr_delta_rule": (["reference", "chunked", "triton"], ("triton", "chunked")),
         **{name: (["reference", "triton"], ("triton", "reference")) for name in FUSED},
         "softmax_attention": (LAYOUT + ["flash"], ("flash", "flex", "gathered", "reference")),
         "moba_attention": (LAYOUT + ["flash"], ("flash", "flex", "gathered")),
@@ -93,12 +93,13 @@ def test_auto_runs_chunked_on_the_cpu(monkeypatch, index):
 
 
 def _old_recurrence_auto(op, facts, passed):
-    """The policy before the registry (backends.auto_backend with the op's declined reason)."""
+    """The policy before the registry (backends.auto_backend with the op's declined reason), and
+    dplr_delta_rule's since it has a triton backend."""
     declined = backends._dims_reason(facts.key_dim, facts.value_dim)
     if op == "decay_linear_attention" and declined is None:
         declined = backends._decay_declined(facts.device, facts.dtype, facts.key_dim, facts.form)
-    if op == "dplr_delta_rule":
-        return "chunked"
+    if op == "dplr_delta_rule":  # its kernels see no value dim: K alone is what they tile
+        declined = None if facts.key_dim in backends.TRITON_HEAD_DIMS else "K"
     return "triton" if facts.device.type == "cuda" and declined is None and passed else "chunked"
 
 

@@ -32,15 +32,17 @@ Tolerances (``TOLERANCES``):
   accumulated and returned in fp32 and gets the same tolerance as o.
 
 A CUDA fault (an illegal memory access, say) breaks the CUDA context for the rest of the process,
-after which every case would report the same error: ``_synchronize`` ends the run at the first
+after which every case would report the same error: ``synchronize`` ends the run at the first
 one instead, naming the case.
 
 GPU time: the cases share a few sets of compiled kernels (fp32 at K = 32, V = 64; bf16 at
-K = V = 128, at K = 64, V = 128 and, per channel, at K = 32, V = 64), each ~20 kernels over the three decay forms (constant and per-head decays share
-theirs); the references run on the CPU on small shapes (~8 s in all on two cores). fp16 runs the
-bf16 kernels' code with another dtype and is checked on the interpreter only.
+K = V = 128, at K = 64, V = 128 and, per channel, at K = 32, V = 64), each ~20 kernels over the
+three decay forms (constant and per-head decays share theirs); the references run on the CPU on
+small shapes (~8 s in all on two cores). fp16 runs the bf16 kernels' code with another dtype and
+is checked on the interpreter only.
 """
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -49,55 +51,29 @@ import torch
 from megatron_ext.kernels import decay_linear_attention
 from megatron_ext.kernels.backends import decay_triton_declined_reason
 from megatron_ext.kernels.decay import decay_linear_attention_reference
-from megatron_ext.kernels.first_use import relative_error
-from megatron_ext.kernels.selfcheck import decay_inputs, run_with_grads
+from megatron_ext.kernels.selfcheck import decay_inputs
+from recurrence_checks import RecurrenceCase, compare_with_reference, synchronize
 
 pytestmark = pytest.mark.gpu
 
 DECAYS = ("none", "constant", "per_head", "per_channel")
 TOLERANCES = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-LOW_PRECISION_INPUTS = ("q", "k", "v")
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    """One check. ``lengths``: packed sequences (cu_seqlens, B = 1) instead of B rows of
-    ``seq_len`` tokens. ``strong``: per-token decays down to exp(-40). ``scale``: None for the
-    default K ** -0.5."""
+class Case(RecurrenceCase):
+    """One check (``form``: the decay, one of DECAYS). ``strong``: per-token decays down to
+    exp(-40). ``scale``: None for the default K ** -0.5."""
 
-    decay: str
-    seq_len: int = 65
-    lengths: tuple[int, ...] | None = None
-    batch: int = 2
-    key_heads: int = 2
-    value_heads: int = 4
-    key_dim: int = 32
-    value_dim: int = 64
-    dtype: torch.dtype = torch.float32
-    initial_state: bool = True
-    strong: bool = False
     scale: float | None = None
 
-    def __str__(self) -> str:
-        shape = f"lengths{list(self.lengths)}" if self.lengths else f"B{self.batch}xT{self.seq_len}"
-        return "-".join([
-            self.decay, str(self.dtype).removeprefix("torch."), shape,
-            f"H{self.key_heads}x{self.value_heads}", f"K{self.key_dim}V{self.value_dim}",
-            *(["init"] if self.initial_state else []), *(["strong"] if self.strong else []),
-            *([f"scale{self.scale:g}"] if self.scale is not None else []),
-        ])
+    def tags(self) -> list[str]:
+        return [f"scale{self.scale:g}"] if self.scale is not None else []
 
 
 def make_inputs(case: Case):
-    """The case's inputs, rounded once: q, k, v in its dtype, g and the initial state in fp32
-    (detached, on the CPU), and its cu_seqlens (or None)."""
-    packed = case.lengths is not None
-    inputs = decay_inputs(
-        case.decay, batch=1 if packed else case.batch,
-        seq_len=sum(case.lengths) if packed else case.seq_len, key_heads=case.key_heads,
-        value_heads=case.value_heads, key_dim=case.key_dim, value_dim=case.value_dim,
-        with_initial_state=case.initial_state, num_states=len(case.lengths) if packed else None)
-    inputs = {name: tensor.detach() for name, tensor in inputs.items()}
+    """The case's inputs, rounded once (RecurrenceCase.rounded), and its cu_seqlens (or None)."""
+    inputs, cu_seqlens = case.inputs(decay_inputs)
     if case.strong and "g" in inputs:
         # Decay strengths from 0 to 100 times the usual across the last axis (channels, or heads
         # for a scalar decay), per-token log-decays clamped at -40: G falls to about -2500
@@ -107,40 +83,18 @@ def make_inputs(case: Case):
             inputs["g"] = -torch.logspace(-2, math.log10(40.0), g.numel(), dtype=g.dtype)
         else:
             inputs["g"] = (g * torch.linspace(0, 100, g.shape[-1], dtype=g.dtype)).clamp(min=-40.0)
-    rounded = {name: tensor.to(case.dtype if name in LOW_PRECISION_INPUTS else torch.float32)
-               for name, tensor in inputs.items()}
-    cu_seqlens = torch.tensor([0, *torch.tensor(case.lengths).cumsum(0).tolist()]) if packed else None
-    return rounded, cu_seqlens
+    return case.rounded(inputs), cu_seqlens
 
 
 def check_case(case: Case, device) -> dict[str, float]:
     """Run ``case`` on ``device`` through backend="triton" and compare with the fp32 reference
-    on the CPU; assert dtypes, finiteness and every relative error within the tolerance. Returns
-    the errors by name ("o", "final_state", "grad_q", ...)."""
+    on the CPU (recurrence_checks.compare_with_reference). Returns the errors by name."""
     rounded, cu_seqlens = make_inputs(case)
-    reference_inputs = {name: tensor.float().requires_grad_() for name, tensor in rounded.items()}
-    options = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-    if case.scale is not None:
-        options["scale"] = case.scale
-    o_expected, state_expected, grads_expected = run_with_grads(
-        decay_linear_attention_reference, reference_inputs, weights_dtype=case.dtype, **options)
-
-    inputs = {name: tensor.to(device).requires_grad_() for name, tensor in rounded.items()}
-    if cu_seqlens is not None:  # int32 on the device, as Megatron's PackedSeqParams carries it
-        options["cu_seqlens"] = cu_seqlens.to(device=device, dtype=torch.int32)
-    o, final_state, grads = run_with_grads(decay_linear_attention, inputs, weights_dtype=case.dtype,
-                                           backend="triton", **options)
-
-    assert o.dtype == case.dtype and final_state.dtype == torch.float32, (o.dtype, final_state.dtype)
-    assert all(grads[name].dtype == inputs[name].dtype for name in grads)
-    errors = {"o": relative_error(o, o_expected), "final_state": relative_error(final_state, state_expected)}
-    errors.update({f"grad_{name}": relative_error(grads[name], grads_expected[name]) for name in grads})
-    tolerance = TOLERANCES[case.dtype]
-    table = ", ".join(f"{name} {error:.1e}" for name, error in errors.items())
-    finite = all(torch.isfinite(tensor).all() for tensor in (o, final_state, *grads.values()))
-    assert finite and all(error <= tolerance for error in errors.values()), (
-        f"{case}: tolerance {tolerance:g}, finite {finite}: {table}")
-    return errors
+    options = {} if case.scale is None else {"scale": case.scale}
+    return compare_with_reference(
+        case, rounded, cu_seqlens, decay_linear_attention_reference,
+        functools.partial(decay_linear_attention, backend="triton"), device,
+        tolerance=TOLERANCES[case.dtype], reference_dtype=torch.float32, **options)
 
 
 # fp32 at K = 32, V = 64 (K != V); bf16 at K = V = 128 (the benchmark's head dims), at K = 32,
@@ -169,22 +123,11 @@ def _gpu_cases() -> list[Case]:
 GPU_CASES = _gpu_cases()
 
 
-def _synchronize(where: str) -> None:
-    """Wait for the GPU; on a CUDA fault (an illegal memory access, say) end the whole pytest run
-    with a message naming ``where`` it was seen. The fault breaks the CUDA context for the rest of
-    the process, so every later case would only repeat the same error."""
-    try:
-        torch.cuda.synchronize()
-    except RuntimeError as error:  # torch.AcceleratorError: the sticky error of the faulting kernel
-        pytest.exit(f"CUDA fault {where}: {error}\nThe CUDA context of this process is broken; the remaining "
-                    "cases were not run.", returncode=1)
-
-
 def _declined(case: Case) -> str | None:
     """kernels.backends.decay_triton_declined_reason for the case's inputs on the GPU."""
     q = torch.empty(1, 1, 1, case.key_dim, dtype=case.dtype, device="cuda")
-    g = None if case.decay == "none" else torch.empty(
-        (1, 1, 1, case.key_dim) if case.decay == "per_channel" else (1, 1, 1), device="cuda")
+    g = None if case.form == "none" else torch.empty(
+        (1, 1, 1, case.key_dim) if case.form == "per_channel" else (1, 1, 1), device="cuda")
     return decay_triton_declined_reason(q, g)
 
 
@@ -192,18 +135,18 @@ def _declined(case: Case) -> str | None:
 def test_triton_matches_reference(case):
     """Within the tolerance; or, for the inputs the kernels decline on a GPU (bf16 scalar forms at
     K = 32, measured wrong on the H200), refused with a clear error, and "auto" runs chunked."""
-    _synchronize(f"before {case} (left by an earlier test of this process; run this file alone)")
+    synchronize(f"before {case} (left by an earlier test of this process; run this file alone)")
     try:
         if _declined(case):
             with pytest.raises(RuntimeError, match="backend 'triton' cannot run K = 32"):
                 check_case(case, "cuda")
             q = torch.randn(1, 8, 1, case.key_dim, dtype=case.dtype, device="cuda")
-            o, _ = decay_linear_attention(q, q, q, g=None if case.decay == "none" else torch.full(
+            o, _ = decay_linear_attention(q, q, q, g=None if case.form == "none" else torch.full(
                 (1, 8, 1), -0.1, device="cuda"), backend="auto")
-            expected, _ = decay_linear_attention(q, q, q, g=None if case.decay == "none" else torch.full(
+            expected, _ = decay_linear_attention(q, q, q, g=None if case.form == "none" else torch.full(
                 (1, 8, 1), -0.1, device="cuda"), backend="chunked")
             torch.testing.assert_close(o, expected, rtol=0, atol=0)
         else:
             check_case(case, "cuda")
     finally:
-        _synchronize(f"in {case}, the first case to fault")
+        synchronize(f"in {case}, the first case to fault")
