@@ -71,6 +71,12 @@ __all__ = ["CHUNK", "decayed_scores", "dplr_delta_rule_triton"]
 CHUNK = 64  # tokens per chunk: fp32 errors against the fp64 reference within 1.5x of 32's (< 6e-7)
 SUB_CHUNK = 16  # tokens per sub-chunk (BC in the kernels)
 CHUNK_SIZES = (16, 32, 64, 128)  # whole sub-chunks, powers of two (tl.arange)
+# The forward runs as decay/triton.py's kernels do (LAUNCH: 4 warps) with K blocks of up to 64;
+# the backward holds three [C, BK] fp32 tiles and two [BC, BK] accumulators at once, and with
+# BK = 64 at 4 warps ptxas (Triton 3.6, sm_90) spills ~880 bytes a thread; BK = 32 at 8 warps
+# spills nothing (both compiled without a GPU; not yet timed).
+BACKWARD_KEY_BLOCK = 32
+BACKWARD_LAUNCH = {"num_warps": 8, "num_stages": 2}
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -202,11 +208,11 @@ class _DecayedScores(torch.autograd.Function):
         grad_rows = torch.empty_like(rows)
         grad_cols = torch.empty_like(cols)
         if num_chunks:
-            key_block = min(64, key_dim)
+            key_block = min(BACKWARD_KEY_BLOCK, key_dim)
             with _launch_device(rows):
                 _scores_backward_kernel[(num_chunks, key_dim // key_block)](
                     rows, row_decay, cols, col_decay, grads, grad_rows, grad_cols, num_chunks, K=key_dim,
-                    C=chunk_size, BC=SUB_CHUNK, BK=key_block, J=num_cols, **LAUNCH)
+                    C=chunk_size, BC=SUB_CHUNK, BK=key_block, J=num_cols, **BACKWARD_LAUNCH)
         grad_row_decay = rows * grad_rows
         grad_col_decay = -(cols * grad_cols).sum(0)
         return (grad_rows.view(ctx.shape), grad_row_decay.view(ctx.shape), grad_col_decay.view(ctx.shape),
