@@ -17,11 +17,23 @@ They apply RoPE themselves (to the ``d_r`` dims, with ``mla_rope_type``): the mo
 table, which ``*`` layers use, is not passed to them. The core attention is ours (torch SDPA,
 :class:`~megatron_ext.mixers.attention.SDPACoreAttention`). TP splits heads (Megatron's
 modules, with the latent's gradient fixed as :class:`MLAMixer` says); TP + SP and pipeline
-splits equal one process (tests/parallel). Decoding runs through Megatron's static inference
-context (megatron-core caches the per-head keys and values). Not yet: queries without a latent
-(DeepSeek-V2-Lite: megatron-core wants Transformer Engine's fused norm + linear there), context
-parallelism, Transformer Engine's MLA modules; RoPE on a CPU needs megatron-core's CUDA device
-calls redirected (as the tests do).
+splits equal one process (tests/parallel). Packed (``thd``) sequences: RoPE restarts and
+attention stays within each sequence.
+
+Context parallelism (Megatron's load-balanced layout, on ordinary batches and on packed
+documents split per document): megatron-core's MLA rotates by the CP group's positions (its
+rotary table, ``rope`` or ``yarn``, is this rank's chunks of the sequence; packed, RoPE's
+``thd`` path takes each document's two local chunks at their positions in the document), and
+the core, causal, all-gathers the per-head keys (``d_n + d_r`` dims) and values (``d_v``) as
+for ``*`` layers (:meth:`~megatron_ext.mixers.attention.SDPACoreAttention._attend_context_parallel`;
+the latent itself is not what moves). CP = 2, CP = 4 and TP = 2 x CP = 2 (+ SP) equal one
+process, with ``mla_rope_type: rope`` on a batch and on packed documents and ``yarn`` on a
+batch (tests/parallel/test_context_parallel.py).
+
+Decoding runs through Megatron's static inference context (megatron-core caches the per-head
+keys and values). Not yet: queries without a latent (DeepSeek-V2-Lite: megatron-core wants
+Transformer Engine's fused norm + linear there), Transformer Engine's MLA modules; RoPE on a
+CPU needs megatron-core's CUDA device calls redirected (as the tests do).
 
 DSA on MLA layers (DeepSeek-V3.2; Megatron's hybrid ``D``): with
 ``ExtConfig.dsa_attention_type: mla`` every ``D`` layer is :class:`MLADSASelfAttention`, this
@@ -40,9 +52,13 @@ q_I and k_I, rotated as halves, where MLA's own ``d_r`` dims rotate as pairs, an
 part and the shared RoPE key) and ``v_i`` restricted to those tokens
 (:class:`MLADSACoreAttention`, on DSA's ops). The indexer's KL loss to the attention, its
 dense warm-up, its TP replication and packed (``thd``) sequences are DSA's; TP and TP + SP
-equal one process (tests/parallel). Refused with a ConfigError, as for MLA or for DSA: context
-parallelism, decoding, a sliding window, Megatron's recompute of the core attention,
-Transformer Engine.
+equal one process (tests/parallel). Context parallelism is DSA's too, not MLA's KV gather:
+all-to-all over heads around the core (MLA's heads per TP rank divisible by CP; the values
+move padded to the query dims, as the core pads them), the indexer's outputs all-gathered, its
+RoPE table that of the rank's positions as for MLA's own; CP = 2, CP = 4 and TP = 2 x CP = 2
+(+ SP) equal one process (both RoPE types on a batch, ``rope`` on packed documents). Refused
+with a ConfigError, as for MLA or for DSA: decoding, a sliding window, Megatron's recompute of
+the core attention, Transformer Engine.
 """
 
 from __future__ import annotations
@@ -72,10 +88,6 @@ from megatron_ext.norm import TorchNorm
 
 def mla_config(config: TransformerConfig, ext: ExtConfig) -> MLATransformerConfig:
     """The model's config as megatron-core's MLA config, with the ``ext.mla_*`` sizes."""
-    if getattr(config, "context_parallel_size", 1) > 1:
-        raise ConfigError("MLA layers ('+', and 'D' under dsa_attention_type='mla') do not run "
-                          "under context parallelism yet; use context_parallel_size=1 or other "
-                          "mixers")
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(TransformerConfig)
               if f.init and hasattr(config, f.name)}
     values.update(
@@ -140,6 +152,17 @@ class MLAMixer(MLASelfAttention):
             kv_combined = _GatherLatent.apply(kv_combined, self.tp_group, self.config.kv_lora_rank)
         return q_compressed, kv_combined
 
+    def _run_core_attention(self, query, key, value, attention_mask, packed_seq_params=None,
+                            attn_mask_type=None, **extra_kwargs):
+        """The core on MLA's own head dims in every format: megatron-core pads ``thd`` values
+        to the query dims (for Transformer Engine's kernels) and trims the output; our cores
+        take values of another head dim than the queries and keys (SDPA does; DSA's core pads
+        them itself), so under CP only ``d_v`` value dims are gathered."""
+        return self.core_attention(
+            query, key, value, attention_mask, packed_seq_params=packed_seq_params,
+            attn_mask_type=self.attn_mask_type if attn_mask_type is None else attn_mask_type,
+            **extra_kwargs)
+
     def forward(self, hidden_states, attention_mask=None, *args, rotary_pos_emb=None,
                 rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
                 inference_context=None, **kwargs):
@@ -157,9 +180,8 @@ class MLADSACoreAttention(DSACoreAttention):
     """DSA's core on an MLA layer. DSA's ops take one head dim for q, k and v; MLA's queries
     and keys have ``d_n + d_r`` dims and its values ``d_v``. All three are zero-padded to the
     larger of the two (zero dims add nothing to a score, and the scale is MLA's own, passed in;
-    zero value dims give zero output dims), and the output is cut back to ``d_v`` dims. Under
-    ``thd`` packing Megatron's MLA has already padded v to q's dims and trims the output
-    itself."""
+    zero value dims give zero output dims), and the output is cut back to ``d_v`` dims (in
+    every format: :meth:`MLAMixer._run_core_attention` passes the values unpadded)."""
 
     # megatron-core's MLA then passes the layer input and the query latent (x, qr) to its
     # _run_core_attention, where MLADSASelfAttention turns them into this core's index.
@@ -216,8 +238,11 @@ class MLADSASelfAttention(MLAMixer):
             x, c_q = (gather_from_sequence_parallel_region(t, group=self.tp_group)
                       for t in (x, c_q))
         cu_seqlens = rope_cu_seqlens(packed_seq_params)
-        length = x.shape[0] if cu_seqlens is None else self.rotary_pos_emb.get_rotary_seq_len(
-            None, None, hidden_states, self.config, packed_seq_params)
+        # The whole sequence's length (the local one times TP under SP, times CP), as
+        # megatron-core's MLA takes it: under CP the table then holds this rank's positions
+        # (packed: every position of a document, of which RoPE's thd path takes the rank's).
+        length = self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states, self.config,
+                                                        packed_seq_params)
         freqs = self.rotary_pos_emb(length, packed_seq=cu_seqlens is not None)
         if self.config.rope_type == "yarn":
             freqs = freqs[0]  # (table, concentration factor): the table alone

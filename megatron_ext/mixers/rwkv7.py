@@ -32,8 +32,18 @@ factors are column-parallel with their outputs gathered (the rank is split over 
 parameters (``w_0``, ``a_0``, ``xi``, ``k_a``, ``rho``, the norm's weight and bias) are sharded
 with their heads (:class:`~megatron_ext.mixers.common.HeadShardedModule`), so checkpoints reshard.
 Packed sequences: the shift restarts at each sequence (zeros before its first token) and so does
-the state. Context parallelism is refused (the shift would need the token before each rank's
-chunks).
+the state.
+
+Context parallelism (Megatron's load-balanced layout, each rank two chunks of the sequence, or of
+each packed document): the token shift is a causal convolution of width 2, and takes the token
+before each local chunk from the rank that holds it, as the short convolutions' halo does
+(:meth:`~megatron_ext.parallel.ContextParallel.previous_tokens`, or for packed documents
+:meth:`~megatron_ext.parallel.ContextParallel.before_tails` of the layout's pieces; zeros before a
+sequence's first chunk). The recurrence runs under
+:func:`megatron_ext.parallel.linear.linear_recurrence` with
+:func:`~megatron_ext.kernels.dplr.dplr_delta_rule_summary`: by state passing (default; each chunk's
+``S -> M S + H`` with the full K x K transition ``M``) or all-to-all over heads
+(``ExtConfig.context_parallel_method``; heads per TP rank divisible by CP).
 """
 
 from __future__ import annotations
@@ -51,9 +61,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.config import ConfigError
 from megatron_ext.kernels import dplr_delta_rule, registry
+from megatron_ext.kernels.dplr import dplr_delta_rule_summary
 from megatron_ext.kernels.fused import sequence_positions
 from megatron_ext.mixers.common import HeadShardedModule, LinearMixerSubmodules, packed_cu_seqlens, recurrent_state
 from megatron_ext.parallel import ContextParallel
+from megatron_ext.parallel.linear import check_heads, check_sequence, linear_recurrence
 
 SHIFTED = ("r", "w", "k", "v", "a", "g")  # the token-shift mixes, in the rows of token_shift
 GROUP_NORM_EPS = 64e-5  # RWKV-7's ln_x
@@ -77,15 +89,14 @@ class Rwkv7Mixer(HeadShardedModule):
         super().__init__(config, submodules, pg_collection)
         self.layer_number = layer_number
         ext = ext_config
-        if ContextParallel.of(config, pg_collection) is not None:
-            raise ConfigError("rwkv7 does not run under context parallelism yet (its token shift "
-                              "would need the token before each rank's chunks); use "
-                              "context_parallel_size=1 or another mixer")
         heads = ext.linear_num_value_heads or config.num_attention_heads
         if heads % self.tp_size:
             raise ConfigError(f"linear_num_value_heads={heads} is not divisible by "
                               f"tensor_model_parallel_size={self.tp_size}")
         self.heads = heads // self.tp_size
+        self.cp = ContextParallel.of(config, pg_collection)
+        self.cp_method = ext.context_parallel_method
+        check_heads(self.cp, self.cp_method, "rwkv7", heads=self.heads)
         self.key_dim = ext.linear_key_head_dim or config.kv_channels
         self.value_dim = ext.linear_value_head_dim or config.kv_channels
         # A backend the op does not declare ("fla") runs "auto".
@@ -146,13 +157,32 @@ class Rwkv7Mixer(HeadShardedModule):
             return gather_from_sequence_parallel_region(hidden_states, group=self.tp_group)
         return copy_to_tensor_model_parallel_region(hidden_states, group=self.tp_group)
 
-    def _shifted_inputs(self, x: torch.Tensor, positions, cache) -> list[torch.Tensor]:
+    def _previous_tokens(self, x: torch.Tensor, positions, cache, packed) -> torch.Tensor:
+        """x' ``[s, b, h]``: the token before each of x ``[s, b, h]`` (zeros before a sequence's
+        first). Under CP, the token before each local chunk (or packed piece) comes from the rank
+        that holds it."""
+        if self.cp is None:
+            before = cache.get("shift") if cache is not None else None
+            first = torch.zeros_like(x[:1]) if before is None else before[None]
+            previous = torch.cat([first, x[:-1]])
+            if positions is not None:  # each packed sequence starts from zeros
+                previous = previous.masked_fill((positions == 0).view(-1, 1, 1), 0.0)
+            return previous
+        x = x.transpose(0, 1)  # [b, s, h]
+        if packed is not None:  # b = 1; a document's first chunk gets zeros
+            pieces = packed.split(x)
+            before = self.cp.before_tails(torch.cat([piece[:, -1:] for piece in pieces]))
+            previous = torch.cat([torch.cat([before[i:i + 1], piece[:, :-1]], dim=1)
+                                  for i, piece in enumerate(pieces)], dim=1)
+        else:
+            chunks = self.cp.split_chunks(x)  # [2b, L, h]
+            previous = self.cp.merge_chunks(
+                torch.cat([self.cp.previous_tokens(chunks, 1), chunks[:, :-1]], dim=1))
+        return previous.transpose(0, 1)
+
+    def _shifted_inputs(self, x: torch.Tensor, positions, cache, packed) -> list[torch.Tensor]:
         """The six token-shift mixes of x ``[s, b, h]``: ``x + (x' - x) * mu_c``."""
-        before = cache.get("shift") if cache is not None else None
-        first = torch.zeros_like(x[:1]) if before is None else before[None]
-        previous = torch.cat([first, x[:-1]])
-        if positions is not None:  # each packed sequence starts from zeros
-            previous = previous.masked_fill((positions == 0).view(-1, 1, 1), 0.0)
+        previous = self._previous_tokens(x, positions, cache, packed)
         if cache is not None:
             cache["shift"] = x[-1].clone()
         shift = self.token_shift
@@ -170,8 +200,10 @@ class Rwkv7Mixer(HeadShardedModule):
         x = self._whole_sequence(hidden_states)
         s, b = x.shape[:2]
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
-        positions = sequence_positions(cu_seqlens, s, x.device)
-        x_r, x_w, x_k, x_v, x_a, x_g = self._shifted_inputs(x, positions, cache)
+        # The shift is a convolution of width 2: CP chunks of at least one token.
+        packed = check_sequence(self.cp, s, cu_seqlens, 2, "rwkv7")
+        positions = sequence_positions(cu_seqlens, s, x.device) if self.cp is None else None
+        x_r, x_w, x_k, x_v, x_a, x_g = self._shifted_inputs(x, positions, cache, packed)
         dtype = torch.promote_types(torch.float32, x.dtype)  # of the gates, norm and bonus
 
         def wide(t):
@@ -197,9 +229,10 @@ class Rwkv7Mixer(HeadShardedModule):
         removal_key = F.normalize(wide(k) * wide(self.removal_key_scale).view(per_channel), dim=-1)
         k = wide(k) * (1 + (rate - 1) * wide(self.key_rate_mix).view(per_channel))
 
-        o, final = dplr_delta_rule(r, k.to(v.dtype), v, a=-removal_key, b=removal_key * rate,
-                                   g=log_decay, scale=1.0, cu_seqlens=cu_seqlens,
-                                   backend=self.kernel_backend, **recurrent_state(cache))
+        o, final = linear_recurrence(
+            self.cp, self.cp_method, dplr_delta_rule, dplr_delta_rule_summary,
+            dict(q=r, k=k.to(v.dtype), v=v, a=-removal_key, b=removal_key * rate, g=log_decay),
+            scale=1.0, cu_seqlens=cu_seqlens, backend=self.kernel_backend, **recurrent_state(cache))
         if cache is not None:
             cache["state"] = final
         o = F.layer_norm(wide(o), (self.value_dim,), eps=GROUP_NORM_EPS)

@@ -1,19 +1,21 @@
 """Context parallelism for the linear recurrences: state passing, and all-to-all as the fallback.
 
-Both wrap one op call of a mixer (``gated_delta_rule`` or ``decay_linear_attention``); what
-comes before it (projections, gates, the short convolution with its halo) is token-wise or
-handled by :meth:`~megatron_ext.parallel.ContextParallel.previous_tokens`.
+Both wrap one op call of a mixer (``gated_delta_rule``, ``decay_linear_attention`` or
+``dplr_delta_rule``); what comes before it (projections, gates, the short convolution with its
+halo, RWKV-7's token shift) is token-wise or handled by
+:meth:`~megatron_ext.parallel.ContextParallel.previous_tokens`.
 
 State passing
 -------------
 Per head the recurrences are affine in the state: a chunk c of tokens entered with state S
 leaves ``S' = M_c S + H_c`` (gated delta rule: ``M_c`` = product over the chunk of
-``(I - k_t a_t^T) Diag(exp g_t)``, K x K; decay family: ``M_c = Diag(exp sum_t g_t)``; ``H_c``
-the state the chunk leaves from S = 0; see ``kernels/*/summary.py``). With Megatron's layout
-(rank r holds chunks r and 2CP-1-r of the 2CP chunks):
+``(I - k_t a_t^T) Diag(exp g_t)``, K x K; DPLR delta rule: of ``Diag(exp g_t) + b_t a_t^T``,
+K x K; decay family: ``M_c = Diag(exp sum_t g_t)``; ``H_c`` the state the chunk leaves from
+S = 0; see ``kernels/*/summary.py``). With Megatron's layout (rank r holds chunks r and
+2CP-1-r of the 2CP chunks):
 
 1. each rank computes ``(M_c, H_c)`` of its two chunks from a zero state (one op call);
-2. one all-gather of these summaries, ``2 B H K (V + K)`` values per rank for the delta rule,
+2. one all-gather of these summaries, ``2 B H K (V + K)`` values per rank for the delta rules,
    ``2 B H K (V + 1)`` for the decay family, whatever T;
 3. each rank composes the prefix ``S_0 = 0, S_{c+1} = M_c S_c + H_c`` up to its last chunk
    (``2CP - 1 - r`` small matmuls; redundant across ranks, cheaper than a second round of
@@ -109,9 +111,10 @@ def linear_recurrence(cp: ContextParallel | None, method: str, op, summary, inpu
                       **options):
     """``op(**inputs, **options)`` on the whole sequence, with this rank's part of it.
 
-    ``op`` is ``gated_delta_rule`` or ``decay_linear_attention`` and ``summary`` its
-    ``*_summary``; ``inputs`` are the op's tensors (q, k, v, gates, decay; ``[B, 2L, ...]``
-    under CP, per-head constants ``[H]`` allowed); ``options`` the rest (backend, scale, ...).
+    ``op`` is ``gated_delta_rule``, ``decay_linear_attention`` or ``dplr_delta_rule`` and
+    ``summary`` its ``*_summary``; ``inputs`` are the op's tensors (q, k, v, gates, decay;
+    ``[B, 2L, ...]`` under CP, per-head constants ``[H]`` allowed); ``options`` the rest
+    (backend, scale, ...).
     With ``cu_seqlens`` (global, as Megatron passes it) the local sequence is Megatron's
     per-document split (:class:`~megatron_ext.parallel.context.PackedLayout`).
     Returns what the op returns, the final state being None under CP.

@@ -1,10 +1,11 @@
 """MLA ('+'): megatron-core's MLASelfAttention as a pattern mixer equals DeepSeek-V2's formula
 written out in fp32 (forward and the input's gradient), beside RoPE softmax layers in one
-model. DSA on MLA layers ('D' under dsa_attention_type: mla, DeepSeek-V3.2): equal to MLA
-where the attention is dense, to MLA masked to the keys DeepSeek-V3.2's indexer (written out
-from the layer's weights) picks otherwise; its loss trains the indexer alone. TP = 2 (+SP) and
-pipeline splits: tests/parallel/test_parallel_equivalence.py, and for DSA on MLA
-tests/parallel/test_sparse_attention_tp.py."""
+model; packed sequences equal separate ones. DSA on MLA layers ('D' under dsa_attention_type:
+mla, DeepSeek-V3.2): equal to MLA where the attention is dense, to MLA masked to the keys
+DeepSeek-V3.2's indexer (written out from the layer's weights) picks otherwise; its loss trains
+the indexer alone. TP = 2 (+SP) and pipeline splits: tests/parallel/test_parallel_equivalence.py,
+and for DSA on MLA tests/parallel/test_sparse_attention_tp.py; context parallelism of both:
+tests/parallel/test_context_parallel.py."""
 
 import pytest
 import torch
@@ -136,6 +137,25 @@ def test_hybrid_with_mla_and_rope_attention_trains():
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+def test_mla_packed_sequences_equal_separate_sequences():
+    """thd packing: MLA's RoPE restarts and attention stays inside each sequence; the core gets
+    the values at their own ``mla_v_head_dim`` (not padded to the query dims)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    _, mla, config = mla_layer()
+    value_dims = []
+    mla.core_attention.register_forward_pre_hook(
+        lambda module, args: value_dims.append(args[2].shape[-1]))
+    hidden = torch.randn(29, 1, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, 10, 29], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=19, max_seqlen_kv=19)
+    packed, _ = mla(hidden, None, packed_seq_params=params)
+    pieces = [mla(hidden[a:b], None)[0] for a, b in ((0, 10), (10, 29))]
+    torch.testing.assert_close(packed, torch.cat(pieces), rtol=1e-5, atol=1e-6)
+    assert value_dims == [SIZES["mla_v_head_dim"]] * 3
+
+
 @pytest.mark.parametrize("field, value", [("mla_kv_lora_rank", 0), ("mla_q_lora_rank", None),
                                           ("mla_qk_pos_emb_head_dim", 7),
                                           ("mla_rope_type", "ntk")])
@@ -262,7 +282,7 @@ def test_dsa_on_mla_packed_sequences_equal_separate_sequences(unit_scale):
 
 
 def test_dsa_on_mla_refuses_what_it_cannot_do():
-    from megatron_ext.mixers.mla import mla_config, mla_spec
+    from megatron_ext.mixers.mla import mla_spec
 
     def build(ext_options=(), **config_options):
         ext = ExtConfig(pattern="D*", **{**SIZES, **DSA_MLA, **dict(ext_options)})
@@ -281,8 +301,6 @@ def test_dsa_on_mla_refuses_what_it_cannot_do():
     with pytest.raises(ConfigError, match="DSA cannot decode incrementally yet"):
         build().decoder.layers[0].self_attention(torch.zeros(3, 1, 64), None,
                                                  inference_context=object())
-    with pytest.raises(ConfigError, match="do not run under context parallelism yet"):
-        mla_config(harness.tiny_config(context_parallel_size=2), ExtConfig(**DSA_MLA))
     with pytest.raises(ConfigError, match=r"dsa_attention_type='gpa' is not one of \['gqa', "
                                           r"'mla'\]"):
         ExtConfig(dsa_attention_type="gpa").validate()

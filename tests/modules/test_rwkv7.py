@@ -1,7 +1,8 @@
 """RWKV-7's time mixing as a Megatron module: the layer equals RWKV-7 written out token by token in
 its own row convention, from the same weights, forward and backward; packed sequences equal
-separate ones (token shift and state restart at borders); RWKV-7's low-rank sizes; context
-parallelism is refused by name. Training in a tiny hybrid: test_every_mixer_trains.py; decoding:
+separate ones (token shift and state restart at borders); RWKV-7's low-rank sizes; all-to-all
+context parallelism that cannot split the heads is refused by name (CP against one process:
+tests/parallel/test_context_parallel.py). Training in a tiny hybrid: test_every_mixer_trains.py; decoding:
 test_decoding.py; TP=2 (+SP) against TP=1: tests/parallel/test_parallel_equivalence.py."""
 
 import math
@@ -106,17 +107,19 @@ def test_lora_ranks_are_rwkv7s():
     assert _mixer().linear_g_down.weight.shape == (8, 64)  # rwkv7_lora_rank
 
 
-def test_context_parallelism_is_refused_by_name():
+def test_all_to_all_it_cannot_split_is_refused_by_name():
     from megatron.core import parallel_state
 
     class StandInGroup:
         def size(self):
-            return 2
+            return 8
 
         def rank(self):
             return 0
 
     pg = types.SimpleNamespace(tp=parallel_state.get_tensor_model_parallel_group(), cp=StandInGroup())
-    with pytest.raises(ConfigError, match="rwkv7 does not run under context parallelism"):
-        Rwkv7Mixer(harness.tiny_config(context_parallel_size=2), LinearMixerSubmodules(),
-                   layer_number=1, ext_config=ExtConfig(), pg_collection=pg)
+    config = harness.tiny_config(context_parallel_size=8)  # 4 heads
+    Rwkv7Mixer(config, LinearMixerSubmodules(), layer_number=1, ext_config=ExtConfig(), pg_collection=pg)
+    with pytest.raises(ConfigError, match=r"rwkv7: 4 heads .* context_parallel_size=8"):
+        Rwkv7Mixer(config, LinearMixerSubmodules(), layer_number=1,
+                   ext_config=ExtConfig(context_parallel_method="all_to_all"), pg_collection=pg)

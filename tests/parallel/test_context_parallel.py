@@ -1,18 +1,19 @@
 """Context parallelism (megatron_ext.parallel) on gloo: every CP run equals the one-process run.
 
-- Op level: state passing and all-to-all around ``gated_delta_rule`` (every variant) and
-  ``decay_linear_attention`` (every decay form), on Megatron's load-balanced layout, give the
-  full-sequence outputs and input gradients at this rank's positions; so do the convolution
-  halo and the attention KV gather; and the bytes the collectives move equal the formulas of
-  megatron_ext/parallel/README.md.
-- Model level: a tiny GPTModel with every linear mixer and '*' under CP = 2 (both methods),
-  CP = 4, TP = 2 x CP = 2 and TP = 2 x CP = 2 + SP equals CP = 1 in loss and gradients, on a
-  batch and on packed documents; so do a model with sliding-window attention and sinks, models
-  with MoBA, NSA, DSA, CSA and HCA, and one with CSA, attention, DSA and HCA under RoPE (on a
-  batch and on packed documents).
+- Op level: state passing and all-to-all around ``gated_delta_rule`` (every variant),
+  ``decay_linear_attention`` (every decay form) and ``dplr_delta_rule`` (every decay form), on
+  Megatron's load-balanced layout, give the full-sequence outputs and input gradients at this
+  rank's positions; so do the convolution halo, RWKV-7's token shift and the attention KV
+  gather; and the bytes the collectives move equal the formulas of megatron_ext/parallel/README.md.
+- Model level: a tiny GPTModel with every linear mixer but Hedgehog, and '*', under CP = 2
+  (both methods), CP = 4, TP = 2 x CP = 2 and TP = 2 x CP = 2 + SP equals CP = 1 in loss and
+  gradients, on a batch and on packed documents; so do a model with sliding-window attention
+  and sinks, models with MoBA, NSA, DSA, CSA and HCA, one with CSA, attention, DSA and HCA
+  under RoPE (on a batch and on packed documents), and one with MLA and DSA on MLA
+  (``mla_rope_type`` rope on a batch and on packed documents, yarn on a batch).
 - Sparse mixers' volumes: the bytes one layer of MoBA, NSA, DSA, CSA or HCA (and DSA's and
-  CSA's dense warm-up) moves under CP = 2 with RoPE, forward and backward, by kind, equal the
-  README's formulas.
+  CSA's dense warm-up), MLA or DSA on MLA moves under CP = 2 with RoPE, forward and backward,
+  by kind, equal the README's formulas.
 """
 
 import contextlib
@@ -56,11 +57,12 @@ def counted_bytes():
 
 
 def _op_cases(cp, batch=2, seq_len=24):
-    from megatron_ext.kernels import decay_linear_attention, gated_delta_rule
+    from megatron_ext.kernels import decay_linear_attention, dplr_delta_rule, gated_delta_rule
     from megatron_ext.kernels.decay import decay_linear_attention_summary
     from megatron_ext.kernels.delta_rule import gated_delta_rule_summary
-    from megatron_ext.kernels.cases import DECAY_CASES, DELTA_RULE_CASES
-    from megatron_ext.kernels.selfcheck import decay_inputs, delta_rule_inputs
+    from megatron_ext.kernels.cases import DECAY_CASES, DELTA_RULE_CASES, DPLR_CASES
+    from megatron_ext.kernels.dplr import dplr_delta_rule_summary
+    from megatron_ext.kernels.selfcheck import decay_inputs, delta_rule_inputs, dplr_inputs
 
     shape = dict(batch=batch, seq_len=seq_len, key_heads=cp, value_heads=2 * cp, key_dim=8,
                  value_dim=6, dtype=torch.float32, with_initial_state=False)
@@ -68,14 +70,16 @@ def _op_cases(cp, batch=2, seq_len=24):
         yield case, gated_delta_rule, gated_delta_rule_summary, delta_rule_inputs(case, **shape)
     for case in DECAY_CASES:
         yield case, decay_linear_attention, decay_linear_attention_summary, decay_inputs(case, **shape)
+    for form in DPLR_CASES:
+        yield f"dplr {form}", dplr_delta_rule, dplr_delta_rule_summary, dplr_inputs(form, **shape)
 
 
 def _state_passing_bytes(inputs, cp):
     """README formula, state passing: 2 B H K (V + X) fp32 values from each other rank, X = K
-    for the delta rule's full transition, 1 for the decay family's diagonal one."""
+    for the delta rules' full transition (gated and DPLR), 1 for the decay family's diagonal one."""
     batch, _, heads, value_dim = inputs["v"].shape
     key_dim = inputs["k"].shape[-1]
-    width = key_dim if "beta" in inputs or "erase" in inputs else 1
+    width = key_dim if {"beta", "erase", "a"} & set(inputs) else 1
     return (cp - 1) * 2 * batch * heads * key_dim * (value_dim + width) * 4
 
 
@@ -164,6 +168,7 @@ def ops_on_cp_ranks(rank, world_size):
             except AssertionError as error:
                 failures.append(f"{case} {method}: {error}")
     failures += _halo_and_kv_gather(cp, world_size)
+    failures += _token_shift(cp, world_size)
     return failures
 
 
@@ -221,6 +226,41 @@ def _halo_and_kv_gather(cp, world_size):
     return failures
 
 
+def _token_shift(cp, world_size):
+    """RWKV-7's token shift (the token before each token, zeros before a sequence's or document's
+    first) on this rank's chunks, and its bytes against the README (the halo at W = 2)."""
+    import types
+
+    from megatron_ext.mixers.rwkv7 import Rwkv7Mixer
+    from megatron_ext.parallel.context import PackedLayout
+
+    failures = []
+    batch, seq_len, hidden = 2, 24, 5
+    stand_in = types.SimpleNamespace(cp=cp)  # _previous_tokens reads only self.cp
+    full = torch.randn(seq_len, batch, hidden, generator=torch.Generator().manual_seed(6))
+    positions = cp.positions(seq_len // world_size)
+    with counted_bytes() as counts:
+        local = Rwkv7Mixer._previous_tokens(stand_in, full[positions], None, None, None)
+    expected = torch.cat([torch.zeros_like(full[:1]), full[:-1]])[positions]
+    volume = 2 * batch * hidden * 4 * (world_size - 1)
+    if not (torch.equal(local, expected) and counts["all_gather"] == volume):
+        failures.append(f"token shift: {counts}, expected {volume}")
+
+    total = sum(PACKED_LENGTHS)
+    cu_seqlens = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    packed = PackedLayout(cp, cu_seqlens)
+    index = packed.global_index(cp.rank)
+    full = torch.randn(total, 1, hidden, generator=torch.Generator().manual_seed(8))
+    with counted_bytes() as counts:
+        local = Rwkv7Mixer._previous_tokens(stand_in, full[index], None, None, packed)
+    expected = torch.cat([torch.zeros_like(full[:1]), full[:-1]])
+    expected[cu_seqlens[:-1].long()] = 0.0  # each document starts from zeros
+    volume = 2 * len(PACKED_LENGTHS) * hidden * 4 * (world_size - 1)  # 2 B -> 2 D
+    if not (torch.equal(local, expected[index]) and counts["all_gather"] == volume):
+        failures.append(f"packed token shift: {counts}, expected {volume}")
+    return failures
+
+
 @pytest.mark.skipif(harness.dist_backend() == "nccl", reason="op-level checks on CPU tensors (gloo)")
 def test_linear_recurrence_ops_equal_the_full_sequence():
     failures = harness.spawn(ops_on_cp_ranks, 2)
@@ -228,9 +268,9 @@ def test_linear_recurrence_ops_equal_the_full_sequence():
 
 
 # ------------------------------------------------------------------------- model level
-# Every linear mixer of the registry and '*': GDN, KDA, GDN-2, DeltaNet, GLA, RetNet,
-# Lightning, Mamba-2, HGRN-2, attention.
-PATTERN = "GKQNARLMW*"
+# Every linear mixer of the registry but Hedgehog (refused under CP), and '*': GDN, KDA, GDN-2,
+# DeltaNet, GLA, RetNet, Lightning, Mamba-2, HGRN-2, RWKV-7, attention.
+PATTERN = "GKQNARLMWV*"
 # (method, TP, CP, sequence parallel) run by each world size; a world runs its layouts one
 # after another, so that the processes start (and import Megatron) once per world size.
 LAYOUTS = {
@@ -294,12 +334,19 @@ def run_cp_layouts(rank, world_size, ckpt_dir):
     return results
 
 
+# MLA ('+') at DeepSeek-V3's head dims (query/key 128 + 64 RoPE, value 128) on small latents,
+# and DSA on MLA ('D' under dsa_attention_type: mla, the indexer's dim covering the 64 RoPE dims).
+MLA_DSA = dict(harness.SHORT_SPARSE, mla_q_lora_rank=32, mla_kv_lora_rank=16, mla_qk_head_dim=128,
+               mla_qk_pos_emb_head_dim=64, mla_v_head_dim=128, dsa_attention_type="mla",
+               dsa_indexer_dim=64)
 # name: (pattern, ExtConfig options, TransformerConfig overrides, on packed documents rather
 # than the batch, position_embedding_type). Sliding-window attention with a learnable sink;
 # MoBA, NSA, FoX and DSA with a sink and CSA and HCA (all-to-all over heads, so 8 query and 4
 # key/value heads: divisible by TP * CP in every layout); all six on packed documents; each
 # next to a linear mixer. Then CSA, '*', DSA and HCA with RoPE (head dim 8, all rotary: the
-# indexers' dim of 8 covers it), on the batch and on packed documents.
+# indexers' dim of 8 covers it), on the batch and on packed documents. Then MLA, GDN, '*' (the
+# model's RoPE) and DSA on MLA (MLA's own RoPE, with mla_rope_type rope on the batch and on
+# packed documents, yarn on the batch).
 OTHER_MODELS = {
     "window_sink": ("*G*", {}, dict(window_size=(5, 0), softmax_type="learnable"), False, "none"),
     "sparse": ("BGSFD", harness.SHORT_SPARSE,
@@ -313,6 +360,9 @@ OTHER_MODELS = {
              "rope"),
     "rope_packed": ("C*DH", harness.SHORT_SPARSE, dict(num_attention_heads=8, num_query_groups=4),
                     True, "rope"),
+    "mla": ("+G*D", MLA_DSA, {}, False, "rope"),
+    "mla_packed": ("+G*D", MLA_DSA, {}, True, "rope"),
+    "mla_yarn": ("+G*D", dict(MLA_DSA, mla_rope_type="yarn"), {}, False, "rope"),
 }
 
 
@@ -402,7 +452,8 @@ def counted_all_reduce():
 # name: (pattern symbol, ExtConfig options): each a GPTModel of that one layer under RoPE.
 SPARSE_LAYERS = {"moba": ("B", {}), "nsa": ("S", {}), "dsa": ("D", {}), "csa": ("C", {}),
                  "hca": ("H", {}), "dsa_warmup": ("D", dict(dsa_stage="dense_warmup")),
-                 "csa_warmup": ("C", dict(dsa_stage="dense_warmup"))}
+                 "csa_warmup": ("C", dict(dsa_stage="dense_warmup")), "mla": ("+", MLA_DSA),
+                 "dsa_mla": ("D", MLA_DSA)}
 
 
 def _sparse_layer_volumes(symbol, ext, config, batch, seq_len, rotary_dims, cp):
@@ -412,6 +463,13 @@ def _sparse_layer_volumes(symbol, ext, config, batch, seq_len, rotary_dims, cp):
     hq, hkv, d, hidden = (config.num_attention_heads, config.num_query_groups, config.kv_channels,
                           config.hidden_size)
     e, fp32, local = config.params_dtype.itemsize, 4, seq_len // cp
+    if symbol == "+" or ext.dsa_attention_type == "mla":  # MLA: a key/value head per query head
+        hkv, qk_dim = hq, ext.mla_qk_head_dim + ext.mla_qk_pos_emb_head_dim
+        if symbol == "+":  # all-gather of keys and values (each reduce-scattered back)
+            kv = share(batch * seq_len * hq * (qk_dim + ext.mla_v_head_dim) * e)
+            return (dict(all_gather=kv, reduce_scatter=0, all_to_all=0, all_reduce=0),
+                    dict(all_gather=0, reduce_scatter=kv, all_to_all=0, all_reduce=0))
+        d = max(qk_dim, ext.mla_v_head_dim)  # DSA on MLA: v padded to the query dims
     all_to_all = share(batch * local * (2 * hq + 2 * hkv) * d * e)  # q, k, v and the output
     gathered = gathered_back = target = 0
     if symbol == "S":  # NSA's three branch gates per query head, fp32
@@ -449,8 +507,8 @@ def _sparse_layer_volumes(symbol, ext, config, batch, seq_len, rotary_dims, cp):
 
 def sparse_layer_bytes(rank, world_size):
     """Bytes counted in one forward and one backward of a GPTModel of one sparse layer (MoBA,
-    NSA, DSA, CSA, HCA, and DSA's and CSA's dense warm-up, all but the indexers frozen) under CP
-    with RoPE, and the README's volumes of that layer: equal counts of the whole model show
+    NSA, DSA, CSA, HCA, and DSA's and CSA's dense warm-up, all but the indexers frozen), or of
+    MLA or DSA on MLA, under CP with RoPE, and the README's volumes of that layer: equal counts of the whole model show
     that the embedding, RoPE table, MLP and output layer add no CP collective."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
