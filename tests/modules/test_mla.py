@@ -137,22 +137,27 @@ def test_hybrid_with_mla_and_rope_attention_trains():
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+def _assert_packed_equals_separate(layer, hidden_size: int) -> None:
+    """Sequences of 10 and 19 tokens packed (thd) through ``layer`` give what each gives alone."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    hidden = torch.randn(29, 1, hidden_size, generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, 10, 29], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=19, max_seqlen_kv=19)
+    packed, _ = layer(hidden, None, packed_seq_params=params)
+    pieces = [layer(hidden[a:b], None)[0] for a, b in ((0, 10), (10, 29))]
+    torch.testing.assert_close(packed, torch.cat(pieces), rtol=1e-5, atol=1e-6)
+
+
 def test_mla_packed_sequences_equal_separate_sequences():
     """thd packing: MLA's RoPE restarts and attention stays inside each sequence; the core gets
     the values at their own ``mla_v_head_dim`` (not padded to the query dims)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     _, mla, config = mla_layer()
     value_dims = []
     mla.core_attention.register_forward_pre_hook(
         lambda module, args: value_dims.append(args[2].shape[-1]))
-    hidden = torch.randn(29, 1, config.hidden_size, generator=torch.Generator().manual_seed(0))
-    cu = torch.tensor([0, 10, 29], dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=19, max_seqlen_kv=19)
-    packed, _ = mla(hidden, None, packed_seq_params=params)
-    pieces = [mla(hidden[a:b], None)[0] for a, b in ((0, 10), (10, 29))]
-    torch.testing.assert_close(packed, torch.cat(pieces), rtol=1e-5, atol=1e-6)
+    _assert_packed_equals_separate(mla, config.hidden_size)
     assert value_dims == [SIZES["mla_v_head_dim"]] * 3
 
 
@@ -269,16 +274,8 @@ def test_hybrid_with_dsa_on_mla_trains(unit_scale):
 def test_dsa_on_mla_packed_sequences_equal_separate_sequences(unit_scale):
     """thd packing: MLA's and the indexer's RoPE restart and the choice stays inside each
     sequence."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     _, dsa, config = mla_layer("D*", **{**DSA_MLA, "dsa_top_k": 4})
-    hidden = torch.randn(29, 1, config.hidden_size, generator=torch.Generator().manual_seed(0))
-    cu = torch.tensor([0, 10, 29], dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=19, max_seqlen_kv=19)
-    packed, _ = dsa(hidden, None, packed_seq_params=params)
-    pieces = [dsa(hidden[a:b], None)[0] for a, b in ((0, 10), (10, 29))]
-    torch.testing.assert_close(packed, torch.cat(pieces), rtol=1e-5, atol=1e-6)
+    _assert_packed_equals_separate(dsa, config.hidden_size)
 
 
 def test_dsa_on_mla_refuses_what_it_cannot_do():
