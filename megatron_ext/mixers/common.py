@@ -29,6 +29,8 @@ from megatron.core.transformer.utils import (
 
 from megatron_ext.config import ConfigError
 from megatron_ext.kernels.fused import short_conv, split_projection
+from megatron_ext.parallel import ContextParallel
+from megatron_ext.parallel.linear import check_heads
 
 
 @dataclass
@@ -93,6 +95,23 @@ class HeadShardedModule(MegatronModule):
             return gradient.part_of(index[part], view)
 
         return dict(zip(local, parts)), grad_into
+
+    def same_heads(self, config, ext, name: str, pg_collection=None) -> None:
+        """Heads and head dims of a linear mixer whose q, k and v have the same heads (the decay
+        family, RWKV-7): ``self.heads``, this rank's share of ``ext.linear_num_value_heads``
+        (default: the attention's heads), ``self.key_dim`` and ``self.value_dim``
+        (``ext.linear_*_head_dim``, default ``kv_channels``), and context parallelism
+        (``self.cp``, ``self.cp_method``), its head split checked for the mixer ``name``."""
+        heads = ext.linear_num_value_heads or config.num_attention_heads
+        if heads % self.tp_size:
+            raise ConfigError(f"linear_num_value_heads={heads} is not divisible by "
+                              f"tensor_model_parallel_size={self.tp_size}")
+        self.heads = heads // self.tp_size
+        self.cp = ContextParallel.of(config, pg_collection)
+        self.cp_method = ext.context_parallel_method
+        check_heads(self.cp, self.cp_method, name, heads=self.heads)
+        self.key_dim = ext.linear_key_head_dim or config.kv_channels
+        self.value_dim = ext.linear_value_head_dim or config.kv_channels
 
     def column(self, name: str, in_size: int, out_size: int, gather_output: bool = False,
                config=None, disable_grad_reduce: bool = False):

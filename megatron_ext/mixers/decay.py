@@ -71,16 +71,8 @@ class DecayMixer(HeadShardedModule):
         self.variant = variant
         self.layer_number = layer_number
         ext = ext_config
-        heads = ext.linear_num_value_heads or config.num_attention_heads
-        if heads % self.tp_size:
-            raise ConfigError(f"linear_num_value_heads={heads} is not divisible by "
-                              f"tensor_model_parallel_size={self.tp_size}")
-        self.heads = heads // self.tp_size
-        self.cp = ContextParallel.of(config, pg_collection)
-        self.cp_method = ext.context_parallel_method
-        check_heads(self.cp, self.cp_method, variant, heads=self.heads)
-        self.key_dim = ext.linear_key_head_dim or config.kv_channels
-        self.value_dim = ext.linear_value_head_dim or config.kv_channels
+        self.same_heads(config, ext, variant, pg_collection)
+        heads = self.heads * self.tp_size
         self.kernel_backend = ext.kernel_backend
         h = config.hidden_size
         qk_size, v_size = heads * self.key_dim, heads * self.value_dim

@@ -64,8 +64,7 @@ from megatron_ext.kernels import dplr_delta_rule, registry
 from megatron_ext.kernels.dplr import dplr_delta_rule_summary
 from megatron_ext.kernels.fused import sequence_positions
 from megatron_ext.mixers.common import HeadShardedModule, LinearMixerSubmodules, packed_cu_seqlens, recurrent_state
-from megatron_ext.parallel import ContextParallel
-from megatron_ext.parallel.linear import check_heads, check_sequence, linear_recurrence
+from megatron_ext.parallel.linear import check_sequence, linear_recurrence
 
 SHIFTED = ("r", "w", "k", "v", "a", "g")  # the token-shift mixes, in the rows of token_shift
 GROUP_NORM_EPS = 64e-5  # RWKV-7's ln_x
@@ -89,16 +88,8 @@ class Rwkv7Mixer(HeadShardedModule):
         super().__init__(config, submodules, pg_collection)
         self.layer_number = layer_number
         ext = ext_config
-        heads = ext.linear_num_value_heads or config.num_attention_heads
-        if heads % self.tp_size:
-            raise ConfigError(f"linear_num_value_heads={heads} is not divisible by "
-                              f"tensor_model_parallel_size={self.tp_size}")
-        self.heads = heads // self.tp_size
-        self.cp = ContextParallel.of(config, pg_collection)
-        self.cp_method = ext.context_parallel_method
-        check_heads(self.cp, self.cp_method, "rwkv7", heads=self.heads)
-        self.key_dim = ext.linear_key_head_dim or config.kv_channels
-        self.value_dim = ext.linear_value_head_dim or config.kv_channels
+        self.same_heads(config, ext, "rwkv7", pg_collection)
+        heads = self.heads * self.tp_size
         # A backend the op does not declare ("fla") runs "auto".
         declared = registry.get("dplr_delta_rule").backends
         self.kernel_backend = ext.kernel_backend if ext.kernel_backend in declared else "auto"
