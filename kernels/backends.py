@@ -161,7 +161,9 @@ def triton_dims_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
     return _dims_reason(q.shape[-1], v.shape[-1])
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
+    """Whether Triton's CPU interpreter is on (TRITON_INTERPRET=1): our kernels then take CPU
+    tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -170,7 +172,7 @@ def triton_unavailable_reason(device, dtype: torch.dtype | None) -> str | None:
     None if they can: they need a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1, with
     CPU tensors) and fp32, bf16 or fp16 inputs."""
     device = torch.device(device)
-    if device.type != "cuda" and not (device.type == "cpu" and _interpreted()):
+    if device.type != "cuda" and not (device.type == "cpu" and interpreted()):
         return (f"tensors on {device.type}: its Triton kernels need a CUDA device, not "
                 f"{device.type!r} (or Triton's CPU interpreter, TRITON_INTERPRET=1)")
     if dtype is not None and dtype not in TRITON_DTYPES:

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .. import registry
+from .. import backends, registry
 from . import flash
 from .flex import flex_attention_layout
 from .gathered import gathered_attention
@@ -129,7 +129,7 @@ def selected_kernels_refusal(facts: registry.Facts) -> str | None:
     if elements >= 2**31:
         return (f"the selected-attention kernels address a batch row's keys with 32-bit offsets; "
                 f"S Hkv D = {elements} is too many")
-    if facts.device.type != "cuda" and not (facts.device.type == "cpu" and kernels._interpreted()):
+    if facts.device.type != "cuda" and not (facts.device.type == "cpu" and backends.interpreted()):
         return f"the selected-attention kernels need a CUDA device, not {facts.device.type!r}"
     return None
 

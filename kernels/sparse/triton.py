@@ -94,7 +94,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import triton
@@ -400,10 +399,6 @@ def _precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: full fp32 ("ieee", not TF32) for fp32 inputs; for 16-bit ones
     Triton's default, "tf32", which only concerns fp32 operands."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _queries_by_key(selected: torch.Tensor, key_len: int):
