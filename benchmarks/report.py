@@ -88,7 +88,7 @@ def attention_core(r):
 
 LINEAR_OPS = {"deltanet": "DeltaNet", "gdn": "Gated DeltaNet", "kda": "KDA", "gdn2": "GDN-2",
               "decay_none": "linear attention", "decay_constant": "RetNet",
-              "decay_scalar": "Mamba-2", "decay_channel": "GLA"}
+              "decay_scalar": "Mamba-2", "decay_channel": "GLA (HGRN-2)", "dplr": "RWKV-7 (DPLR)"}
 
 
 def kernels(r, seq=4096):
@@ -111,7 +111,7 @@ def kernels(r, seq=4096):
 def sparse_attention(r, seq=16384):
     s = r["settings"]
     names = {"swa_sink": f"sliding window {s['window']} + sink", "causal_sink": "causal + sink",
-             "moba": "MoBA", "nsa": "NSA", "dsa": "DSA", "hca": "HCA", "csa": "CSA"}
+             "moba": "MoBA", "nsa": "NSA", "dsa": "DSA", "hca": "HCA", "csa": "CSA", "fox": "FoX"}
     rows = [row for row in r["results"] if row["seq_len"] == seq and row["backend"] != "fla"]
     sdpa = next(row["fwd_bwd_ms"] for row in rows if row["family"] == "sdpa")
     ops = [f"{names[row['family']]} {row['fwd_bwd_ms']:.1f} ms ({ratio(row['fwd_bwd_ms'], sdpa)})"
