@@ -15,9 +15,11 @@ Ops (``--ops`` takes families, e.g. ``kda``, backends, e.g. ``triton``, or singl
                                       the rest of the chunked form in PyTorch)
     sdpa                              torch SDPA, causal softmax attention
 
-Shapes: B = batch_tokens / T sequences of T tokens, H heads for q, k and v alike, head dim D
-(K = V = D). Inputs are bf16 (q and k L2-normalised, gates in (0, 1), as in the models); every
-backend keeps its recurrent state in fp32, and no initial state is passed, as in training.
+Shapes: B = batch_tokens / T sequences of T tokens, H value heads, Hk = ``--key-heads`` q/k heads
+(default H; fewer is grouped: each q/k head serves H / Hk value heads, as in the presets' GDN
+layers, and SDPA then runs GQA with Hk key/value heads), head dim D (K = V = D). Inputs are
+bf16 (q and k L2-normalised, gates in (0, 1), as in the models); every backend keeps its
+recurrent state in fp32, and no initial state is passed, as in training.
 
 Timing: after ``--warmup`` untimed calls, ``--reps`` timed calls, each between two CUDA events
 (perf_counter on CPU); the median counts. "fwd" runs under torch.no_grad(); "fwd_bwd" is the
@@ -90,14 +92,16 @@ class Op:
         return f"{self.family}/{self.backend}"
 
 
-def linear_inputs(family, batch, seq_len, heads, dim, device):
-    """q, k, v ``[B, T, H, D]`` and the family's gates, bf16."""
+def linear_inputs(family, batch, seq_len, heads, dim, device, key_heads=None):
+    """q, k ``[B, T, Hk, D]`` (Hk = ``key_heads``, default H), v ``[B, T, H, D]`` and the
+    family's gates (per value head), bf16."""
 
     def randn(*shape):
         return torch.randn(*shape, device=device, dtype=torch.float32)
 
     per_head = (batch, seq_len, heads)
-    inputs = {"q": F.normalize(randn(*per_head, dim), dim=-1), "k": F.normalize(randn(*per_head, dim), dim=-1),
+    per_key_head = (batch, seq_len, key_heads or heads, dim)
+    inputs = {"q": F.normalize(randn(*per_key_head), dim=-1), "k": F.normalize(randn(*per_key_head), dim=-1),
               "v": randn(*per_head, dim)}
     if family == "gdn2":
         inputs.update(erase=torch.sigmoid(randn(*per_head, dim)), write=torch.sigmoid(randn(*per_head, dim)))
@@ -135,10 +139,11 @@ def _fla_skip(family, inputs_example, device) -> str | None:
     return fla_unavailable_reason(kind, device, requires_grad=False)
 
 
-def build_ops(device: torch.device) -> list[Op]:
+def build_ops(device: torch.device, key_heads: int | None = None) -> list[Op]:
+    """Every op, with ``key_heads`` q/k heads (SDPA: key/value heads; default: as many as H)."""
     ops = []
     for family in DELTA_FAMILIES + DECAY_FAMILIES:
-        make = lambda *shape, family=family: linear_inputs(family, *shape, device)  # noqa: E731
+        make = lambda *shape, family=family: linear_inputs(family, *shape, device, key_heads)  # noqa: E731
         function = gated_delta_rule if family in DELTA_FAMILIES else decay_linear_attention
         example = linear_inputs(family, 1, 1, 2, 16, "cpu")
         for backend in BACKENDS:
@@ -150,11 +155,12 @@ def build_ops(device: torch.device) -> list[Op]:
             run = lambda backend=backend, function=function, **x: function(**x, backend=backend)[0]  # noqa: E731
             ops.append(Op(family, backend, make, run, skip))
     for backend in ("chunked", "triton"):
-        ops.append(Op("dplr", backend, lambda *shape: linear_inputs("dplr", *shape, device),
+        ops.append(Op("dplr", backend, lambda *shape: linear_inputs("dplr", *shape, device, key_heads),
                       lambda backend=backend, **x: dplr_delta_rule(**x, backend=backend)[0],
                       "our Triton kernels need CUDA" if backend == "triton" and device.type != "cuda" else None))
-    ops.append(Op("sdpa", "torch", lambda *shape: sdpa_inputs(*shape, device),
-                  lambda **x: F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True)))
+    ops.append(Op("sdpa", "torch", lambda *shape: sdpa_inputs(*shape, device, key_heads),
+                  lambda **x: F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True,
+                                                             enable_gqa=x["k"].shape[1] < x["q"].shape[1])))
     return ops
 
 
@@ -345,7 +351,9 @@ def plot(record: dict, path: pathlib.Path) -> None:
             axis.invert_yaxis()
             axis.legend(fontsize=7)
     settings = record["settings"]
-    fig.suptitle(f"{record['device']}: H = {settings['heads']}, D = {settings['head_dim']}, "
+    key_heads = settings.get("key_heads") or settings["heads"]
+    grouped = f", Hk = {key_heads}" if key_heads != settings["heads"] else ""
+    fig.suptitle(f"{record['device']}: H = {settings['heads']}{grouped}, D = {settings['head_dim']}, "
                  f"B*T = {settings['batch_tokens']}, bf16 inputs")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -357,6 +365,9 @@ def parse_args(argv=None):
                         help="comma-separated T values")
     parser.add_argument("--batch-tokens", type=int, default=32768, help="B * T, the same for every T")
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--key-heads", type=int,
+                        help="q/k heads of the linear ops, key/value heads of SDPA (default: --heads; "
+                             "hybrid-350m's GDN layers: --heads 16 --key-heads 4 --head-dim 64)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--ops", default="all",
                         help="comma-separated families, backends or ops, e.g. 'kda,triton,gdn2/fla,sdpa' "
@@ -373,7 +384,11 @@ def parse_args(argv=None):
                         help="keep the results already in --out and measure only what is missing "
                              "(to finish a run that was cut short, or to add ops)")
     add_slow_call_argument(parser)
-    return finish_timing_args(parser, parser.parse_args(argv))
+    args = finish_timing_args(parser, parser.parse_args(argv))
+    args.key_heads = args.key_heads or args.heads
+    if args.heads % args.key_heads:
+        parser.error(f"--key-heads {args.key_heads} must divide --heads {args.heads}")
+    return args
 
 
 def add_slow_call_argument(parser) -> None:
@@ -441,7 +456,7 @@ def measure_all(ops: list[Op], args, env: dict, out: pathlib.Path) -> dict:
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
-    ops = select_ops(build_ops(device), args.ops)
+    ops = select_ops(build_ops(device, args.key_heads), args.ops)
     out = pathlib.Path(args.out)
     record = measure_all(ops, args, environment(device, args.commit), out)
     try:

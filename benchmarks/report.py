@@ -100,7 +100,9 @@ def kernels(r, seq=4096):
                          if rows[family, backend].get("fwd_bwd_ms") else f"{name} refused"
                          for family, name in LINEAR_OPS.items() if (family, backend) in rows)
 
-    what = (f"linear-recurrence ops fwd+bwd, B*T {s['batch_tokens']}, {s['heads']} heads of "
+    key_heads = s.get("key_heads") or s["heads"]
+    grouped = f" ({key_heads} q/k heads)" if key_heads != s["heads"] else ""
+    what = (f"linear-recurrence ops fwd+bwd, B*T {s['batch_tokens']}, {s['heads']} heads{grouped} of "
             f"{s['head_dim']}, bf16, T = {seq}")
     result = f"ours (Triton), ms: {times('triton')}"
     if any(backend == "fla" for _, backend in rows):

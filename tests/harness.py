@@ -24,6 +24,7 @@ import importlib.util
 import os
 import pathlib
 import socket
+import sys
 import traceback
 import types
 
@@ -111,9 +112,11 @@ def use_cpu() -> None:
 
 
 def load_script(path: pathlib.Path, name: str) -> types.ModuleType:
-    """The Python file ``path`` (a benchmark script, not in a package) as module ``name``."""
+    """The Python file ``path`` (a benchmark script, not in a package) as module ``name``
+    (registered in sys.modules, where dataclasses look their module up)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
