@@ -161,10 +161,11 @@ def triton_dims_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
     return _dims_reason(q.shape[-1], v.shape[-1])
 
 
-def interpreted() -> bool:
-    """Whether Triton's CPU interpreter is on (TRITON_INTERPRET=1): our kernels then take CPU
-    tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+def triton_runs_on(device) -> bool:
+    """Whether our Triton kernels can take tensors on ``device``: CUDA, or the CPU under Triton's
+    interpreter (TRITON_INTERPRET=1)."""
+    device = torch.device(device)
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 def triton_unavailable_reason(device, dtype: torch.dtype | None) -> str | None:
@@ -172,7 +173,7 @@ def triton_unavailable_reason(device, dtype: torch.dtype | None) -> str | None:
     None if they can: they need a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1, with
     CPU tensors) and fp32, bf16 or fp16 inputs."""
     device = torch.device(device)
-    if device.type != "cuda" and not (device.type == "cpu" and interpreted()):
+    if not triton_runs_on(device):
         return (f"tensors on {device.type}: its Triton kernels need a CUDA device, not "
                 f"{device.type!r} (or Triton's CPU interpreter, TRITON_INTERPRET=1)")
     if dtype is not None and dtype not in TRITON_DTYPES:

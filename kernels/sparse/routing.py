@@ -129,7 +129,7 @@ def selected_kernels_refusal(facts: registry.Facts) -> str | None:
     if elements >= 2**31:
         return (f"the selected-attention kernels address a batch row's keys with 32-bit offsets; "
                 f"S Hkv D = {elements} is too many")
-    if facts.device.type != "cuda" and not (facts.device.type == "cpu" and backends.interpreted()):
+    if not backends.triton_runs_on(facts.device):
         return f"the selected-attention kernels need a CUDA device, not {facts.device.type!r}"
     return None
 

@@ -96,12 +96,13 @@ class HeadShardedModule(MegatronModule):
 
         return dict(zip(local, parts)), grad_into
 
-    def same_heads(self, config, ext, name: str, pg_collection=None) -> None:
+    def same_heads(self, config, ext, name: str, pg_collection=None) -> int:
         """Heads and head dims of a linear mixer whose q, k and v have the same heads (the decay
         family, RWKV-7): ``self.heads``, this rank's share of ``ext.linear_num_value_heads``
         (default: the attention's heads), ``self.key_dim`` and ``self.value_dim``
         (``ext.linear_*_head_dim``, default ``kv_channels``), and context parallelism
-        (``self.cp``, ``self.cp_method``), its head split checked for the mixer ``name``."""
+        (``self.cp``, ``self.cp_method``), its head split checked for the mixer ``name``.
+        Returns the heads of all TP ranks (the projections' full widths)."""
         heads = ext.linear_num_value_heads or config.num_attention_heads
         if heads % self.tp_size:
             raise ConfigError(f"linear_num_value_heads={heads} is not divisible by "
@@ -112,6 +113,7 @@ class HeadShardedModule(MegatronModule):
         check_heads(self.cp, self.cp_method, name, heads=self.heads)
         self.key_dim = ext.linear_key_head_dim or config.kv_channels
         self.value_dim = ext.linear_value_head_dim or config.kv_channels
+        return heads
 
     def column(self, name: str, in_size: int, out_size: int, gather_output: bool = False,
                config=None, disable_grad_reduce: bool = False):

@@ -71,8 +71,7 @@ class DecayMixer(HeadShardedModule):
         self.variant = variant
         self.layer_number = layer_number
         ext = ext_config
-        self.same_heads(config, ext, variant, pg_collection)
-        heads = self.heads * self.tp_size
+        heads = self.same_heads(config, ext, variant, pg_collection)
         self.kernel_backend = ext.kernel_backend
         h = config.hidden_size
         qk_size, v_size = heads * self.key_dim, heads * self.value_dim

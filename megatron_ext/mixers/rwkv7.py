@@ -88,8 +88,7 @@ class Rwkv7Mixer(HeadShardedModule):
         super().__init__(config, submodules, pg_collection)
         self.layer_number = layer_number
         ext = ext_config
-        self.same_heads(config, ext, "rwkv7", pg_collection)
-        heads = self.heads * self.tp_size
+        heads = self.same_heads(config, ext, "rwkv7", pg_collection)
         # A backend the op does not declare ("fla") runs "auto".
         declared = registry.get("dplr_delta_rule").backends
         self.kernel_backend = ext.kernel_backend if ext.kernel_backend in declared else "auto"
