@@ -71,26 +71,26 @@ scratch buffer, the total stored once in q's dtype). With a per-channel decay th
 v head per q/k head: gated_delta_rule_triton repeats q and k over each group first, and autograd
 sums their gradients back (see "Hopper"). Varlen: the chunks are those of kernels/chunks.py (ChunkLayout, C = 64): the
 chunk-parallel kernels find their chunk's tokens in its ``chunks`` table (chunk_rows), the two
-sequential ones a sequence's chunks in ``seq_chunks``; loads past a chunk's end are zero, which is
-exact padding (a zero token with g = 0 reads, writes and decays nothing).
+sequential ones compute them from the sequence's bounds (``cu``; its first chunk's index from
+``seq_chunks``), so that their loads do not wait on a table's; loads past a chunk's end are zero,
+which is exact padding (a zero token with g = 0 reads, writes and decays nothing).
 
 Launch configurations (fixed, no autotuning, so that the configuration the tests run is the one
-that runs): num_stages 2 everywhere; num_warps 4 (one warpgroup) for _chunk_cumsum, _invert,
-_fwd_output, _bwd_scores and _bwd_qkg (8 in those two in fp32), 8 for the others. Tiles (each
-capped at K or V): BK = 32 in _fwd_scores and _bwd_qkg (16 in _bwd_qkg with a per-channel decay),
-else 64; BV = 32 in _bwd_scores, min(64, 4096 / K) in _fwd_state, 64 in _bwd_state up to K = 128
-in bf16 and fp16 (else as in _fwd_state: at K = 256 and BV = 32 it would need 244 KB of shared
-memory), else 64; the two state kernels' BV then halves (down to 16) while (sequences x value
-heads x V / BV) programs fit on the SMs (``_parallel_block``). These are chosen so that ptxas
-spills nothing or little (at most ~150 bytes per thread) for sm_90 in bf16 with K, V of 64, 128
-and 256 (compiled without a GPU). The fp32 path, whose dots run on FMA units, spills a lot
-(_bwd_qkg and _fwd_scores with a per-channel decay ~1 KB per thread at 8 warps, _bwd_qkg 24 KB and
-_bwd_scores 8 to 15 KB at 4, hence 8; _bwd_state twice as much at BV = 64 as at 32, hence 32;
-_bwd_qkg with one decay per head 0.05 to 1.5 KB, and 160 to 184 KB of shared memory): it is there
-to check the algebra, not for speed.
-Supported K and V: 16, 32, 64, 128, 256. No tl.trans anywhere: transposed operands are loaded
-transposed (Hopper with Triton 3.4 to 3.7.0 miscompiles tl.trans of dot results, fla-core issue
-#640).
+that runs): num_stages 2 (3 in the state kernels for K <= 128 in 16-bit); num_warps 4 (one
+warpgroup) for _chunk_cumsum, _invert, _fwd_output, _bwd_scores and _bwd_qkg (8 in those two in
+fp32), 8 for the others. Tiles (each capped at K or V): BK = 32 in _fwd_scores and _bwd_qkg (16 in
+_bwd_qkg with a per-channel decay), else 64; BV = 32 in _bwd_scores, min(64, 4096 / K) in
+_fwd_state, 64 in _bwd_state up to K = 128 in bf16 and fp16 (else as in _fwd_state: at K = 256 and
+BV = 32 it would need 244 KB of shared memory), else 64; the two state kernels' BV then halves
+(down to 16) while (sequences x value heads x V / BV) programs fit on the SMs
+(``_parallel_block``). These are chosen so that ptxas spills nothing or little (at most ~150 bytes
+per thread) for sm_90 in bf16 with K, V of 64, 128 and 256 (compiled without a GPU). The fp32 path,
+whose dots run on FMA units, spills a lot (_bwd_qkg and _fwd_scores with a per-channel decay ~1 KB
+per thread at 8 warps, _bwd_qkg 24 KB and _bwd_scores 8 to 15 KB at 4, hence 8; _bwd_state twice as
+much at BV = 64 as at 32, hence 32; _bwd_qkg with one decay per head 0.05 to 1.5 KB, and 160 to 184
+KB of shared memory): it is there to check the algebra, not for speed. Supported K and V: 16, 32,
+64, 128, 256. No tl.trans anywhere: transposed operands are loaded transposed (Hopper with Triton
+3.4 to 3.7.0 miscompiles tl.trans of dot results, fla-core issue #640).
 
 Kernel structure (from ptxas/SASS for sm_90 and the GPU time per kernel of one fwd+bwd,
 benchmarks/kernels.py --profile, at B*T = 32768, H = 16, K = V = 128, bf16):
@@ -474,7 +474,7 @@ def _fwd_prepare_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, erase_ptr, write_ptr, G_p
 
 @triton.jit(do_not_specialize=["key_heads", "value_heads", "group", "has_initial"])
 def _fwd_state_kernel(k_ptr, G_ptr, W_ptr, Y_ptr, KD_ptr, h_ptr, U_ptr, h0_ptr, final_ptr,
-                      chunks_ptr, seq_chunks_ptr, key_heads, value_heads, group, has_initial,
+                      cu_ptr, seq_chunks_ptr, key_heads, value_heads, group, has_initial,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G_MODE: tl.constexpr,
                       DOT: tl.constexpr, IEEE: tl.constexpr):
     """One sequence, v head and block of V columns, chunk after chunk: U = Y - W S and
@@ -489,11 +489,14 @@ def _fwd_state_kernel(k_ptr, G_ptr, W_ptr, Y_ptr, KD_ptr, h_ptr, U_ptr, h0_ptr, 
     state = tl.zeros([K, BV], dtype=tl.float32)
     if has_initial != 0:
         state = tl.load(h0_ptr + (n * value_heads + hv) * K * V + in_state).to(tl.float32)
-    first = tl.load(seq_chunks_ptr + n)
-    last = tl.load(seq_chunks_ptr + n + 1)
-    for chunk in range(first, last):
-        c = first.to(tl.int64) + (chunk - first)
-        start, count, t, valid = chunk_rows(chunks_ptr, c, _C)
+    first = tl.load(seq_chunks_ptr + n).to(tl.int64)
+    bos, eos = tl.load(cu_ptr + n), tl.load(cu_ptr + n + 1)
+    t = tl.arange(0, _C)
+    for j in range(0, tl.cdiv(eos - bos, _C)):  # the sequence's chunks, from its bounds
+        c = first + j
+        start = (bos + j * _C).to(tl.int64)
+        count = tl.minimum(eos - bos - j * _C, _C)
+        valid = t < count
         tl.store(h_ptr + (c * value_heads + hv) * K * V + in_state, state.to(h_ptr.dtype.element_ty))
         w = _tile(W_ptr, start, t, valid, value_heads, hv, K, 0, K, False)
         U = _tile(Y_ptr, start, t, valid, value_heads, hv, V, v0, BV, False) - _mm(w, state, DOT, IEEE)
@@ -544,7 +547,7 @@ def _fwd_output_kernel(q_ptr, G_ptr, QG_ptr, P_ptr, h_ptr, U_ptr, o_ptr, chunks_
 
 @triton.jit(do_not_specialize=["key_heads", "value_heads", "group"])
 def _bwd_state_kernel(q_ptr, k_ptr, G_ptr, W_ptr, KD_ptr, QG_ptr, P_ptr, do_ptr, dr_ptr, dfinal_ptr,
-                      dh_ptr, dU_ptr, dh0_ptr, chunks_ptr, seq_chunks_ptr,
+                      dh_ptr, dU_ptr, dh0_ptr, cu_ptr, seq_chunks_ptr,
                       key_heads, value_heads, group, scale,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G_MODE: tl.constexpr,
                       HAS_DR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
@@ -557,11 +560,16 @@ def _bwd_state_kernel(q_ptr, k_ptr, G_ptr, W_ptr, KD_ptr, QG_ptr, P_ptr, do_ptr,
     hk = hv // group
     in_state = tl.arange(0, K)[:, None] * V + (v0 + tl.arange(0, BV))[None, :]
     d_state = tl.load(dfinal_ptr + (n * value_heads + hv) * K * V + in_state)
-    first = tl.load(seq_chunks_ptr + n)
-    last = tl.load(seq_chunks_ptr + n + 1)
-    for step in range(first, last):
-        c = last.to(tl.int64) - 1 - (step - first)
-        start, count, t, valid = chunk_rows(chunks_ptr, c, _C)
+    first = tl.load(seq_chunks_ptr + n).to(tl.int64)
+    bos, eos = tl.load(cu_ptr + n), tl.load(cu_ptr + n + 1)
+    chunks = tl.cdiv(eos - bos, _C)
+    t = tl.arange(0, _C)
+    for step in range(0, chunks):  # the sequence's chunks in reverse, from its bounds
+        j = chunks - 1 - step
+        c = first + j
+        start = (bos + j * _C).to(tl.int64)
+        count = tl.minimum(eos - bos - j * _C, _C)
+        valid = t < count
         tl.store(dh_ptr + (c * value_heads + hv) * K * V + in_state, d_state.to(dh_ptr.dtype.element_ty))
         d_out = _rows(do_ptr, start, t, valid, value_heads, hv, V, v0, BV) * scale
         if G_MODE == 2:
@@ -840,7 +848,7 @@ class _Config:
         self.store_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         self.flags = dict(DOT=_DOT_DTYPES[self.store_dtype], IEEE=self.store_dtype == torch.float32)
         layout = chunk_layout(sequence_bounds(cu_seqlens, self.batch, self.seq_len), _C.value, q.device)
-        self.chunks, self.seq_chunks = layout.chunks, layout.seq_chunks
+        self.chunks, self.cu, self.seq_chunks = layout.chunks, layout.cu, layout.seq_chunks
         self.num_chunks, self.num_states = layout.num_chunks, layout.num_seqs
         key_dim, value_dim = self.key_dim, self.value_dim
         self.block_k = min(key_dim, 64)
@@ -860,6 +868,11 @@ class _Config:
         programs = self.num_states * self.value_heads
         self.state_block_v = _parallel_block(state_block_v, value_dim, programs, q.device)
         self.bwd_state_block_v = _parallel_block(bwd_state_block_v, value_dim, programs, q.device)
+        # The state kernels' loop is a chain of small dots, shorter than a load's latency: with 3
+        # stages Triton's pipeliner loads the chunk after next while one is computed (with 2 it
+        # waits for each chunk's tiles at the top of its step). At K = 256, and in fp32, 3 stages
+        # do not fit in shared memory.
+        self.state_stages = 2 if fp32 or key_dim > 128 else 3
 
     def empty(self, *shape, dtype=None):
         """A new tensor on the device, [tokens, Hv, *shape] (no shape: one value per token), in the
@@ -918,9 +931,9 @@ def _forward(cfg: _Config, q, k, v, beta, g, erase, write, initial_state):
         Y = dummy
     _fwd_state_kernel[(cfg.num_states, Hv, V // cfg.state_block_v)](
         k, G, W, Y, KD, h, U, final if initial_state is None else initial_state, final,
-        cfg.chunks, cfg.seq_chunks, Hk, Hv, cfg.group, int(initial_state is not None),
+        cfg.cu, cfg.seq_chunks, Hk, Hv, cfg.group, int(initial_state is not None),
         K=K, V=V, BV=cfg.state_block_v, G_MODE=cfg.g_mode,
-        num_warps=8, num_stages=stages, **cfg.flags)
+        num_warps=8, num_stages=cfg.state_stages, **cfg.flags)
     del Y
     if NC > 0:
         _fwd_output_kernel[(NC, Hv, V // cfg.block_v)](
@@ -947,9 +960,9 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
     dh0 = torch.empty(cfg.num_states, Hv, K, V, device=device, dtype=torch.float32)
     _bwd_state_kernel[(cfg.num_states, Hv, V // cfg.bwd_state_block_v)](
         q, k, G, W, KD, QG, P, d_o, dummy if d_residual is None else d_residual, d_final, dh, dU, dh0,
-        cfg.chunks, cfg.seq_chunks, Hk, Hv, cfg.group, cfg.scale,
+        cfg.cu, cfg.seq_chunks, Hk, Hv, cfg.group, cfg.scale,
         K=K, V=V, BV=cfg.bwd_state_block_v, G_MODE=cfg.g_mode, HAS_DR=d_residual is not None,
-        num_warps=8, num_stages=stages, **cfg.flags)
+        num_warps=8, num_stages=cfg.state_stages, **cfg.flags)
 
     # With grouped heads (one decay per head or none; gated_delta_rule_triton gives a per-channel
     # decay one v head per q/k head) a _bwd_qkg program sums its group's shares of dq and dk, with
