@@ -87,13 +87,14 @@ same buffer, T * Hv * 64 fp32 (per-channel decay only: 128 MiB there); G, T * Hv
 state terms, NC * Hv * K * V/32 fp32; and fp32 dq, dk per v head when Hk < Hv.
 
 Launch configuration: every kernel runs with num_warps = 4 and num_stages = 2 (``LAUNCH``), the
-only configuration tested, on blocks of BK = min(K, 64) key channels and BV = min(V, 64) value
-channels (min(V, 32) in the two state passes, for more programs when there are few sequences).
-Supported: K and V powers of two from 16 to 256 (on a GPU in bf16/fp16, K >= 64 unless the
-decay is per channel), q, k, v in fp32, bf16 or fp16, CUDA tensors (or CPU tensors with
-TRITON_INTERPRET=1, Triton's CPU interpreter): the rule of this backend in the backend registry
-(kernels.backends.decay_triton_unsupported), which refuses the rest with
-kernels.registry.BackendUnavailable ("<op>: backend 'triton' cannot run ...").
+two state passes with 3 stages (``STATE_LAUNCH``), the only configurations tested, on blocks of
+BK = min(K, 64) key channels and BV = min(V, 64) value channels (min(V, 32) in the two state
+passes, for more programs when there are few sequences). Supported: K and V powers of two from
+16 to 256 (on a GPU in bf16/fp16, K >= 64 unless the decay is per channel), q, k, v in fp32,
+bf16 or fp16, CUDA tensors (or CPU tensors with TRITON_INTERPRET=1, Triton's CPU interpreter):
+the rule of this backend in the backend registry (kernels.backends.decay_triton_unsupported),
+which refuses the rest with kernels.registry.BackendUnavailable ("<op>: backend 'triton' cannot
+run ...").
 Hopper note: no kernel transposes a tl.dot result (tl.trans); transposed operands are loaded
 through strides, to stay clear of the wrong results seen with transposed MMA results in gated
 backward kernels on Hopper with Triton 3.4 to 3.7.0 (fla-core issue #640).
@@ -116,6 +117,10 @@ __all__ = ["decay_linear_attention_triton", "LAUNCH"]
 CHUNK = 64  # tokens per chunk (BT in the kernels)
 SUB_CHUNK = 16  # tokens per sub-chunk of the per-channel decay (BC in the kernels)
 LAUNCH = {"num_warps": 4, "num_stages": 2}
+# The state passes' loop is one small dot a chunk, shorter than a load's latency: with 3 stages
+# Triton's pipeliner loads the chunk after next while one is computed (with 2 it waits for each
+# chunk's tiles right after issuing them).
+STATE_LAUNCH = {"num_warps": 4, "num_stages": 3}
 _NO_DECAY, _SCALAR_DECAY, _CHANNEL_DECAY = 0, 1, 2  # the kernels' DECAY
 _RUNTIME_INTS = ["H_K", "H_V"]  # not specialised on: one compiled kernel for every head count
 
@@ -601,7 +606,7 @@ class _Problem(NamedTuple):
         """The compile-time arguments and launch configuration shared by most kernels."""
         value_block = self.state_value_block if state_pass else self.value_block
         return dict(K=self.key_dim, V=self.value_dim, BT=CHUNK, BK=self.key_block, BV=value_block,
-                    DECAY=self.decay, PREC=self.precision, **LAUNCH)
+                    DECAY=self.decay, PREC=self.precision, **(STATE_LAUNCH if state_pass else LAUNCH))
 
     def sequence_grid(self) -> tuple[int, int]:
         """The state passes': (sequences * heads, K blocks * V blocks)."""
