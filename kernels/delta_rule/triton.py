@@ -382,10 +382,19 @@ def _invert_kernel(A_ptr, T_ptr):
     # inverse_t[b, j, m] = T_bb[m, j]. Step i sets row i of all four blocks from their rows m < i,
     # T_bb[i, j] = delta_ij - sum_m A_bb[i, m] T_bb[m, j], reading row i of each A_bb from memory:
     # one reduction over m (the last axis, inside a warp) per step for all four blocks, and no
-    # row extracted from a tile (a reduction across warps per step and block).
+    # row extracted from a tile (a reduction across warps per step and block). A step's work is
+    # shorter than a load's latency, so the rows come three steps ahead (num_stages=4: Triton's
+    # pipeliner copies them to shared memory asynchronously), and the off-diagonal blocks are
+    # loaded first.
+    a10 = _block_t(A_ptr, base, 1, 0)
+    a20 = _block_t(A_ptr, base, 2, 0)
+    a21 = _block_t(A_ptr, base, 2, 1)
+    a30 = _block_t(A_ptr, base, 3, 0)
+    a31 = _block_t(A_ptr, base, 3, 1)
+    a32 = _block_t(A_ptr, base, 3, 2)
     inverse_t = tl.broadcast_to((j == m).to(tl.float32), [4, _SUB, _SUB])
     rows_of_a = A_ptr + base + b * (_SUB * (_C + 1)) + j * 0 + m  # A[16 b, 16 b + m], for every j
-    for i in range(1, _SUB):
+    for i in tl.range(1, _SUB, num_stages=4):
         a_row = tl.load(rows_of_a + i * _C)
         row = (j == i).to(tl.float32) - tl.sum(a_row * inverse_t, 2, keep_dims=True)
         inverse_t = tl.where(m == i, row, inverse_t)
@@ -393,12 +402,6 @@ def _invert_kernel(A_ptr, T_ptr):
     t11 = _diagonal_block(inverse_t, b, 1)
     t22 = _diagonal_block(inverse_t, b, 2)
     t33 = _diagonal_block(inverse_t, b, 3)
-    a10 = _block_t(A_ptr, base, 1, 0)
-    a20 = _block_t(A_ptr, base, 2, 0)
-    a21 = _block_t(A_ptr, base, 2, 1)
-    a30 = _block_t(A_ptr, base, 3, 0)
-    a31 = _block_t(A_ptr, base, 3, 1)
-    a32 = _block_t(A_ptr, base, 3, 2)
     t10 = -_ieee(_ieee(t00, a10), t11)
     t21 = -_ieee(_ieee(t11, a21), t22)
     t20 = -_ieee(_ieee(t00, a20) + _ieee(t10, a21), t22)
