@@ -240,22 +240,20 @@ def _decay_row(G_ptr, start, count, value_heads, hv, K: tl.constexpr, row, col0,
 
 
 @triton.jit
-def _decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K: tl.constexpr, G_MODE: tl.constexpr):
-    """Diag(Gamma_C), the chunk's decay of a state: [K, 1] per channel, or a scalar per head."""
-    if G_MODE == 2:
-        return tl.exp(_decay_row(G_ptr, start, count, value_heads, hv, K, count - 1, 0, K))[:, None]
-    else:
-        return tl.exp(tl.load(_at(G_ptr, start, value_heads, hv, 1) + (count - 1) * value_heads))
+def _channel_decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K: tl.constexpr):
+    """Diag(Gamma_C) of a per-channel decay, the chunk's decay of a state: [K, 1]."""
+    return tl.exp(_decay_row(G_ptr, start, count, value_heads, hv, K, count - 1, 0, K))[:, None]
 
 
 @triton.jit
 def _head_decays(G_ptr, start, count, t, valid, value_heads, hv):
     """One log-decay per head: Gamma = exp(G) and Gamma_C / Gamma = exp(G_C - G) of the chunk's
     rows, [64] fp32 each, the row factors of the decayed queries Gamma q and keys k Gamma_C / Gamma
-    (formed from q and k where they are used; a per-channel decay stores them)."""
+    (formed from q and k where they are used; a per-channel decay stores them), and Gamma_C, the
+    chunk's decay of a state (a scalar)."""
     G = _vec(G_ptr, start, t, valid, value_heads, hv)
     G_end = tl.load(_at(G_ptr, start, value_heads, hv, 1) + (count - 1) * value_heads)
-    return tl.exp(G), tl.exp(tl.minimum(G_end - G, 0.0))
+    return tl.exp(G), tl.exp(tl.minimum(G_end - G, 0.0)), tl.exp(G_end)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,7 +442,7 @@ def _fwd_prepare_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, erase_ptr, write_ptr, G_p
     if not (ERASE and WRITE):
         beta = _vec(beta_ptr, start, t, valid, value_heads, hv)
     if G_MODE == 1:
-        decay, _ = _head_decays(G_ptr, start, count, t, valid, value_heads, hv)
+        decay, _, _ = _head_decays(G_ptr, start, count, t, valid, value_heads, hv)
         decay = decay[:, None]
     for kb in range(0, K // BK):
         c0 = kb * BK
@@ -509,10 +507,11 @@ def _fwd_state_kernel(k_ptr, G_ptr, W_ptr, Y_ptr, KD_ptr, h_ptr, U_ptr, h0_ptr, 
         else:
             keys_t = _tile(k_ptr, start, t, valid, key_heads, hk, K, 0, K, True)
         if G_MODE == 1:
-            _, decay_to_end = _head_decays(G_ptr, start, count, t, valid, value_heads, hv)
+            _, decay_to_end, chunk_decay = _head_decays(G_ptr, start, count, t, valid, value_heads, hv)
             keys_t = keys_t.to(tl.float32) * decay_to_end[None, :]
-        if G_MODE != 0:
-            state = state * _decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K, G_MODE)
+            state = state * chunk_decay
+        elif G_MODE == 2:
+            state = state * _channel_decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K)
         state += _mm(keys_t, U, DOT, IEEE)
     tl.store(final_ptr + (n * value_heads + hv) * K * V + in_state, state)
 
@@ -532,7 +531,7 @@ def _fwd_output_kernel(q_ptr, G_ptr, QG_ptr, P_ptr, h_ptr, U_ptr, o_ptr, chunks_
               _tile(U_ptr, start, t, valid, value_heads, hv, V, v0, BV, False), DOT, IEEE)
     state_base = (c * value_heads + hv) * K * V
     if G_MODE == 1:
-        decay, _ = _head_decays(G_ptr, start, count, t, valid, value_heads, hv)
+        decay, _, _ = _head_decays(G_ptr, start, count, t, valid, value_heads, hv)
     for kb in range(0, K // BK):
         if G_MODE == 2:
             q = _tile(QG_ptr, start, t, valid, value_heads, hv, K, kb * BK, BK, False)
@@ -582,7 +581,7 @@ def _bwd_state_kernel(q_ptr, k_ptr, G_ptr, W_ptr, KD_ptr, QG_ptr, P_ptr, do_ptr,
             keys = _tile(k_ptr, start, t, valid, key_heads, hk, K, 0, K, False)
             queries_t = _tile(q_ptr, start, t, valid, key_heads, hk, K, 0, K, True)
         if G_MODE == 1:
-            decay, decay_to_end = _head_decays(G_ptr, start, count, t, valid, value_heads, hv)
+            decay, decay_to_end, chunk_decay = _head_decays(G_ptr, start, count, t, valid, value_heads, hv)
             keys = keys.to(tl.float32) * decay_to_end[:, None]
             queries_t = queries_t.to(tl.float32) * decay[None, :]
         d_u = (_mm(_square(P_ptr, (c * value_heads + hv) * _C * _C, True), d_out, DOT, IEEE)
@@ -590,8 +589,10 @@ def _bwd_state_kernel(q_ptr, k_ptr, G_ptr, W_ptr, KD_ptr, QG_ptr, P_ptr, do_ptr,
         if HAS_DR:
             d_u += _rows(dr_ptr, start, t, valid, value_heads, hv, V, v0, BV)
         _put(dU_ptr, start, t, valid, value_heads, hv, V, v0, BV, d_u)
-        if G_MODE != 0:
-            d_state = d_state * _decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K, G_MODE)
+        if G_MODE == 1:
+            d_state = d_state * chunk_decay
+        elif G_MODE == 2:
+            d_state = d_state * _channel_decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K)
         d_state += (_mm(queries_t, d_out, DOT, IEEE)
                     - _mm(_tile(W_ptr, start, t, valid, value_heads, hv, K, 0, K, True), d_u, DOT, IEEE))
     tl.store(dh0_ptr + (n * value_heads + hv) * K * V + in_state, d_state)
