@@ -314,7 +314,7 @@ def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, c
                 scores_p += _mm(q * row_decay, cols_t, DOT, IEEE)
                 scores_a += _mm(a * row_decay, cols_t, DOT, IEEE)
             # Diagonal sub-blocks, exactly: step j fills column 16 * blk + j of every row.
-            for j in tl.range(0, _SUB, num_stages=3):  # rows prefetched two steps ahead
+            for j in range(0, _SUB):
                 col = blk * _SUB + j
                 col_valid = col < count
                 k_col = _rows(k_ptr, start, col, col_valid, key_heads, hk, K, c0, BK)
@@ -730,7 +730,7 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
             d_q_diag = tl.zeros([_C, BK], dtype=tl.float32)
             d_a_diag = tl.zeros([_C, BK], dtype=tl.float32)
             d_k_diag = tl.zeros([_C, BK], dtype=tl.float32)
-            for j in tl.range(0, _SUB, num_stages=3):  # tiles prefetched two steps ahead
+            for j in range(0, _SUB):
                 other = blk * _SUB + j
                 other_valid = other < count
                 decay = tl.exp(-tl.abs(G - _rows(G_ptr, start, other, other_valid, value_heads, hv, K, c0, BK)))
