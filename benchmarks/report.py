@@ -28,9 +28,9 @@ README = ROOT / "README.md"
 BEGIN, END = "<!-- performance:begin -->", "<!-- performance:end -->"
 NOT_RECORDED = "not recorded"
 # The machine part of a result file's name, <benchmark>_<machine>.json.
-MACHINES = {"h200": "one H200", "h200x2": "two H200s of one host (NCCL)"}
+MACHINES = {"h100": "one H100", "h200": "one H200", "h200x2": "two H200s of one host (NCCL)"}
 # Plots shown in README.md, in this order; the others are linked.
-EMBEDDED = ("throughput_h200.png", "sparse_attention_h200.png", "residual_step_h200.png")
+EMBEDDED = ("throughput_h100.png", "throughput_h200.png", "sparse_attention_h200.png", "residual_step_h200.png")
 
 
 def stamp(record: dict) -> str:
@@ -279,6 +279,7 @@ def architectures(r):
 # The JSONs kept in benchmarks/results/, each with its format: measurements as table rows, in
 # this order, and checks (a run that had to work, with what it showed) as a list under it.
 ROWS = {
+    "throughput_h100.json": throughput,
     "throughput_h200.json": throughput,
     "attention_core_h200.json": attention_core,
     "kernels_h200.json": kernels,
@@ -360,6 +361,7 @@ def redraw_plots(results: pathlib.Path = RESULTS, out_dir: pathlib.Path | None =
                 f"seq {s['seq']}, micro-batch {s['batch']}: residual schemes")
 
     plots = {  # result file -> (script, its plot's arguments)
+        "throughput_h100.json": ("throughput", lambda r, path: (r, path)),
         "throughput_h200.json": ("throughput", lambda r, path: (r, path)),
         "attention_core_h200.json": ("attention_core", lambda r, path: (r["results"], path)),
         "kernels_h200.json": ("kernels", lambda r, path: (r, path)),
