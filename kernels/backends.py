@@ -199,14 +199,31 @@ def decay_triton_declined_reason(q: torch.Tensor, g: torch.Tensor | None) -> str
     return _decay_declined(q.device, q.dtype, q.shape[-1], form)
 
 
+def _delta_declined(device: torch.device, dtype, value_dim: int | None, form: str | None) -> str | None:
+    """Why the delta-rule kernels decline a per-channel decay (KDA, GDN-2) below V = 128 on a GPU
+    in 16 bits, or None. On an H100 (Triton 3.6.0) their bf16 gradients of q, k, beta and g came
+    back NaN at K = V = 64 (tests/ops/test_triton_delta_rule.py::test_hybrid_preset_heads[kda-bf16],
+    followed by an illegal memory access), while K = 64, V = 128 and K = V = 128 pass there; under
+    the interpreter the same case is right (a code generation failure, as in "Hopper" of
+    delta_rule/triton.py). V = 16 and 32 have not run on a GPU in this form."""
+    if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and form in ("kda", "gdn2")
+            and value_dim is not None and value_dim < 128):
+        return (f"a per-channel decay at V = {value_dim} in {dtype} on a GPU (V >= 128 there: at "
+                f"K = V = 64 the bf16 gradients were NaN on an H100)")
+    return None
+
+
 def triton_unsupported(facts) -> str | None:
     """The registry's ``unsupported`` rule of our Triton kernels of the gated delta rule: head
-    dims, then device and dtype (the promoted dtype of q, k and v)."""
+    dims, then device and dtype (the promoted dtype of q, k and v), then what the kernels decline
+    (:func:`_delta_declined`)."""
     if facts.key_dim is not None and facts.value_dim is not None:
         reason = _dims_reason(facts.key_dim, facts.value_dim)
         if reason is not None:
             return reason
-    return triton_unavailable_reason(facts.device, facts.compute_dtype or facts.dtype)
+    dtype = facts.compute_dtype or facts.dtype
+    return (triton_unavailable_reason(facts.device, dtype)
+            or _delta_declined(facts.device, dtype, facts.value_dim, facts.form))
 
 
 def decay_triton_unsupported(facts) -> str | None:

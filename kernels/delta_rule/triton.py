@@ -122,13 +122,15 @@ them), as fla-core keeps its kernels of this shape at 2 or 4 warps on Hopper (it
 by tl.where alone does not keep the compiler from the failing code), so without a decay _bwd_qkg
 runs the per-head form on a zero decay. _bwd_scores at 4 warps and _bwd_state at BV = 64 (8
 warps) also feed tiles loaded transposed (T^T, U^T, P^T) to tl.dot straight from memory, the
-pattern of those failures; both pass tests/ops/test_triton_delta_rule.py on an H200. With a
-per-channel decay and four v heads per q/k head in bf16, _bwd_qkg fails on an H100 both as a loop
-over the group (illegal memory access) and as one program per v head storing fp32 shares for a
-group sum (NaN gradients), while the same path passes with Hk = Hv, in fp32, and with one decay per
-head (test_hybrid_preset_heads, test_matches_reference); so a per-channel decay runs on q and k
-repeated over the group. Any new launch configuration must pass that file there before use.
-"""
+pattern of those failures; both pass tests/ops/test_triton_delta_rule.py on an H200. A
+per-channel decay in bf16 at K = V = 64 (test_hybrid_preset_heads: Hk = 2, Hv = 8) gives NaN
+gradients of q, k, beta and g on an H100 and then an illegal memory access: as a loop over the
+group in _bwd_qkg, as one program per v head with a group sum, and with q and k repeated over the
+group so that the kernels see Hk = Hv (the form here); the interpreter gets that case right, and
+on the GPU K = 64 with V = 128 (grouped or not), K = V = 128, fp32 and one decay per head pass.
+The registry's rule declines a per-channel decay below V = 128 in 16 bits on a GPU
+(kernels.backends._delta_declined). Any new launch configuration must pass that file there before
+use."""
 
 import torch
 import triton
@@ -1061,7 +1063,8 @@ def gated_delta_rule_triton(
     backend 'triton' cannot run ...") for what the registry's rule of this backend refuses
     (kernels.backends.triton_unsupported): K or V outside kernels.backends.TRITON_HEAD_DIMS
     (tl.dot wants power-of-two tiles of at least 16), tensors off CUDA (unless Triton's
-    interpreter is on, TRITON_INTERPRET=1) and fp64 inputs.
+    interpreter is on, TRITON_INTERPRET=1), fp64 inputs, and on a GPU a per-channel decay below
+    V = 128 in 16 bits (see "Hopper").
     """
     check_inputs(q, k, v, beta=beta, g=g, erase=erase, write=write, initial_state=initial_state,
                  cu_seqlens=cu_seqlens)

@@ -98,6 +98,8 @@ def _old_recurrence_auto(op, facts, passed):
     declined = backends._dims_reason(facts.key_dim, facts.value_dim)
     if op == "decay_linear_attention" and declined is None:
         declined = backends._decay_declined(facts.device, facts.dtype, facts.key_dim, facts.form)
+    if op == "gated_delta_rule" and declined is None:
+        declined = backends._delta_declined(facts.device, facts.compute_dtype, facts.value_dim, facts.form)
     if op == "dplr_delta_rule":  # its kernels see no value dim: K alone is what they tile
         declined = None if facts.key_dim in backends.TRITON_HEAD_DIMS else "K"
     return "triton" if facts.device.type == "cuda" and declined is None and passed else "chunked"
@@ -129,6 +131,23 @@ def test_auto_on_cuda_matches_the_old_policy(monkeypatch, passed):
     assert checked == len(list(recurrence_calls())) * 18
     # the self-check jobs asked are those of the call's form and dtype (and packing)
     assert ("gated_delta_rule", (("kda", "bfloat16"), ("kda_packed", "bfloat16"))) in jobs_asked
+
+
+@pytest.mark.parametrize("form", ["deltanet", "gated_deltanet", "kda", "gdn2"])
+def test_delta_rule_per_channel_decay_below_v128_runs_chunked_on_cuda(monkeypatch, form):
+    """A per-channel decay (KDA, GDN-2) at V < 128 in 16 bits is declined on a GPU (NaN gradients
+    at K = V = 64 in bf16 on an H100): auto runs chunked there, triton named refuses saying why;
+    the other forms, fp32 and V = 128 still run triton."""
+    monkeypatch.setattr(backends, "triton_verdict", lambda op, device, jobs=None: {"passed": True, "reason": ""})
+    per_channel = form in ("kda", "gdn2")
+    for value_dim, dtype in itertools.product((32, 64, 128), (torch.float32, torch.bfloat16, torch.float16)):
+        facts = registry.Facts(device=CUDA, dtype=dtype, compute_dtype=dtype, key_dim=64, value_dim=value_dim,
+                               form=form)
+        declined = per_channel and value_dim < 128 and dtype != torch.float32
+        assert registry.choose("gated_delta_rule", "auto", facts) == ("chunked" if declined else "triton")
+        if declined:
+            with pytest.raises(registry.BackendUnavailable, match=f"per-channel decay at V = {value_dim}"):
+                registry.choose("gated_delta_rule", "triton", facts)
 
 
 def test_fp64_on_cuda_runs_chunked():

@@ -39,6 +39,7 @@ import torch
 
 from megatron_ext.kernels.delta_rule import gated_delta_rule_reference, gated_delta_rule_triton
 from megatron_ext.kernels.first_use import relative_error
+from megatron_ext.kernels.registry import BackendUnavailable
 from megatron_ext.kernels.selfcheck import delta_rule_inputs
 
 pytestmark = pytest.mark.gpu
@@ -183,8 +184,15 @@ def test_production_head_dims(case):
 @pytest.mark.parametrize("case", ["gated_deltanet", "kda"])
 def test_hybrid_preset_heads(case, dtype):
     """The hybrid presets' grouping, four v heads per q/k head, at K = V = 64: _bwd_qkg sums each
-    group's q/k gradients over four v heads."""
-    check(case, device="cuda", dtype=dtype, seq_len=200, key_heads=2, value_heads=8, key_dim=64, value_dim=64)
+    group's q/k gradients over four v heads. KDA in bf16 there is declined on a GPU
+    (kernels.backends._delta_declined: its gradients came back NaN on an H100), so the backend
+    refuses it, saying why."""
+    shape = dict(seq_len=200, key_heads=2, value_heads=8, key_dim=64, value_dim=64)
+    if case == "kda" and dtype == torch.bfloat16:
+        with pytest.raises(BackendUnavailable, match="per-channel decay at V = 64"):
+            check(case, device="cuda", dtype=dtype, **shape)
+    else:
+        check(case, device="cuda", dtype=dtype, **shape)
 
 
 def test_write_residual():
