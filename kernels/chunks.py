@@ -14,7 +14,7 @@ sequences in order. :class:`ChunkLayout` holds, int32 on the device:
 A kernel parallel over chunks finds its chunk's tokens with :func:`chunk_rows`: row i of the
 chunk is token start + i, a row at or past the chunk's count is padding (each family loads it as
 a token that changes nothing). A kernel that walks a sequence's chunks in order takes them from
-seq_chunks (and the sequence's tokens from cu).
+seq_chunks and the sequence's tokens from cu, each chunk's with :func:`sequence_chunk_rows`.
 """
 import functools
 import itertools
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ChunkLayout", "chunk_layout", "chunk_rows"]
+__all__ = ["ChunkLayout", "chunk_layout", "chunk_rows", "sequence_chunk_rows"]
 
 
 class ChunkLayout(NamedTuple):
@@ -63,5 +63,17 @@ def chunk_rows(chunks_ptr, c, C: tl.constexpr):
     of tokens, its rows 0..C-1 and which of them are tokens."""
     start = tl.load(chunks_ptr + 2 * c)
     count = tl.load(chunks_ptr + 2 * c + 1) - start
+    rows = tl.arange(0, C)
+    return start.to(tl.int64), count, rows, rows < count
+
+
+@triton.jit
+def sequence_chunk_rows(bos, eos, j, C: tl.constexpr):
+    """Chunk j of the sequence spanning tokens bos .. eos - 1, from its bounds (a kernel walking a
+    sequence's chunks in order loads nothing per chunk to find them, so its loads of the chunks'
+    tiles can be issued ahead): as :func:`chunk_rows`, its first token (int64), its number of
+    tokens, its rows 0..C-1 and which of them are tokens."""
+    start = bos + j * C
+    count = tl.minimum(eos - start, C)
     rows = tl.arange(0, C)
     return start.to(tl.int64), count, rows, rows < count

@@ -71,9 +71,9 @@ scratch buffer, the total stored once in q's dtype). With a per-channel decay th
 v head per q/k head: gated_delta_rule_triton repeats q and k over each group first, and autograd
 sums their gradients back (see "Hopper"). Varlen: the chunks are those of kernels/chunks.py (ChunkLayout, C = 64): the
 chunk-parallel kernels find their chunk's tokens in its ``chunks`` table (chunk_rows), the two
-sequential ones compute them from the sequence's bounds (``cu``; its first chunk's index from
-``seq_chunks``), so that their loads do not wait on a table's; loads past a chunk's end are zero,
-which is exact padding (a zero token with g = 0 reads, writes and decays nothing).
+sequential ones compute them from the sequence's bounds (sequence_chunk_rows on ``cu``; its
+first chunk's index from ``seq_chunks``), so that their loads do not wait on a table's; loads
+past a chunk's end are zero, which is exact padding (a zero token with g = 0 reads, writes and decays nothing).
 
 Launch configurations (fixed, no autotuning, so that the configuration the tests run is the one
 that runs): num_stages 2 (3 in the state kernels for K <= 128 in 16-bit); num_warps 4 (one
@@ -138,7 +138,7 @@ import triton.language as tl
 
 from .. import registry
 from ..backends import triton_unavailable_reason
-from ..chunks import chunk_layout, chunk_rows
+from ..chunks import chunk_layout, chunk_rows, sequence_chunk_rows
 from ..common import sequence_bounds
 from .reference import OP, check_inputs
 
@@ -494,12 +494,9 @@ def _fwd_state_kernel(k_ptr, G_ptr, W_ptr, Y_ptr, KD_ptr, h_ptr, U_ptr, h0_ptr, 
         state = tl.load(h0_ptr + (n * value_heads + hv) * K * V + in_state).to(tl.float32)
     first = tl.load(seq_chunks_ptr + n).to(tl.int64)
     bos, eos = tl.load(cu_ptr + n), tl.load(cu_ptr + n + 1)
-    t = tl.arange(0, _C)
-    for j in range(0, tl.cdiv(eos - bos, _C)):  # the sequence's chunks, from its bounds
+    for j in range(0, tl.cdiv(eos - bos, _C)):
         c = first + j
-        start = (bos + j * _C).to(tl.int64)
-        count = tl.minimum(eos - bos - j * _C, _C)
-        valid = t < count
+        start, count, t, valid = sequence_chunk_rows(bos, eos, j, _C)
         tl.store(h_ptr + (c * value_heads + hv) * K * V + in_state, state.to(h_ptr.dtype.element_ty))
         w = _tile(W_ptr, start, t, valid, value_heads, hv, K, 0, K, False)
         U = _tile(Y_ptr, start, t, valid, value_heads, hv, V, v0, BV, False) - _mm(w, state, DOT, IEEE)
@@ -567,13 +564,10 @@ def _bwd_state_kernel(q_ptr, k_ptr, G_ptr, W_ptr, KD_ptr, QG_ptr, P_ptr, do_ptr,
     first = tl.load(seq_chunks_ptr + n).to(tl.int64)
     bos, eos = tl.load(cu_ptr + n), tl.load(cu_ptr + n + 1)
     chunks = tl.cdiv(eos - bos, _C)
-    t = tl.arange(0, _C)
-    for step in range(0, chunks):  # the sequence's chunks in reverse, from its bounds
+    for step in range(0, chunks):  # the sequence's chunks in reverse
         j = chunks - 1 - step
         c = first + j
-        start = (bos + j * _C).to(tl.int64)
-        count = tl.minimum(eos - bos - j * _C, _C)
-        valid = t < count
+        start, count, t, valid = sequence_chunk_rows(bos, eos, j, _C)
         tl.store(dh_ptr + (c * value_heads + hv) * K * V + in_state, d_state.to(dh_ptr.dtype.element_ty))
         d_out = _rows(do_ptr, start, t, valid, value_heads, hv, V, v0, BV) * scale
         if G_MODE == 2:
