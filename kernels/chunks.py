@@ -15,6 +15,10 @@ A kernel parallel over chunks finds its chunk's tokens with :func:`chunk_rows`: 
 chunk is token start + i, a row at or past the chunk's count is padding (each family loads it as
 a token that changes nothing). A kernel that walks a sequence's chunks in order takes them from
 seq_chunks and the sequence's tokens from cu, each chunk's with :func:`sequence_chunk_rows`.
+
+A walk may also be cut into segments of whole chunks (:func:`segment_layout`): the segments'
+ChunkLayout is the sequences' with each sequence cut every ``segment_chunks`` chunks, so its
+chunks are the sequences' chunks, numbered the same.
 """
 import functools
 import itertools
@@ -24,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ChunkLayout", "chunk_layout", "chunk_rows", "sequence_chunk_rows"]
+__all__ = ["ChunkLayout", "chunk_layout", "chunk_rows", "segment_layout", "sequence_chunk_rows"]
 
 
 class ChunkLayout(NamedTuple):
@@ -55,6 +59,24 @@ def chunk_layout(bounds: tuple[int, ...], chunk_size: int, device: torch.device)
     cu, seq_chunks_t, chunks_t = (
         part[:len(values)] for part, values in zip(table.split([len(part) for part in padded]), parts))
     return ChunkLayout(cu, seq_chunks_t, chunks_t.view(-1, 2), len(spans), seq_chunks[-1])
+
+
+@functools.lru_cache(maxsize=32)
+def segment_layout(bounds: tuple[int, ...], chunk_size: int, segment_chunks: int,
+                   device: torch.device) -> tuple[ChunkLayout, torch.Tensor]:
+    """The sequences of ``bounds`` cut into segments of ``segment_chunks`` chunks (a sequence's
+    last segment may be shorter; an empty sequence is one empty segment): the segments'
+    :class:`ChunkLayout` (its ``cu`` and ``seq_chunks`` by segment, its chunks those of
+    ``chunk_layout(bounds, chunk_size, device)``) and ``seq_segments`` [N + 1] int32 on the
+    device: sequence n's segments are seq_segments[n] .. seq_segments[n + 1] - 1."""
+    step = chunk_size * segment_chunks
+    cuts, seq_segments = [bounds[0]], [0]
+    for start, end in zip(bounds, bounds[1:]):
+        cuts += [*range(start + step, end, step), end]
+        seq_segments.append(len(cuts) - 1)
+    padded = seq_segments + [0] * (-len(seq_segments) % 16)
+    table = torch.tensor(padded, dtype=torch.int32).to(device)[:len(seq_segments)]
+    return chunk_layout(tuple(cuts), chunk_size, device), table
 
 
 @triton.jit

@@ -56,7 +56,8 @@ Kernels, in order (grids in brackets; NC chunks over all sequences, N sequences,
               of v heads, a loop over blocks of BK key channels each) or [NC, Hk, K/BK]
               (per-channel decay, Hk = Hv) -> dq, dk, d erase (or beta's share), dg
 Only the two sequential kernels loop over chunks (two dots per chunk each); everything else is
-parallel over chunks. Saved for the backward, per token and v head, in the dot dtype unless said:
+parallel over chunks, and so are they, in segments, where a walk per sequence would leave SMs idle
+(below). Saved for the backward, per token and v head, in the dot dtype unless said:
 G (fp32; K values, or 1 with one decay per head), U (V; fp32 with the write residual), T and P (64
 each), W (K), with a per-channel decay the decayed keys and queries (2 K), and the chunk states
 (K V / 64). For K = V = 128 in bf16: 512 + 256 + 256 + 256 + 512 + 512 = 2304 bytes with a
@@ -75,15 +76,32 @@ sequential ones compute them from the sequence's bounds (sequence_chunk_rows on 
 first chunk's index from ``seq_chunks``), so that their loads do not wait on a table's; loads
 past a chunk's end are zero, which is exact padding (a zero token with g = 0 reads, writes and decays nothing).
 
-Launch configurations (fixed, no autotuning, so that the configuration the tests run is the one
-that runs): num_stages 2 (3 in the state kernels for K <= 128 in 16-bit); num_warps 4 (one
-warpgroup) for _chunk_cumsum, _invert, _fwd_output, _bwd_scores and _bwd_qkg (8 in those two in
-fp32), 8 for the others. Tiles (each capped at K or V): BK = 32 in _fwd_scores and _bwd_qkg (16 in
-_bwd_qkg with a per-channel decay), else 64; BV = 32 in _bwd_scores, min(64, 4096 / K) in
-_fwd_state, 64 in _bwd_state up to K = 128 in bf16 and fp16 (else as in _fwd_state: at K = 256 and
-BV = 32 it would need 244 KB of shared memory), else 64; the two state kernels' BV then halves
-(down to 16) while (sequences x value heads x V / BV) programs fit on the SMs
-(``_parallel_block``). These are chosen so that ptxas spills nothing or little (at most ~150 bytes
+Segmented walks. Both walks are affine in the state they start from: across a chunk the forward
+takes S to (Diag(Gamma_C) - (k Gamma_C / Gamma)^T W) S + (k Gamma_C / Gamma)^T Y, the backward dS_C
+to (Diag(Gamma_C) - W^T (k Gamma_C / Gamma)) dS_C + ((Gamma q)^T - W^T P^T) dO' (- W^T dR). Where
+(sequences x v heads) walks leave SMs idle even at the narrowest value tile (B = 1 at long T) and
+K <= 128, each sequence is cut into segments of 16 chunks (``_segment_chunks``,
+chunks.segment_layout) and a state walk is three launches, in either direction:
+    1. (WALK 1) each segment from a zero state, over its V value columns and K more "transition"
+       columns that start as the identity's and take Y = 0 (dO = dR = 0): the segment's map
+       S -> M S + L, stored as [L | M] per segment and v head ([segments, Hv, K, V + K], fp32);
+    2. _combine_segments_kernel [N, Hv, V/BV], along each sequence's segments (in reverse for the
+       backward), S <- M S + L in fp32 from the initial state (dS of the final one): the state
+       entering each segment and the final state (the initial state's gradient);
+    3. (WALK 2) each segment from its entering state, storing what a whole walk stores (the chunk
+       states and U; dS_C and dU), so the kernels after it are unchanged.
+Steps 1 and 3 run segments x v heads x tiles programs, each walking 16 chunks, where a whole walk
+runs sequences x v heads x tiles programs walking every chunk.
+
+Launch configurations (fixed, no autotuning, so that the configuration the tests run is the one that
+runs): num_stages 2 (3 in the state kernels for K <= 128 in 16-bit); num_warps 4 (one warpgroup) for
+_chunk_cumsum, _invert, _fwd_output, _bwd_scores and _bwd_qkg (8 in those two in fp32), 8 for the
+others. Tiles (each capped at K or V): BK = 32 in _fwd_scores and _bwd_qkg (16 in _bwd_qkg with a
+per-channel decay), else 64; BV = 32 in _bwd_scores, min(64, 4096 / K) in _fwd_state, 64 in
+_bwd_state up to K = 128 in bf16 and fp16 (else as in _fwd_state: at K = 256 and BV = 32 it would
+need 244 KB of shared memory), else 64; the two state kernels' BV then halves (down to 16) while
+(sequences x value heads x V / BV) programs fit on the SMs (``_parallel_block``), or, in segmented
+walks, are capped at K. These are chosen so that ptxas spills nothing or little (at most ~150 bytes
 per thread) for sm_90 in bf16 with K, V of 64, 128 and 256 (compiled without a GPU). The fp32 path,
 whose dots run on FMA units, spills a lot (_bwd_qkg and _fwd_scores with a per-channel decay ~1 KB
 per thread at 8 warps, _bwd_qkg 24 KB and _bwd_scores 8 to 15 KB at 4, hence 8; _bwd_state twice as
@@ -138,7 +156,7 @@ import triton.language as tl
 
 from .. import registry
 from ..backends import triton_unavailable_reason
-from ..chunks import chunk_layout, chunk_rows, sequence_chunk_rows
+from ..chunks import chunk_layout, chunk_rows, segment_layout, sequence_chunk_rows
 from ..common import sequence_bounds
 from .reference import OP, check_inputs
 
@@ -147,6 +165,7 @@ __all__ = ["gated_delta_rule_triton", "triton_unavailable_reason"]
 _C = tl.constexpr(64)    # chunk size
 _SUB = tl.constexpr(16)  # sub-block of the per-channel decay and of the triangular inverse
 _NUM_STAGES = 2
+_SEGMENT_CHUNKS = 16  # chunks per segment of a segmented state walk
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -475,32 +494,66 @@ def _fwd_prepare_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, erase_ptr, write_ptr, G_p
         _put(Y_ptr, start, t, valid, value_heads, hv, V, v0, BV, _mm(inverse, x, DOT, IEEE))
 
 
+@triton.jit
+def _walk_start(init_ptr, n, value_heads, hv, K: tl.constexpr, V: tl.constexpr, v0, BV: tl.constexpr,
+                has_init, WALK: tl.constexpr):
+    """The state a state walk (_fwd_state, _bwd_state) starts from, [K, BV] fp32, and whether its
+    columns are value columns. WALK 0 (whole sequences) and 2 (segments from their entering
+    states): columns v0.. of init [n, hv] ([N, Hv, K, V]), zero without it. WALK 1 (segments,
+    local): the value columns (v0 < V) start from zero and the transition columns V.. V + K - 1
+    from the identity's (see "Segmented walks")."""
+    rows = tl.arange(0, K)
+    cols = v0 + tl.arange(0, BV)
+    if WALK == 1:
+        state = tl.where(rows[:, None] == cols[None, :] - V, 1.0, 0.0)
+    else:
+        state = tl.zeros([K, BV], dtype=tl.float32)
+        if has_init != 0:
+            state = tl.load(init_ptr + (n * value_heads + hv) * K * V + rows[:, None] * V + cols[None, :]
+                            ).to(tl.float32)
+    return state, v0 < V
+
+
+@triton.jit
+def _walk_end(out_ptr, n, value_heads, hv, K: tl.constexpr, V: tl.constexpr, v0, BV: tl.constexpr, state,
+              WALK: tl.constexpr):
+    """Store the state a walk ends with: WALK 0 at [n, hv] of out [N, Hv, K, V]; WALK 1 at
+    columns v0.. of out [segments, Hv, K, V + K]; WALK 2 not at all (the combine has it)."""
+    if WALK != 2:
+        width = V + K if WALK == 1 else V
+        rows = tl.arange(0, K)
+        cols = v0 + tl.arange(0, BV)
+        tl.store(out_ptr + (n * value_heads + hv) * K * width + rows[:, None] * width + cols[None, :], state)
+
+
 @triton.jit(do_not_specialize=["key_heads", "value_heads", "group", "has_initial"])
 def _fwd_state_kernel(k_ptr, G_ptr, W_ptr, Y_ptr, KD_ptr, h_ptr, U_ptr, h0_ptr, final_ptr,
                       cu_ptr, seq_chunks_ptr, key_heads, value_heads, group, has_initial,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G_MODE: tl.constexpr,
-                      DOT: tl.constexpr, IEEE: tl.constexpr):
-    """One sequence, v head and block of V columns, chunk after chunk: U = Y - W S and
-    S <- Diag(Gamma_C) S + (k Gamma_C / Gamma)^T U; stores the state entering each chunk, U and
-    the final state."""
+                      WALK: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """One walk (a sequence, or a segment: see "Segmented walks"), v head and block of BV
+    columns, chunk after chunk: U = Y - W S and S <- Diag(Gamma_C) S + (k Gamma_C / Gamma)^T U;
+    stores the state entering each chunk, U and the final state (WALK 0), only the final state
+    (WALK 1, where transition columns have Y = 0), or all but the final state (WALK 2)."""
     n = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     v0 = tl.program_id(2) * BV
     hk = hv // group
-    rows = tl.arange(0, K)
-    in_state = rows[:, None] * V + (v0 + tl.arange(0, BV))[None, :]
-    state = tl.zeros([K, BV], dtype=tl.float32)
-    if has_initial != 0:
-        state = tl.load(h0_ptr + (n * value_heads + hv) * K * V + in_state).to(tl.float32)
+    in_state = tl.arange(0, K)[:, None] * V + (v0 + tl.arange(0, BV))[None, :]
+    state, values = _walk_start(h0_ptr, n, value_heads, hv, K, V, v0, BV, has_initial, WALK)
+    y0 = v0 % V  # a transition column's Y is zero: its load is masked off, its address in range
     first = tl.load(seq_chunks_ptr + n).to(tl.int64)
     bos, eos = tl.load(cu_ptr + n), tl.load(cu_ptr + n + 1)
     for j in range(0, tl.cdiv(eos - bos, _C)):
         c = first + j
         start, count, t, valid = sequence_chunk_rows(bos, eos, j, _C)
-        tl.store(h_ptr + (c * value_heads + hv) * K * V + in_state, state.to(h_ptr.dtype.element_ty))
+        if WALK != 1:
+            tl.store(h_ptr + (c * value_heads + hv) * K * V + in_state, state.to(h_ptr.dtype.element_ty))
         w = _tile(W_ptr, start, t, valid, value_heads, hv, K, 0, K, False)
-        U = _tile(Y_ptr, start, t, valid, value_heads, hv, V, v0, BV, False) - _mm(w, state, DOT, IEEE)
-        _put(U_ptr, start, t, valid, value_heads, hv, V, v0, BV, U)
+        U = (_tile(Y_ptr, start, t, valid & values, value_heads, hv, V, y0, BV, False)
+             - _mm(w, state, DOT, IEEE))
+        if WALK != 1:
+            _put(U_ptr, start, t, valid, value_heads, hv, V, v0, BV, U)
         if G_MODE == 2:
             keys_t = _tile(KD_ptr, start, t, valid, value_heads, hv, K, 0, K, True)
         else:
@@ -512,7 +565,36 @@ def _fwd_state_kernel(k_ptr, G_ptr, W_ptr, Y_ptr, KD_ptr, h_ptr, U_ptr, h0_ptr, 
         elif G_MODE == 2:
             state = state * _channel_decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K)
         state += _mm(keys_t, U, DOT, IEEE)
-    tl.store(final_ptr + (n * value_heads + hv) * K * V + in_state, state)
+    _walk_end(final_ptr, n, value_heads, hv, K, V, v0, BV, state, WALK)
+
+
+@triton.jit(do_not_specialize=["value_heads", "has_init"])
+def _combine_segments_kernel(LM_ptr, init_ptr, starts_ptr, out_ptr, seq_segments_ptr, value_heads, has_init,
+                             K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr):
+    """One sequence, v head and block of BV columns, segment after segment (in reverse with
+    REVERSE): stores the state entering each segment in starts [segments, Hv, K, V] and moves it
+    across the segment, S <- M S + L with M and L the segment's WALK 1 result in LM
+    [segments, Hv, K, V + K] (L its value columns, M its transition columns); starts from init
+    [N, Hv, K, V] (zero without it) and stores the last state in out [N, Hv, K, V]. All fp32,
+    the dot in full fp32."""
+    n = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    v0 = tl.program_id(2) * BV
+    rows = tl.arange(0, K)
+    in_state = rows[:, None] * V + (v0 + tl.arange(0, BV))[None, :]
+    state, _ = _walk_start(init_ptr, n, value_heads, hv, K, V, v0, BV, has_init, 0)
+    first = tl.load(seq_segments_ptr + n)
+    segments = tl.load(seq_segments_ptr + n + 1) - first
+    for i in range(0, segments):
+        if REVERSE:
+            s = (first + segments - 1 - i).to(tl.int64)
+        else:
+            s = (first + i).to(tl.int64)
+        tl.store(starts_ptr + (s * value_heads + hv) * K * V + in_state, state)
+        base = LM_ptr + (s * value_heads + hv) * K * (V + K) + rows[:, None] * (V + K)
+        transition = tl.load(base + V + rows[None, :])
+        state = tl.load(base + (v0 + tl.arange(0, BV))[None, :]) + _mm(transition, state, tl.float32, True)
+    tl.store(out_ptr + (n * value_heads + hv) * K * V + in_state, state)
 
 
 @triton.jit(do_not_specialize=["key_heads", "value_heads", "group"])
@@ -551,25 +633,29 @@ def _bwd_state_kernel(q_ptr, k_ptr, G_ptr, W_ptr, KD_ptr, QG_ptr, P_ptr, do_ptr,
                       dh_ptr, dU_ptr, dh0_ptr, cu_ptr, seq_chunks_ptr,
                       key_heads, value_heads, group, scale,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, G_MODE: tl.constexpr,
-                      HAS_DR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
-    """One sequence, v head and block of V columns, chunk after chunk in reverse:
-    dU = P^T dO' + (k Gamma_C / Gamma) dS_C and dS_0 = Diag(Gamma_C) dS_C + (Gamma q)^T dO' -
-    W^T dU; stores dS_C per chunk, dU, and the initial state's gradient."""
+                      HAS_DR: tl.constexpr, WALK: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """One walk (a sequence, or a segment: see "Segmented walks"), v head and block of BV
+    columns, chunk after chunk in reverse: dU = P^T dO' + (k Gamma_C / Gamma) dS_C and
+    dS_0 = Diag(Gamma_C) dS_C + (Gamma q)^T dO' - W^T dU; stores dS_C per chunk, dU and the
+    initial state's gradient (WALK 0), only the last (WALK 1, where transition columns have
+    dO = 0), or all but the last (WALK 2)."""
     n = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     v0 = tl.program_id(2) * BV
     hk = hv // group
     in_state = tl.arange(0, K)[:, None] * V + (v0 + tl.arange(0, BV))[None, :]
-    d_state = tl.load(dfinal_ptr + (n * value_heads + hv) * K * V + in_state)
+    d_state, values = _walk_start(dfinal_ptr, n, value_heads, hv, K, V, v0, BV, 1, WALK)
+    y0 = v0 % V  # a transition column's dO is zero: its load is masked off, its address in range
     first = tl.load(seq_chunks_ptr + n).to(tl.int64)
     bos, eos = tl.load(cu_ptr + n), tl.load(cu_ptr + n + 1)
     chunks = tl.cdiv(eos - bos, _C)
-    for step in range(0, chunks):  # the sequence's chunks in reverse
+    for step in range(0, chunks):  # the walk's chunks in reverse
         j = chunks - 1 - step
         c = first + j
         start, count, t, valid = sequence_chunk_rows(bos, eos, j, _C)
-        tl.store(dh_ptr + (c * value_heads + hv) * K * V + in_state, d_state.to(dh_ptr.dtype.element_ty))
-        d_out = _rows(do_ptr, start, t, valid, value_heads, hv, V, v0, BV) * scale
+        if WALK != 1:
+            tl.store(dh_ptr + (c * value_heads + hv) * K * V + in_state, d_state.to(dh_ptr.dtype.element_ty))
+        d_out = _rows(do_ptr, start, t, valid & values, value_heads, hv, V, y0, BV) * scale
         if G_MODE == 2:
             keys = _tile(KD_ptr, start, t, valid, value_heads, hv, K, 0, K, False)
             queries_t = _tile(QG_ptr, start, t, valid, value_heads, hv, K, 0, K, True)
@@ -583,15 +669,16 @@ def _bwd_state_kernel(q_ptr, k_ptr, G_ptr, W_ptr, KD_ptr, QG_ptr, P_ptr, do_ptr,
         d_u = (_mm(_square(P_ptr, (c * value_heads + hv) * _C * _C, True), d_out, DOT, IEEE)
                + _mm(keys, d_state, DOT, IEEE))
         if HAS_DR:
-            d_u += _rows(dr_ptr, start, t, valid, value_heads, hv, V, v0, BV)
-        _put(dU_ptr, start, t, valid, value_heads, hv, V, v0, BV, d_u)
+            d_u += _rows(dr_ptr, start, t, valid & values, value_heads, hv, V, y0, BV)
+        if WALK != 1:
+            _put(dU_ptr, start, t, valid, value_heads, hv, V, v0, BV, d_u)
         if G_MODE == 1:
             d_state = d_state * chunk_decay
         elif G_MODE == 2:
             d_state = d_state * _channel_decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K)
         d_state += (_mm(queries_t, d_out, DOT, IEEE)
                     - _mm(_tile(W_ptr, start, t, valid, value_heads, hv, K, 0, K, True), d_u, DOT, IEEE))
-    tl.store(dh0_ptr + (n * value_heads + hv) * K * V + in_state, d_state)
+    _walk_end(dh0_ptr, n, value_heads, hv, K, V, v0, BV, d_state, WALK)
 
 
 @triton.jit(do_not_specialize=["value_heads"])
@@ -864,10 +951,21 @@ class _Config:
         bwd_state_block_v = state_block_v if fp32 or key_dim > 128 else min(value_dim, 64)
         # The state kernels walk each sequence's chunks in one program per (sequence, head, value
         # tile); with few sequences and heads (B = 1 at long T) most SMs would idle, so the value
-        # tile narrows (down to 16) while the programs still fit on the SMs at once.
+        # the tile narrows (down to 16) while the programs still fit on the SMs at once; where even
+        # that leaves SMs idle, the walks are cut into segments instead (see "Segmented walks").
+        bounds = sequence_bounds(cu_seqlens, self.batch, self.seq_len)
+        longest = max(-(-(end - start) // _C.value) for start, end in zip(bounds, bounds[1:]))
         programs = self.num_states * self.value_heads
-        self.state_block_v = _parallel_block(state_block_v, value_dim, programs, q.device)
-        self.bwd_state_block_v = _parallel_block(bwd_state_block_v, value_dim, programs, q.device)
+        self.segment_chunks = _segment_chunks(programs, key_dim, value_dim, longest, q.device)
+        if self.segment_chunks:
+            walks, self.seq_segments = segment_layout(bounds, _C.value, self.segment_chunks, q.device)
+            self.walk_cu, self.walk_chunks, self.num_walks = walks.cu, walks.seq_chunks, walks.num_seqs
+            self.state_block_v = min(state_block_v, key_dim)  # transition columns come K at a time
+            self.bwd_state_block_v = min(bwd_state_block_v, key_dim)
+        else:
+            self.walk_cu, self.walk_chunks, self.num_walks = self.cu, self.seq_chunks, self.num_states
+            self.state_block_v = _parallel_block(state_block_v, value_dim, programs, q.device)
+            self.bwd_state_block_v = _parallel_block(bwd_state_block_v, value_dim, programs, q.device)
         # The state kernels' loop is a chain of small dots, shorter than a load's latency: with 3
         # stages Triton's pipeliner loads the chunk after next while one is computed (with 2 it
         # waits for each chunk's tiles at the top of its step). At K = 256, and in fp32, 3 stages
@@ -881,14 +979,27 @@ class _Config:
                            dtype=dtype or self.store_dtype)
 
 
+def _sms(device) -> int:
+    """The device's SMs (the interpreter: as a GPU of 128 SMs)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 128
+
+
 def _parallel_block(block_v: int, value_dim: int, programs: int, device) -> int:
     """The widest value tile <= block_v (a power of two >= 16) at which ``programs`` x the value
     tiles still fit on the device's SMs, or block_v where even it does not."""
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" else 128)  # the interpreter: as a GPU of 128 SMs
-    while block_v > 16 and programs * (value_dim // (block_v // 2)) <= sms:
+    while block_v > 16 and programs * (value_dim // (block_v // 2)) <= _sms(device):
         block_v //= 2
     return block_v
+
+
+def _segment_chunks(programs: int, key_dim: int, value_dim: int, longest: int, device) -> int:
+    """Chunks per segment of the state walks (see "Segmented walks"), or 0 to walk whole
+    sequences: segments of _SEGMENT_CHUNKS where ``programs`` (sequences x v heads) walks at the
+    narrowest value tile (16) would leave SMs idle, the longest sequence has at least two
+    segments' chunks, and K <= 128 (the combine holds a K x K transition)."""
+    if programs * (value_dim // 16) >= _sms(device) or longest < 2 * _SEGMENT_CHUNKS or key_dim > 128:
+        return 0
+    return _SEGMENT_CHUNKS
 
 
 def _flat(tensor):
@@ -929,12 +1040,25 @@ def _forward(cfg: _Config, q, k, v, beta, g, erase, write, initial_state):
             WRITE=cfg.write, num_warps=8, num_stages=stages, **cfg.flags)
     else:
         Y = dummy
-    _fwd_state_kernel[(cfg.num_states, Hv, V // cfg.state_block_v)](
-        k, G, W, Y, KD, h, U, final if initial_state is None else initial_state, final,
-        cfg.cu, cfg.seq_chunks, Hk, Hv, cfg.group, int(initial_state is not None),
-        K=K, V=V, BV=cfg.state_block_v, G_MODE=cfg.g_mode,
-        num_warps=8, num_stages=cfg.state_stages, **cfg.flags)
-    del Y
+
+    def walk(columns, h, U, h0, final, has_initial, WALK):  # see "Segmented walks"
+        _fwd_state_kernel[(cfg.num_walks, Hv, columns // cfg.state_block_v)](
+            k, G, W, Y, KD, h, U, h0, final, cfg.walk_cu, cfg.walk_chunks, Hk, Hv, cfg.group, has_initial,
+            K=K, V=V, BV=cfg.state_block_v, G_MODE=cfg.g_mode, WALK=WALK, num_warps=8,
+            num_stages=cfg.state_stages, **cfg.flags)
+
+    if cfg.segment_chunks:
+        LM = torch.empty(cfg.num_walks, Hv, K, V + K, device=device, dtype=torch.float32)
+        walk(V + K, dummy, dummy, dummy, LM, 0, WALK=1)
+        starts = torch.empty(cfg.num_walks, Hv, K, V, device=device, dtype=torch.float32)
+        _combine_segments_kernel[(cfg.num_states, Hv, V // cfg.state_block_v)](
+            LM, dummy if initial_state is None else initial_state, starts, final, cfg.seq_segments, Hv,
+            int(initial_state is not None), K=K, V=V, BV=cfg.state_block_v, REVERSE=False, num_warps=4)
+        del LM
+        walk(V, h, U, starts, dummy, 1, WALK=2)
+    else:
+        walk(V, h, U, dummy if initial_state is None else initial_state, final, int(initial_state is not None),
+             WALK=0)
     if NC > 0:
         _fwd_output_kernel[(NC, Hv, V // cfg.block_v)](
             q, G, QG, P, h, U, o, cfg.chunks, Hk, Hv, cfg.group, cfg.scale,
@@ -958,11 +1082,25 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
     dh = torch.empty(NC, Hv, K, V, device=device, dtype=cfg.store_dtype)
     dU = cfg.empty(V)  # every reader feeds it to tl.dot, which rounds it to the dot dtype
     dh0 = torch.empty(cfg.num_states, Hv, K, V, device=device, dtype=torch.float32)
-    _bwd_state_kernel[(cfg.num_states, Hv, V // cfg.bwd_state_block_v)](
-        q, k, G, W, KD, QG, P, d_o, dummy if d_residual is None else d_residual, d_final, dh, dU, dh0,
-        cfg.cu, cfg.seq_chunks, Hk, Hv, cfg.group, cfg.scale,
-        K=K, V=V, BV=cfg.bwd_state_block_v, G_MODE=cfg.g_mode, HAS_DR=d_residual is not None,
-        num_warps=8, num_stages=cfg.state_stages, **cfg.flags)
+
+    def walk(columns, d_final, dh, dU, dh0, WALK):  # see "Segmented walks"
+        _bwd_state_kernel[(cfg.num_walks, Hv, columns // cfg.bwd_state_block_v)](
+            q, k, G, W, KD, QG, P, d_o, dummy if d_residual is None else d_residual, d_final, dh, dU, dh0,
+            cfg.walk_cu, cfg.walk_chunks, Hk, Hv, cfg.group, cfg.scale, K=K, V=V, BV=cfg.bwd_state_block_v,
+            G_MODE=cfg.g_mode, HAS_DR=d_residual is not None, WALK=WALK, num_warps=8,
+            num_stages=cfg.state_stages, **cfg.flags)
+
+    if cfg.segment_chunks:
+        LM = torch.empty(cfg.num_walks, Hv, K, V + K, device=device, dtype=torch.float32)
+        walk(V + K, dummy, dummy, dummy, LM, WALK=1)
+        ends = torch.empty(cfg.num_walks, Hv, K, V, device=device, dtype=torch.float32)
+        _combine_segments_kernel[(cfg.num_states, Hv, V // cfg.bwd_state_block_v)](
+            LM, d_final, ends, dh0, cfg.seq_segments, Hv, 1, K=K, V=V, BV=cfg.bwd_state_block_v,
+            REVERSE=True, num_warps=4)
+        del LM
+        walk(V, ends, dh, dU, dummy, WALK=2)
+    else:
+        walk(V, d_final, dh, dU, dh0, WALK=0)
 
     # With grouped heads (one decay per head or none; gated_delta_rule_triton gives a per-channel
     # decay one v head per q/k head) a _bwd_qkg program sums its group's shares of dq and dk, with

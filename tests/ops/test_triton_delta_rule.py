@@ -8,7 +8,8 @@ write residual where asked) w.r.t. every input, gates and initial state included
 drawn as bf16 values for every checked dtype (gates and initial state in fp32), so that one
 reference run serves all dtypes; the fp32 checks still run the kernels' fp32 path throughout.
 The layouts: T of 1, 63, 64, 65 and 200 (one token, either side of a chunk boundary, several
-chunks with a partial last one), grouped heads (Hk = 2 q/k heads for Hv = 4) and Hk = Hv, packed
+chunks with a partial last one), state walks cut into segments (as chosen at T = 2085, B = 1, and
+forced to 2 chunks over packed sequences), grouped heads (Hk = 2 q/k heads for Hv = 4) and Hk = Hv, packed
 sequences of 37, 27, 0 and 66 tokens (an empty one, and one across a chunk boundary) with an
 initial state each, K != V (64 and 128, so that a transposed state cannot pass) and K = V = 128
 (the production head dim); and strong decay, with log-decays from 0 down to -20 per token, so
@@ -32,12 +33,14 @@ Tolerances, relative errors in the Frobenius norm, ||actual - expected|| / ||exp
 A kernel that faults (an illegal memory access) leaves the process's CUDA context unusable: the
 tests after it then fail at once, each naming the test that faulted.
 """
+import contextlib
 import functools
 
 import pytest
 import torch
 
 from megatron_ext.kernels.delta_rule import gated_delta_rule_reference, gated_delta_rule_triton
+from megatron_ext.kernels.delta_rule import triton as delta_rule_triton
 from megatron_ext.kernels.first_use import relative_error
 from megatron_ext.kernels.registry import BackendUnavailable
 from megatron_ext.kernels.selfcheck import delta_rule_inputs
@@ -124,16 +127,32 @@ def _expected(case, batch, seq_len, cu_seqlens, key_heads, value_heads, key_dim,
     return inputs, options, weights, expected
 
 
+@contextlib.contextmanager
+def _segmented_walks(segment_chunks):
+    """Inside, the kernels cut their state walks into segments of ``segment_chunks`` chunks where
+    they cut them at all (``_segment_chunks``); on leaving, assert that every call did."""
+    module, chosen = delta_rule_triton, []
+    saved, decide = module._SEGMENT_CHUNKS, module._segment_chunks
+    module._SEGMENT_CHUNKS = segment_chunks
+    module._segment_chunks = lambda *args: chosen.append(decide(*args)) or chosen[-1]
+    try:
+        yield
+    finally:
+        module._SEGMENT_CHUNKS, module._segment_chunks = saved, decide
+    assert chosen and all(c == segment_chunks for c in chosen), chosen
+
+
 def check(case, *, device, dtype=torch.float32, batch=2, seq_len=None, cu_seqlens=None,
           key_heads=2, value_heads=4, key_dim=KEY_DIM, value_dim=VALUE_DIM, strong_decay=False,
-          residual=False, erase_with_beta=False, seed=0) -> dict[str, float]:
+          residual=False, erase_with_beta=False, segment_chunks=None, seed=0) -> dict[str, float]:
     """Run the triton backend on ``device`` with q, k, v in ``dtype`` against the fp64 reference on
     the same values; assert that every output and gradient is within the tolerance (NaN is not);
     return the errors by name.
 
     ``cu_seqlens`` (a list) packs sequences (then batch is 1); ``erase_with_beta`` (kda only) adds
     an erase gate per key channel, so that beta is the write gate alone; ``residual`` also
-    compares the write residual and its gradient."""
+    compares the write residual and its gradient; ``segment_chunks`` runs segmented state walks
+    of that many chunks (asserting that they ran)."""
     if cu_seqlens is not None:
         batch, seq_len = 1, cu_seqlens[-1]
     inputs, options, weights, (expected, expected_grads) = _expected(
@@ -142,7 +161,8 @@ def check(case, *, device, dtype=torch.float32, batch=2, seq_len=None, cu_seqlen
     inputs = {name: tensor.to(device=device, dtype=dtype if name in ("q", "k", "v") else tensor.dtype)
               for name, tensor in inputs.items()}
     options = {name: value.to(device) if torch.is_tensor(value) else value for name, value in options.items()}
-    actual, actual_grads = _run(gated_delta_rule_triton, inputs, weights, options)
+    with _segmented_walks(segment_chunks) if segment_chunks else contextlib.nullcontext():
+        actual, actual_grads = _run(gated_delta_rule_triton, inputs, weights, options)
 
     assert actual[0].dtype == dtype and actual[1].dtype == torch.float32
     names = ["o", "final_state", "write_residual"]
@@ -193,6 +213,15 @@ def test_hybrid_preset_heads(case, dtype):
             check(case, device="cuda", dtype=dtype, **shape)
     else:
         check(case, device="cuda", dtype=dtype, **shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES)
+def test_segmented_walks(case, dtype):
+    """The state walks in segments: as they are chosen (one sequence of 33 chunks, few heads: 16
+    chunks a segment) and, forced to 2 chunks, over packed sequences with initial states."""
+    check(case, device="cuda", dtype=dtype, batch=1, seq_len=2085, segment_chunks=16)
+    check(case, device="cuda", dtype=dtype, cu_seqlens=[0, 37, 64, 64, 330], segment_chunks=2)
 
 
 def test_write_residual():

@@ -33,7 +33,8 @@ TESTS = pathlib.Path(__file__).parents[1]  # triton_interpreter.py
 # erase gate next to beta, fp16, bf16 without a decay and with a per-channel one (the forms whose
 # bf16 backward failed on an H200), and bf16 at K = V = 128 with one decay per head (the
 # benchmark's form: several blocks of V in _bwd_scores and in the sequential kernels, BV = 64 in
-# _bwd_state).
+# _bwd_state); and state walks cut into segments of 2 chunks (packed sequences, one empty, with
+# initial states; the write residual's gradient; bf16).
 SMALL = dict(key_heads=1, value_heads=2, key_dim=16, value_dim=32)
 CASES = [
     *(dict(case=case, seq_len=70, **SMALL) for case in ("deltanet", "gated_deltanet", "kda", "gdn2")),
@@ -51,6 +52,9 @@ CASES = [
     dict(SMALL, case="kda", seq_len=40, dtype="float16"),
     *(dict(SMALL, case=case, seq_len=70, dtype="bfloat16") for case in ("deltanet", "kda")),
     dict(SMALL, case="gated_deltanet", seq_len=70, key_dim=128, value_dim=128, dtype="bfloat16"),
+    dict(SMALL, case="kda", cu_seqlens=[0, 37, 64, 64, 330], segment_chunks=2),
+    dict(SMALL, case="gdn2", seq_len=290, residual=True, segment_chunks=2),
+    dict(SMALL, case="gated_deltanet", seq_len=300, dtype="bfloat16", segment_chunks=2),
 ]
 
 # The interpreter set up as for the other interpreter tests (tests/triton_interpreter.py: one
