@@ -576,7 +576,8 @@ def _combine_segments_kernel(LM_ptr, init_ptr, starts_ptr, out_ptr, seq_segments
     across the segment, S <- M S + L with M and L the segment's WALK 1 result in LM
     [segments, Hv, K, V + K] (L its value columns, M its transition columns); starts from init
     [N, Hv, K, V] (zero without it) and stores the last state in out [N, Hv, K, V]. All fp32,
-    the dot in full fp32."""
+    the product in "tf32x3" (three TF32 products on tensor cores, about fp32's accuracy; "ieee"
+    on FMA units spills kilobytes a thread at K = 64)."""
     n = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     v0 = tl.program_id(2) * BV
@@ -593,7 +594,7 @@ def _combine_segments_kernel(LM_ptr, init_ptr, starts_ptr, out_ptr, seq_segments
         tl.store(starts_ptr + (s * value_heads + hv) * K * V + in_state, state)
         base = LM_ptr + (s * value_heads + hv) * K * (V + K) + rows[:, None] * (V + K)
         transition = tl.load(base + V + rows[None, :])
-        state = tl.load(base + (v0 + tl.arange(0, BV))[None, :]) + _mm(transition, state, tl.float32, True)
+        state = tl.load(base + (v0 + tl.arange(0, BV))[None, :]) + tl.dot(transition, state, input_precision="tf32x3")
     tl.store(out_ptr + (n * value_heads + hv) * K * V + in_state, state)
 
 
@@ -1053,7 +1054,7 @@ def _forward(cfg: _Config, q, k, v, beta, g, erase, write, initial_state):
         starts = torch.empty(cfg.num_walks, Hv, K, V, device=device, dtype=torch.float32)
         _combine_segments_kernel[(cfg.num_states, Hv, V // cfg.state_block_v)](
             LM, dummy if initial_state is None else initial_state, starts, final, cfg.seq_segments, Hv,
-            int(initial_state is not None), K=K, V=V, BV=cfg.state_block_v, REVERSE=False, num_warps=4)
+            int(initial_state is not None), K=K, V=V, BV=cfg.state_block_v, REVERSE=False, num_warps=8)
         del LM
         walk(V, h, U, starts, dummy, 1, WALK=2)
     else:
@@ -1096,7 +1097,7 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
         ends = torch.empty(cfg.num_walks, Hv, K, V, device=device, dtype=torch.float32)
         _combine_segments_kernel[(cfg.num_states, Hv, V // cfg.bwd_state_block_v)](
             LM, d_final, ends, dh0, cfg.seq_segments, Hv, 1, K=K, V=V, BV=cfg.bwd_state_block_v,
-            REVERSE=True, num_warps=4)
+            REVERSE=True, num_warps=8)
         del LM
         walk(V, ends, dh, dU, dummy, WALK=2)
     else:
