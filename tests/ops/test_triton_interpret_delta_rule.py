@@ -2,9 +2,10 @@
 interpreter (TRITON_INTERPRET=1), against the reference: the ``check`` of
 tests/ops/test_triton_delta_rule.py on small shapes in fp32, and in bf16 and fp16 (the tensor-core
 path's storage dtypes and casts), in a subprocess (the interpreter must be switched on before the
-kernels are defined), every load and store checked to stay inside the launch's tensors; the triangular inverse (_invert_kernel) alone against the inverse in fp64;
-and the messages for what the backend refuses. Skipped where Triton does not import. About 100 s
-on two busy cores.
+kernels are defined), every load and store checked to stay inside the launch's tensors; the
+triangular inverse (_invert_kernel) alone against the inverse in fp64; when the state walks are
+cut into segments; and the messages for what the backend refuses. Skipped where Triton does not
+import. About 100 s on two busy cores.
 
 The interpreter runs each program as numpy code: it checks the algebra, indexing, masking and
 varlen handling of the kernels, not GPU code generation, layouts or speed.
@@ -124,3 +125,18 @@ def test_unsupported_head_dims_and_devices_are_refused():
         cuda = {name: tensor.cuda() for name, tensor in inputs.items()}
         with pytest.raises(RuntimeError, match=r"backend 'triton' cannot run inputs in torch.float64"):
             gated_delta_rule(**cuda, backend="triton")
+
+
+def test_state_walks_are_segmented_where_whole_walks_would_leave_sms_idle():
+    """_segment_chunks on a device of 128 SMs (the CPU stands for one): segments of 16 chunks where
+    the whole walks at the narrowest value tile (16) fill at most half the SMs and the longest
+    sequence has two segments' chunks; whole walks otherwise, and at K = 256."""
+    from megatron_ext.kernels.delta_rule.triton import _segment_chunks
+
+    cpu = torch.device("cpu")
+    assert _segment_chunks(16, 64, 64, 256, cpu) == 16  # B = 1, Hv = 16 at T = 16384: 64 programs
+    assert _segment_chunks(16, 64, 64, 32, cpu) == 16
+    assert _segment_chunks(16, 64, 64, 31, cpu) == 0  # too short for two segments
+    assert _segment_chunks(32, 64, 64, 256, cpu) == 0  # B = 2: 128 programs at BV = 16
+    assert _segment_chunks(8, 128, 128, 256, cpu) == 16  # 64 programs at BV = 16
+    assert _segment_chunks(16, 256, 64, 256, cpu) == 0  # K = 256
