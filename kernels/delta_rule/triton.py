@@ -935,7 +935,8 @@ class _Config:
         self.want_residual = want_residual
         self.store_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         self.flags = dict(DOT=_DOT_DTYPES[self.store_dtype], IEEE=self.store_dtype == torch.float32)
-        layout = chunk_layout(sequence_bounds(cu_seqlens, self.batch, self.seq_len), _C.value, q.device)
+        bounds = sequence_bounds(cu_seqlens, self.batch, self.seq_len)
+        layout = chunk_layout(bounds, _C.value, q.device)
         self.chunks, self.cu, self.seq_chunks = layout.chunks, layout.cu, layout.seq_chunks
         self.num_chunks, self.num_states = layout.num_chunks, layout.num_seqs
         key_dim, value_dim = self.key_dim, self.value_dim
@@ -954,8 +955,7 @@ class _Config:
         # tile); with few sequences and heads (B = 1 at long T) most SMs would idle, so the value
         # the tile narrows (down to 16) while the programs still fit on the SMs at once; where even
         # that leaves SMs idle, the walks are cut into segments instead (see "Segmented walks").
-        bounds = sequence_bounds(cu_seqlens, self.batch, self.seq_len)
-        longest = max(-(-(end - start) // _C.value) for start, end in zip(bounds, bounds[1:]))
+        longest = max((-(-(end - start) // _C.value) for start, end in zip(bounds, bounds[1:])), default=0)
         programs = self.num_states * self.value_heads
         self.segment_chunks = _segment_chunks(programs, key_dim, value_dim, longest, q.device)
         if self.segment_chunks:
