@@ -499,7 +499,7 @@ def _walk_start(init_ptr, n, value_heads, hv, K: tl.constexpr, V: tl.constexpr, 
                 has_init, WALK: tl.constexpr):
     """The state a state walk (_fwd_state, _bwd_state) starts from, [K, BV] fp32, and whether its
     columns are value columns. WALK 0 (whole sequences) and 2 (segments from their entering
-    states): columns v0.. of init [n, hv] ([N, Hv, K, V]), zero without it. WALK 1 (segments,
+    states): columns v0.. of init [n, hv] ([walks, Hv, K, V]), zero without it. WALK 1 (segments,
     local): the value columns (v0 < V) start from zero and the transition columns V.. V + K - 1
     from the identity's (see "Segmented walks")."""
     rows = tl.arange(0, K)
