@@ -51,14 +51,17 @@ def chunk_layout(bounds: tuple[int, ...], chunk_size: int, device: torch.device)
     seq_chunks = list(itertools.accumulate((-(-(end - start) // chunk_size) for start, end in spans), initial=0))
     chunks = [edge for start, end in spans for first in range(start, end, chunk_size)
               for edge in (first, min(first + chunk_size, end))]
-    # One host-to-device copy; each part padded to 16 entries, so that every part is as aligned
-    # as the whole and Triton compiles one kernel whatever the number of sequences and chunks.
-    parts = [bounds, seq_chunks, chunks]
+    cu, seq_chunks_t, chunks_t = _int32_tables(device, bounds, seq_chunks, chunks)
+    return ChunkLayout(cu, seq_chunks_t, chunks_t.view(-1, 2), len(spans), seq_chunks[-1])
+
+
+def _int32_tables(device: torch.device, *parts: list[int]) -> list[torch.Tensor]:
+    """``parts`` as int32 tensors on ``device``, in one host-to-device copy; each part padded to
+    16 entries in it, so that every part is as aligned as the whole and Triton compiles one kernel
+    whatever the number of sequences and chunks."""
     padded = [part + [0] * (-len(part) % 16) for part in parts]
     table = torch.tensor(list(itertools.chain(*padded)), dtype=torch.int32).to(device)
-    cu, seq_chunks_t, chunks_t = (
-        part[:len(values)] for part, values in zip(table.split([len(part) for part in padded]), parts))
-    return ChunkLayout(cu, seq_chunks_t, chunks_t.view(-1, 2), len(spans), seq_chunks[-1])
+    return [part[:len(values)] for part, values in zip(table.split([len(part) for part in padded]), parts)]
 
 
 @functools.lru_cache(maxsize=32)
@@ -74,9 +77,7 @@ def segment_layout(bounds: tuple[int, ...], chunk_size: int, segment_chunks: int
     for start, end in zip(bounds, bounds[1:]):
         cuts += [*range(start + step, end, step), end]
         seq_segments.append(len(cuts) - 1)
-    padded = seq_segments + [0] * (-len(seq_segments) % 16)
-    table = torch.tensor(padded, dtype=torch.int32).to(device)[:len(seq_segments)]
-    return chunk_layout(tuple(cuts), chunk_size, device), table
+    return chunk_layout(tuple(cuts), chunk_size, device), _int32_tables(device, seq_segments)[0]
 
 
 @triton.jit
