@@ -31,9 +31,10 @@ logits and walks its columns ``CE_BLOCK`` at a time, keeping a running max and s
 exponentials per lane (rescaled when the max grows), so the logits are read once forward and
 once backward, in their own dtype; nothing of size ``[N, V]`` is kept between them.
 
-RoPE (``rope_forward``): a program takes one token's heads; cos and sin of the token's angles are
-computed in the kernel. RoPE is a rotation of each channel pair ``(j, j + D/2)``, so its
-gradient is the rotation by the opposite angles: the same kernel with ``INVERSE``.
+RoPE (``rope_forward``): a program takes a few consecutive tokens (``ROPE_TOKENS`` at most, about
+``ROPE_TILE`` elements of each half of the head dim) with all their heads; cos and sin of the
+tokens' angles are computed in the kernel. RoPE is a rotation of each channel pair ``(j, j +
+D/2)``, so its gradient is the rotation by the opposite angles: the same kernel with ``INVERSE``.
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ CONV_BWD_TILES = 8  # token tiles it walks, summing their share of dw
 CONV_MAX_TAPS = 4  # filter widths the kernels take (one dw accumulator per tap), as causal-conv1d
 GATE_CHANNELS = 256  # channels a gate program takes
 GATE_BWD_TILES = 8  # token tiles a gate backward program walks, summing the parameters' share
+ROPE_TILE = 4096  # elements of each half of the head dim a RoPE program takes (about)
+ROPE_TOKENS = 64  # tokens a RoPE program takes, at most
 
 
 @triton.jit
@@ -476,23 +479,28 @@ def gate_backward(x, A_log, dt_bias, dy, dx=None):
 
 
 @triton.jit
-def _rope_kernel(t_ptr, f_ptr, y_ptr, B, H, sts, stb, sth, sfs,
-                 HALF: tl.constexpr, BH: tl.constexpr, INVERSE: tl.constexpr):
-    token = tl.program_id(0)  # over s * b, b fastest
-    s, b = token // B, token % B
+def _rope_kernel(t_ptr, f_ptr, y_ptr, N, B, H, sts, stb, sth, sfs,
+                 HALF: tl.constexpr, BH: tl.constexpr, TOKENS: tl.constexpr, INVERSE: tl.constexpr):
+    """``TOKENS`` consecutive tokens of the ``N = s * b`` (b fastest) x all H heads: a
+    ``[TOKENS, BH, HALF]`` tile of each half of the head dim."""
+    token = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    token_ok = token < N
+    s, b = (token // B).to(tl.int64), (token % B).to(tl.int64)
     heads, j = tl.arange(0, BH), tl.arange(0, HALF)
-    ok = (heads < H)[:, None]
-    src = t_ptr + s.to(tl.int64) * sts + b.to(tl.int64) * stb + heads[:, None] * sth + j[None, :]
+    ok = token_ok[:, None, None] & (heads < H)[None, :, None]
+    src = t_ptr + (s * sts + b * stb)[:, None, None] + heads[None, :, None] * sth + j[None, None, :]
     x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
-    f1 = tl.load(f_ptr + s.to(tl.int64) * sfs + j).to(tl.float32)[None, :]
-    f2 = tl.load(f_ptr + s.to(tl.int64) * sfs + HALF + j).to(tl.float32)[None, :]
-    c1, s1, c2, s2 = tl.cos(f1), tl.sin(f1), tl.cos(f2), tl.sin(f2)
+    angles = f_ptr + s[:, None] * sfs + j[None, :]
+    f1 = tl.load(angles, mask=token_ok[:, None], other=0.0).to(tl.float32)
+    f2 = tl.load(angles + HALF, mask=token_ok[:, None], other=0.0).to(tl.float32)
+    c1, s1 = tl.cos(f1)[:, None, :], tl.sin(f1)[:, None, :]
+    c2, s2 = tl.cos(f2)[:, None, :], tl.sin(f2)[:, None, :]
     if INVERSE:  # the transpose: y1 = x1 c1 + x2 s2, y2 = x2 c2 - x1 s1
         y1, y2 = x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
     else:
         y1, y2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
-    dst = y_ptr + (token.to(tl.int64) * H + heads[:, None]) * (2 * HALF) + j[None, :]
+    dst = y_ptr + (token.to(tl.int64)[:, None, None] * H + heads[None, :, None]) * (2 * HALF) + j[None, None, :]
     tl.store(dst, y1.to(y_ptr.dtype.element_ty), mask=ok)
     tl.store(dst + HALF, y2.to(y_ptr.dtype.element_ty), mask=ok)
 
@@ -503,9 +511,11 @@ def rope_forward(t: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) ->
     gradient)."""
     length, batch, heads, dim = t.shape
     y = torch.empty(length, batch, heads, dim, device=t.device, dtype=t.dtype)
-    _rope_kernel[(length * batch,)](
-        t, freqs, y, batch, heads, t.stride(0), t.stride(1), t.stride(2), freqs.stride(0),
-        HALF=dim // 2, BH=triton.next_power_of_2(heads), INVERSE=inverse)
+    head_block = triton.next_power_of_2(heads)
+    tokens = max(1, min(ROPE_TOKENS, ROPE_TILE // (head_block * dim // 2)))
+    _rope_kernel[(triton.cdiv(length * batch, tokens),)](
+        t, freqs, y, length * batch, batch, heads, t.stride(0), t.stride(1), t.stride(2), freqs.stride(0),
+        HALF=dim // 2, BH=head_block, TOKENS=tokens, INVERSE=inverse)
     return y
 
 
