@@ -953,7 +953,7 @@ class _Config:
         bwd_state_block_v = state_block_v if fp32 or key_dim > 128 else min(value_dim, 64)
         # The state kernels walk each sequence's chunks in one program per (sequence, head, value
         # tile); with few sequences and heads (B = 1 at long T) most SMs would idle, so the value
-        # the tile narrows (down to 16) while the programs still fit on the SMs at once; where even
+        # tile narrows (down to 16) while the programs still fit on the SMs at once; where even
         # that leaves SMs idle, the walks are cut into segments instead (see "Segmented walks").
         longest = max((-(-(end - start) // _C.value) for start, end in zip(bounds, bounds[1:])), default=0)
         programs = self.num_states * self.value_heads
@@ -1003,6 +1003,26 @@ def _segment_chunks(programs: int, key_dim: int, value_dim: int, longest: int, d
     return _SEGMENT_CHUNKS
 
 
+def _state_walks(cfg: _Config, walk, init, has_init: int, out, block_v: int, reverse: bool) -> None:
+    """One state walk (forward, or with ``reverse`` the gradient's), whole or in segments (see
+    "Segmented walks"). ``walk(columns, init, has_init, out, WALK)`` launches the state kernel over
+    cfg's walks (its per-chunk outputs are stored in WALK 0 and 2, not 1); ``init`` [N, Hv, K, V] is the
+    state it starts from (where ``has_init``), ``out`` [N, Hv, K, V] gets the state it ends with."""
+    K, V, Hv = cfg.key_dim, cfg.value_dim, cfg.value_heads
+    if not cfg.segment_chunks:
+        walk(V, init, has_init, out, WALK=0)
+        return
+    device, dummy = cfg.chunks.device, cfg.chunks
+    LM = torch.empty(cfg.num_walks, Hv, K, V + K, device=device, dtype=torch.float32)
+    walk(V + K, dummy, 0, LM, WALK=1)
+    entering = torch.empty(cfg.num_walks, Hv, K, V, device=device, dtype=torch.float32)
+    _combine_segments_kernel[(cfg.num_states, Hv, V // block_v)](
+        LM, init, entering, out, cfg.seq_segments, Hv, has_init, K=K, V=V, BV=block_v, REVERSE=reverse,
+        num_warps=8)
+    del LM
+    walk(V, entering, 1, dummy, WALK=2)
+
+
 def _flat(tensor):
     """[B, T, ...] -> contiguous [B * T, ...]; None stays None."""
     return None if tensor is None else tensor.reshape(-1, *tensor.shape[2:]).contiguous()
@@ -1042,24 +1062,14 @@ def _forward(cfg: _Config, q, k, v, beta, g, erase, write, initial_state):
     else:
         Y = dummy
 
-    def walk(columns, h, U, h0, final, has_initial, WALK):  # see "Segmented walks"
+    def walk(columns, h0, has_initial, final, WALK):  # WALK 1 stores no h or U
         _fwd_state_kernel[(cfg.num_walks, Hv, columns // cfg.state_block_v)](
             k, G, W, Y, KD, h, U, h0, final, cfg.walk_cu, cfg.walk_chunks, Hk, Hv, cfg.group, has_initial,
             K=K, V=V, BV=cfg.state_block_v, G_MODE=cfg.g_mode, WALK=WALK, num_warps=8,
             num_stages=cfg.state_stages, **cfg.flags)
 
-    if cfg.segment_chunks:
-        LM = torch.empty(cfg.num_walks, Hv, K, V + K, device=device, dtype=torch.float32)
-        walk(V + K, dummy, dummy, dummy, LM, 0, WALK=1)
-        starts = torch.empty(cfg.num_walks, Hv, K, V, device=device, dtype=torch.float32)
-        _combine_segments_kernel[(cfg.num_states, Hv, V // cfg.state_block_v)](
-            LM, dummy if initial_state is None else initial_state, starts, final, cfg.seq_segments, Hv,
-            int(initial_state is not None), K=K, V=V, BV=cfg.state_block_v, REVERSE=False, num_warps=8)
-        del LM
-        walk(V, h, U, starts, dummy, 1, WALK=2)
-    else:
-        walk(V, h, U, dummy if initial_state is None else initial_state, final, int(initial_state is not None),
-             WALK=0)
+    _state_walks(cfg, walk, dummy if initial_state is None else initial_state, int(initial_state is not None),
+                 final, cfg.state_block_v, reverse=False)
     if NC > 0:
         _fwd_output_kernel[(NC, Hv, V // cfg.block_v)](
             q, G, QG, P, h, U, o, cfg.chunks, Hk, Hv, cfg.group, cfg.scale,
@@ -1084,24 +1094,14 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
     dU = cfg.empty(V)  # every reader feeds it to tl.dot, which rounds it to the dot dtype
     dh0 = torch.empty(cfg.num_states, Hv, K, V, device=device, dtype=torch.float32)
 
-    def walk(columns, d_final, dh, dU, dh0, WALK):  # see "Segmented walks"
+    def walk(columns, d_final, _, dh0, WALK):  # starts from d_final, always given; WALK 1 stores no dh or dU
         _bwd_state_kernel[(cfg.num_walks, Hv, columns // cfg.bwd_state_block_v)](
             q, k, G, W, KD, QG, P, d_o, dummy if d_residual is None else d_residual, d_final, dh, dU, dh0,
             cfg.walk_cu, cfg.walk_chunks, Hk, Hv, cfg.group, cfg.scale, K=K, V=V, BV=cfg.bwd_state_block_v,
             G_MODE=cfg.g_mode, HAS_DR=d_residual is not None, WALK=WALK, num_warps=8,
             num_stages=cfg.state_stages, **cfg.flags)
 
-    if cfg.segment_chunks:
-        LM = torch.empty(cfg.num_walks, Hv, K, V + K, device=device, dtype=torch.float32)
-        walk(V + K, dummy, dummy, dummy, LM, WALK=1)
-        ends = torch.empty(cfg.num_walks, Hv, K, V, device=device, dtype=torch.float32)
-        _combine_segments_kernel[(cfg.num_states, Hv, V // cfg.bwd_state_block_v)](
-            LM, d_final, ends, dh0, cfg.seq_segments, Hv, 1, K=K, V=V, BV=cfg.bwd_state_block_v,
-            REVERSE=True, num_warps=8)
-        del LM
-        walk(V, ends, dh, dU, dummy, WALK=2)
-    else:
-        walk(V, d_final, dh, dU, dh0, WALK=0)
+    _state_walks(cfg, walk, d_final, 1, dh0, cfg.bwd_state_block_v, reverse=True)
 
     # With grouped heads (one decay per head or none; gated_delta_rule_triton gives a per-channel
     # decay one v head per q/k head) a _bwd_qkg program sums its group's shares of dq and dk, with
