@@ -30,8 +30,8 @@ on. An op whose second warm-up call takes longer than ``--slow-call-s`` (10 s) i
 (``fwd_reps`` / ``fwd_bwd_reps`` say how often), and one whose timed call takes longer is not run
 at the longer T, with the reason in its rows: PyTorch reference paths would otherwise hold a run
 for minutes. Results are written to ``--out`` after every op, and a plot (``.png`` next to it)
-at the end; with ``--resume`` a run keeps what ``--out`` holds and measures only what is
-missing.
+at the end; with ``--resume`` a run keeps what ``--out`` holds (from the same device) and
+measures only what is missing. Each row records the commit it was measured at.
 
 On an H200 with Triton 3.6 and fla-core 0.6.0, each fla op spends one to four minutes
 autotuning and compiling its forward, and as much its backward, before the first timing (GDN-2:
@@ -429,7 +429,12 @@ def measure_all(ops: list[Op], args, env: dict, out: pathlib.Path) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     record = dict(env, settings=vars(args), results=[])
     if args.resume and out.exists():
-        record["results"] = json.loads(out.read_text())["results"]
+        kept = json.loads(out.read_text())
+        if kept.get("device") != env["device"]:
+            raise SystemExit(f"--resume: {out} was measured on {kept.get('device')}, this is {env['device']}")
+        # The stamp is this run's; the rows kept keep their own commit (None: not recorded).
+        record["results"] = [dict(row, commit=row.get("commit", kept.get("commit")))
+                             for row in kept["results"]]
     done = {(r["op"], r["seq_len"]) for r in record["results"]}
     versions = ", ".join(f"{name} {value}" for name, value in env.items() if name != "device")
     log(f"{record['device']}: {versions}; {len(done)} results kept from {out}")
@@ -447,7 +452,7 @@ def measure_all(ops: list[Op], args, env: dict, out: pathlib.Path) -> dict:
                 if slowest > args.slow_call_s:
                     too_slow[op.name] = (f"one call took {slowest:.1f} s at T = {seq_len}, over "
                                          f"--slow-call-s {args.slow_call_s:g}")
-            record["results"].append(result)
+            record["results"].append(dict(result, commit=env["commit"]))
             out.write_text(json.dumps(record, indent=1))
     log(f"wrote {out} after {time.time() - started:.0f} s")
     return record

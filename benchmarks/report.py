@@ -33,17 +33,34 @@ MACHINES = {"h100": "one H100", "h200": "one H200", "h200x2": "two H200s of one 
 EMBEDDED = ("throughput_h100.png", "throughput_h200.png", "sparse_attention_h200.png", "residual_step_h200.png")
 
 
+def _row_commits(record: dict) -> str | None:
+    """"commits A (n rows), B (m rows)" where a file's rows record different commits (a resumed
+    run's), else None."""
+    rows = record.get("results")
+    if not isinstance(rows, list) or not all(isinstance(row, dict) and "commit" in row for row in rows):
+        return None
+    counts: dict = {}
+    for row in rows:
+        counts[row["commit"] or NOT_RECORDED] = counts.get(row["commit"] or NOT_RECORDED, 0) + 1
+    if len(counts) < 2:
+        return None
+    return "commits " + ", ".join(f"{commit} ({count} rows)" for commit, count in counts.items())
+
+
 def stamp(record: dict) -> str:
-    """The commit, GPU, torch and Triton a result file records."""
+    """The commit (each rows' where a resumed run's rows differ), GPU, torch and Triton a result
+    file records."""
     env = record.get("environment", {})
     device = record.get("device")
     gpu = env.get("gpu") or env.get("device_name")
     if gpu is None and device not in (None, "cuda", "auto"):
         gpu = "no GPU (CPU)" if device == "cpu" else device
-    commit = env.get("commit") or record.get("commit")
+    commits = _row_commits(record)
+    if commits is None:
+        commits = f"commit {env.get('commit') or record.get('commit') or NOT_RECORDED}"
     torch = env.get("torch") or record.get("torch")
     triton = env.get("triton") or record.get("triton")
-    return (f"commit {commit or NOT_RECORDED}; {gpu or 'GPU ' + NOT_RECORDED}; "
+    return (f"{commits}; {gpu or 'GPU ' + NOT_RECORDED}; "
             f"torch {torch or NOT_RECORDED}; Triton {triton or NOT_RECORDED}")
 
 

@@ -66,6 +66,10 @@ def test_stamp_says_what_is_not_recorded(report):
         "commit not recorded; NVIDIA H200; torch 2.11.0; Triton not recorded")
     assert report.stamp({}) == (
         "commit not recorded; GPU not recorded; torch not recorded; Triton not recorded")
+    resumed = {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "commit": "def5678",
+               "results": [{"commit": None}, {"commit": "def5678"}, {"commit": None}]}
+    assert report.stamp(resumed) == (
+        "commits not recorded (2 rows), def5678 (1 rows); NVIDIA H200; torch 2.11.0; Triton 3.6.0")
 
 
 def test_embedded_plots_exist(report):
