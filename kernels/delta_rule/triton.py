@@ -37,7 +37,8 @@ step (16 steps). Exponents are clamped at 0 (min(x, 0)) so that padding rows can
 for g <= 0, as the op requires, the clamp never changes a value that is used. G is an fp32
 cumulative sum per chunk, every tl.dot accumulates in fp32, and the unit-triangular inverse is by
 forward substitution in fp32 on the four 16 x 16 diagonal blocks (all four in each step), then
-block substitution with fp32 ("ieee") dots.
+block substitution with fp32 ("ieee") dots for fp32 inputs, TF32 dots for 16-bit ones (whose T is
+stored in 16 bits).
 
 Precision. With fp32 q, k, v every tl.dot runs in full fp32 ("ieee", not TF32), so that the fp32
 path checks the algebra tightly; with bf16 (or fp16) q, k, v the dot operands are rounded to
@@ -87,7 +88,8 @@ chunks.segment_layout) and a state walk is three launches, in either direction:
        S -> M S + L, stored as [L | M] per segment and v head ([segments, Hv, K, V + K], fp32);
     2. _combine_segments_kernel [N, Hv, V/BV], along each sequence's segments (in reverse for the
        backward), S <- M S + L in fp32 from the initial state (dS of the final one): the state
-       entering each segment and the final state (the initial state's gradient);
+       entering each segment and the final state (the initial state's gradient); its BV narrows
+       as a whole walk's does (``_parallel_block``), as its N x Hv programs are few;
     3. (WALK 2) each segment from its entering state, storing what a whole walk stores (the chunk
        states and U; dS_C and dU), so the kernels after it are unchanged.
 Steps 1 and 3 run segments x v heads x tiles programs, each walking 16 chunks, where a whole walk
@@ -377,8 +379,13 @@ def _put_block_t(ptr, base, i: tl.constexpr, j: tl.constexpr, x_t):
 
 
 @triton.jit
-def _ieee(a, b):
-    return tl.dot(a, b, input_precision="ieee")
+def _block_dot(a, b, IEEE: tl.constexpr):
+    """a @ b of fp32 16 x 16 blocks: in full fp32 ("ieee", on FMA units) where IEEE, else TF32 on
+    tensor cores (T is stored in 16 bits then)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision="tf32")
 
 
 @triton.jit
@@ -388,7 +395,7 @@ def _diagonal_block(x, b, which: tl.constexpr):
 
 
 @triton.jit
-def _invert_kernel(A_ptr, T_ptr):
+def _invert_kernel(A_ptr, T_ptr, IEEE: tl.constexpr = True):
     """T = (I + A)^-1 of one chunk and head, by 16 x 16 blocks: the four diagonal blocks T_bb
     together by forward substitution, then T_ij = -T_ii sum_{j <= m < i} A_im T_mj. Computed as
     T^T, whose blocks are the transposes T_bb^T and T_ij^T = -(sum_m T_mj^T A_im^T) T_ii^T (the
@@ -421,12 +428,13 @@ def _invert_kernel(A_ptr, T_ptr):
     t11 = _diagonal_block(inverse_t, b, 1)
     t22 = _diagonal_block(inverse_t, b, 2)
     t33 = _diagonal_block(inverse_t, b, 3)
-    t10 = -_ieee(_ieee(t00, a10), t11)
-    t21 = -_ieee(_ieee(t11, a21), t22)
-    t20 = -_ieee(_ieee(t00, a20) + _ieee(t10, a21), t22)
-    t32 = -_ieee(_ieee(t22, a32), t33)
-    t31 = -_ieee(_ieee(t11, a31) + _ieee(t21, a32), t33)
-    t30 = -_ieee(_ieee(t00, a30) + _ieee(t10, a31) + _ieee(t20, a32), t33)
+    t10 = -_block_dot(_block_dot(t00, a10, IEEE), t11, IEEE)
+    t21 = -_block_dot(_block_dot(t11, a21, IEEE), t22, IEEE)
+    t20 = -_block_dot(_block_dot(t00, a20, IEEE) + _block_dot(t10, a21, IEEE), t22, IEEE)
+    t32 = -_block_dot(_block_dot(t22, a32, IEEE), t33, IEEE)
+    t31 = -_block_dot(_block_dot(t11, a31, IEEE) + _block_dot(t21, a32, IEEE), t33, IEEE)
+    t30 = -_block_dot(_block_dot(t00, a30, IEEE) + _block_dot(t10, a31, IEEE) + _block_dot(t20, a32, IEEE),
+                      t33, IEEE)
     zero = tl.zeros([_SUB, _SUB], dtype=tl.float32)
     _put_block_t(T_ptr, base, 0, 0, t00)
     _put_block_t(T_ptr, base, 0, 1, zero)
@@ -1016,8 +1024,9 @@ def _state_walks(cfg: _Config, walk, init, has_init: int, out, block_v: int, rev
     LM = torch.empty(cfg.num_walks, Hv, K, V + K, device=device, dtype=torch.float32)
     walk(V + K, dummy, 0, LM, WALK=1)
     entering = torch.empty(cfg.num_walks, Hv, K, V, device=device, dtype=torch.float32)
-    _combine_segments_kernel[(cfg.num_states, Hv, V // block_v)](
-        LM, init, entering, out, cfg.seq_segments, Hv, has_init, K=K, V=V, BV=block_v, REVERSE=reverse,
+    combine_v = _parallel_block(block_v, V, cfg.num_states * Hv, device)
+    _combine_segments_kernel[(cfg.num_states, Hv, V // combine_v)](
+        LM, init, entering, out, cfg.seq_segments, Hv, has_init, K=K, V=V, BV=combine_v, REVERSE=reverse,
         num_warps=8)
     del LM
     walk(V, entering, 1, dummy, WALK=2)
@@ -1052,7 +1061,7 @@ def _forward(cfg: _Config, q, k, v, beta, g, erase, write, initial_state):
             q, k, beta_, erase_, G, A, P, cfg.chunks, Hk, Hv, cfg.group,
             K=K, BK=cfg.score_block_k, G_MODE=cfg.g_mode, ERASE=cfg.erase,
             num_warps=8, num_stages=stages, **cfg.flags)
-        _invert_kernel[(NC * Hv,)](A, T, num_warps=4, num_stages=stages)
+        _invert_kernel[(NC * Hv,)](A, T, IEEE=cfg.flags["IEEE"], num_warps=4, num_stages=stages)
         del A
         Y = cfg.empty(V)
         _fwd_prepare_kernel[(NC, Hv)](
