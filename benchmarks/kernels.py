@@ -30,7 +30,7 @@ on. An op whose second warm-up call takes longer than ``--slow-call-s`` (10 s) i
 (``fwd_reps`` / ``fwd_bwd_reps`` say how often), and one whose timed call takes longer is not run
 at the longer T, with the reason in its rows: PyTorch reference paths would otherwise hold a run
 for minutes. Results are written to ``--out`` after every op, and a plot (``.png`` next to it)
-at the end; with ``--resume`` a run keeps what ``--out`` holds (from the same device) and
+at the end; with ``--resume`` a run keeps what ``--out`` holds (from the same device and shapes) and
 measures only what is missing. Each row records the commit it was measured at.
 
 On an H200 with Triton 3.6 and fla-core 0.6.0, each fla op spends one to four minutes
@@ -430,11 +430,18 @@ def measure_all(ops: list[Op], args, env: dict, out: pathlib.Path) -> dict:
     record = dict(env, settings=vars(args), results=[])
     if args.resume and out.exists():
         kept = json.loads(out.read_text())
-        if kept.get("device") != env["device"]:
-            raise SystemExit(f"--resume: {out} was measured on {kept.get('device')}, this is {env['device']}")
-        # The stamp is this run's; the rows kept keep their own commit (None: not recorded).
+        shapes = ("batch_tokens", "heads", "key_heads", "head_dim")
+        theirs = dict(kept["settings"], key_heads=kept["settings"].get("key_heads") or kept["settings"]["heads"])
+        if kept.get("device") != env["device"] or any(theirs[k] != getattr(args, k) for k in shapes):
+            raise SystemExit(f"--resume: {out} was measured on {kept.get('device')} with "
+                             f"{ {k: theirs[k] for k in shapes} }, not on {env['device']} with "
+                             f"{ {k: getattr(args, k) for k in shapes} }")
+        # The stamp is this run's; the rows kept keep their own commit (None: not recorded), the
+        # settings the first run's, and each resumed run's arguments are listed after them.
         record["results"] = [dict(row, commit=row.get("commit", kept.get("commit")))
                              for row in kept["results"]]
+        record["settings"] = theirs
+        record["resumed"] = kept.get("resumed", []) + [vars(args)]
     done = {(r["op"], r["seq_len"]) for r in record["results"]}
     versions = ", ".join(f"{name} {value}" for name, value in env.items() if name != "device")
     log(f"{record['device']}: {versions}; {len(done)} results kept from {out}")

@@ -1,6 +1,7 @@
 """benchmarks/kernels.py on the CPU with grouped heads (``--key-heads``): the linear ops get q and
 k with fewer heads than v, SDPA runs GQA, every op of the families is timed fwd and fwd+bwd, and
-a key-head count that does not divide the heads is refused."""
+a key-head count that does not divide the heads is refused; --resume keeps the rows it finds,
+each with its commit, and refuses a file of other shapes."""
 
 import json
 import pathlib
@@ -40,3 +41,16 @@ def test_grouped_heads_reach_every_op(benchmark, tmp_path):
 def test_key_heads_must_divide_the_heads(benchmark):
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--device", "cpu", "--heads", "4", "--key-heads", "3"])
+
+
+def test_resume_keeps_rows_and_their_commits(benchmark, tmp_path):
+    out = tmp_path / "kernels.json"
+    benchmark.main(SMALL + ["--ops", "sdpa", "--out", str(out), "--commit", "aaa1111"])
+    benchmark.main(SMALL + ["--ops", "sdpa,gdn/chunked", "--out", str(out), "--resume", "--commit", "bbb2222"])
+    record = json.loads(out.read_text())
+    assert {row["op"]: row["commit"] for row in record["results"]} == {"sdpa/torch": "aaa1111",
+                                                                       "gdn/chunked": "bbb2222"}
+    assert record["commit"] == "bbb2222" and record["settings"]["ops"] == "sdpa"
+    assert [run["ops"] for run in record["resumed"]] == ["sdpa,gdn/chunked"]
+    with pytest.raises(SystemExit, match="--resume"):  # another head dim than the file's rows
+        benchmark.main(SMALL + ["--head-dim", "32", "--ops", "sdpa", "--out", str(out), "--resume"])
