@@ -30,7 +30,7 @@ on. An op whose second warm-up call takes longer than ``--slow-call-s`` (10 s) i
 (``fwd_reps`` / ``fwd_bwd_reps`` say how often), and one whose timed call takes longer is not run
 at the longer T, with the reason in its rows: PyTorch reference paths would otherwise hold a run
 for minutes. Results are written to ``--out`` after every op, and a plot (``.png`` next to it)
-at the end; with ``--resume`` a run keeps what ``--out`` holds (from the same device and shapes) and
+at the end; with ``--resume`` a run keeps what ``--out`` holds (from the same device and settings) and
 measures only what is missing. Each row records the commit it was measured at.
 
 On an H200 with Triton 3.6 and fla-core 0.6.0, each fla op spends one to four minutes
@@ -422,6 +422,10 @@ def select_ops(ops: list[Op], spec: str) -> list[Op]:
     return [op for op in ops if {op.family, op.backend, op.name} & wanted]
 
 
+# Arguments that say how a run runs, not what it measures: a resumed run may change them.
+RUN_ARGS = {"seq_lens", "ops", "warmup", "reps", "device", "out", "commit", "profile", "resume", "slow_call_s"}
+
+
 def measure_all(ops: list[Op], args, env: dict, out: pathlib.Path) -> dict:
     """Measure every op at every T of ``args.seq_lens`` and return the record (``env``, the
     settings and one row per op and T), written to ``out`` after every row. With
@@ -430,12 +434,15 @@ def measure_all(ops: list[Op], args, env: dict, out: pathlib.Path) -> dict:
     record = dict(env, settings=vars(args), results=[])
     if args.resume and out.exists():
         kept = json.loads(out.read_text())
-        shapes = ("batch_tokens", "heads", "key_heads", "head_dim")
-        theirs = dict(kept["settings"], key_heads=kept["settings"].get("key_heads") or kept["settings"]["heads"])
-        if kept.get("device") != env["device"] or any(theirs[k] != getattr(args, k) for k in shapes):
+        theirs = dict(kept["settings"])
+        if "key_heads" in vars(args):  # files from before --key-heads: as many as heads
+            theirs["key_heads"] = theirs.get("key_heads") or theirs["heads"]
+        mine = json.loads(json.dumps(vars(args)))
+        differ = sorted(k for k in theirs.keys() & mine.keys() - RUN_ARGS if theirs[k] != mine[k])
+        if kept.get("device") != env["device"] or differ:
             raise SystemExit(f"--resume: {out} was measured on {kept.get('device')} with "
-                             f"{ {k: theirs[k] for k in shapes} }, not on {env['device']} with "
-                             f"{ {k: getattr(args, k) for k in shapes} }")
+                             f"{ {k: theirs[k] for k in differ} }, not on {env['device']} with "
+                             f"{ {k: mine[k] for k in differ} }")
         # The stamp is this run's; the rows kept keep their own commit (None: not recorded), the
         # settings the first run's, and each resumed run's arguments are listed after them.
         record["results"] = [dict(row, commit=row.get("commit", kept.get("commit")))

@@ -1,7 +1,7 @@
 """benchmarks/kernels.py on the CPU with grouped heads (``--key-heads``): the linear ops get q and
 k with fewer heads than v, SDPA runs GQA, every op of the families is timed fwd and fwd+bwd, and
 a key-head count that does not divide the heads is refused; --resume keeps the rows it finds,
-each with its commit, and refuses a file of other shapes."""
+each with its commit, and refuses a file of other settings."""
 
 import json
 import pathlib
