@@ -44,11 +44,11 @@ def _row_commits(record: dict) -> str | None:
         counts[row["commit"] or NOT_RECORDED] = counts.get(row["commit"] or NOT_RECORDED, 0) + 1
     if len(counts) < 2:
         return None
-    return "commits " + ", ".join(f"{commit} ({count} rows)" for commit, count in counts.items())
+    return "commits " + ", ".join(f"{commit} ({count} row{'s' * (count > 1)})" for commit, count in counts.items())
 
 
 def stamp(record: dict) -> str:
-    """The commit (each rows' where a resumed run's rows differ), GPU, torch and Triton a result
+    """The commit (each row's where a resumed run's rows differ), GPU, torch and Triton a result
     file records."""
     env = record.get("environment", {})
     device = record.get("device")

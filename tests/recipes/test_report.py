@@ -69,7 +69,7 @@ def test_stamp_says_what_is_not_recorded(report):
     resumed = {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "commit": "def5678",
                "results": [{"commit": None}, {"commit": "def5678"}, {"commit": None}]}
     assert report.stamp(resumed) == (
-        "commits not recorded (2 rows), def5678 (1 rows); NVIDIA H200; torch 2.11.0; Triton 3.6.0")
+        "commits not recorded (2 rows), def5678 (1 row); NVIDIA H200; torch 2.11.0; Triton 3.6.0")
 
 
 def test_embedded_plots_exist(report):
