@@ -17,6 +17,7 @@ matplotlib). A new result file needs an entry in :data:`ROWS` or :data:`CHECKS`:
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import json
 import pathlib
@@ -39,9 +40,7 @@ def _row_commits(record: dict) -> str | None:
     rows = record.get("results")
     if not isinstance(rows, list) or not all(isinstance(row, dict) and "commit" in row for row in rows):
         return None
-    counts: dict = {}
-    for row in rows:
-        counts[row["commit"] or NOT_RECORDED] = counts.get(row["commit"] or NOT_RECORDED, 0) + 1
+    counts = collections.Counter(row["commit"] or NOT_RECORDED for row in rows)
     if len(counts) < 2:
         return None
     return "commits " + ", ".join(f"{commit} ({count} row{'s' * (count > 1)})" for commit, count in counts.items())
