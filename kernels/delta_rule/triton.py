@@ -81,7 +81,7 @@ Segmented walks. Both walks are affine in the state they start from: across a ch
 takes S to (Diag(Gamma_C) - (k Gamma_C / Gamma)^T W) S + (k Gamma_C / Gamma)^T Y, the backward dS_C
 to (Diag(Gamma_C) - W^T (k Gamma_C / Gamma)) dS_C + ((Gamma q)^T - W^T P^T) dO' (- W^T dR). Where
 (sequences x v heads) walks leave SMs idle even at the narrowest value tile (B = 1 at long T) and
-K <= 128, each sequence is cut into segments of 16 chunks (``_segment_chunks``,
+K <= 128, each sequence is cut into segments of 32 chunks (``_segment_chunks``,
 chunks.segment_layout) and a state walk is three launches, in either direction:
     1. (WALK 1) each segment from a zero state, over its V value columns and K more "transition"
        columns that start as the identity's and take Y = 0 (dO = dR = 0): the segment's map
@@ -92,7 +92,7 @@ chunks.segment_layout) and a state walk is three launches, in either direction:
        as a whole walk's does (``_parallel_block``), as its N x Hv programs are few;
     3. (WALK 2) each segment from its entering state, storing what a whole walk stores (the chunk
        states and U; dS_C and dU), so the kernels after it are unchanged.
-Steps 1 and 3 run segments x v heads x tiles programs, each walking 16 chunks, where a whole walk
+Steps 1 and 3 run segments x v heads x tiles programs, each walking 32 chunks, where a whole walk
 runs sequences x v heads x tiles programs walking every chunk.
 
 Launch configurations (fixed, no autotuning, so that the configuration the tests run is the one that
@@ -167,7 +167,7 @@ __all__ = ["gated_delta_rule_triton", "triton_unavailable_reason"]
 _C = tl.constexpr(64)    # chunk size
 _SUB = tl.constexpr(16)  # sub-block of the per-channel decay and of the triangular inverse
 _NUM_STAGES = 2
-_SEGMENT_CHUNKS = 16  # chunks per segment of a segmented state walk
+_SEGMENT_CHUNKS = 32  # chunks per segment of a segmented state walk
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 

@@ -8,7 +8,7 @@ write residual where asked) w.r.t. every input, gates and initial state included
 drawn as bf16 values for every checked dtype (gates and initial state in fp32), so that one
 reference run serves all dtypes; the fp32 checks still run the kernels' fp32 path throughout.
 The layouts: T of 1, 63, 64, 65 and 200 (one token, either side of a chunk boundary, several
-chunks with a partial last one), state walks cut into segments (as chosen at T = 2085, B = 1, and
+chunks with a partial last one), state walks cut into segments (as chosen at T = 4117, B = 1, and
 forced to 2 chunks over packed sequences), grouped heads (Hk = 2 q/k heads for Hv = 4) and Hk = Hv, packed
 sequences of 37, 27, 0 and 66 tokens (an empty one, and one across a chunk boundary) with an
 initial state each, K != V (64 and 128, so that a transposed state cannot pass) and K = V = 128
@@ -218,10 +218,10 @@ def test_hybrid_preset_heads(case, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES)
 def test_segmented_walks(case, dtype):
-    """The state walks in segments: as they are chosen (one sequence of 33 chunks, few heads: 16
+    """The state walks in segments: as they are chosen (one sequence of 65 chunks, few heads: 32
     chunks a segment) and, forced to 2 chunks, over packed sequences with initial states (one
     head, so that the four walks fill at most half the SMs and _segment_chunks segments them)."""
-    check(case, device="cuda", dtype=dtype, batch=1, seq_len=2085, segment_chunks=16)
+    check(case, device="cuda", dtype=dtype, batch=1, seq_len=4117, segment_chunks=32)
     check(case, device="cuda", dtype=dtype, cu_seqlens=[0, 37, 64, 64, 330], key_heads=1, value_heads=1,
           segment_chunks=2)
 

@@ -128,15 +128,15 @@ def test_unsupported_head_dims_and_devices_are_refused():
 
 
 def test_state_walks_are_segmented_where_whole_walks_would_leave_sms_idle():
-    """_segment_chunks on a device of 128 SMs (the CPU stands for one): segments of 16 chunks where
+    """_segment_chunks on a device of 128 SMs (the CPU stands for one): segments of 32 chunks where
     the whole walks at the narrowest value tile (16) fill at most half the SMs and the longest
     sequence has two segments' chunks; whole walks otherwise, and at K = 256."""
     from megatron_ext.kernels.delta_rule.triton import _segment_chunks
 
     cpu = torch.device("cpu")
-    assert _segment_chunks(16, 64, 64, 256, cpu) == 16  # B = 1, Hv = 16 at T = 16384: 64 programs
-    assert _segment_chunks(16, 64, 64, 32, cpu) == 16
-    assert _segment_chunks(16, 64, 64, 31, cpu) == 0  # too short for two segments
+    assert _segment_chunks(16, 64, 64, 256, cpu) == 32  # B = 1, Hv = 16 at T = 16384: 64 programs
+    assert _segment_chunks(16, 64, 64, 64, cpu) == 32
+    assert _segment_chunks(16, 64, 64, 63, cpu) == 0  # too short for two segments
     assert _segment_chunks(32, 64, 64, 256, cpu) == 0  # B = 2: 128 programs at BV = 16
-    assert _segment_chunks(8, 128, 128, 256, cpu) == 16  # 64 programs at BV = 16
+    assert _segment_chunks(8, 128, 128, 256, cpu) == 32  # 64 programs at BV = 16
     assert _segment_chunks(16, 256, 64, 256, cpu) == 0  # K = 256
