@@ -81,8 +81,9 @@ Segmented walks. Both walks are affine in the state they start from: across a ch
 takes S to (Diag(Gamma_C) - (k Gamma_C / Gamma)^T W) S + (k Gamma_C / Gamma)^T Y, the backward dS_C
 to (Diag(Gamma_C) - W^T (k Gamma_C / Gamma)) dS_C + ((Gamma q)^T - W^T P^T) dO' (- W^T dR). Where
 (sequences x v heads) walks leave SMs idle even at the narrowest value tile (B = 1 at long T) and
-K <= 128, each sequence is cut into segments of 32 chunks (``_segment_chunks``,
-chunks.segment_layout) and a state walk is three launches, in either direction:
+K <= 128, each sequence is cut into segments (``_segment_chunks``: 16 chunks, doubled while the
+longest sequence keeps 16 or more: about 8 segments, at least 4; chunks.segment_layout) and a
+state walk is three launches, in either direction:
     1. (WALK 1) each segment from a zero state, over its V value columns and K more "transition"
        columns that start as the identity's and take Y = 0 (dO = dR = 0): the segment's map
        S -> M S + L, stored as [L | M] per segment and v head ([segments, Hv, K, V + K], fp32);
@@ -92,7 +93,7 @@ chunks.segment_layout) and a state walk is three launches, in either direction:
        as a whole walk's does (``_parallel_block``), as its N x Hv programs are few;
     3. (WALK 2) each segment from its entering state, storing what a whole walk stores (the chunk
        states and U; dS_C and dU), so the kernels after it are unchanged.
-Steps 1 and 3 run segments x v heads x tiles programs, each walking 32 chunks, where a whole walk
+Steps 1 and 3 run segments x v heads x tiles programs, each walking one segment, where a whole walk
 runs sequences x v heads x tiles programs walking every chunk.
 
 Launch configurations (fixed, no autotuning, so that the configuration the tests run is the one that
@@ -167,7 +168,7 @@ __all__ = ["gated_delta_rule_triton", "triton_unavailable_reason"]
 _C = tl.constexpr(64)    # chunk size
 _SUB = tl.constexpr(16)  # sub-block of the per-channel decay and of the triangular inverse
 _NUM_STAGES = 2
-_SEGMENT_CHUNKS = 32  # chunks per segment of a segmented state walk
+_SEGMENT_CHUNKS = 16  # chunks in the shortest segment of a segmented state walk
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -1003,12 +1004,18 @@ def _parallel_block(block_v: int, value_dim: int, programs: int, device) -> int:
 
 def _segment_chunks(programs: int, key_dim: int, value_dim: int, longest: int, device) -> int:
     """Chunks per segment of the state walks (see "Segmented walks"), or 0 to walk whole
-    sequences: segments of _SEGMENT_CHUNKS where ``programs`` (sequences x v heads) walks at the
-    narrowest value tile (16) would fill at most half the SMs, the longest sequence has at least
-    two segments' chunks, and K <= 128 (the combine holds a K x K transition)."""
-    if 2 * programs * (value_dim // 16) > _sms(device) or longest < 2 * _SEGMENT_CHUNKS or key_dim > 128:
+    sequences: segment where ``programs`` (sequences x v heads) walks at the narrowest value tile
+    (16) would fill at most half the SMs, the longest sequence (``longest`` chunks) has at least
+    four segments of _SEGMENT_CHUNKS (two are slower than a whole walk), and K <= 128 (the combine
+    holds a K x K transition). The segment is _SEGMENT_CHUNKS doubled while the longest sequence
+    would keep 16 segments or more, so that it gets about 8 (4 to 16 of the shortest): the count
+    that profiles fastest at B = 1, Hv = 16, K = V = 64 from T = 8192 to 32768."""
+    if 2 * programs * (value_dim // 16) > _sms(device) or longest < 4 * _SEGMENT_CHUNKS or key_dim > 128:
         return 0
-    return _SEGMENT_CHUNKS
+    chunks = _SEGMENT_CHUNKS
+    while longest >= 16 * chunks:
+        chunks *= 2
+    return chunks
 
 
 def _state_walks(cfg: _Config, walk, init, has_init: int, out, block_v: int, reverse: bool) -> None:

@@ -53,9 +53,9 @@ CASES = [
     dict(SMALL, case="kda", seq_len=40, dtype="float16"),
     *(dict(SMALL, case=case, seq_len=70, dtype="bfloat16") for case in ("deltanet", "kda")),
     dict(SMALL, case="gated_deltanet", seq_len=70, key_dim=128, value_dim=128, dtype="bfloat16"),
-    dict(SMALL, case="kda", cu_seqlens=[0, 37, 64, 64, 330], segment_chunks=2),
-    dict(SMALL, case="gdn2", seq_len=290, residual=True, segment_chunks=2),
-    dict(SMALL, case="gated_deltanet", seq_len=300, dtype="bfloat16", segment_chunks=2),
+    dict(SMALL, case="kda", cu_seqlens=[0, 37, 64, 64, 600], segment_chunks=2),
+    dict(SMALL, case="gdn2", seq_len=530, residual=True, segment_chunks=2),
+    dict(SMALL, case="gated_deltanet", seq_len=540, dtype="bfloat16", segment_chunks=2),
 ]
 
 # The interpreter set up as for the other interpreter tests (tests/triton_interpreter.py: one
@@ -128,15 +128,18 @@ def test_unsupported_head_dims_and_devices_are_refused():
 
 
 def test_state_walks_are_segmented_where_whole_walks_would_leave_sms_idle():
-    """_segment_chunks on a device of 128 SMs (the CPU stands for one): segments of 32 chunks where
-    the whole walks at the narrowest value tile (16) fill at most half the SMs and the longest
-    sequence has two segments' chunks; whole walks otherwise, and at K = 256."""
+    """_segment_chunks on a device of 128 SMs (the CPU stands for one): segments where the whole
+    walks at the narrowest value tile (16) fill at most half the SMs and the longest sequence has
+    four segments of 16 chunks, doubled while it keeps 16 segments; whole walks otherwise, and at
+    K = 256."""
     from megatron_ext.kernels.delta_rule.triton import _segment_chunks
 
     cpu = torch.device("cpu")
-    assert _segment_chunks(16, 64, 64, 256, cpu) == 32  # B = 1, Hv = 16 at T = 16384: 64 programs
-    assert _segment_chunks(16, 64, 64, 64, cpu) == 32
-    assert _segment_chunks(16, 64, 64, 63, cpu) == 0  # too short for two segments
+    assert _segment_chunks(16, 64, 64, 64, cpu) == 16  # B = 1, Hv = 16 at T = 4096: 64 programs
+    assert _segment_chunks(16, 64, 64, 63, cpu) == 0  # too short for four segments
+    assert _segment_chunks(16, 64, 64, 255, cpu) == 16  # 16 segments
+    assert _segment_chunks(16, 64, 64, 256, cpu) == 32  # T = 16384: 8 segments
+    assert _segment_chunks(16, 64, 64, 512, cpu) == 64  # T = 32768: 8 segments
     assert _segment_chunks(32, 64, 64, 256, cpu) == 0  # B = 2: 128 programs at BV = 16
     assert _segment_chunks(8, 128, 128, 256, cpu) == 32  # 64 programs at BV = 16
     assert _segment_chunks(16, 256, 64, 256, cpu) == 0  # K = 256
