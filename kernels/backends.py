@@ -302,9 +302,10 @@ SELFCHECK_WORKERS = 8  # child processes at a time, at most one per CPU core
 @functools.lru_cache(maxsize=None)
 def selfcheck_jobs(op: str, form: str | None = None, dtype: torch.dtype | None = None,
                    packed: bool = False) -> tuple[tuple[str, str], ...]:
-    """The self-check jobs ``(case, dtype name)`` of ``op`` that a call relies on: the case of
-    its input ``form`` (cases.py's DELTA_RULE_CASES / DECAY_CASES) in its dtype, plus the op's
-    packed case(s) in that dtype when the call packs sequences (cu_seqlens). fp16 calls rely on
+    """The self-check jobs ``(case, dtype name)`` of ``op`` that a call relies on: the cases of
+    its input ``form`` (cases.py's DELTA_RULE_CASES / DECAY_CASES; for some forms also one
+    long enough for segmented state walks) in its dtype, plus the op's packed case(s) in that
+    dtype when the call packs sequences (cu_seqlens). fp16 calls rely on
     the bf16 check (the same 16-bit tensor-core code). ``form=None``: every job of the op."""
     cases = CASES[op]
     if form is None:

@@ -21,11 +21,14 @@ class Case:
     form: str                      # the op's input form (delta_rule_inputs' case, decay_inputs'
                                    # decay, dplr_inputs' form)
     packed: bool = False           # sequences of PACKED_LENGTHS packed along T (cu_seqlens)
+    segmented: bool = False        # one sequence of SEGMENTED_LEN tokens, whose state walks the
+                                   # Triton kernels cut into segments
 
 
 CASES = {
     "gated_delta_rule": (*(Case(form, form) for form in DELTA_RULE_CASES),
-                         Case("kda_packed", "kda", True)),
+                         Case("kda_packed", "kda", True),
+                         *(Case(f"{form}_segmented", form, segmented=True) for form in ("gated_deltanet", "kda"))),
     "decay_linear_attention": (*(Case(form, form) for form in DECAY_CASES),
                                Case("per_channel_packed", "per_channel", True)),
     "dplr_delta_rule": (*(Case(form, form) for form in DPLR_CASES), Case("rwkv7_packed", "rwkv7", True)),

@@ -3,7 +3,9 @@ and backward, on one device. ``megatron-ext doctor`` prints it; kernels/backends
 per machine before ``backend="auto"`` trusts our Triton kernels.
 
 What is checked, per op (``OPS``; the cases are named in ``cases.py``):
-    gated_delta_rule        deltanet, gated_deltanet, kda, gdn2, and kda on packed sequences
+    gated_delta_rule        deltanet, gated_deltanet, kda, gdn2, kda on packed sequences, and
+                            gated_deltanet and kda on one sequence of SEGMENTED_LEN = 4117 tokens
+                            (the Triton kernels' segmented state walks; oracle: the chunked form)
     decay_linear_attention  none, constant (per head: RetNet, Lightning), per_head (Mamba-2 SSD),
                             per_channel (GLA), and per_channel on packed sequences
     dplr_delta_rule         rwkv7 (RWKV-7's a, b and decay per key channel), per_head, none, and
@@ -196,6 +198,10 @@ def run_with_grads(function, inputs, *, weights_dtype=None, **options):
 # (kernels.backends.decay_triton_unsupported), and a declined case fails the self-check.
 BATCH, SEQ_LEN, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM = 2, 97, 2, 4, 64, 128
 PACKED_LENGTHS = (5, 70, 22)  # shorter than a chunk, across a chunk boundary, a rest: T = 97
+# One sequence of 65 chunks, the last partial: at B = 1 and 4 v heads the delta-rule Triton
+# kernels walk its states in 5 segments (kernels/delta_rule/triton.py, "Segmented walks") on a
+# GPU of 64 SMs or more.
+SEGMENTED_LEN = 64 * 64 + 21
 
 # The tensors that take the checked dtype; the mixers compute gates and states in fp32.
 LOW_PRECISION_INPUTS = ("q", "k", "v")
@@ -208,6 +214,10 @@ class Op:
     reference: Callable            # the oracle, called directly (not through the registry)
     make_inputs: Callable
     cases: tuple[Case, ...]
+    # The oracle of the segmented cases, where the token-by-token reference is too slow (over a
+    # minute on two CPU cores at SEGMENTED_LEN): the chunked form, checked against the reference
+    # by the other cases.
+    long_oracle: Callable | None = None
 
     @property
     def declared(self) -> registry.Op:
@@ -229,7 +239,8 @@ class Op:
 OPS = {
     op.name: op for op in (
         Op("gated_delta_rule", delta_rule.gated_delta_rule, delta_rule.gated_delta_rule_reference,
-           delta_rule_inputs, cases=CASES["gated_delta_rule"]),
+           delta_rule_inputs, cases=CASES["gated_delta_rule"],
+           long_oracle=functools.partial(delta_rule.gated_delta_rule, backend="chunked")),
         Op("decay_linear_attention", decay.decay_linear_attention,
            decay.decay_linear_attention_reference, decay_inputs,
            cases=CASES["decay_linear_attention"]),
@@ -330,7 +341,8 @@ def _rounded_inputs(op: Op, case: Case, dtype: torch.dtype):
     """The case's inputs rounded to the checked dtype (detached, on the CPU) and its options."""
     num_states = len(PACKED_LENGTHS) if case.packed else None
     inputs = op.make_inputs(
-        case.form, batch=1 if case.packed else BATCH, seq_len=SEQ_LEN, key_heads=KEY_HEADS,
+        case.form, batch=1 if case.packed or case.segmented else BATCH,
+        seq_len=SEGMENTED_LEN if case.segmented else SEQ_LEN, key_heads=KEY_HEADS,
         value_heads=VALUE_HEADS, key_dim=KEY_DIM, value_dim=VALUE_DIM, num_states=num_states)
     rounded = {name: tensor.detach().to(dtype if name in LOW_PRECISION_INPUTS else torch.float32)
                for name, tensor in inputs.items()}
@@ -342,11 +354,14 @@ def _rounded_inputs(op: Op, case: Case, dtype: torch.dtype):
 
 @functools.lru_cache(maxsize=None)
 def _oracle(op_name: str, case_name: str, dtype: torch.dtype):
-    """The reference in fp32 on the CPU on the rounded inputs: o, final state, gradients."""
+    """The reference (a segmented case: ``long_oracle``) in fp32 on the CPU on the rounded
+    inputs: o, final state, gradients."""
     op = OPS[op_name]
-    inputs, options = _rounded_inputs(op, op.case(case_name), dtype)
+    case = op.case(case_name)
+    inputs, options = _rounded_inputs(op, case, dtype)
     inputs = {name: tensor.float().requires_grad_() for name, tensor in inputs.items()}
-    o, final_state, grads = run_with_grads(op.reference, inputs, weights_dtype=dtype, **options)
+    oracle = op.long_oracle if case.segmented else op.reference
+    o, final_state, grads = run_with_grads(oracle, inputs, weights_dtype=dtype, **options)
     return o.detach(), final_state.detach(), grads
 
 
@@ -364,10 +379,19 @@ def _refusal(op: Op, backend: str, error: Exception) -> str | None:
     return None
 
 
+def _walks_segments(op: Op, backend: str, device: torch.device) -> bool:
+    """Whether ``backend`` is the Triton kernels (named, or what "auto" runs on ``device``), the
+    one backend that cuts state walks into segments: the others have no row for a segmented case,
+    whose oracle is the chunked form."""
+    return backend == "triton" or (backend == "auto" and auto_backend(op.name, device) == "triton")
+
+
 def _availability(op: Op, case: Case, backend: str, device: torch.device, dtype: torch.dtype):
     """(why the backend is not run at all, why its backward is not run), each None if it is: the
     backend's rule in the registry for the case's inputs on ``device``, with and without a
-    backward."""
+    backward. A segmented case checks the Triton kernels alone (``_walks_segments``)."""
+    if case.segmented and not _walks_segments(op, backend, device):
+        return "only the Triton kernels walk states in segments (the oracle here: the chunked form)", None
     if backend == "reference" and device.type == "cpu":
         return "the oracle itself (the reference in fp32 on the CPU)", None
     if backend == "auto":  # what it runs, it runs
@@ -508,16 +532,17 @@ def _checks(device: torch.device, backends: list[str] | None, ops: list[str] | N
         for backend in op.backends():
             if backends is not None and backend not in backends:
                 continue
-            reasons = {_availability(op, case, backend, device, dtype)[0]
-                       for case in op.cases for dtype in DTYPES}
+            cases = [case for case in op.cases if not case.segmented or _walks_segments(op, backend, device)]
+            reasons = {_availability(op, case, backend, device, dtype)[0] for case in cases for dtype in DTYPES}
             if len(reasons) == 1 and None not in reasons:
                 yield CheckResult(op.name, "*", backend, str(device), "*", skipped_reason=reasons.pop())
             else:
-                runnable.append(backend)
+                runnable.append((backend, cases))
         for case in op.cases:
             for dtype in DTYPES:
-                for backend in runnable:
-                    yield check_backend(op.name, case.name, backend, device, dtype)
+                for backend, cases in runnable:
+                    if case in cases:
+                        yield check_backend(op.name, case.name, backend, device, dtype)
     for row, run in _first_use_rows(device, backends):
         if ops is None or row.op in ops:
             yield _run_first_use(row, run)

@@ -26,8 +26,10 @@ def test_selfcheck_child_reports_failures_off_cuda():
 
 
 def test_a_call_relies_on_the_jobs_of_its_form_and_dtype():
+    """Those of its form (for GDN and KDA also the segmented state walks) in its dtype, and the
+    packed case where it packs sequences."""
     assert backends.selfcheck_jobs("gated_delta_rule", "gated_deltanet", torch.bfloat16) == (
-        ("gated_deltanet", "bfloat16"),)
+        ("gated_deltanet", "bfloat16"), ("gated_deltanet_segmented", "bfloat16"))
     assert backends.selfcheck_jobs("gated_delta_rule", "deltanet", torch.float16) == (
         ("deltanet", "bfloat16"),)  # fp16 relies on the bf16 check
     assert backends.selfcheck_jobs("gated_delta_rule", "gdn2", torch.float32, packed=True) == (
@@ -35,6 +37,19 @@ def test_a_call_relies_on_the_jobs_of_its_form_and_dtype():
     assert backends.selfcheck_jobs("decay_linear_attention", "per_head", torch.bfloat16,
                                    packed=True) == (("per_head", "bfloat16"),
                                                     ("per_channel_packed", "bfloat16"))
+
+
+def test_the_segmented_cases_segment_the_triton_walks():
+    """The self-check's segmented cases are long enough, at few enough walks, for the delta-rule
+    Triton kernels to cut their state walks into segments on a GPU of 128 SMs (the CPU stands
+    for one)."""
+    pytest.importorskip("triton")
+    from megatron_ext.kernels import selfcheck
+    from megatron_ext.kernels.delta_rule.triton import _segment_chunks
+
+    chunks = -(-selfcheck.SEGMENTED_LEN // 64)
+    assert _segment_chunks(selfcheck.VALUE_HEADS, selfcheck.KEY_DIM, selfcheck.VALUE_DIM, chunks,
+                           torch.device("cpu")) == 16
 
 
 @pytest.fixture

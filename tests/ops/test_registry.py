@@ -130,7 +130,8 @@ def test_auto_on_cuda_matches_the_old_policy(monkeypatch, passed):
             checked += 1
     assert checked == len(list(recurrence_calls())) * 18
     # the self-check jobs asked are those of the call's form and dtype (and packing)
-    assert ("gated_delta_rule", (("kda", "bfloat16"), ("kda_packed", "bfloat16"))) in jobs_asked
+    assert ("gated_delta_rule", (("kda", "bfloat16"), ("kda_packed", "bfloat16"),
+                                 ("kda_segmented", "bfloat16"))) in jobs_asked
 
 
 @pytest.mark.parametrize("form", ["deltanet", "gated_deltanet", "kda", "gdn2"])

@@ -43,6 +43,7 @@ from megatron_ext.kernels.delta_rule import gated_delta_rule_reference, gated_de
 from megatron_ext.kernels.delta_rule import triton as delta_rule_triton
 from megatron_ext.kernels.first_use import relative_error
 from megatron_ext.kernels.registry import BackendUnavailable
+from megatron_ext.kernels import selfcheck
 from megatron_ext.kernels.selfcheck import delta_rule_inputs
 
 pytestmark = pytest.mark.gpu
@@ -224,6 +225,16 @@ def test_segmented_walks(case, dtype):
     check(case, device="cuda", dtype=dtype, batch=1, seq_len=4117, segment_chunks=16)
     check(case, device="cuda", dtype=dtype, cu_seqlens=[0, 37, 64, 64, 600], key_heads=1, value_heads=1,
           segment_chunks=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["gated_deltanet_segmented", "kda_segmented"])
+def test_selfcheck_segmented_cases(case, dtype):
+    """The self-check's segmented cases (what backend="auto" relies on for the segmented walks)
+    pass here, and their walks were cut into segments of 16 chunks."""
+    with _segmented_walks(16):
+        result = selfcheck.check_backend("gated_delta_rule", case, "triton", "cuda", dtype)
+    assert result.passed, (result.errors, result.note)
 
 
 def test_write_residual():
