@@ -47,6 +47,8 @@ setup(
     ],
     extras_require={
         "fla": ["fla-core>=0.6"],
+        # `megatron-ext export` (megatron_ext.export.HF_PACKAGES) and loading its output.
+        "hf": ["transformers", "safetensors"],
         "te": ["transformer-engine[pytorch]"],
         # setuptools: tests/recipes/test_install.py builds the wheel without build isolation;
         # transformers: the Hugging Face tokenizer data path (tests/recipes/test_pretrain.py).

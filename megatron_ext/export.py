@@ -24,6 +24,8 @@ import yaml
 
 from megatron_ext.config import ConfigError
 
+# What export needs beyond megatron-ext's own dependencies (the extra "hf" in setup.py).
+HF_PACKAGES = ("transformers", "safetensors")
 # The remote-code files: transformers imports them from the model directory.
 CONFIG_FILE = "configuration_megatron_ext.py"
 MODEL_FILE = "modeling_megatron_ext.py"
@@ -90,10 +92,17 @@ def export(source: str | pathlib.Path, out_dir: str | pathlib.Path,
            tokenizer_model: str | pathlib.Path | None = None) -> pathlib.Path:
     """Write the Hugging Face directory of ``source`` (see the module docstring) to
     ``out_dir``; ``tokenizer_model``: a sentencepiece model to ship instead of the run's."""
-    from safetensors.torch import save_file
+    try:
+        from safetensors.torch import save_file
 
+        from megatron_ext.hf import MegatronExtConfig, build_gpt_model
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] not in HF_PACKAGES:
+            raise
+        raise ConfigError(f"export writes a Hugging Face model directory and needs "
+                          f"{' and '.join(HF_PACKAGES)}, which are not installed ({error}); "
+                          f"install megatron-ext[hf]") from error
     from megatron_ext import train
-    from megatron_ext.hf import MegatronExtConfig, build_gpt_model
 
     run_dir, checkpoint = find_checkpoint(pathlib.Path(source))
     if not checkpoint.is_dir():

@@ -61,6 +61,7 @@ def test_hybrid_of_every_decoding_mixer_decodes_on_cuda():
 
 
 def test_export_with_rope_on_cuda(tmp_path):
+    pytest.importorskip("transformers", reason="the extra megatron-ext[hf] is not installed")
     settings = harness.settings_of("GK*M*Q", position_embedding_type="rope")
     model, hf = harness.exported_random_model(tmp_path, settings, dtype=torch.float32,
                                               device_map="cuda")

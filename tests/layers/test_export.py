@@ -151,3 +151,16 @@ def test_train_run_exports_with_its_tokenizer(tmp_path):
     out = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert out.shape == (1, ids.shape[1] + 6)
     assert isinstance(tokenizer.decode(out[0]), str)
+
+
+@pytest.mark.parametrize("missing", ["transformers", "safetensors"])
+def test_export_without_the_hf_packages_says_what_to_install(tmp_path, missing):
+    """A plain ``pip install megatron-ext`` lacks transformers and safetensors: ``megatron-ext
+    export`` then stops with an error that names the extra to install, not a traceback."""
+    script = (f"import sys; sys.modules[{missing!r}] = None\n"  # makes `import {missing}` fail
+              "from megatron_ext.cli import main\n"
+              f"sys.exit(main(['export', {str(tmp_path / 'run')!r}, {str(tmp_path / 'hf')!r}]))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "install megatron-ext[hf]" in done.stderr and missing in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
