@@ -32,9 +32,10 @@ Numerics. No exponent is ever positive. The pairwise decays exp(G_t - G_s), s <=
 per-channel decay are formed in 16-token sub-blocks: for an off-diagonal sub-block (rows t in
 sub-block i, columns s in an earlier one) as (x_t exp(G_t - G_r)) (y_s exp(G_r - G_s)) with the
 reference r = 16 i, the row sub-block's first token, so that both factors are <= 1 however
-strong the decay; inside the diagonal sub-blocks exactly, as exp(-|G_t - G_s|), one column per
-step (16 steps). Exponents are clamped at 0 (min(x, 0)) so that padding rows cannot overflow;
-for g <= 0, as the op requires, the clamp never changes a value that is used. G is an fp32
+strong the decay; inside the diagonal sub-blocks exactly, as exp(G_t - G_s) (forward: all pairs
+of a sub-block at once; backward: as exp(-|G_t - G_s|), one column per step, 16 steps).
+Exponents are clamped at 0 (min(x, 0)) so that padding rows cannot overflow; for g <= 0, as the
+op requires, the clamp never changes a value that is used. G is an fp32
 cumulative sum per chunk, every tl.dot accumulates in fp32, and the unit-triangular inverse is by
 forward substitution in fp32 on the four 16 x 16 diagonal blocks (all four in each step), then
 block substitution with fp32 ("ieee") dots for fp32 inputs, TF32 dots for 16-bit ones (whose T is
@@ -47,10 +48,12 @@ decayed keys and queries, dU, dP, dA and the chunk states and their gradients (t
 and queries of one decay per head are rounded where they are formed, to the same values).
 
 Kernels, in order (grids in brackets; NC chunks over all sequences, N sequences, Hv v heads):
-    forward   _chunk_cumsum [NC, Hv] -> G;  _fwd_scores [NC, Hv] -> A, P;  _invert [NC * Hv]
-              -> T;  _fwd_prepare [NC, Hv] -> W, Y (and, with a per-channel decay, the decayed
-              keys k Gamma_C / Gamma and queries Gamma q);  _fwd_state [N, Hv, V/BV], along each
-              sequence -> chunk states, U, final state;  _fwd_output [NC, Hv, V/BV] -> o
+    forward   _chunk_cumsum [NC, Hv] -> G;  _fwd_scores [NC, Hv] -> A, P (with a per-channel
+              decay their off-diagonal sub-blocks, and _fwd_diagonal [NC * 4, Hv] the diagonal
+              ones);  _invert [NC * Hv] -> T;  _fwd_prepare [NC, Hv] -> W, Y (and, with a
+              per-channel decay, the decayed keys k Gamma_C / Gamma and queries Gamma q);
+              _fwd_state [N, Hv, V/BV], along each sequence -> chunk states, U, final state;
+              _fwd_output [NC, Hv, V/BV] -> o
     backward  _bwd_state [N, Hv, V/BV], along each sequence in reverse -> dS_C per chunk, dU,
               the initial state's gradient;  _bwd_scores [NC, Hv] -> dP, dA, dv, dw (or beta's
               share);  _bwd_qkg [NC, Hk] (one decay per head or none; over the q/k head's group
@@ -98,20 +101,21 @@ runs sequences x v heads x tiles programs walking every chunk.
 
 Launch configurations (fixed, no autotuning, so that the configuration the tests run is the one that
 runs): num_stages 2 (3 in the state kernels for K <= 128 in 16-bit); num_warps 4 (one warpgroup) for
-_chunk_cumsum, _invert, _fwd_output, _bwd_scores and _bwd_qkg (8 in those two in fp32), 8 for the
-others. Tiles (each capped at K or V): BK = 32 in _fwd_scores and _bwd_qkg (16 in _bwd_qkg with a
-per-channel decay), else 64; BV = 32 in _bwd_scores, min(64, 4096 / K) in _fwd_state, 64 in
-_bwd_state up to K = 128 in bf16 and fp16 (else as in _fwd_state: at K = 256 and BV = 32 it would
-need 244 KB of shared memory), else 64; the two state kernels' BV then halves (down to 16) while
-(sequences x value heads x V / BV) programs fit on the SMs (``_parallel_block``), or, in segmented
-walks, are capped at K. These are chosen so that ptxas spills nothing or little (at most ~150 bytes
-per thread) for sm_90 in bf16 with K, V of 64, 128 and 256 (compiled without a GPU). The fp32 path,
-whose dots run on FMA units, spills a lot (_bwd_qkg and _fwd_scores with a per-channel decay ~1 KB
-per thread at 8 warps, _bwd_qkg 24 KB and _bwd_scores 8 to 15 KB at 4, hence 8; _bwd_state twice as
-much at BV = 64 as at 32, hence 32; _bwd_qkg with one decay per head 0.05 to 1.5 KB, and 160 to 184
-KB of shared memory): it is there to check the algebra, not for speed. Supported K and V: 16, 32,
-64, 128, 256. No tl.trans anywhere: transposed operands are loaded transposed (Hopper with Triton
-3.4 to 3.7.0 miscompiles tl.trans of dot results, fla-core issue #640).
+_chunk_cumsum, _fwd_diagonal, _invert, _fwd_output, _bwd_scores and _bwd_qkg (8 in the last two in
+fp32), 8 for the others. Tiles (each capped at K or V): BK = 32 in _fwd_scores, _fwd_diagonal and
+_bwd_qkg (16 in _bwd_qkg with a per-channel decay), else 64; BV = 32 in _bwd_scores, min(64, 4096 /
+K) in _fwd_state, 64 in _bwd_state up to K = 128 in bf16 and fp16 (else as in _fwd_state: at K = 256
+and BV = 32 it would need 244 KB of shared memory), else 64; the two state kernels' BV then halves
+(down to 16) while (sequences x value heads x V / BV) programs fit on the SMs (``_parallel_block``),
+or, in segmented walks, are capped at K. These are chosen so that ptxas spills nothing or little (at
+most ~150 bytes per thread) for sm_90 in bf16 with K, V of 64, 128 and 256 (compiled without a GPU).
+The fp32 path, whose dots run on FMA units, spills a lot (_bwd_qkg and _fwd_scores with a
+per-channel decay ~1 KB per thread at 8 warps, _bwd_qkg 24 KB and _bwd_scores 8 to 15 KB at 4, hence
+8; _bwd_state twice as much at BV = 64 as at 32, hence 32; _bwd_qkg with one decay per head 0.05 to
+1.5 KB, and 160 to 184 KB of shared memory): it is there to check the algebra, not for speed.
+Supported K and V: 16, 32, 64, 128, 256. No tl.trans anywhere: transposed operands are loaded
+transposed (Hopper with Triton 3.4 to 3.7.0 miscompiles tl.trans of dot results, fla-core issue
+#640).
 
 Kernel structure (from ptxas/SASS for sm_90 and the GPU time per kernel of one fwd+bwd,
 benchmarks/kernels.py --profile, at B*T = 32768, H = 16, K = V = 128, bf16):
@@ -122,8 +126,10 @@ benchmarks/kernels.py --profile, at B*T = 32768, H = 16, K = V = 128, bf16):
     _bwd_qkg, per-channel decay (KDA, GDN-2): the 16 serial steps over the diagonal sub-blocks
         accumulate apart from the dot results' layout, with the masks folded into per-row
         scalars, so that no step converts tiles through shared memory.
-    _fwd_scores, per-channel decay: the diagonal sub-blocks are formed one column per step,
-        which profiles faster than all 16 columns at once.
+    _fwd_diagonal (per-channel decay): a program per 16-token sub-block forms its 16 x 16 pairs
+        of a key block at once, [16, 16, BK] tiles at 4 warps (128 registers, static sm_90
+        compile), so that no program walks the 16 columns one dependent step after another, and
+        _fwd_scores keeps only the dots (223 registers at 8 warps, against 255 with the steps).
     _invert: one loop of 15 steps does all four diagonal blocks, reading A's rows from memory
         (extracting each row from registers would take a reduction across warps a step).
     _bwd_scores: 4 warps on tensor cores (at 8 it takes 130 registers a thread, one program
@@ -312,7 +318,6 @@ def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, c
     hk = hv // group
     start, count, t, valid = chunk_rows(chunks_ptr, c, _C)
     blk = t // _SUB
-    within = t % _SUB
     scores_p = tl.zeros([_C, _C], dtype=tl.float32)
     scores_a = tl.zeros([_C, _C], dtype=tl.float32)
     if not ERASE:
@@ -329,7 +334,8 @@ def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, c
         if G_MODE == 2:
             G = _rows(G_ptr, start, t, valid, value_heads, hv, K, c0, BK)
             G_t = _cols(G_ptr, start, t, valid, value_heads, hv, K, c0, BK)
-            # Off-diagonal sub-blocks: the rows of sub-block i against all earlier columns.
+            # Off-diagonal sub-blocks (the diagonal ones are _fwd_diagonal_kernel's): the rows of
+            # sub-block i against all earlier columns.
             for i in tl.static_range(1, 4):
                 G_ref = _decay_row(G_ptr, start, count, value_heads, hv, K, i * _SUB, c0, BK)
                 row_decay = tl.where((blk == i)[:, None], tl.exp(tl.minimum(G - G_ref[None, :], 0.0)), 0.0)
@@ -337,16 +343,6 @@ def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, c
                                   k_t * tl.exp(tl.minimum(G_ref[:, None] - G_t, 0.0)), 0.0)
                 scores_p += _mm(q * row_decay, cols_t, DOT, IEEE)
                 scores_a += _mm(a * row_decay, cols_t, DOT, IEEE)
-            # Diagonal sub-blocks, exactly: step j fills column 16 * blk + j of every row.
-            for j in range(0, _SUB):
-                col = blk * _SUB + j
-                col_valid = col < count
-                k_col = _rows(k_ptr, start, col, col_valid, key_heads, hk, K, c0, BK)
-                G_col = _rows(G_ptr, start, col, col_valid, value_heads, hv, K, c0, BK)
-                k_decayed = k_col * tl.where((within >= j)[:, None], tl.exp(-tl.abs(G - G_col)), 0.0)
-                hit = t[None, :] == col[:, None]
-                scores_p += tl.where(hit, tl.sum(q * k_decayed, 1)[:, None], 0.0)
-                scores_a += tl.where(hit & (within > j)[:, None], tl.sum(a * k_decayed, 1)[:, None], 0.0)
         else:
             scores_p += _mm(q, k_t, DOT, IEEE)
             scores_a += _mm(a, k_t, DOT, IEEE)
@@ -360,8 +356,50 @@ def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, c
         scores_a = tl.where(t[:, None] > t[None, :], scores_a, 0.0)
     offsets = t[:, None] * _C + t[None, :]
     base = (c * value_heads + hv) * _C * _C
-    tl.store(A_ptr + base + offsets, scores_a)
-    tl.store(P_ptr + base + offsets, scores_p.to(P_ptr.dtype.element_ty))
+    if G_MODE == 2:  # the diagonal sub-blocks are _fwd_diagonal_kernel's to store
+        off_diagonal = blk[:, None] != blk[None, :]
+        tl.store(A_ptr + base + offsets, scores_a, mask=off_diagonal)
+        tl.store(P_ptr + base + offsets, scores_p.to(P_ptr.dtype.element_ty), mask=off_diagonal)
+    else:
+        tl.store(A_ptr + base + offsets, scores_a)
+        tl.store(P_ptr + base + offsets, scores_p.to(P_ptr.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["key_heads", "value_heads", "group"])
+def _fwd_diagonal_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, chunks_ptr,
+                         key_heads, value_heads, group,
+                         K: tl.constexpr, BK: tl.constexpr, ERASE: tl.constexpr):
+    """The diagonal 16 x 16 sub-blocks of A and P with a per-channel decay, one program per
+    sub-block and v head (grid [NC * 4, Hv]), exactly: A_ts = sum_c a_tc k_sc exp(G_tc - G_sc)
+    for s < t, P_ts the same with q_t for s <= t, all pairs of a key block at once ([16, 16, BK]
+    tiles; every exponent used is <= 0)."""
+    c = (tl.program_id(0) // 4).to(tl.int64)
+    i = tl.program_id(0) % 4
+    hv = tl.program_id(1)
+    hk = hv // group
+    start, count, _, _ = chunk_rows(chunks_ptr, c, _C)
+    r = i * _SUB + tl.arange(0, _SUB)
+    valid = r < count
+    scores_p = tl.zeros([_SUB, _SUB], dtype=tl.float32)
+    scores_a = tl.zeros([_SUB, _SUB], dtype=tl.float32)
+    if not ERASE:
+        beta = _vec(beta_ptr, start, r, valid, value_heads, hv)
+    for kb in range(0, K // BK):
+        c0 = kb * BK
+        q = _rows(q_ptr, start, r, valid, key_heads, hk, K, c0, BK)
+        k = _rows(k_ptr, start, r, valid, key_heads, hk, K, c0, BK)
+        if ERASE:
+            a = k * _rows(erase_ptr, start, r, valid, value_heads, hv, K, c0, BK)
+        else:
+            a = k * beta[:, None]
+        G = _rows(G_ptr, start, r, valid, value_heads, hv, K, c0, BK)
+        k_decayed = k[None, :, :] * tl.exp(tl.minimum(G[:, None, :] - G[None, :, :], 0.0))  # [t, s, BK]
+        scores_p += tl.sum(q[:, None, :] * k_decayed, 2)
+        scores_a += tl.sum(a[:, None, :] * k_decayed, 2)
+    offsets = r[:, None] * _C + r[None, :]
+    base = (c * value_heads + hv) * _C * _C
+    tl.store(A_ptr + base + offsets, tl.where(r[:, None] > r[None, :], scores_a, 0.0))
+    tl.store(P_ptr + base + offsets, tl.where(r[:, None] >= r[None, :], scores_p, 0.0).to(P_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -1068,6 +1106,10 @@ def _forward(cfg: _Config, q, k, v, beta, g, erase, write, initial_state):
             q, k, beta_, erase_, G, A, P, cfg.chunks, Hk, Hv, cfg.group,
             K=K, BK=cfg.score_block_k, G_MODE=cfg.g_mode, ERASE=cfg.erase,
             num_warps=8, num_stages=stages, **cfg.flags)
+        if cfg.g_mode == 2:
+            _fwd_diagonal_kernel[(NC * 4, Hv)](
+                q, k, beta_, erase_, G, A, P, cfg.chunks, Hk, Hv, cfg.group,
+                K=K, BK=cfg.score_block_k, ERASE=cfg.erase, num_warps=4, num_stages=stages)
         _invert_kernel[(NC * Hv,)](A, T, IEEE=cfg.flags["IEEE"], num_warps=4, num_stages=stages)
         del A
         Y = cfg.empty(V)
