@@ -238,6 +238,20 @@ def _put(ptr, start, t, valid, heads, head, DIM: tl.constexpr, col0, COLS: tl.co
 
 
 @triton.jit
+def _query_key_removal(q_ptr, k_ptr, erase_ptr, beta, start, r, valid, key_heads, hk, value_heads, hv,
+                       K: tl.constexpr, c0, BK: tl.constexpr, ERASE: tl.constexpr):
+    """fp32 [R, BK] tiles of rows r, key channels c0..: q, k and the removal key a = k * erase
+    (or k * beta, with ``beta`` [R] fp32)."""
+    q = _rows(q_ptr, start, r, valid, key_heads, hk, K, c0, BK)
+    k = _rows(k_ptr, start, r, valid, key_heads, hk, K, c0, BK)
+    if ERASE:
+        a = k * _rows(erase_ptr, start, r, valid, value_heads, hv, K, c0, BK)
+    else:
+        a = k * beta[:, None]
+    return q, k, a
+
+
+@triton.jit
 def _square(ptr, base, TRANSPOSED: tl.constexpr):
     """The [64, 64] tile at ``base`` of a [..., 64, 64] tensor, or its transpose."""
     r = tl.arange(0, _C)
@@ -319,16 +333,11 @@ def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, c
     blk = t // _SUB
     scores_p = tl.zeros([_C, _C], dtype=tl.float32)
     scores_a = tl.zeros([_C, _C], dtype=tl.float32)
-    if not ERASE:
-        beta = _vec(beta_ptr, start, t, valid, value_heads, hv)
+    beta = None if ERASE else _vec(beta_ptr, start, t, valid, value_heads, hv)
     for kb in range(0, K // BK):
         c0 = kb * BK
-        q = _rows(q_ptr, start, t, valid, key_heads, hk, K, c0, BK)
-        k = _rows(k_ptr, start, t, valid, key_heads, hk, K, c0, BK)
-        if ERASE:
-            a = k * _rows(erase_ptr, start, t, valid, value_heads, hv, K, c0, BK)
-        else:
-            a = k * beta[:, None]
+        q, k, a = _query_key_removal(q_ptr, k_ptr, erase_ptr, beta, start, t, valid, key_heads, hk, value_heads,
+                                     hv, K, c0, BK, ERASE)
         k_t = _cols(k_ptr, start, t, valid, key_heads, hk, K, c0, BK)
         if G_MODE == 2:
             G = _rows(G_ptr, start, t, valid, value_heads, hv, K, c0, BK)
@@ -381,16 +390,11 @@ def _fwd_diagonal_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr,
     valid = r < count
     scores_p = tl.zeros([_SUB, _SUB], dtype=tl.float32)
     scores_a = tl.zeros([_SUB, _SUB], dtype=tl.float32)
-    if not ERASE:
-        beta = _vec(beta_ptr, start, r, valid, value_heads, hv)
+    beta = None if ERASE else _vec(beta_ptr, start, r, valid, value_heads, hv)
     for kb in range(0, K // BK):
         c0 = kb * BK
-        q = _rows(q_ptr, start, r, valid, key_heads, hk, K, c0, BK)
-        k = _rows(k_ptr, start, r, valid, key_heads, hk, K, c0, BK)
-        if ERASE:
-            a = k * _rows(erase_ptr, start, r, valid, value_heads, hv, K, c0, BK)
-        else:
-            a = k * beta[:, None]
+        q, k, a = _query_key_removal(q_ptr, k_ptr, erase_ptr, beta, start, r, valid, key_heads, hk, value_heads,
+                                     hv, K, c0, BK, ERASE)
         G = _rows(G_ptr, start, r, valid, value_heads, hv, K, c0, BK)
         k_decayed = k[None, :, :] * tl.exp(tl.minimum(G[:, None, :] - G[None, :, :], 0.0))  # [t, s, BK]
         scores_p += tl.sum(q[:, None, :] * k_decayed, 2)
@@ -825,12 +829,9 @@ def _bwd_diagonal_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, dP_ptr, dA_pt
     start, count, _, _ = chunk_rows(chunks_ptr, c, _C)
     r = i * _SUB + tl.arange(0, _SUB)
     valid = r < count
-    q = _rows(q_ptr, start, r, valid, key_heads, hk, K, c0, BK)
-    k = _rows(k_ptr, start, r, valid, key_heads, hk, K, c0, BK)
-    if ERASE:
-        a = k * _rows(erase_ptr, start, r, valid, value_heads, hv, K, c0, BK)
-    else:
-        a = k * _vec(beta_ptr, start, r, valid, value_heads, hv)[:, None]
+    beta = None if ERASE else _vec(beta_ptr, start, r, valid, value_heads, hv)
+    q, k, a = _query_key_removal(q_ptr, k_ptr, erase_ptr, beta, start, r, valid, key_heads, hk, value_heads, hv,
+                                 K, c0, BK, ERASE)
     G = _rows(G_ptr, start, r, valid, value_heads, hv, K, c0, BK)
     square = (c * value_heads + hv) * _C * _C + r[:, None] * _C + r[None, :]
     d_p = tl.load(dP_ptr + square, mask=r[:, None] >= r[None, :], other=0.0).to(tl.float32)[:, :, None]
