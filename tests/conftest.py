@@ -34,12 +34,11 @@ def megatron_on_cuda():
     """A one-process NCCL world with Megatron's parallel state (TP = PP = 1) on GPU 0."""
     import harness
     import torch
-    from megatron.core import parallel_state
 
     torch.cuda.set_device(0)
     harness.init_single_process("nccl")
     yield
-    parallel_state.destroy_model_parallel()
+    harness.destroy_parallel()
 
 
 @pytest.fixture

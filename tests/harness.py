@@ -143,7 +143,7 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1)
 
     if not on_gpu():
         use_cpu()
-    parallel_state.destroy_model_parallel()
+    destroy_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp)
@@ -153,6 +153,21 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1)
     # The CUDA RNG tracker cannot hold CPU generator states; the inference tracker turns its
     # fork() into a no-op, so dropout (off in our tests) would use the default generator.
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def destroy_parallel() -> None:
+    """Megatron's parallel state, and the process groups it made (all but the world's).
+
+    ``destroy_model_parallel`` forgets most of its groups without destroying them: a process
+    that builds layout after layout would keep every set alive, each gloo group with threads
+    and sockets of its own."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if group is not dist.group.WORLD:
+                dist.destroy_process_group(group)
 
 
 def _free_port() -> int:
@@ -191,9 +206,7 @@ def _worker(rank, world_size, port, backend, fn, args, results):
     except BaseException:
         results[rank] = ("error", traceback.format_exc())
     finally:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
+        destroy_parallel()
         dist.destroy_process_group()
 
 

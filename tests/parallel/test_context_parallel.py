@@ -319,6 +319,7 @@ def run_cp_layouts(rank, world_size, ckpt_dir):
             (model,), config = harness.build_layout(ext, tp=tp, sequence_parallel=sp, cp=cp,
                                                     config_overrides=overrides,
                                                     position_embedding_type=position_embedding)
+            group = ps.get_context_parallel_group()  # build_layout made the groups anew
             model_ckpt = f"{ckpt_dir}-{name}"
             if world_size == 1:
                 os.makedirs(model_ckpt, exist_ok=True)
