@@ -10,9 +10,10 @@ RoPE, the CUDA index of RoPE's per-CP-rank slice, CUDA streams in DDP, and the C
 over NCCL (one GPU per rank, TF32 off, the CUDA RNG tracker): the multi-process tests of
 tests/parallel then check the same equalities on GPUs (``python -m pytest -m dist tests/parallel``
 on a machine with several GPUs; a world larger than the GPUs skips). Models built by
-:func:`build_layout` move to the rank's GPU and take their inputs there. ``MEGATRON_EXT_TEST_STACKS_AFTER=S`` makes
-every rank print the stacks of its threads to stderr every S seconds (pytest ``-s`` shows them):
-where a hung rank waits.
+:func:`build_layout` move to the rank's GPU and take their inputs there. A world whose ranks
+have not all finished after ``MEGATRON_EXT_TEST_SPAWN_TIMEOUT`` seconds (default
+:data:`SPAWN_TIMEOUT_S`) fails the test: each rank first prints the stacks of its threads to
+stderr (where a hung rank waits; pytest shows them under the failure), then all are killed.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import faulthandler
 import importlib.util
 import os
 import pathlib
+import signal
 import socket
 import sys
+import time
 import traceback
 import types
 
@@ -189,9 +192,7 @@ def init_single_process(backend: str) -> None:
 def _worker(rank, world_size, port, backend, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    stacks_after = float(os.environ.get("MEGATRON_EXT_TEST_STACKS_AFTER", 0))
-    if stacks_after > 0:
-        faulthandler.dump_traceback_later(stacks_after, repeat=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # spawn's deadline asks for the stacks
     if backend == "nccl":
         torch.cuda.set_device(rank)
         # fp32 matmuls in fp32, so that layouts compare at the CPU runs' tolerances
@@ -215,12 +216,32 @@ def can_spawn(world_size: int) -> bool:
     return dist_backend() == "gloo" or world_size <= torch.cuda.device_count()
 
 
+SPAWN_TIMEOUT_S = 900  # the slowest world of the suite takes about 2 minutes on 2 CPU cores
+
+
+def _join_by(context, world_size: int, timeout: float) -> None:
+    """Wait for the ranks of ``context``; past ``timeout`` seconds have each print its stacks,
+    kill them all and raise."""
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for pid in context.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+            time.sleep(3)  # let faulthandler write
+            for process in context.processes:
+                process.kill()
+            raise RuntimeError(f"distributed test failed: its {world_size} ranks did not finish in "
+                               f"{timeout:.0f} s (MEGATRON_EXT_TEST_SPAWN_TIMEOUT); each rank's "
+                               "stacks are in the captured stderr")
+
+
 def spawn(fn, world_size: int, *args):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo, or NCCL: see the
     module docstring); list of results. Skips the test when the GPUs are too few.
 
     ``fn`` must be importable (a module-level function). A failure on any rank raises here with
-    that rank's traceback.
+    that rank's traceback; ranks that outrun the deadline (module docstring) raise too.
     """
     import pytest
 
@@ -233,8 +254,10 @@ def spawn(fn, world_size: int, *args):
     with ctx.Manager() as manager:
         results = manager.dict()
         port = _free_port()
-        mp.start_processes(_worker, args=(world_size, port, backend, fn, args, results),
-                           nprocs=world_size, join=True, start_method="spawn")
+        context = mp.start_processes(_worker, args=(world_size, port, backend, fn, args, results),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        _join_by(context, world_size, float(os.environ.get("MEGATRON_EXT_TEST_SPAWN_TIMEOUT",
+                                                           SPAWN_TIMEOUT_S)))
         out = dict(results)
     errors = [f"rank {r}:\n{msg}" for r, (status, msg) in sorted(out.items()) if status != "ok"]
     if errors or len(out) != world_size:
