@@ -225,10 +225,10 @@ def _join_by(context, world_size: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
-            for pid in context.pids():
+            for pid in context.pids():  # one at a time, so that their stacks do not interleave
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGUSR1)
-            time.sleep(3)  # let faulthandler write
+                time.sleep(1)
             for process in context.processes:
                 process.kill()
             raise RuntimeError(f"distributed test failed: its {world_size} ranks did not finish in "
