@@ -216,7 +216,7 @@ def can_spawn(world_size: int) -> bool:
     return dist_backend() == "gloo" or world_size <= torch.cuda.device_count()
 
 
-SPAWN_TIMEOUT_S = 900  # the slowest world of the suite takes about 2 minutes on 2 CPU cores
+SPAWN_TIMEOUT_S = 900  # test_context_parallel's three worlds take 160 to 175 s in all on 2 CPU cores
 
 
 def _join_by(context, world_size: int, timeout: float) -> None:
