@@ -28,16 +28,17 @@ of the log-decay is dG = q * dq + a * da - k * dk per token and channel, plus, a
 last token, Gamma_C * rowsum(S_0 * dS_C) + sum_s k_s * dk_s (over the dk of the k Gamma_C /
 Gamma term only); dg is its reverse cumulative sum inside the chunk.
 
-Numerics. No exponent is ever positive. The pairwise decays exp(G_t - G_s), s <= t, of a per-channel
-decay are formed in 16-token sub-blocks: for an off-diagonal sub-block (rows t in sub-block i,
-columns s in an earlier one) as (x_t exp(G_t - G_r)) (y_s exp(G_r - G_s)) with the reference r = 16
-i, the row sub-block's first token, so that both factors are <= 1 however strong the decay; inside
-the diagonal sub-blocks exactly, as exp(G_t - G_s), all pairs of a sub-block at once, forward and
-backward. Exponents are clamped at 0 (min(x, 0)) so that padding rows cannot overflow; for g <= 0,
-as the op requires, the clamp never changes a value that is used. G is an fp32 cumulative sum per
-chunk, every tl.dot accumulates in fp32, and the unit-triangular inverse is by forward substitution
-in fp32 on the four 16 x 16 diagonal blocks (all four in each step), then block substitution with
-fp32 ("ieee") dots for fp32 inputs, TF32 dots for 16-bit ones (whose T is stored in 16 bits).
+Numerics. No exponent is ever positive. The pairwise decays exp(G_t - G_s), s <= t, of a
+per-channel decay are formed in 16-token sub-blocks: for an off-diagonal sub-block (rows t in
+sub-block i, columns s in an earlier one) as (x_t exp(G_t - G_r)) (y_s exp(G_r - G_s)) with the
+reference r = 16 i, the row sub-block's first token, so that both factors are <= 1 however
+strong the decay; inside the diagonal sub-blocks exactly, as exp(-|G_t - G_s|), one column per
+step (16 steps). Exponents are clamped at 0 (min(x, 0)) so that padding rows cannot overflow;
+for g <= 0, as the op requires, the clamp never changes a value that is used. G is an fp32
+cumulative sum per chunk, every tl.dot accumulates in fp32, and the unit-triangular inverse is by
+forward substitution in fp32 on the four 16 x 16 diagonal blocks (all four in each step), then
+block substitution with fp32 ("ieee") dots for fp32 inputs, TF32 dots for 16-bit ones (whose T is
+stored in 16 bits).
 
 Precision. With fp32 q, k, v every tl.dot runs in full fp32 ("ieee", not TF32), so that the fp32
 path checks the algebra tightly; with bf16 (or fp16) q, k, v the dot operands are rounded to
@@ -46,19 +47,15 @@ decayed keys and queries, dU, dP, dA and the chunk states and their gradients (t
 and queries of one decay per head are rounded where they are formed, to the same values).
 
 Kernels, in order (grids in brackets; NC chunks over all sequences, N sequences, Hv v heads):
-    forward   _chunk_cumsum [NC, Hv] -> G;  _fwd_scores [NC, Hv] -> A, P (with a per-channel
-              decay their off-diagonal sub-blocks, and _fwd_diagonal [NC * 4, Hv] the diagonal
-              ones);  _invert [NC * Hv] -> T;  _fwd_prepare [NC, Hv] -> W, Y (and, with a
-              per-channel decay, the decayed keys k Gamma_C / Gamma and queries Gamma q);
-              _fwd_state [N, Hv, V/BV], along each sequence -> chunk states, U, final state;
-              _fwd_output [NC, Hv, V/BV] -> o
+    forward   _chunk_cumsum [NC, Hv] -> G;  _fwd_scores [NC, Hv] -> A, P;  _invert [NC * Hv]
+              -> T;  _fwd_prepare [NC, Hv] -> W, Y (and, with a per-channel decay, the decayed
+              keys k Gamma_C / Gamma and queries Gamma q);  _fwd_state [N, Hv, V/BV], along each
+              sequence -> chunk states, U, final state;  _fwd_output [NC, Hv, V/BV] -> o
     backward  _bwd_state [N, Hv, V/BV], along each sequence in reverse -> dS_C per chunk, dU,
               the initial state's gradient;  _bwd_scores [NC, Hv] -> dP, dA, dv, dw (or beta's
-              share);  with a per-channel decay _bwd_diagonal [NC * 4, Hv, K/BK] -> the
-              diagonal sub-blocks' terms of dq, d(a) and dk;  _bwd_qkg [NC, Hk] (one decay per
-              head or none; over the q/k head's group of v heads, a loop over blocks of BK key
-              channels each) or [NC, Hk, K/BK] (per-channel decay, Hk = Hv) -> dq, dk, d erase
-              (or beta's share), dg
+              share);  _bwd_qkg [NC, Hk] (one decay per head or none; over the q/k head's group
+              of v heads, a loop over blocks of BK key channels each) or [NC, Hk, K/BK]
+              (per-channel decay, Hk = Hv) -> dq, dk, d erase (or beta's share), dg
 Only the two sequential kernels loop over chunks (two dots per chunk each); everything else is
 parallel over chunks, and so are they, in segments, where a walk per sequence would leave SMs idle
 (below). Saved for the backward, per token and v head, in the dot dtype unless said:
@@ -68,7 +65,7 @@ each), W (K), with a per-channel decay the decayed keys and queries (2 K), and t
 per-channel decay (KDA, GDN-2), 1284 with one per head (GDN), 1280 without (DeltaNet). (One decay
 per head scales whole rows, so the kernels that need Gamma q and k Gamma_C / Gamma form them from
 q, k and G as they load them.) The backward adds, freed on return, dS_C per chunk (as the states),
-dU, dP and dA, and with a per-channel decay the diagonal sub-blocks' terms (3 K, fp32).
+dU, dP and dA.
 
 Grouped heads: a program of v head hv reads q/k head hv // (Hv / Hk); a _bwd_qkg program takes
 a q/k head's group of v heads in turn and sums their shares of dq and dk (fp32 partial sums in a
@@ -101,21 +98,20 @@ runs sequences x v heads x tiles programs walking every chunk.
 
 Launch configurations (fixed, no autotuning, so that the configuration the tests run is the one that
 runs): num_stages 2 (3 in the state kernels for K <= 128 in 16-bit); num_warps 4 (one warpgroup) for
-_chunk_cumsum, _fwd_diagonal, _bwd_diagonal, _invert, _fwd_output, _bwd_scores and _bwd_qkg (8 in
-the last two in fp32), 8 for the others. Tiles (each capped at K or V): BK = 32 in _fwd_scores,
-_fwd_diagonal and _bwd_qkg (16 in _bwd_qkg with a per-channel decay and in _bwd_diagonal), else 64;
-BV = 32 in _bwd_scores, min(64, 4096 / K) in _fwd_state, 64 in _bwd_state up to K = 128 in bf16 and
-fp16 (else as in _fwd_state: at K = 256 and BV = 32 it would need 244 KB of shared memory), else 64;
-the two state kernels' BV then halves (down to 16) while (sequences x value heads x V / BV) programs
-fit on the SMs (``_parallel_block``), or, in segmented walks, are capped at K. These are chosen so
-that ptxas spills nothing or little (at most ~150 bytes per thread) for sm_90 in bf16 with K, V of
-64, 128 and 256 (compiled without a GPU). The fp32 path, whose dots run on FMA units, spills a lot
-(_bwd_qkg and _fwd_scores with a per-channel decay ~1 KB per thread at 8 warps, _bwd_qkg 24 KB and
-_bwd_scores 8 to 15 KB at 4, hence 8; _bwd_state twice as much at BV = 64 as at 32, hence 32;
-_bwd_qkg with one decay per head 0.05 to 1.5 KB, and 160 to 184 KB of shared memory): it is there to
-check the algebra, not for speed. Supported K and V: 16, 32, 64, 128, 256. No tl.trans anywhere:
-transposed operands are loaded transposed (Hopper with Triton 3.4 to 3.7.0 miscompiles tl.trans of
-dot results, fla-core issue #640).
+_chunk_cumsum, _invert, _fwd_output, _bwd_scores and _bwd_qkg (8 in those two in fp32), 8 for the
+others. Tiles (each capped at K or V): BK = 32 in _fwd_scores and _bwd_qkg (16 in _bwd_qkg with a
+per-channel decay), else 64; BV = 32 in _bwd_scores, min(64, 4096 / K) in _fwd_state, 64 in
+_bwd_state up to K = 128 in bf16 and fp16 (else as in _fwd_state: at K = 256 and BV = 32 it would
+need 244 KB of shared memory), else 64; the two state kernels' BV then halves (down to 16) while
+(sequences x value heads x V / BV) programs fit on the SMs (``_parallel_block``), or, in segmented
+walks, are capped at K. These are chosen so that ptxas spills nothing or little (at most ~150 bytes
+per thread) for sm_90 in bf16 with K, V of 64, 128 and 256 (compiled without a GPU). The fp32 path,
+whose dots run on FMA units, spills a lot (_bwd_qkg and _fwd_scores with a per-channel decay ~1 KB
+per thread at 8 warps, _bwd_qkg 24 KB and _bwd_scores 8 to 15 KB at 4, hence 8; _bwd_state twice as
+much at BV = 64 as at 32, hence 32; _bwd_qkg with one decay per head 0.05 to 1.5 KB, and 160 to 184
+KB of shared memory): it is there to check the algebra, not for speed. Supported K and V: 16, 32,
+64, 128, 256. No tl.trans anywhere: transposed operands are loaded transposed (Hopper with Triton
+3.4 to 3.7.0 miscompiles tl.trans of dot results, fla-core issue #640).
 
 Kernel structure (from ptxas/SASS for sm_90 and the GPU time per kernel of one fwd+bwd,
 benchmarks/kernels.py --profile, at B*T = 32768, H = 16, K = V = 128, bf16):
@@ -123,12 +119,11 @@ benchmarks/kernels.py --profile, at B*T = 32768, H = 16, K = V = 128, bf16):
         [64, 64] tiles of dP and dA and their transposes once, loops over the key blocks and sums
         dg and beta's share itself (a program per key block would load, mask and decay the same
         tiles K/BK times).
-    _fwd_diagonal, _bwd_diagonal (per-channel decay): a program per 16-token sub-block forms
-        its 16 x 16 pairs of a key block at once, [16, 16, BK] tiles at 4 warps (static sm_90
-        compile, K = 128 in bf16: 128 and 168 registers, no spills), so that no program walks the
-        16 columns one dependent step after another (16 steps of gathered loads per key block);
-        _fwd_scores and _bwd_qkg keep the dots (_fwd_scores 223 registers at 8 warps, 255 with
-        the steps).
+    _bwd_qkg, per-channel decay (KDA, GDN-2): the 16 serial steps over the diagonal sub-blocks
+        accumulate apart from the dot results' layout, with the masks folded into per-row
+        scalars, so that no step converts tiles through shared memory.
+    _fwd_scores, per-channel decay: the diagonal sub-blocks are formed one column per step,
+        which profiles faster than all 16 columns at once.
     _invert: one loop of 15 steps does all four diagonal blocks, reading A's rows from memory
         (extracting each row from registers would take a reduction across warps a step).
     _bwd_scores: 4 warps on tensor cores (at 8 it takes 130 registers a thread, one program
@@ -238,20 +233,6 @@ def _put(ptr, start, t, valid, heads, head, DIM: tl.constexpr, col0, COLS: tl.co
 
 
 @triton.jit
-def _query_key_removal(q_ptr, k_ptr, erase_ptr, beta, start, r, valid, key_heads, hk, value_heads, hv,
-                       K: tl.constexpr, c0, BK: tl.constexpr, ERASE: tl.constexpr):
-    """fp32 [R, BK] tiles of rows r, key channels c0..: q, k and the removal key a = k * erase
-    (or k * beta, with ``beta`` [R] fp32)."""
-    q = _rows(q_ptr, start, r, valid, key_heads, hk, K, c0, BK)
-    k = _rows(k_ptr, start, r, valid, key_heads, hk, K, c0, BK)
-    if ERASE:
-        a = k * _rows(erase_ptr, start, r, valid, value_heads, hv, K, c0, BK)
-    else:
-        a = k * beta[:, None]
-    return q, k, a
-
-
-@triton.jit
 def _square(ptr, base, TRANSPOSED: tl.constexpr):
     """The [64, 64] tile at ``base`` of a [..., 64, 64] tensor, or its transpose."""
     r = tl.arange(0, _C)
@@ -331,19 +312,24 @@ def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, c
     hk = hv // group
     start, count, t, valid = chunk_rows(chunks_ptr, c, _C)
     blk = t // _SUB
+    within = t % _SUB
     scores_p = tl.zeros([_C, _C], dtype=tl.float32)
     scores_a = tl.zeros([_C, _C], dtype=tl.float32)
-    beta = None if ERASE else _vec(beta_ptr, start, t, valid, value_heads, hv)
+    if not ERASE:
+        beta = _vec(beta_ptr, start, t, valid, value_heads, hv)
     for kb in range(0, K // BK):
         c0 = kb * BK
-        q, k, a = _query_key_removal(q_ptr, k_ptr, erase_ptr, beta, start, t, valid, key_heads, hk, value_heads,
-                                     hv, K, c0, BK, ERASE)
+        q = _rows(q_ptr, start, t, valid, key_heads, hk, K, c0, BK)
+        k = _rows(k_ptr, start, t, valid, key_heads, hk, K, c0, BK)
+        if ERASE:
+            a = k * _rows(erase_ptr, start, t, valid, value_heads, hv, K, c0, BK)
+        else:
+            a = k * beta[:, None]
         k_t = _cols(k_ptr, start, t, valid, key_heads, hk, K, c0, BK)
         if G_MODE == 2:
             G = _rows(G_ptr, start, t, valid, value_heads, hv, K, c0, BK)
             G_t = _cols(G_ptr, start, t, valid, value_heads, hv, K, c0, BK)
-            # Off-diagonal sub-blocks (the diagonal ones are _fwd_diagonal_kernel's): the rows of
-            # sub-block i against all earlier columns.
+            # Off-diagonal sub-blocks: the rows of sub-block i against all earlier columns.
             for i in tl.static_range(1, 4):
                 G_ref = _decay_row(G_ptr, start, count, value_heads, hv, K, i * _SUB, c0, BK)
                 row_decay = tl.where((blk == i)[:, None], tl.exp(tl.minimum(G - G_ref[None, :], 0.0)), 0.0)
@@ -351,6 +337,16 @@ def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, c
                                   k_t * tl.exp(tl.minimum(G_ref[:, None] - G_t, 0.0)), 0.0)
                 scores_p += _mm(q * row_decay, cols_t, DOT, IEEE)
                 scores_a += _mm(a * row_decay, cols_t, DOT, IEEE)
+            # Diagonal sub-blocks, exactly: step j fills column 16 * blk + j of every row.
+            for j in range(0, _SUB):
+                col = blk * _SUB + j
+                col_valid = col < count
+                k_col = _rows(k_ptr, start, col, col_valid, key_heads, hk, K, c0, BK)
+                G_col = _rows(G_ptr, start, col, col_valid, value_heads, hv, K, c0, BK)
+                k_decayed = k_col * tl.where((within >= j)[:, None], tl.exp(-tl.abs(G - G_col)), 0.0)
+                hit = t[None, :] == col[:, None]
+                scores_p += tl.where(hit, tl.sum(q * k_decayed, 1)[:, None], 0.0)
+                scores_a += tl.where(hit & (within > j)[:, None], tl.sum(a * k_decayed, 1)[:, None], 0.0)
         else:
             scores_p += _mm(q, k_t, DOT, IEEE)
             scores_a += _mm(a, k_t, DOT, IEEE)
@@ -364,45 +360,8 @@ def _fwd_scores_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, c
         scores_a = tl.where(t[:, None] > t[None, :], scores_a, 0.0)
     offsets = t[:, None] * _C + t[None, :]
     base = (c * value_heads + hv) * _C * _C
-    if G_MODE == 2:  # the diagonal sub-blocks are _fwd_diagonal_kernel's to store
-        off_diagonal = blk[:, None] != blk[None, :]
-        tl.store(A_ptr + base + offsets, scores_a, mask=off_diagonal)
-        tl.store(P_ptr + base + offsets, scores_p.to(P_ptr.dtype.element_ty), mask=off_diagonal)
-    else:
-        tl.store(A_ptr + base + offsets, scores_a)
-        tl.store(P_ptr + base + offsets, scores_p.to(P_ptr.dtype.element_ty))
-
-
-@triton.jit(do_not_specialize=["key_heads", "value_heads", "group"])
-def _fwd_diagonal_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, A_ptr, P_ptr, chunks_ptr,
-                         key_heads, value_heads, group,
-                         K: tl.constexpr, BK: tl.constexpr, ERASE: tl.constexpr):
-    """The diagonal 16 x 16 sub-blocks of A and P with a per-channel decay, one program per
-    sub-block and v head (grid [NC * 4, Hv]), exactly: A_ts = sum_c a_tc k_sc exp(G_tc - G_sc)
-    for s < t, P_ts the same with q_t for s <= t, all pairs of a key block at once ([16, 16, BK]
-    tiles; every exponent used is <= 0)."""
-    c = (tl.program_id(0) // 4).to(tl.int64)
-    i = tl.program_id(0) % 4
-    hv = tl.program_id(1)
-    hk = hv // group
-    start, count, _, _ = chunk_rows(chunks_ptr, c, _C)
-    r = i * _SUB + tl.arange(0, _SUB)
-    valid = r < count
-    scores_p = tl.zeros([_SUB, _SUB], dtype=tl.float32)
-    scores_a = tl.zeros([_SUB, _SUB], dtype=tl.float32)
-    beta = None if ERASE else _vec(beta_ptr, start, r, valid, value_heads, hv)
-    for kb in range(0, K // BK):
-        c0 = kb * BK
-        q, k, a = _query_key_removal(q_ptr, k_ptr, erase_ptr, beta, start, r, valid, key_heads, hk, value_heads,
-                                     hv, K, c0, BK, ERASE)
-        G = _rows(G_ptr, start, r, valid, value_heads, hv, K, c0, BK)
-        k_decayed = k[None, :, :] * tl.exp(tl.minimum(G[:, None, :] - G[None, :, :], 0.0))  # [t, s, BK]
-        scores_p += tl.sum(q[:, None, :] * k_decayed, 2)
-        scores_a += tl.sum(a[:, None, :] * k_decayed, 2)
-    offsets = r[:, None] * _C + r[None, :]
-    base = (c * value_heads + hv) * _C * _C
-    tl.store(A_ptr + base + offsets, tl.where(r[:, None] > r[None, :], scores_a, 0.0))
-    tl.store(P_ptr + base + offsets, tl.where(r[:, None] >= r[None, :], scores_p, 0.0).to(P_ptr.dtype.element_ty))
+    tl.store(A_ptr + base + offsets, scores_a)
+    tl.store(P_ptr + base + offsets, scores_p.to(P_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -807,47 +766,10 @@ def _group_put(out_ptr, acc_ptr, start, t, valid, key_heads, hk, K: tl.constexpr
         _put(acc_ptr, start, t, valid, key_heads, hk, K, c0, BK, x)
 
 
-@triton.jit(do_not_specialize=["key_heads", "value_heads", "group"])
-def _bwd_diagonal_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, dP_ptr, dA_ptr, diag_ptr, chunks_ptr,
-                         key_heads, value_heads, group,
-                         K: tl.constexpr, BK: tl.constexpr, ERASE: tl.constexpr):
-    """With a per-channel decay, the terms of dq, d(a) and dk from the diagonal 16 x 16 sub-blocks
-    of P and A, exactly, one program per sub-block, v head and block of BK key channels (grid
-    [NC * 4, Hv, K / BK]); with E_tsc = exp(G_tc - G_sc) over the pairs s <= t (every exponent
-    <= 0), dP and dA masked to the pairs that P and A have (s <= t, s < t):
-
-        dq_tc = sum_s dP_ts E_tsc k_sc,   da_tc = sum_s dA_ts E_tsc k_sc,
-        dk_sc = sum_t (dP_ts q_tc + dA_ts a_tc) E_tsc,
-
-    all pairs of the sub-block at once ([16, 16, BK] tiles), stored in fp32 at [token, hv, 0..2]
-    of a [tokens, Hv, 3, K] buffer for _bwd_qkg to add."""
-    c = (tl.program_id(0) // 4).to(tl.int64)
-    i = tl.program_id(0) % 4
-    hv = tl.program_id(1)
-    c0 = tl.program_id(2) * BK
-    hk = hv // group
-    start, count, _, _ = chunk_rows(chunks_ptr, c, _C)
-    r = i * _SUB + tl.arange(0, _SUB)
-    valid = r < count
-    beta = None if ERASE else _vec(beta_ptr, start, r, valid, value_heads, hv)
-    q, k, a = _query_key_removal(q_ptr, k_ptr, erase_ptr, beta, start, r, valid, key_heads, hk, value_heads, hv,
-                                 K, c0, BK, ERASE)
-    G = _rows(G_ptr, start, r, valid, value_heads, hv, K, c0, BK)
-    square = (c * value_heads + hv) * _C * _C + r[:, None] * _C + r[None, :]
-    d_p = tl.load(dP_ptr + square, mask=r[:, None] >= r[None, :], other=0.0).to(tl.float32)[:, :, None]
-    d_a = tl.load(dA_ptr + square, mask=r[:, None] > r[None, :], other=0.0).to(tl.float32)[:, :, None]
-    decay = tl.exp(tl.minimum(G[:, None, :] - G[None, :, :], 0.0))  # [t, s, BK]
-    k_decayed = k[None, :, :] * decay
-    _put(diag_ptr, start, r, valid, 3 * value_heads, 3 * hv, K, c0, BK, tl.sum(d_p * k_decayed, 1))
-    _put(diag_ptr, start, r, valid, 3 * value_heads, 3 * hv + 1, K, c0, BK, tl.sum(d_a * k_decayed, 1))
-    _put(diag_ptr, start, r, valid, 3 * value_heads, 3 * hv + 2, K, c0, BK,
-         tl.sum((d_p * q[:, None, :] + d_a * a[:, None, :]) * decay, 0))
-
-
 @triton.jit(do_not_specialize=["num_tokens", "key_heads", "value_heads", "group"])
 def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr,
-                    do_ptr, dP_ptr, dA_ptr, diag_ptr, dq_ptr, dk_ptr, dq_acc_ptr, dk_acc_ptr, derase_ptr, dbeta_ptr,
-                    dg_ptr, chunks_ptr, num_tokens, key_heads, value_heads, group, scale, GROUP_LOOP: tl.constexpr,
+                    do_ptr, dP_ptr, dA_ptr, dq_ptr, dk_ptr, dq_acc_ptr, dk_acc_ptr, derase_ptr, dbeta_ptr, dg_ptr,
+                    chunks_ptr, num_tokens, key_heads, value_heads, group, scale, GROUP_LOOP: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     G_MODE: tl.constexpr, ERASE: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
     """dq and dk of one chunk and q/k head, and for each v head of its group the erase gate's
@@ -889,12 +811,36 @@ def _bwd_qkg_kernel(q_ptr, k_ptr, beta_ptr, erase_ptr, G_ptr, T_ptr, h_ptr, dh_p
                 gate = _vec(beta_ptr, start, t, valid, value_heads, hv)[:, None]
             a = k * gate
             blk = t // _SUB
+            within = t % _SUB
             G = _rows(G_ptr, start, t, valid, value_heads, hv, K, c0, BK)
             G_end = _decay_row(G_ptr, start, count, value_heads, hv, K, count - 1, c0, BK)
-            # The diagonal sub-blocks' terms, from _bwd_diagonal_kernel ([tokens, Hv, 3, K]).
-            d_q_diag = _rows(diag_ptr, start, t, valid, 3 * value_heads, 3 * hv, K, c0, BK)
-            d_a_diag = _rows(diag_ptr, start, t, valid, 3 * value_heads, 3 * hv + 1, K, c0, BK)
-            d_k_diag = _rows(diag_ptr, start, t, valid, 3 * value_heads, 3 * hv + 2, K, c0, BK)
+            # Diagonal sub-blocks, exactly: step j pairs each row with row 16 * blk + j of its
+            # sub-block, as its column (rows at or after it; for A after it) or as its row (rows up to
+            # it; for A before it), the pairs chosen by masking the per-row entries of dP and dA. They
+            # have accumulators of their own (in the layout of the loads, where those of the dots
+            # would cost layout conversions at every step) and come first, where fewer registers are
+            # live than around the dots.
+            d_q_diag = tl.zeros([_C, BK], dtype=tl.float32)
+            d_a_diag = tl.zeros([_C, BK], dtype=tl.float32)
+            d_k_diag = tl.zeros([_C, BK], dtype=tl.float32)
+            for j in range(0, _SUB):
+                other = blk * _SUB + j
+                other_valid = other < count
+                decay = tl.exp(-tl.abs(G - _rows(G_ptr, start, other, other_valid, value_heads, hv, K, c0, BK)))
+                k_decayed = _rows(k_ptr, start, other, other_valid, key_heads, hk, K, c0, BK) * decay
+                p_below = tl.load(dP_ptr + square + t * _C + other, mask=within >= j, other=0.0).to(tl.float32)
+                a_below = tl.load(dA_ptr + square + t * _C + other, mask=within > j, other=0.0).to(tl.float32)
+                p_above = tl.load(dP_ptr + square + other * _C + t, mask=within <= j, other=0.0).to(tl.float32)
+                a_above = tl.load(dA_ptr + square + other * _C + t, mask=within < j, other=0.0).to(tl.float32)
+                d_q_diag += p_below[:, None] * k_decayed
+                d_a_diag += a_below[:, None] * k_decayed
+                q_other = _rows(q_ptr, start, other, other_valid, key_heads, hk, K, c0, BK)
+                if ERASE:
+                    gate_other = _rows(erase_ptr, start, other, other_valid, value_heads, hv, K, c0, BK)
+                    a_above_gate = a_above[:, None] * gate_other
+                else:
+                    a_above_gate = (a_above * _vec(beta_ptr, start, other, other_valid, value_heads, hv))[:, None]
+                d_k_diag += p_above[:, None] * q_other * decay + a_above_gate * k_decayed
             d_q = tl.exp(G) * d_qg + d_q_diag
             d_a = tl.exp(G) * d_ga + d_a_diag
             d_k = tl.exp(tl.minimum(G_end[None, :] - G, 0.0)) * d_kd
@@ -1007,7 +953,6 @@ class _Config:
         self.block_v = min(value_dim, 64)
         self.score_block_k = min(key_dim, 32)  # _fwd_scores
         self.qkg_block_k = min(key_dim, 16 if self.g_mode == 2 else 32)  # _bwd_qkg
-        self.diagonal_block_k = min(key_dim, 16)  # _bwd_diagonal
         fp32 = self.store_dtype == torch.float32
         self.qkg_warps = 8 if fp32 else 4  # _bwd_qkg
         self.score_block_v = min(value_dim, 32)  # _bwd_scores
@@ -1123,10 +1068,6 @@ def _forward(cfg: _Config, q, k, v, beta, g, erase, write, initial_state):
             q, k, beta_, erase_, G, A, P, cfg.chunks, Hk, Hv, cfg.group,
             K=K, BK=cfg.score_block_k, G_MODE=cfg.g_mode, ERASE=cfg.erase,
             num_warps=8, num_stages=stages, **cfg.flags)
-        if cfg.g_mode == 2:
-            _fwd_diagonal_kernel[(NC * 4, Hv)](
-                q, k, beta_, erase_, G, A, P, cfg.chunks, Hk, Hv, cfg.group,
-                K=K, BK=cfg.score_block_k, ERASE=cfg.erase, num_warps=4, num_stages=stages)
         _invert_kernel[(NC * Hv,)](A, T, IEEE=cfg.flags["IEEE"], num_warps=4, num_stages=stages)
         del A
         Y = cfg.empty(V)
@@ -1212,14 +1153,8 @@ def _backward(cfg: _Config, saved, d_o, d_final, d_residual):
             dummy if dbeta_v is None else dbeta_v, cfg.chunks, Hv, cfg.scale,
             V=V, BV=cfg.score_block_v, WRITE=cfg.write, num_warps=cfg.score_warps, num_stages=stages,
             **cfg.flags)
-        diag = dummy
-        if cfg.g_mode == 2:
-            diag = torch.empty(tokens, Hv, 3, K, device=device, dtype=torch.float32)
-            _bwd_diagonal_kernel[(NC * 4, Hv, K // cfg.diagonal_block_k)](
-                q, k, beta_, erase_, G, dP, dA, diag, cfg.chunks, Hk, Hv, cfg.group,
-                K=K, BK=cfg.diagonal_block_k, ERASE=cfg.erase, num_warps=4, num_stages=stages)
         _bwd_qkg_kernel[qkg_grid](
-            q, k, beta_, erase_, G_qkg, T, h, dh, U, dU, d_o, dP, dA, diag, dq, dk, dq_acc, dk_acc,
+            q, k, beta_, erase_, G_qkg, T, h, dh, U, dU, d_o, dP, dA, dq, dk, dq_acc, dk_acc,
             dummy if derase is None else derase, dummy if dbeta_k is None else dbeta_k,
             dg, cfg.chunks, tokens, Hk, Hv, cfg.group, cfg.scale, GROUP_LOOP=group_loop,
             K=K, V=V, BK=cfg.qkg_block_k, BV=cfg.block_v, G_MODE=qkg_mode, ERASE=cfg.erase,
