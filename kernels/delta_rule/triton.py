@@ -130,6 +130,10 @@ benchmarks/kernels.py --profile, at B*T = 32768, H = 16, K = V = 128, bf16):
         per SM).
     _bwd_state: BV = 64 for K <= 128 in 16-bit (half the programs of BV = 32, each with twice
         the columns, so fewer waves of the sequential loop).
+    _fwd_state, _bwd_state: the state (its gradient) is carried transposed, [BV, K], so that each
+        step's two dependent dots take the value carried from the step before as their first
+        operand, which tl.dot takes from registers, and the chunk's tiles, loaded from memory, as
+        their second (as the second operand it would go through shared memory twice a step).
 
 Hopper. On an H200 (Triton 3.6.0, with its ptxas 12.8), _bwd_qkg at 8 warps, feeding the
 [64, 64] tiles of dP and dA (and their transposes) to tl.dot straight from memory, returns wrong dk
@@ -142,8 +146,9 @@ them), as fla-core keeps its kernels of this shape at 2 or 4 warps on Hopper (it
 #640 report similar failures). A form without a decay gives dk 0.46 off in bf16 even so (masking
 by tl.where alone does not keep the compiler from the failing code), so without a decay _bwd_qkg
 runs the per-head form on a zero decay. _bwd_scores at 4 warps and _bwd_state at BV = 64 (8
-warps) also feed tiles loaded transposed (T^T, U^T, P^T) to tl.dot straight from memory, the
-pattern of those failures; both pass tests/ops/test_triton_delta_rule.py on an H200. A
+warps) also feed tiles loaded transposed (T^T, U^T in the first, k^T in the second) to tl.dot
+straight from memory, the pattern of those failures; both pass tests/ops/test_triton_delta_rule.py
+on a GPU. A
 per-channel decay in bf16 at K = V = 64 (test_hybrid_preset_heads: Hk = 2, Hv = 8) gives NaN
 gradients of q, k, beta and g on an H100 and then an illegal memory access: as a loop over the
 group in _bwd_qkg, as one program per v head with a group sum, and with q and k repeated over the
@@ -265,8 +270,8 @@ def _decay_row(G_ptr, start, count, value_heads, hv, K: tl.constexpr, row, col0,
 
 @triton.jit
 def _channel_decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K: tl.constexpr):
-    """Diag(Gamma_C) of a per-channel decay, the chunk's decay of a state: [K, 1]."""
-    return tl.exp(_decay_row(G_ptr, start, count, value_heads, hv, K, count - 1, 0, K))[:, None]
+    """Diag(Gamma_C) of a per-channel decay, the chunk's decay of a state's rows: [K]."""
+    return tl.exp(_decay_row(G_ptr, start, count, value_heads, hv, K, count - 1, 0, K))
 
 
 @triton.jit
@@ -506,19 +511,20 @@ def _fwd_prepare_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, erase_ptr, write_ptr, G_p
 @triton.jit
 def _walk_start(init_ptr, n, value_heads, hv, K: tl.constexpr, V: tl.constexpr, v0, BV: tl.constexpr,
                 has_init, WALK: tl.constexpr):
-    """The state a state walk (_fwd_state, _bwd_state) starts from, [K, BV] fp32, and whether its
-    columns are value columns. WALK 0 (whole sequences) and 2 (segments from their entering
-    states): columns v0.. of init [n, hv] ([walks, Hv, K, V]), zero without it. WALK 1 (segments,
-    local): the value columns (v0 < V) start from zero and the transition columns V.. V + K - 1
-    from the identity's (see "Segmented walks")."""
+    """The state a state walk (_fwd_state, _bwd_state) starts from, transposed: [BV, K] fp32 (row j
+    is column v0 + j of the [K, V] state), and whether its columns are value columns. WALK 0 (whole
+    sequences) and 2 (segments from their entering states): columns v0.. of init [n, hv]
+    ([walks, Hv, K, V]), zero without it. WALK 1 (segments, local): the value columns (v0 < V)
+    start from zero and the transition columns V.. V + K - 1 from the identity's (see "Segmented
+    walks")."""
     rows = tl.arange(0, K)
     cols = v0 + tl.arange(0, BV)
     if WALK == 1:
-        state = tl.where(rows[:, None] == cols[None, :] - V, 1.0, 0.0)
+        state = tl.where(cols[:, None] - V == rows[None, :], 1.0, 0.0)
     else:
-        state = tl.zeros([K, BV], dtype=tl.float32)
+        state = tl.zeros([BV, K], dtype=tl.float32)
         if has_init != 0:
-            state = tl.load(init_ptr + (n * value_heads + hv) * K * V + rows[:, None] * V + cols[None, :]
+            state = tl.load(init_ptr + (n * value_heads + hv) * K * V + rows[None, :] * V + cols[:, None]
                             ).to(tl.float32)
     return state, v0 < V
 
@@ -526,13 +532,21 @@ def _walk_start(init_ptr, n, value_heads, hv, K: tl.constexpr, V: tl.constexpr, 
 @triton.jit
 def _walk_end(out_ptr, n, value_heads, hv, K: tl.constexpr, V: tl.constexpr, v0, BV: tl.constexpr, state,
               WALK: tl.constexpr):
-    """Store the state a walk ends with: WALK 0 at [n, hv] of out [N, Hv, K, V]; WALK 1 at
-    columns v0.. of out [segments, Hv, K, V + K]; WALK 2 not at all (the combine has it)."""
+    """Store the state a walk ends with (transposed, [BV, K]): WALK 0 at [n, hv] of out
+    [N, Hv, K, V]; WALK 1 at columns v0.. of out [segments, Hv, K, V + K]; WALK 2 not at all (the
+    combine has it)."""
     if WALK != 2:
         width = V + K if WALK == 1 else V
         rows = tl.arange(0, K)
         cols = v0 + tl.arange(0, BV)
-        tl.store(out_ptr + (n * value_heads + hv) * K * width + rows[:, None] * width + cols[None, :], state)
+        tl.store(out_ptr + (n * value_heads + hv) * K * width + rows[None, :] * width + cols[:, None], state)
+
+
+@triton.jit
+def _put_t(ptr, start, t, valid, heads, head, DIM: tl.constexpr, col0, COLS: tl.constexpr, x_t):
+    """Store x_t [COLS, 64], the transpose of a [64, COLS] tile, as ``_put`` stores the tile."""
+    offsets = (t * (heads * DIM))[None, :] + (col0 + tl.arange(0, COLS))[:, None]
+    tl.store(_at(ptr, start, heads, head, DIM) + offsets, x_t.to(ptr.dtype.element_ty), mask=valid[None, :])
 
 
 @triton.jit(do_not_specialize=["key_heads", "value_heads", "group", "has_initial"])
@@ -543,12 +557,15 @@ def _fwd_state_kernel(k_ptr, G_ptr, W_ptr, Y_ptr, KD_ptr, h_ptr, U_ptr, h0_ptr, 
     """One walk (a sequence, or a segment: see "Segmented walks"), v head and block of BV
     columns, chunk after chunk: U = Y - W S and S <- Diag(Gamma_C) S + (k Gamma_C / Gamma)^T U;
     stores the state entering each chunk, U and the final state (WALK 0), only the final state
-    (WALK 1, where transition columns have Y = 0), or all but the final state (WALK 2)."""
+    (WALK 1, where transition columns have Y = 0), or all but the final state (WALK 2). The walk
+    carries S transposed, [BV, K], so that the chain's dots, U^T = Y^T - S^T W^T and S^T <- S^T
+    Diag(Gamma_C) + U^T (k Gamma_C / Gamma), take what the step before computed as their first
+    operand (registers) and tiles loaded from memory as their second."""
     n = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     v0 = tl.program_id(2) * BV
     hk = hv // group
-    in_state = tl.arange(0, K)[:, None] * V + (v0 + tl.arange(0, BV))[None, :]
+    in_state = tl.arange(0, K)[None, :] * V + (v0 + tl.arange(0, BV))[:, None]  # [BV, K] of a [K, V] state
     state, values = _walk_start(h0_ptr, n, value_heads, hv, K, V, v0, BV, has_initial, WALK)
     y0 = v0 % V  # a transition column's Y is zero: its load is masked off, its address in range
     first = tl.load(seq_chunks_ptr + n).to(tl.int64)
@@ -558,22 +575,22 @@ def _fwd_state_kernel(k_ptr, G_ptr, W_ptr, Y_ptr, KD_ptr, h_ptr, U_ptr, h0_ptr, 
         start, count, t, valid = sequence_chunk_rows(bos, eos, j, _C)
         if WALK != 1:
             tl.store(h_ptr + (c * value_heads + hv) * K * V + in_state, state.to(h_ptr.dtype.element_ty))
-        w = _tile(W_ptr, start, t, valid, value_heads, hv, K, 0, K, False)
-        U = (_tile(Y_ptr, start, t, valid & values, value_heads, hv, V, y0, BV, False)
-             - _mm(w, state, DOT, IEEE))
+        w_t = _tile(W_ptr, start, t, valid, value_heads, hv, K, 0, K, True)
+        U_t = (_tile(Y_ptr, start, t, valid & values, value_heads, hv, V, y0, BV, True)
+               - _mm(state, w_t, DOT, IEEE))
         if WALK != 1:
-            _put(U_ptr, start, t, valid, value_heads, hv, V, v0, BV, U)
+            _put_t(U_ptr, start, t, valid, value_heads, hv, V, v0, BV, U_t)
         if G_MODE == 2:
-            keys_t = _tile(KD_ptr, start, t, valid, value_heads, hv, K, 0, K, True)
+            keys = _tile(KD_ptr, start, t, valid, value_heads, hv, K, 0, K, False)
         else:
-            keys_t = _tile(k_ptr, start, t, valid, key_heads, hk, K, 0, K, True)
+            keys = _tile(k_ptr, start, t, valid, key_heads, hk, K, 0, K, False)
         if G_MODE == 1:
             _, decay_to_end, chunk_decay = _head_decays(G_ptr, start, count, t, valid, value_heads, hv)
-            keys_t = keys_t.to(tl.float32) * decay_to_end[None, :]
+            keys = keys.to(tl.float32) * decay_to_end[:, None]
             state = state * chunk_decay
         elif G_MODE == 2:
-            state = state * _channel_decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K)
-        state += _mm(keys_t, U, DOT, IEEE)
+            state = state * _channel_decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K)[None, :]
+        state += _mm(U_t, keys, DOT, IEEE)
     _walk_end(final_ptr, n, value_heads, hv, K, V, v0, BV, state, WALK)
 
 
@@ -582,7 +599,8 @@ def _combine_segments_kernel(LM_ptr, init_ptr, starts_ptr, out_ptr, seq_segments
                              K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr):
     """One sequence, v head and block of BV columns, segment after segment (in reverse with
     REVERSE): stores the state entering each segment in starts [segments, Hv, K, V] and moves it
-    across the segment, S <- M S + L with M and L the segment's WALK 1 result in LM
+    across the segment, S <- M S + L (carried transposed, as the walks carry it: S^T <- S^T M^T +
+    L^T) with M and L the segment's WALK 1 result in LM
     [segments, Hv, K, V + K] (L its value columns, M its transition columns); starts from init
     [N, Hv, K, V] (zero without it) and stores the last state in out [N, Hv, K, V]. All fp32,
     the product in "tf32x3" (three TF32 products on tensor cores, about fp32's accuracy; "ieee"
@@ -591,7 +609,8 @@ def _combine_segments_kernel(LM_ptr, init_ptr, starts_ptr, out_ptr, seq_segments
     hv = tl.program_id(1)
     v0 = tl.program_id(2) * BV
     rows = tl.arange(0, K)
-    in_state = rows[:, None] * V + (v0 + tl.arange(0, BV))[None, :]
+    cols = v0 + tl.arange(0, BV)
+    in_state = rows[None, :] * V + cols[:, None]  # [BV, K] of a [K, V] state, as the walks carry it
     state, _ = _walk_start(init_ptr, n, value_heads, hv, K, V, v0, BV, has_init, 0)
     first = tl.load(seq_segments_ptr + n)
     segments = tl.load(seq_segments_ptr + n + 1) - first
@@ -601,9 +620,9 @@ def _combine_segments_kernel(LM_ptr, init_ptr, starts_ptr, out_ptr, seq_segments
         else:
             s = (first + i).to(tl.int64)
         tl.store(starts_ptr + (s * value_heads + hv) * K * V + in_state, state)
-        base = LM_ptr + (s * value_heads + hv) * K * (V + K) + rows[:, None] * (V + K)
-        transition = tl.load(base + V + rows[None, :])
-        state = tl.load(base + (v0 + tl.arange(0, BV))[None, :]) + tl.dot(transition, state, input_precision="tf32x3")
+        base = LM_ptr + (s * value_heads + hv) * K * (V + K) + rows[None, :] * (V + K)  # row r of L | M, as a column
+        transition_t = tl.load(base + V + rows[:, None])  # M^T
+        state = tl.load(base + cols[:, None]) + tl.dot(state, transition_t, input_precision="tf32x3")
     tl.store(out_ptr + (n * value_heads + hv) * K * V + in_state, state)
 
 
@@ -648,12 +667,14 @@ def _bwd_state_kernel(q_ptr, k_ptr, G_ptr, W_ptr, KD_ptr, QG_ptr, P_ptr, do_ptr,
     columns, chunk after chunk in reverse: dU = P^T dO' + (k Gamma_C / Gamma) dS_C and
     dS_0 = Diag(Gamma_C) dS_C + (Gamma q)^T dO' - W^T dU; stores dS_C per chunk, dU and the
     initial state's gradient (WALK 0), only the last (WALK 1, where transition columns have
-    dO = 0), or all but the last (WALK 2)."""
+    dO = 0), or all but the last (WALK 2). As in _fwd_state, dS is carried transposed ([BV, K]):
+    dU^T = dO'^T P + dS_C^T (k Gamma_C / Gamma)^T, dS_0^T = dS_C^T Diag(Gamma_C) + dO'^T (Gamma q)
+    - dU^T W."""
     n = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     v0 = tl.program_id(2) * BV
     hk = hv // group
-    in_state = tl.arange(0, K)[:, None] * V + (v0 + tl.arange(0, BV))[None, :]
+    in_state = tl.arange(0, K)[None, :] * V + (v0 + tl.arange(0, BV))[:, None]  # [BV, K] of a [K, V] state
     d_state, values = _walk_start(dfinal_ptr, n, value_heads, hv, K, V, v0, BV, 1, WALK)
     y0 = v0 % V  # a transition column's dO is zero: its load is masked off, its address in range
     first = tl.load(seq_chunks_ptr + n).to(tl.int64)
@@ -665,29 +686,29 @@ def _bwd_state_kernel(q_ptr, k_ptr, G_ptr, W_ptr, KD_ptr, QG_ptr, P_ptr, do_ptr,
         start, count, t, valid = sequence_chunk_rows(bos, eos, j, _C)
         if WALK != 1:
             tl.store(dh_ptr + (c * value_heads + hv) * K * V + in_state, d_state.to(dh_ptr.dtype.element_ty))
-        d_out = _rows(do_ptr, start, t, valid & values, value_heads, hv, V, y0, BV) * scale
+        d_out_t = _cols(do_ptr, start, t, valid & values, value_heads, hv, V, y0, BV) * scale
         if G_MODE == 2:
-            keys = _tile(KD_ptr, start, t, valid, value_heads, hv, K, 0, K, False)
-            queries_t = _tile(QG_ptr, start, t, valid, value_heads, hv, K, 0, K, True)
+            keys_t = _tile(KD_ptr, start, t, valid, value_heads, hv, K, 0, K, True)
+            queries = _tile(QG_ptr, start, t, valid, value_heads, hv, K, 0, K, False)
         else:
-            keys = _tile(k_ptr, start, t, valid, key_heads, hk, K, 0, K, False)
-            queries_t = _tile(q_ptr, start, t, valid, key_heads, hk, K, 0, K, True)
+            keys_t = _tile(k_ptr, start, t, valid, key_heads, hk, K, 0, K, True)
+            queries = _tile(q_ptr, start, t, valid, key_heads, hk, K, 0, K, False)
         if G_MODE == 1:
             decay, decay_to_end, chunk_decay = _head_decays(G_ptr, start, count, t, valid, value_heads, hv)
-            keys = keys.to(tl.float32) * decay_to_end[:, None]
-            queries_t = queries_t.to(tl.float32) * decay[None, :]
-        d_u = (_mm(_square(P_ptr, (c * value_heads + hv) * _C * _C, True), d_out, DOT, IEEE)
-               + _mm(keys, d_state, DOT, IEEE))
+            keys_t = keys_t.to(tl.float32) * decay_to_end[None, :]
+            queries = queries.to(tl.float32) * decay[:, None]
+        d_u_t = (_mm(d_out_t, _square(P_ptr, (c * value_heads + hv) * _C * _C, False), DOT, IEEE)
+                 + _mm(d_state, keys_t, DOT, IEEE))
         if HAS_DR:
-            d_u += _rows(dr_ptr, start, t, valid & values, value_heads, hv, V, y0, BV)
+            d_u_t += _cols(dr_ptr, start, t, valid & values, value_heads, hv, V, y0, BV)
         if WALK != 1:
-            _put(dU_ptr, start, t, valid, value_heads, hv, V, v0, BV, d_u)
+            _put_t(dU_ptr, start, t, valid, value_heads, hv, V, v0, BV, d_u_t)
         if G_MODE == 1:
             d_state = d_state * chunk_decay
         elif G_MODE == 2:
-            d_state = d_state * _channel_decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K)
-        d_state += (_mm(queries_t, d_out, DOT, IEEE)
-                    - _mm(_tile(W_ptr, start, t, valid, value_heads, hv, K, 0, K, True), d_u, DOT, IEEE))
+            d_state = d_state * _channel_decay_to_chunk_end(G_ptr, start, count, value_heads, hv, K)[None, :]
+        d_state += (_mm(d_out_t, queries, DOT, IEEE)
+                    - _mm(d_u_t, _tile(W_ptr, start, t, valid, value_heads, hv, K, 0, K, False), DOT, IEEE))
     _walk_end(dh0_ptr, n, value_heads, hv, K, V, v0, BV, d_state, WALK)
 
 
