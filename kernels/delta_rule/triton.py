@@ -147,8 +147,8 @@ them), as fla-core keeps its kernels of this shape at 2 or 4 warps on Hopper (it
 by tl.where alone does not keep the compiler from the failing code), so without a decay _bwd_qkg
 runs the per-head form on a zero decay. _bwd_scores at 4 warps and _bwd_state at BV = 64 (8
 warps) also feed tiles loaded transposed (T^T, U^T in the first, k^T in the second) to tl.dot
-straight from memory, the pattern of those failures; both pass tests/ops/test_triton_delta_rule.py
-on a GPU. A
+straight from memory, the pattern of those failures; tests/ops/test_triton_delta_rule.py checks
+them on a GPU. A
 per-channel decay in bf16 at K = V = 64 (test_hybrid_preset_heads: Hk = 2, Hv = 8) gives NaN
 gradients of q, k, beta and g on an H100 and then an illegal memory access: as a loop over the
 group in _bwd_qkg, as one program per v head with a group sum, and with q and k repeated over the
