@@ -171,6 +171,25 @@ def sequence_start_states(initial_state: torch.Tensor | None, cu_seqlens: torch.
         yield row, start, end, state
 
 
+def per_token(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """For the token-by-token references: ``[B, T, ...]`` tensors as one tuple per token along the
+    flattened ``B * T`` (token ``t`` of row ``r`` at ``r * T + t``), split by a single unbind each.
+    Indexing a token out of the whole tensor instead would make autograd build a full-size
+    gradient per token in the backward pass (O(T^2) for a sequence)."""
+    return list(zip(*(tensor.flatten(0, 1).unbind(0) for tensor in tensors)))
+
+
+def stack_tokens(steps: list[torch.Tensor], batch: int, seq_len: int, shape, dtype, device) -> torch.Tensor:
+    """For the token-by-token references: their per-token outputs, taken in the order of
+    :func:`sequence_spans` (which tile the ``B * T`` tokens in order), as ``[B, T, *shape]``,
+    by one stack (where writing each token into a preallocated tensor would make autograd copy
+    the whole tensor per token)."""
+    assert len(steps) == batch * seq_len, (len(steps), batch, seq_len)
+    if not steps:
+        return torch.zeros(batch, seq_len, *shape, dtype=dtype, device=device)
+    return torch.stack(steps).reshape(batch, seq_len, *shape)
+
+
 def to_chunks(tensor: torch.Tensor, spans, num_chunks: int, chunk_size: int) -> torch.Tensor:
     """``[B, T, H, D]`` -> ``[N, H, num_chunks, chunk_size, D]``, one row per sequence in spans,
     zero-padded at the end. The caller makes sure that a zero token changes nothing (for the

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..common import check_shared_inputs, fail, sequence_spans, sequence_start_states
+from ..common import check_shared_inputs, fail, sequence_spans, per_token, sequence_start_states, stack_tokens
 
 __all__ = ["gated_delta_rule_reference", "check_inputs", "expand_inputs", "input_form", "sequence_spans"]
 
@@ -130,23 +130,23 @@ def gated_delta_rule_reference(
     x = expand_inputs(q, k, v, beta=beta, g=g, erase=erase, write=write)
     decay = torch.exp(x.log_decay)  # [B, T, Hv, K or 1]
 
-    o = torch.zeros(batch, seq_len, value_heads, value_dim, dtype=x.v.dtype, device=v.device)
-    residual = torch.zeros_like(o)
-    final_states = []
+    tokens = per_token(x.q, x.k, x.v, x.erase_gate, x.write_gate, decay)  # each [Hv, *]
+    outputs, residuals, final_states = [], [], []
     for row, start, end, state in sequence_start_states(  # state: [Hv, K, V]
             initial_state, cu_seqlens, batch, seq_len, (value_heads, key_dim, value_dim),
             x.v.dtype, v.device):
-        for t in range(start, end):
-            k_t = x.k[row, t]  # [Hv, K]
-            state = decay[row, t].unsqueeze(-1) * state  # Diag(exp g_t) S_{t-1}: scales the key rows
-            erased = torch.einsum("hk,hkv->hv", x.erase_gate[row, t] * k_t, state)  # (b_t * k_t)^T S
-            written = x.write_gate[row, t] * x.v[row, t]  # w_t * v_t
+        for q_t, k_t, v_t, erase_t, write_t, decay_t in tokens[row * seq_len + start: row * seq_len + end]:
+            state = decay_t.unsqueeze(-1) * state  # Diag(exp g_t) S_{t-1}: scales the key rows
+            erased = torch.einsum("hk,hkv->hv", erase_t * k_t, state)  # (b_t * k_t)^T S
+            written = write_t * v_t  # w_t * v_t
             residual_t = written - erased
-            residual[row, t] = residual_t
+            residuals.append(residual_t)
             state = state + torch.einsum("hk,hv->hkv", k_t, residual_t)
-            o[row, t] = scale * torch.einsum("hk,hkv->hv", x.q[row, t], state)
+            outputs.append(scale * torch.einsum("hk,hkv->hv", q_t, state))
         final_states.append(state)
+    o = stack_tokens(outputs, batch, seq_len, (value_heads, value_dim), x.v.dtype, v.device)
     final_state = torch.stack(final_states) if output_final_state else None
     if return_write_residual:
+        residual = stack_tokens(residuals, batch, seq_len, (value_heads, value_dim), x.v.dtype, v.device)
         return o.to(v.dtype), final_state, residual
     return o.to(v.dtype), final_state

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..common import check_shared_inputs, fail, sequence_start_states
+from ..common import check_shared_inputs, fail, per_token, sequence_start_states, stack_tokens
 from ..decay.reference import expand_inputs as expand_decay_inputs
 
 __all__ = ["dplr_delta_rule_reference", "check_inputs", "expand_inputs", "input_form"]
@@ -98,17 +98,18 @@ def dplr_delta_rule_reference(
     x = expand_inputs(q, k, v, a=a, b=b, g=g)
     decay = torch.exp(x.log_decay)  # [B, T, Hv, K or 1]
 
-    o = torch.zeros(batch, seq_len, value_heads, value_dim, dtype=x.v.dtype, device=v.device)
-    final_states = []
+    tokens = per_token(x.q, x.k, x.v, x.a, x.b, decay)  # each [Hv, *]
+    outputs, final_states = [], []
     for row, start, end, state in sequence_start_states(  # state: [Hv, K, V]
             initial_state, cu_seqlens, batch, seq_len, (value_heads, key_dim, value_dim),
             x.v.dtype, v.device):
-        for t in range(start, end):
-            read = torch.einsum("hk,hkv->hv", x.a[row, t], state)  # a_t^T S_{t-1}
-            state = (decay[row, t].unsqueeze(-1) * state
-                     + torch.einsum("hk,hv->hkv", x.b[row, t], read)
-                     + torch.einsum("hk,hv->hkv", x.k[row, t], x.v[row, t]))
-            o[row, t] = scale * torch.einsum("hk,hkv->hv", x.q[row, t], state)
+        for q_t, k_t, v_t, a_t, b_t, decay_t in tokens[row * seq_len + start: row * seq_len + end]:
+            read = torch.einsum("hk,hkv->hv", a_t, state)  # a_t^T S_{t-1}
+            state = (decay_t.unsqueeze(-1) * state
+                     + torch.einsum("hk,hv->hkv", b_t, read)
+                     + torch.einsum("hk,hv->hkv", k_t, v_t))
+            outputs.append(scale * torch.einsum("hk,hkv->hv", q_t, state))
         final_states.append(state)
+    o = stack_tokens(outputs, batch, seq_len, (value_heads, value_dim), x.v.dtype, v.device)
     final_state = torch.stack(final_states) if output_final_state else None
     return o.to(v.dtype), final_state
