@@ -7,6 +7,11 @@ script in a subprocess with TRITON_INTERPRET=1 (:func:`run_as_script`, its pytes
 script calls :func:`setup` (one CPU thread, the numpy fix, the bounds checker) and runs the
 checks of its GPU test module, loaded by :func:`gpu_checks`, with :func:`run_cases` and
 :func:`run_ops`.
+
+The interpreter runs on one CPU thread, so a script whose work is a list of cases runs as
+several processes at once, one per CPU (at most :data:`MAX_SHARDS`): each takes every n-th of
+the cases and steps it is dealt (:func:`share`, :func:`takes_next`; ``run_as_script(path,
+sharded=True)``).
 """
 import contextlib
 import dataclasses
@@ -27,8 +32,37 @@ TESTS = pathlib.Path(__file__).resolve().parent
 OPS_TESTS = TESTS / "ops"  # the kernels' tests: the GPU modules whose checks the scripts run
 
 
-def run_as_script(path: str) -> None:
-    """Run the test file ``path`` as a script under the interpreter; it must print "interpreter
+SHARD = "MEGATRON_EXT_INTERPRETER_SHARD"  # "i/n": this process takes share i of n
+MAX_SHARDS = 4  # processes at once (each holds its own torch, ~1 GB)
+
+
+def shard_count() -> int:
+    """How many processes a sharded script runs as: one per CPU this process may use, at most
+    :data:`MAX_SHARDS`."""
+    return max(1, min(MAX_SHARDS, len(os.sched_getaffinity(0))))
+
+
+def run_sharded(command: list[str], environment: dict, shards: int, timeout: float = 600) -> list[str]:
+    """Run ``command`` as ``shards`` processes at once, share i of n named in each one's
+    environment (:data:`SHARD`); assert that each exits 0 (its output, shortened, is the failure
+    message otherwise) and return their stdouts, in share order."""
+    processes = [subprocess.Popen(command, env=dict(environment, **{SHARD: f"{i}/{shards}"}), text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(shards)]
+    outputs = []
+    try:
+        for i, process in enumerate(processes):
+            stdout, stderr = process.communicate(timeout=timeout)
+            assert process.returncode == 0, f"share {i} of {shards}: " + (stdout + stderr)[-6000:]
+            outputs.append(stdout)
+    finally:
+        for process in processes:
+            process.kill()
+    return outputs
+
+
+def run_as_script(path: str, sharded: bool = False) -> None:
+    """Run the test file ``path`` as a script under the interpreter (as :func:`shard_count`
+    processes if ``sharded``, each running its share of the cases); each must print "interpreter
     cases passed" and exit 0 (its output, shortened, is the failure message otherwise)."""
     # The script imports this module (and harness) from tests/, and its neighbours from its own
     # folder, which safe-path mode leaves off sys.path (scripts/env.sh sets it for python -m from
@@ -36,9 +70,42 @@ def run_as_script(path: str) -> None:
     python_path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
     environment = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=python_path)
     environment.pop("PYTHONSAFEPATH", None)
-    done = subprocess.run([sys.executable, path], env=environment, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and "interpreter cases passed" in done.stdout, (done.stdout + done.stderr)[-6000:]
+    outputs = run_sharded([sys.executable, path], environment, shard_count() if sharded else 1)
+    for i, output in enumerate(outputs):
+        assert "interpreter cases passed" in output, f"share {i}: " + output[-6000:]
+
+
+_dealt = 0  # items dealt out by share() in this process so far
+
+
+def share(items) -> list:
+    """This process's share of ``items`` (all of them unless it runs as one of several shares,
+    :data:`SHARD`): every n-th item, dealt on from the items of earlier calls, so that lists of
+    a few cases each also spread over the shares."""
+    global _dealt
+    index, count = _shard()
+    items = list(items)
+    mine = [item for number, item in enumerate(items, _dealt) if number % count == index]
+    _dealt += len(items)
+    return mine
+
+
+def _shard() -> tuple[int, int]:
+    """(i, n): this process takes share i of n (0 of 1 unless run by :func:`run_sharded`)."""
+    index, count = os.environ.get(SHARD, "0/1").split("/")
+    return int(index), int(count)
+
+
+def report_passed(count: int) -> None:
+    """Print the line :func:`run_as_script` looks for, naming the share in a sharded script."""
+    index, shards = _shard()
+    print(f"all {count} interpreter cases passed" if shards == 1 else
+          f"share {index + 1} of {shards} of the {count} interpreter cases passed")
+
+
+def takes_next() -> bool:
+    """Whether this process takes the next step of a sharded script (one item of :func:`share`)."""
+    return bool(share([None]))
 
 
 def setup() -> None:
@@ -61,8 +128,8 @@ def gpu_checks(name: str):
 
 def run_cases(cases, check) -> None:
     """``check(case, "cpu")`` for each case, printing the largest of the differences it returns
-    (a dict: what -> difference)."""
-    for case in cases:
+    (a dict: what -> difference); in a sharded script, this process's share of them."""
+    for case in share(cases):
         start = time.perf_counter()
         errors = check(case, "cpu")
         worst = max(errors, key=errors.get)
@@ -72,7 +139,10 @@ def run_cases(cases, check) -> None:
 
 def run_ops(checks, what: str) -> None:
     """``checks.check_ops("cpu")`` (the ops of kernels.residual.efficient with their Triton
-    kernels running CPU tensors, here under the interpreter), printing its launch count."""
+    kernels running CPU tensors, here under the interpreter), printing its launch count; in a
+    sharded script, by the process whose step it is."""
+    if not takes_next():
+        return
     from megatron_ext.kernels.residual import efficient
 
     start = time.perf_counter()

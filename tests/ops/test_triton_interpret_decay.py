@@ -49,12 +49,12 @@ def main() -> None:
     checks = triton_interpreter.gpu_checks("test_triton_decay")
     cases = interpret_cases(checks.Case)
     triton_interpreter.run_cases(cases, checks.check_case)
-    print(f"all {len(cases)} interpreter cases passed")
+    triton_interpreter.report_passed(len(cases))
 
 
 @needs_triton
 def test_kernels_on_the_interpreter():
-    triton_interpreter.run_as_script(__file__)
+    triton_interpreter.run_as_script(__file__, sharded=True)
 
 
 @needs_triton

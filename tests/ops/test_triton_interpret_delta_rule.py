@@ -5,7 +5,7 @@ path's storage dtypes and casts), in a subprocess (the interpreter must be switc
 kernels are defined), every load and store checked to stay inside the launch's tensors; the
 triangular inverse (_invert_kernel) alone against the inverse in fp64; when the state walks are
 cut into segments; and the messages for what the backend refuses. Skipped where Triton does not
-import. About 100 s on two busy cores.
+import. About 2 minutes on two cores, as two processes (triton_interpreter.run_sharded).
 
 The interpreter runs each program as numpy code: it checks the algebra, indexing, masking and
 varlen handling of the kernels, not GPU code generation, layouts or speed.
@@ -18,6 +18,8 @@ import sys
 
 import pytest
 import torch
+
+import triton_interpreter
 
 pytest.importorskip("triton", reason="Triton is not installed")
 
@@ -61,7 +63,7 @@ CASES = [
 # The interpreter set up as for the other interpreter tests (tests/triton_interpreter.py: one
 # CPU thread, its fix for NumPy >= 2.4, every load and store checked to stay inside the launch's
 # tensors) and with bf16 dot operands widened to fp32 first (the interpreter keeps bf16 as raw
-# 16-bit integers).
+# 16-bit integers); as several processes, each checking its share of the cases.
 _SCRIPT = """
 import json, sys
 import torch
@@ -71,20 +73,20 @@ triton_interpreter.setup()
 triton_interpreter.widen_bf16_dots()
 from test_triton_delta_rule import check
 checked = []
-for kwargs in json.loads(sys.argv[3]):
+for number, kwargs in triton_interpreter.share(enumerate(json.loads(sys.argv[3]))):
     kwargs["dtype"] = getattr(torch, kwargs.pop("dtype", "float32"))
-    checked.append({"case": kwargs["case"], "errors": check(device="cpu", **kwargs)})
+    checked.append({"number": number, "case": kwargs["case"], "errors": check(device="cpu", **kwargs)})
 print(json.dumps(checked))
 """
 
 
 def test_kernels_match_the_reference_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", _SCRIPT, str(OPS_TESTS), str(TESTS),
-                             json.dumps(CASES)],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr[-5000:]
-    checked = json.loads(result.stdout.splitlines()[-1])  # check() asserts the tolerances itself
+    outputs = triton_interpreter.run_sharded([sys.executable, "-c", _SCRIPT, str(OPS_TESTS), str(TESTS),
+                                              json.dumps(CASES)], env, triton_interpreter.shard_count())
+    # check() asserts the tolerances itself
+    checked = sorted((c for output in outputs for c in json.loads(output.splitlines()[-1])),
+                     key=lambda c: c["number"])
     assert [c["case"] for c in checked] == [case["case"] for case in CASES]
     assert all(c["errors"] for c in checked), checked
 

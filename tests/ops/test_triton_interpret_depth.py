@@ -44,14 +44,16 @@ def main() -> None:
     cases = interpret_cases(checks.Case)
     triton_interpreter.run_cases(cases, checks.check_launchers)
     triton_interpreter.run_ops(checks, "efficient.depth_attention")
-    for dtype in (torch.float32, torch.float16):  # 37 tokens; 3 slots of 144: partial tiles
-        checks.check_add_into_last_slot("cpu", dtype, shape=(37,), h=144, slots=3)
-    print(f"add_into_last_slot: ok; all {len(cases)} interpreter cases passed")
+    if triton_interpreter.takes_next():
+        for dtype in (torch.float32, torch.float16):  # 37 tokens; 3 slots of 144: partial tiles
+            checks.check_add_into_last_slot("cpu", dtype, shape=(37,), h=144, slots=3)
+        print("add_into_last_slot: ok", flush=True)
+    triton_interpreter.report_passed(len(cases))
 
 
 @needs_triton
 def test_kernels_on_the_interpreter():
-    triton_interpreter.run_as_script(__file__)
+    triton_interpreter.run_as_script(__file__, sharded=True)
 
 
 @needs_triton

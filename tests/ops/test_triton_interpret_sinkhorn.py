@@ -57,16 +57,17 @@ def main() -> None:
     triton_interpreter.setup()
     checks = triton_interpreter.gpu_checks("test_triton_sinkhorn")
     triton_interpreter.run_cases(checks.CASES, checks.check_case)
-    start = time.perf_counter()
-    check_scratch()
-    print(f"backward scratch buffer: ok ({time.perf_counter() - start:.1f} s)", flush=True)
+    if triton_interpreter.takes_next():
+        start = time.perf_counter()
+        check_scratch()
+        print(f"backward scratch buffer: ok ({time.perf_counter() - start:.1f} s)", flush=True)
     triton_interpreter.run_ops(checks, "efficient.sinkhorn and mhc_pre")
-    print(f"all {len(checks.CASES)} interpreter cases passed")
+    triton_interpreter.report_passed(len(checks.CASES))
 
 
 @needs_triton
 def test_kernels_on_the_interpreter():
-    triton_interpreter.run_as_script(__file__)
+    triton_interpreter.run_as_script(__file__, sharded=True)
 
 
 @needs_triton
