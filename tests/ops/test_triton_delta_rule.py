@@ -2,7 +2,7 @@
 reference, forward and backward, on CUDA (skipped without it). ``check`` is also what
 tests/ops/test_triton_interpret_delta_rule.py runs on the CPU under Triton's interpreter.
 
-Each check runs the kernels and the reference (in fp64, on the CPU) on the same input values, and
+Each check runs the kernels and the reference (in fp64, on the same device) on the same input values, and
 compares o, the final state and the gradients of a fixed random projection of both (and of the
 write residual where asked) w.r.t. every input, gates and initial state included. q, k and v are
 drawn as bf16 values for every checked dtype (gates and initial state in fp32), so that one
@@ -98,9 +98,10 @@ def _run(function, inputs, weights, options):
 
 @functools.lru_cache(maxsize=None)
 def _expected(case, batch, seq_len, cu_seqlens, key_heads, value_heads, key_dim, value_dim,
-              strong_decay, residual, erase_with_beta, seed):
+              strong_decay, residual, erase_with_beta, seed, device):
     """The inputs (q, k, v bf16 values in fp32; the rest fp32), options and projection weights of
-    a check, and the reference's outputs and gradients on them in fp64."""
+    a check, on the CPU, and the reference's outputs and gradients on them in fp64, computed on
+    ``device``."""
     num_states = batch if cu_seqlens is None else len(cu_seqlens) - 1
     inputs = delta_rule_inputs(case, batch=batch, seq_len=seq_len, key_heads=key_heads,
                                value_heads=value_heads, key_dim=key_dim, value_dim=value_dim,
@@ -123,8 +124,9 @@ def _expected(case, batch, seq_len, cu_seqlens, key_heads, value_heads, key_dim,
     weights = [torch.randn(shape, generator=generator) for shape in shapes + shapes[:1] * residual]
     weights[0] = weights[0].bfloat16()  # o comes in v's dtype: project it with representable weights
     weights = [weight.double() for weight in weights]
-    expected = _run(gated_delta_rule_reference, {name: tensor.double() for name, tensor in inputs.items()},
-                    weights, options)
+    expected = _run(gated_delta_rule_reference,
+                    {name: tensor.to(device, torch.float64) for name, tensor in inputs.items()}, weights,
+                    {name: value.to(device) if torch.is_tensor(value) else value for name, value in options.items()})
     return inputs, options, weights, expected
 
 
@@ -158,7 +160,7 @@ def check(case, *, device, dtype=torch.float32, batch=2, seq_len=None, cu_seqlen
         batch, seq_len = 1, cu_seqlens[-1]
     inputs, options, weights, (expected, expected_grads) = _expected(
         case, batch, seq_len, None if cu_seqlens is None else tuple(cu_seqlens), key_heads, value_heads,
-        key_dim, value_dim, strong_decay, residual, erase_with_beta, seed)
+        key_dim, value_dim, strong_decay, residual, erase_with_beta, seed, device)
     inputs = {name: tensor.to(device=device, dtype=dtype if name in ("q", "k", "v") else tensor.dtype)
               for name, tensor in inputs.items()}
     options = {name: value.to(device) if torch.is_tensor(value) else value for name, value in options.items()}
