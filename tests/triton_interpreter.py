@@ -33,7 +33,7 @@ OPS_TESTS = TESTS / "ops"  # the kernels' tests: the GPU modules whose checks th
 
 
 SHARD = "MEGATRON_EXT_INTERPRETER_SHARD"  # "i/n": this process takes share i of n
-MAX_SHARDS = 4  # processes at once (each holds its own torch, ~1 GB)
+MAX_SHARDS = 4  # processes at once (each imports its own torch and Triton)
 
 
 def shard_count() -> int:
