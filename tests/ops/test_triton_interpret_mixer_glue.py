@@ -91,18 +91,19 @@ def main() -> None:
 
     harness.use_cpu()
     harness.init_single_process("gloo")
-    for kind in (kind for kind in KINDS if kind != "hedgehog"):
-        for packed in (False, True) if kind in ("gated_deltanet", "kda", "mamba2") else (False,):
-            start = time.perf_counter()
-            worst = check(kind, packed)
-            print(f"{kind}{' packed' if packed else ''}: worst {worst:.1e} "
-                  f"({time.perf_counter() - start:.1f} s)", flush=True)
-    print("all interpreter cases passed")
+    cases = [(kind, packed) for kind in KINDS if kind != "hedgehog"
+             for packed in ((False, True) if kind in ("gated_deltanet", "kda", "mamba2") else (False,))]
+    for kind, packed in triton_interpreter.share(cases):
+        start = time.perf_counter()
+        worst = check(kind, packed)
+        print(f"{kind}{' packed' if packed else ''}: worst {worst:.1e} "
+              f"({time.perf_counter() - start:.1f} s)", flush=True)
+    triton_interpreter.report_passed(len(cases))
 
 
 @needs_triton
 def test_fused_glue_equals_the_reference_glue_on_the_interpreter():
-    triton_interpreter.run_as_script(__file__)
+    triton_interpreter.run_as_script(__file__, sharded=True)
 
 
 if __name__ == "__main__":
