@@ -75,6 +75,12 @@ def run_as_script(path: str, sharded: bool = False) -> None:
         assert "interpreter cases passed" in output, f"share {i}: " + output[-6000:]
 
 
+def _shard() -> tuple[int, int]:
+    """(i, n): this process takes share i of n (0 of 1 unless run by :func:`run_sharded`)."""
+    index, count = os.environ.get(SHARD, "0/1").split("/")
+    return int(index), int(count)
+
+
 _dealt = 0  # items dealt out by share() in this process so far
 
 
@@ -88,12 +94,6 @@ def share(items) -> list:
     mine = [item for number, item in enumerate(items, _dealt) if number % count == index]
     _dealt += len(items)
     return mine
-
-
-def _shard() -> tuple[int, int]:
-    """(i, n): this process takes share i of n (0 of 1 unless run by :func:`run_sharded`)."""
-    index, count = os.environ.get(SHARD, "0/1").split("/")
-    return int(index), int(count)
 
 
 def report_passed(count: int) -> None:
