@@ -79,6 +79,9 @@ def throughput(r):
                       if base else "")
             parts.append(f"{preset} at T = {seq}: {row['tokens_per_s'] / 1e3:.1f}k tokens/s "
                          f"({versus}MFU {row['mfu']:.1%})")
+        elif "megatron_mfu" in row:
+            parts.append(f"{preset}'s all-`*` variant at T = {seq}: MFU {row['megatron_mfu']:.1%} "
+                         f"by Megatron's formula")
     tokens = r["rows"][0]["global_batch"] * r["rows"][0]["seq_length"]
     graphed = all(row.get("cuda_graph") for row in r["rows"])
     graph = ", one CUDA graph an iteration" if graphed else ""

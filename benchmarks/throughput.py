@@ -11,6 +11,10 @@ the rest). It records, per run:
 - ``peak_gib``: Megatron's "max allocated" memory report;
 - ``mfu``: model FLOPs per token (``megatron_ext.launch.presets.model_flops_per_token``, whose
   docstring states the count) x tokens/s / ``--peak-tflops``;
+- ``megatron_tflops``, ``megatron_mfu``: the median of Megatron's own "throughput per GPU
+  (TFLOP/s/GPU)" over the same iterations, and that / ``--peak-tflops``. Megatron's formula
+  counts every layer as causal softmax attention (it is not told the pattern), so it applies to
+  the all-``*`` rows only;
 - ``breakdown``: the GPU time of the last iteration (profiled by Megatron's
   ``--profile --use-pytorch-profiler``) by kernel category (:func:`category`), in ms,
   ``idle`` = the timed iterations' median minus the GPU's busy time (time the GPU waits for
@@ -43,6 +47,7 @@ from megatron_ext.launch.presets import load_settings, model_flops_per_token, pa
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+.*elapsed time per iteration \(ms\): ([\d.]+)")
 LOSS = re.compile(r"lm loss: ([\d.E+-]+)")
 MEMORY = re.compile(r"max allocated: ([\d.]+)")
+TFLOPS = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([\d.]+)")
 CATEGORIES = ("gemm", "attention", "linear_mixer", "mixer_glue", "elementwise_copy_reduce",
               "optimizer", "communication", "other")
 
@@ -177,7 +182,7 @@ def run_one(preset: str, pattern: str | None, seq_length: int, args) -> dict:
                *args.megatron_args]
     log_path = pathlib.Path(args.log_dir) / f"{name}.log"
     log(f"{name}: micro-batch {micro}, global batch {global_batch}")
-    times, losses, peak_mib = {}, {}, None
+    times, losses, tflops, peak_mib = {}, {}, {}, None
     start = time.time()
     with open(log_path, "w") as out:
         # From the run's folder: a checkout's ./megatron_ext must not shadow the installed one.
@@ -190,6 +195,8 @@ def run_one(preset: str, pattern: str | None, seq_length: int, args) -> dict:
                 times[it] = float(match.group(2))
                 if (loss := LOSS.search(line)):
                     losses[it] = float(loss.group(1))
+                if (throughput := TFLOPS.search(line)):
+                    tflops[it] = float(throughput.group(1))
                 log(f"  iteration {it}: {times[it]:.1f} ms, loss {losses.get(it)}")
             if (memory := MEMORY.search(line)):
                 peak_mib = max(peak_mib or 0.0, float(memory.group(1)))
@@ -200,7 +207,8 @@ def run_one(preset: str, pattern: str | None, seq_length: int, args) -> dict:
            "returncode": returncode,
            "wall_s": round(time.time() - start, 1), "log": log_path.name}
     # The profiler starts a step early (its warm-up) and slows the iterations next to it.
-    timed = [times[i] for i in sorted(times) if args.warmup < i < profile_at - 2]
+    timed_iterations = [i for i in sorted(times) if args.warmup < i < profile_at - 2]
+    timed = [times[i] for i in timed_iterations]
     if returncode != 0 or not timed:
         row["error"] = f"exit {returncode}; see {log_path}"
         return row
@@ -212,6 +220,10 @@ def run_one(preset: str, pattern: str | None, seq_length: int, args) -> dict:
                tokens_per_s=round(tokens_per_s), peak_gib=round((peak_mib or 0) / 1024, 2),
                model_flops_per_token=flops, mfu=round(flops * tokens_per_s / (args.peak_tflops * 1e12), 4),
                loss_last=losses.get(max(losses)) if losses else None)
+    megatron = [tflops[i] for i in timed_iterations if i in tflops]
+    if megatron:
+        row.update(megatron_tflops=round(statistics.median(megatron), 1),
+                   megatron_mfu=round(statistics.median(megatron) / args.peak_tflops, 4))
     traces = sorted((run_dir / "torch_profile").glob("*.json.gz"))
     if traces:
         row["breakdown"] = breakdown(traces[-1], ms)

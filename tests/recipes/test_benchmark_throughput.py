@@ -82,3 +82,16 @@ def test_flops_per_token():
     assert model_flops_per_token(settings) == expected
     settings.ext.pattern = "*"
     assert model_flops_per_token(settings) > expected  # 20 attention layers at T = 4096
+
+
+def test_megatron_log_line(benchmark):
+    """One iteration's line as megatron-core 0.19's training log writes it (with
+    --log-throughput): its time, throughput by Megatron's formula and loss."""
+    line = (" [2026-12-08 10:00:00.000000] iteration        7/      13 | consumed samples:"
+            "          112 | elapsed time per iteration (ms): 340.2 | throughput per GPU "
+            "(TFLOP/s/GPU): 395.4 | learning rate: 3.600000E-04 | global batch size:    16 |"
+            " lm loss: 8.061235E+00 | loss scale: 1.0 | grad norm: 1.234 |")
+    iteration = benchmark.ITERATION.search(line)
+    assert iteration.groups() == ("7", "340.2")
+    assert benchmark.TFLOPS.search(line).group(1) == "395.4"
+    assert float(benchmark.LOSS.search(line).group(1)) == 8.061235
