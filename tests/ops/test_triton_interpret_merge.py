@@ -4,19 +4,20 @@ on Triton's CPU interpreter, inside flash.py's MoBA and block selection with the
 FlashAttention and cuDNN kernels emulated (flash_emulation.py), forward and backward, against
 the fp32 reference; skipped where Triton is not installed.
 
-Run as a script under TRITON_INTERPRET=1 (triton_interpreter.run_as_script), every load and
-store checked to stay inside the tensors of its launch: the plan of a small example, value by
-value, and of random selections against the PyTorch plan; test_sparse_flash_emulated.py's
-MoBA calls (a partial last block, every earlier block chosen, the own block only: no pairs at
-all, four query heads on one key/value head, one partial block) and its block selections per
-query head and per key/value head (G = 2 query heads per row), with and without a sink; the
-same calls with the earlier blocks on cuDNN (emulated) in chunks of 4 and of 64 slots; and the
-row gather alone (rows wider than a chunk of columns, repeated rows, no rows, -1 rows, 2 and 3
-tensors at once), on that file's fp64 inputs and its 1e-6 relative tolerance (the kernels sum
-in fp32: ~1e-7). The same calls with the PyTorch merge and plan are that file's tests; the
-kernels on a GPU, in bf16 and with the real FlashAttention and cuDNN kernels, are
-tests/ops/test_sparse_flash.py's.
+Run as a script under TRITON_INTERPRET=1 (triton_interpreter.run_as_script, one process per CPU,
+each taking its share of the cases), every load and store checked to stay inside the tensors of
+its launch: the plan of a small example, value by value, and of random selections against the
+PyTorch plan; test_sparse_flash_emulated.py's MoBA calls (a partial last block, every earlier
+block chosen, the own block only: no pairs at all, four query heads on one key/value head, one
+partial block) and its block selections per query head and per key/value head (G = 2 query heads
+per row), with and without a sink; the same calls with the earlier blocks on cuDNN (emulated) in
+chunks of 4 and of 64 slots; and the row gather alone (rows wider than a chunk of columns,
+repeated rows, no rows, -1 rows, 2 and 3 tensors at once), on that file's fp64 inputs and its
+1e-6 relative tolerance (the kernels sum in fp32: ~1e-7). The same calls with the PyTorch merge
+and plan are that file's tests; the kernels on a GPU, in bf16 and with the real FlashAttention
+and cuDNN kernels, are tests/ops/test_sparse_flash.py's.
 """
+import functools
 import types
 
 import torch
@@ -97,16 +98,39 @@ def check_plan_against_pytorch(flash, seed, batch, heads, kv_heads, seq_len, blo
     assert int((chunked.rows >= 0).sum()) == total
 
 
-def run_selections(calls, label: str) -> int:
-    """test_sparse_flash_emulated.py's (``calls``) MoBA calls and block selections, as flash.py
-    is patched now; how many ran."""
-    for call in calls.MOBA_CALLS:
-        calls.test_moba_equals_the_reference(None, call)
-        print(f"moba {call}{label}: ok", flush=True)
-    for selection_heads in (2, 4):
-        calls.test_block_selection_equals_the_reference(None, selection_heads)
-        print(f"block selection, {selection_heads} selection heads{label}: ok", flush=True)
-    return len(calls.MOBA_CALLS) + 2
+def selection_calls(calls) -> list:
+    """test_sparse_flash_emulated.py's (``calls``) MoBA calls and block selections, as
+    ``(label, run, earlier)``: ``run()`` checks the call as flash.py is patched when it runs,
+    ``earlier``: whether the call attends to earlier blocks (all but the MoBA calls with top_k 1)."""
+    steps = [(f"moba {call}", functools.partial(calls.test_moba_equals_the_reference, None, call),
+              call["top_k"] > 1) for call in calls.MOBA_CALLS]
+    return steps + [(f"block selection, {heads} selection heads",
+                     functools.partial(calls.test_block_selection_equals_the_reference, None, heads), True)
+                    for heads in (2, 4)]
+
+
+def check_gather_rows(flash) -> None:
+    """The row gather on its own: rows wider than one chunk of columns, repeated rows, none, -1
+    rows (a row of zeros), several tensors in one launch."""
+    generator = torch.Generator().manual_seed(0)
+    for shape, picks in (((37, 3, 200), 50), ((11, 600), 29), ((5, 2, 8), 0)):
+        x = torch.randn(*shape, generator=generator)
+        rows = torch.randint(0, shape[0], (picks,), generator=generator)
+        assert torch.equal(flash._merge_kernels().gather_rows(x, rows), x[rows]), shape
+        print(f"gather_rows {shape}, {picks} rows: ok", flush=True)
+    x = torch.randn(6, 2, 300, generator=generator)
+    rows = torch.tensor([3, -1, 0, -1, 5])
+    want = torch.where((rows >= 0)[:, None, None], x[rows.clamp(min=0)], 0.0)
+    assert torch.equal(flash._merge_kernels().gather_rows(x, rows), want)
+    print("gather_rows with -1 rows: ok", flush=True)
+    for sources in (2, 3):
+        xs = [torch.randn(6, 2, 300, generator=generator) for _ in range(sources)]
+        got = flash._merge_kernels().gather_rows(xs, rows)
+        assert len(got) == sources
+        for x, one in zip(xs, got):
+            assert torch.equal(one, torch.where((rows >= 0)[:, None, None], x[rows.clamp(min=0)],
+                                                0.0))
+        print(f"gather_rows of {sources} tensors: ok", flush=True)
 
 
 def main() -> None:
@@ -118,64 +142,49 @@ def main() -> None:
     flash_emulation.emulate(types.SimpleNamespace(setattr=setattr))
     flash.MERGE_DEVICE_TYPES.add("cpu")
     count = 0
-    check_plan_example(flash, calls._plan_example())
-    count += 1
-    print("plan of the example: ok", flush=True)
-    for seed, sizes in enumerate([(2, 4, 2, 150, 32, 3), (1, 4, 1, 130, 16, 4),
-                                  (2, 2, 2, 64, 16, 8), (1, 8, 2, 37, 8, 2),
-                                  (1, 2, 2, 20, 32, 1)]):
+    if triton_interpreter.takes_next():
+        check_plan_example(flash, calls._plan_example())
+        print("plan of the example: ok", flush=True)
+    plans = [(2, 4, 2, 150, 32, 3), (1, 4, 1, 130, 16, 4), (2, 2, 2, 64, 16, 8), (1, 8, 2, 37, 8, 2),
+             (1, 2, 2, 20, 32, 1)]
+    for seed, sizes in triton_interpreter.share(enumerate(plans)):
         check_plan_against_pytorch(flash, seed, *sizes)
-        count += 1
         print(f"plan {sizes} against the PyTorch plan: ok", flush=True)
+    count += 1 + len(plans)
     merges = []
     merge_forward = flash._merge_kernels().merge_forward
     flash._merge_kernels().merge_forward = lambda *args: merges.append(1) or merge_forward(*args)
-    ran = run_selections(calls, "")
-    count += ran
-    assert len(merges) >= ran, len(merges)  # the Triton merge ran in every call
+    steps = selection_calls(calls)
+    for label, run, _ in triton_interpreter.share(steps):
+        before = len(merges)
+        run()
+        assert len(merges) > before, label  # the Triton merge ran
+        print(f"{label}: ok", flush=True)
+    count += len(steps)
     # The earlier blocks on cuDNN (emulated) in chunks of 4 slots (most blocks' pairs fill
     # several, the last part full) and of 64 (one part-full chunk a block, padding chunks
     # past them): the chunk layout, the merge by slot and add_block_gradients.
-    chunked = []
     for chunk in (4, 64):
         flash_emulation.emulate_cudnn(types.SimpleNamespace(setattr=setattr), earlier_chunk=chunk)
+        chunked = []
         forward = flash._cudnn_forward
         flash._cudnn_forward = lambda *args, **kw: chunked.append(kw) or forward(*args, **kw)
-        count += run_selections(calls, f", earlier blocks in chunks of {chunk}")
-    # every call with an earlier block ran its chunks on (emulated) cuDNN: all but MOBA_CALLS's
-    # two with top_k = 1, for both chunk sizes
-    assert sum(kw.get("causal") is False for kw in chunked) == 2 * (len(calls.MOBA_CALLS) - 2 + 2)
-    # the row gather on its own: rows wider than one chunk of columns, repeated rows, none
-    generator = torch.Generator().manual_seed(0)
-    for shape, picks in (((37, 3, 200), 50), ((11, 600), 29), ((5, 2, 8), 0)):
-        x = torch.randn(*shape, generator=generator)
-        rows = torch.randint(0, shape[0], (picks,), generator=generator)
-        assert torch.equal(flash._merge_kernels().gather_rows(x, rows), x[rows]), shape
-        count += 1
-        print(f"gather_rows {shape}, {picks} rows: ok", flush=True)
-    # -1 gathers a row of zeros
-    x = torch.randn(6, 2, 300, generator=generator)
-    rows = torch.tensor([3, -1, 0, -1, 5])
-    want = torch.where((rows >= 0)[:, None, None], x[rows.clamp(min=0)], 0.0)
-    assert torch.equal(flash._merge_kernels().gather_rows(x, rows), want)
+        for label, run, earlier in triton_interpreter.share(steps):
+            chunked.clear()
+            run()
+            # a call with earlier blocks runs their chunks on (emulated) cuDNN, in one call
+            assert sum(kw.get("causal") is False for kw in chunked) == int(earlier), label
+            print(f"{label}, earlier blocks in chunks of {chunk}: ok", flush=True)
+        count += len(steps)
+    if triton_interpreter.takes_next():
+        check_gather_rows(flash)
     count += 1
-    print("gather_rows with -1 rows: ok", flush=True)
-    # several tensors in one launch
-    for sources in (2, 3):
-        xs = [torch.randn(6, 2, 300, generator=generator) for _ in range(sources)]
-        got = flash._merge_kernels().gather_rows(xs, rows)
-        assert len(got) == sources
-        for x, one in zip(xs, got):
-            assert torch.equal(one, torch.where((rows >= 0)[:, None, None], x[rows.clamp(min=0)],
-                                                0.0))
-        count += 1
-        print(f"gather_rows of {sources} tensors: ok", flush=True)
-    print(f"all {count} interpreter cases passed")
+    triton_interpreter.report_passed(count)
 
 
 @needs_triton
 def test_kernels_on_the_interpreter():
-    triton_interpreter.run_as_script(__file__)
+    triton_interpreter.run_as_script(__file__, sharded=True)
 
 
 if __name__ == "__main__":
