@@ -52,6 +52,7 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         # setuptools: tests/recipes/test_install.py builds the wheel without build isolation;
         # transformers: the Hugging Face tokenizer data path (tests/recipes/test_pretrain.py).
+        # pytest-xdist: scripts/test.sh's two workers.
         "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "setuptools>=70.1", "transformers"],
     },
     entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},
