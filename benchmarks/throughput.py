@@ -18,8 +18,10 @@ the rest). It records, per run:
 - ``breakdown``: the GPU time of the last iteration (profiled by Megatron's
   ``--profile --use-pytorch-profiler``) by kernel category (:func:`category`), in ms,
   ``idle`` = the timed iterations' median minus the GPU's busy time (time the GPU waits for
-  the host), the number of kernels launched and the host threads' busy time
-  (:func:`host_busy`).
+  the host), the number of kernels launched, the host threads' busy time
+  (:func:`host_busy`), and the GPU time by category and origin (:func:`origins`: the code that
+  launched each kernel; with the presets' CUDA graph that is the graph launch, so attribute an
+  eager run: ``-- --cuda-graph-impl none --pytorch-profiler-collect-callstack``).
 
 Output: ``--out`` (JSON, one row per run, stamped with the commit, GPU, torch and Triton) and a
 plot of tokens/s against T per pattern next to it (``.png``); each run's log under ``--log-dir``
@@ -131,11 +133,85 @@ def host_busy(events) -> list[float]:
     return sorted((round(ms, 2) for ms in busy), reverse=True)
 
 
+def _code_roots() -> list[tuple[str, str]]:
+    """(folder, the name it stands for) of megatron-ext's and Megatron's packages here, for the
+    frames of an editable install, whose paths the profiler leaves absolute."""
+    import megatron.core
+    import megatron_ext
+    import megatron_ext.kernels
+    import megatron_ext.launch
+
+    roots = [(pathlib.Path(megatron.core.__file__).parent, "megatron/core")]
+    roots += [(pathlib.Path(m.__file__).parent, m.__name__.replace(".", "/"))
+              for m in (megatron_ext.kernels, megatron_ext.launch, megatron_ext)]
+    return [(str(folder) + "/", name + "/") for folder, name in roots]
+
+
+def _our_frame(name: str, roots) -> str | None:
+    """A profiler's Python frame ``path(line): function`` as ``megatron_ext/...`` or
+    ``megatron/core/...``, or None for a frame of other code."""
+    for folder, short in roots:
+        if name.startswith(folder):
+            return short + name[len(folder):]
+    return name if name.startswith(("megatron_ext/", "megatron/core/")) else None
+
+
+BACKWARD_NODE = "autograd::engine::evaluate_function: "
+
+
+def origins(events, roots=None) -> dict[tuple[str, str], float]:
+    """GPU ms of a Chrome trace's kernels by (category, origin): the innermost of the host events
+    around the kernel's launch (the runtime call of the same ``correlation``, on its thread) that
+    is a Python frame of megatron-ext or Megatron (traces profiled with the call stack) or an
+    autograd node (``autograd::engine::evaluate_function: X``: ``X``); else the innermost
+    operator; ``"(no launch found)"`` for a kernel without its launch in the trace. Host events
+    of one thread nest, so one sweep per thread in time order finds them."""
+    category = categoriser()
+    roots = _code_roots() if roots is None else roots
+    threads: dict = {}  # thread -> [(start, order, item)]
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+            threads.setdefault(e.get("tid"), []).append((e["ts"], 1, e))
+        elif e.get("cat") in ("cpu_op", "python_function"):  # outer events first at equal starts
+            threads.setdefault(e.get("tid"), []).append((e["ts"], -e["dur"], e))
+    launched_by: dict = {}  # correlation -> origin
+    for items in threads.values():
+        stack: list = []  # the host events around the current time, outermost first
+        for start, _, e in sorted(items, key=lambda item: item[:2]):
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < start:
+                stack.pop()
+            if e.get("cat") != "cuda_runtime":
+                stack.append(e)
+                continue
+            origin = None
+            for outer in reversed(stack):
+                if outer["cat"] == "python_function":
+                    origin = _our_frame(outer["name"], roots)
+                elif outer["name"].startswith(BACKWARD_NODE):
+                    origin = outer["name"][len(BACKWARD_NODE):]
+                if origin:
+                    break
+            if origin is None:
+                ops = [outer["name"] for outer in stack if outer["cat"] == "cpu_op"]
+                origin = ops[-1] if ops else e["name"]
+            launched_by[e["args"]["correlation"]] = origin
+    totals: dict = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            key = (category(e["name"]), launched_by.get(e.get("args", {}).get("correlation"),
+                                                        "(no launch found)"))
+            totals[key] = totals.get(key, 0.0) + e["dur"] / 1e3
+    return totals
+
+
 def breakdown(trace_path: pathlib.Path, ms_per_iteration: float) -> dict:
     """GPU ms per category in the profiled iteration of a Chrome trace, the GPU's busy time,
     ``idle``: the (unprofiled) iteration time minus the busy time, the time the GPU waits,
-    ``kernels``: the number of GPU kernels and copies launched, and ``host_busy``
-    (:func:`host_busy`)."""
+    ``kernels``: the number of GPU kernels and copies launched, ``host_busy``
+    (:func:`host_busy`), ``top_kernels`` (the 25 largest by name) and ``by_origin`` (the 40
+    largest ``"category | origin"`` of :func:`origins`)."""
     category = categoriser()
     with gzip.open(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
@@ -151,7 +227,9 @@ def breakdown(trace_path: pathlib.Path, ms_per_iteration: float) -> dict:
     result = {c: round(v, 2) for c, v in totals.items()}
     result.update(gpu_busy=round(busy, 2), idle=round(max(ms_per_iteration - busy, 0.0), 2),
                   kernels=len(gpu), host_busy=host_busy(events)[:2],
-                  top_kernels={k: round(v, 2) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:25]})
+                  top_kernels={k: round(v, 2) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:25]},
+                  by_origin={f"{c} | {origin}": round(ms, 2) for (c, origin), ms
+                             in sorted(origins(events).items(), key=lambda kv: -kv[1])[:40]})
     return result
 
 

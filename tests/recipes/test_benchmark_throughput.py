@@ -95,3 +95,47 @@ def test_megatron_log_line(benchmark):
     assert iteration.groups() == ("7", "340.2")
     assert benchmark.TFLOPS.search(line).group(1) == "395.4"
     assert float(benchmark.LOSS.search(line).group(1)) == 8.061235
+
+
+def test_origins_of_kernels(benchmark):
+    """Each kernel's GPU time goes to the innermost megatron-ext / Megatron frame or autograd node
+    around its launch (matched by correlation, on the launching thread), else to the innermost
+    operator; an editable install's absolute paths are named by their package."""
+    def host(cat, name, tid, ts, dur, correlation=None):
+        args = {} if correlation is None else {"correlation": correlation}
+        return {"ph": "X", "cat": cat, "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    def kernel(name, correlation, ms):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": 0, "dur": ms * 1000,
+                "args": {"correlation": correlation}}
+
+    events = [
+        host("python_function", "megatron_ext/mixers/delta_rule.py(153): forward", 1, 0, 100),
+        host("python_function", "megatron_ext/kernels/fused/ops.py(40): forward", 1, 5, 50),
+        host("cpu_op", "aten::sum", 1, 10, 20),
+        host("cuda_runtime", "cudaLaunchKernel", 1, 12, 2, correlation=1),
+        host("python_function", "torch/nn/modules/module.py(1): _call_impl", 1, 200, 50),
+        host("cpu_op", "aten::mm", 1, 205, 10),
+        host("cuda_runtime", "cudaLaunchKernel", 1, 206, 2, correlation=3),
+        host("cuda_runtime", "cudaLaunchKernel", 1, 300, 2, correlation=5),
+        host("cpu_op", "autograd::engine::evaluate_function: MulBackward0", 2, 0, 50),
+        host("cpu_op", "aten::mul", 2, 5, 10),
+        host("cuda_runtime", "cudaLaunchKernel", 2, 6, 2, correlation=2),
+        host("python_function", "/repo/kernels/fused/triton.py(258): short_conv_backward", 3, 0, 9),
+        host("cuda_runtime", "cudaLaunchKernel", 3, 1, 2, correlation=4),
+        kernel("void at::native::reduce_kernel<128, 4>", 1, 3.0),
+        kernel("void at::native::vectorized_elementwise_kernel<4>", 2, 2.0),
+        kernel("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 3, 5.0),
+        kernel("_short_conv_bwd_input_kernel", 4, 1.5),
+        kernel("some_unknown_kernel", 5, 0.5),
+        kernel("_bwd_state_kernel", 99, 4.0),
+    ]
+    roots = [("/repo/kernels/", "megatron_ext/kernels/")]
+    assert benchmark.origins(events, roots) == {
+        ("elementwise_copy_reduce", "megatron_ext/kernels/fused/ops.py(40): forward"): 3.0,
+        ("elementwise_copy_reduce", "MulBackward0"): 2.0,
+        ("gemm", "aten::mm"): 5.0,
+        ("mixer_glue", "megatron_ext/kernels/fused/triton.py(258): short_conv_backward"): 1.5,
+        ("other", "cudaLaunchKernel"): 0.5,
+        ("linear_mixer", "(no launch found)"): 4.0,
+    }
