@@ -324,6 +324,25 @@ def sparse_loss(model, seed=3):
                  labels=tokens[:, 1:]).mean()
 
 
+def assert_packed_equals_separate(model, lengths=(10, 19)) -> None:
+    """The first layer's attention of a RoPE :func:`sparse_model` on ``thd``-packed sequences of
+    ``lengths`` equals it on each sequence alone."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    attention = model.decoder.layers[0].self_attention
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    hidden = torch.randn(bounds[-1], 1, model.config.hidden_size,
+                         generator=torch.Generator().manual_seed(0))
+    freqs = model.rotary_pos_emb(max(lengths))
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    packed, _ = attention(hidden, None, rotary_pos_emb=freqs, packed_seq_params=params)
+    pieces = [attention(hidden[a:b], None, rotary_pos_emb=freqs[:b - a])[0]
+              for a, b in zip(bounds, bounds[1:])]
+    torch.testing.assert_close(packed, torch.cat(pieces), rtol=1e-5, atol=1e-6)
+
+
 def named_grads(model):
     """Each parameter's gradient (a copy), or None."""
     return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}

@@ -75,19 +75,8 @@ def test_vanilla_softmax_gets_the_v4_sink(pattern):
 def test_packed_sequences_with_rope_equal_separate_sequences(pattern, rate, unit_scale):
     """thd packing: blocks, entries, their RoPE positions, the window and CSA's choice restart
     with each sequence."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     model = _model(_ext(pattern, csa_indexer_dim=16), position_embedding_type="rope")
-    attention = model.decoder.layers[0].self_attention
-    hidden = torch.randn(29, 1, 64, generator=torch.Generator().manual_seed(0))
-    freqs = model.rotary_pos_emb(19)
-    cu = torch.tensor([0, 10, 29], dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=19, max_seqlen_kv=19)
-    packed, _ = attention(hidden, None, rotary_pos_emb=freqs, packed_seq_params=params)
-    pieces = [attention(hidden[a:b], None, rotary_pos_emb=freqs[:b - a])[0]
-              for a, b in ((0, 10), (10, 29))]
-    torch.testing.assert_close(packed, torch.cat(pieces), rtol=1e-5, atol=1e-6)
+    harness.assert_packed_equals_separate(model)
 
 
 def test_csa_each_loss_trains_its_own_parameters(unit_scale):

@@ -85,19 +85,8 @@ def test_top_k_changes_the_output():
 
 def test_packed_sequences_with_rope_equal_separate_sequences(unit_scale):
     """thd packing: the indexer's RoPE restarts and its choice stays inside each sequence."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     model = _model(_ext("D", dsa_top_k=4, dsa_indexer_dim=16), position_embedding_type="rope")
-    attention = model.decoder.layers[0].self_attention
-    hidden = torch.randn(29, 1, 64, generator=torch.Generator().manual_seed(0))
-    freqs = model.rotary_pos_emb(19)
-    cu = torch.tensor([0, 10, 29], dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=19, max_seqlen_kv=19)
-    packed, _ = attention(hidden, None, rotary_pos_emb=freqs, packed_seq_params=params)
-    pieces = [attention(hidden[a:b], None, rotary_pos_emb=freqs[:b - a])[0]
-              for a, b in ((0, 10), (10, 29))]
-    torch.testing.assert_close(packed, torch.cat(pieces), rtol=1e-5, atol=1e-6)
+    harness.assert_packed_equals_separate(model)
 
 
 def test_indexer_loss_gradient_follows_the_scale(unit_scale):
