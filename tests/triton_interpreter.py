@@ -125,7 +125,6 @@ def gpu_checks(name: str):
     return importlib.import_module(name)
 
 
-
 def run_cases(cases, check) -> None:
     """``check(case, "cpu")`` for each case, printing the largest of the differences it returns
     (a dict: what -> difference); in a sharded script, this process's share of them."""
